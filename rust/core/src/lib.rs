@@ -1,0 +1,6 @@
+//! elastix core: everything that is logic, with no Python in sight.
+//!
+//! * [`store`]: a key-value store that speaks torch's TCPStore wire protocol byte for byte
+//!   (server, client, and the in-process and file-backed stores used for `file://` init).
+
+pub mod store;

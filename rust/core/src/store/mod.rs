@@ -1,0 +1,18 @@
+//! A key-value store that speaks torch's TCPStore wire protocol byte for byte.
+//!
+//! * [`protocol`], [`request`]: the wire format (opcodes, encoding, incremental decoding).
+//! * [`state`], [`counter`]: what each operation means, shared by every store flavour.
+//! * [`waiters`], [`db`]: blocking waits and the execution of requests on a server.
+//! * [`server`]: the tokio server; [`client`]: the tokio client.
+
+pub mod counter;
+pub mod db;
+pub mod limits;
+pub mod protocol;
+pub mod request;
+pub mod server;
+pub mod state;
+pub mod waiters;
+
+pub use limits::Limits;
+pub use server::{BackgroundServer, ServerConfig, StoreServer};

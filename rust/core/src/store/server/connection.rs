@@ -1,0 +1,182 @@
+//! One client connection: read bytes, decode every whole request they hold (requests may be
+//! split across reads or several to a read), execute them in order, write the replies, and
+//! deliver STOP_WAITING when a pending wait completes.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::{Buf, BufMut, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use super::shutdown::Shutdown;
+use super::Shared;
+use crate::store::db::ExecError;
+use crate::store::protocol::{STOP_WAITING, VALIDATION_MAGIC};
+use crate::store::request::{Decoded, FrameError, Request};
+use crate::store::waiters::{WaiterId, Waker};
+
+/// Read buffers start at this size and shrink back to it after a large request.
+const READ_CHUNK: usize = 16 * 1024;
+
+/// Why a connection was closed by the server.
+#[derive(Debug, thiserror::Error)]
+pub enum CloseReason {
+    #[error("i/o error: {0}")]
+    Io(#[from] io::Error),
+    #[error("invalid request: {0}")]
+    Frame(#[from] FrameError),
+    #[error("request failed: {0}")]
+    Exec(#[from] ExecError),
+    #[error("first request was {0} instead of VALIDATE")]
+    NotValidated(&'static str),
+    #[error("VALIDATE carried magic {0:#010x} instead of {VALIDATION_MAGIC:#010x}")]
+    BadMagic(u32),
+    #[error("connection closed in the middle of a request ({0} bytes unread)")]
+    Truncated(usize),
+}
+
+pub(super) struct Connection {
+    stream: TcpStream,
+    peer: SocketAddr,
+    read_buf: BytesMut,
+    /// Do not decode again until this many bytes are buffered.
+    needed: usize,
+    session: Session,
+}
+
+/// What a connection knows between requests, apart from its unparsed bytes.
+struct Session {
+    id: WaiterId,
+    shared: Arc<Shared>,
+    write_buf: BytesMut,
+    validated: bool,
+    waker: Waker,
+    woken: UnboundedReceiver<()>,
+}
+
+impl Connection {
+    pub(super) fn new(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) -> Self {
+        let (waker, woken) = unbounded_channel();
+        Connection {
+            stream,
+            peer,
+            read_buf: BytesMut::with_capacity(READ_CHUNK),
+            needed: 1,
+            session: Session {
+                id: shared.next_waiter_id(),
+                shared,
+                write_buf: BytesMut::with_capacity(READ_CHUNK),
+                validated: false,
+                waker,
+                woken,
+            },
+        }
+    }
+
+    /// Serves the connection until the client leaves, misbehaves, or the server shuts down;
+    /// then drops whatever this connection was waiting for.
+    pub(super) async fn run(mut self, mut shutdown: Shutdown) {
+        let result = self.serve(&mut shutdown).await;
+        self.session.shared.db().forget(self.session.id);
+        match result {
+            Ok(()) => tracing::debug!(peer = %self.peer, "connection closed"),
+            Err(reason) => tracing::warn!(peer = %self.peer, "closing connection: {reason}"),
+        }
+    }
+
+    async fn serve(&mut self, shutdown: &mut Shutdown) -> Result<(), CloseReason> {
+        loop {
+            self.reserve_for_next_read();
+            tokio::select! {
+                biased;
+                _ = shutdown.recv() => return Ok(()),
+                Some(()) = self.session.woken.recv() => self.session.write_buf.put_u8(STOP_WAITING),
+                read = self.stream.read_buf(&mut self.read_buf) => {
+                    if read? == 0 {
+                        return match self.read_buf.len() {
+                            0 => Ok(()),
+                            unread => Err(CloseReason::Truncated(unread)),
+                        };
+                    }
+                    self.process_buffered()?;
+                }
+            }
+            let replies = &mut self.session.write_buf;
+            if !replies.is_empty() {
+                tokio::select! {
+                    biased;
+                    _ = shutdown.recv() => return Ok(()),
+                    written = self.stream.write_all(replies) => written?,
+                }
+                replies.clear();
+            }
+        }
+    }
+
+    fn reserve_for_next_read(&mut self) {
+        if self.read_buf.is_empty() && self.read_buf.capacity() > 4 * READ_CHUNK {
+            self.read_buf = BytesMut::with_capacity(READ_CHUNK); // release a large request's buffer
+        }
+        let want = self.needed.saturating_sub(self.read_buf.len()).max(READ_CHUNK / 4);
+        if self.read_buf.capacity() - self.read_buf.len() < want {
+            self.read_buf.reserve(want.max(READ_CHUNK));
+        }
+    }
+
+    /// Executes every whole request in the read buffer.
+    fn process_buffered(&mut self) -> Result<(), CloseReason> {
+        while self.read_buf.len() >= self.needed {
+            let limits = &self.session.shared.limits;
+            let used = match Request::decode(&self.read_buf, limits)? {
+                Decoded::Incomplete { needed } => {
+                    self.needed = needed;
+                    return Ok(());
+                }
+                Decoded::Request(request, used) => {
+                    self.session.handle(&request)?;
+                    used
+                }
+            };
+            self.read_buf.advance(used);
+            self.needed = 1;
+        }
+        Ok(())
+    }
+
+}
+
+impl Session {
+    fn handle(&mut self, request: &Request<'_>) -> Result<(), CloseReason> {
+        if self.validated {
+            self.execute(request)
+        } else {
+            self.validate(request)
+        }
+    }
+
+    fn validate(&mut self, request: &Request<'_>) -> Result<(), CloseReason> {
+        match request {
+            Request::Validate { magic } if *magic == VALIDATION_MAGIC => {
+                self.validated = true;
+                Ok(())
+            }
+            Request::Validate { magic } => Err(CloseReason::BadMagic(*magic)),
+            other => Err(CloseReason::NotValidated(other.opcode().name())),
+        }
+    }
+
+    fn execute(&mut self, request: &Request<'_>) -> Result<(), CloseReason> {
+        let mut db = self.shared.db();
+        // Wakes are sent under this lock, so any wait that completed before this request
+        // executes is seen here and its STOP_WAITING precedes this reply (a CANCEL_WAIT that
+        // races a wake must be answered `00 01`, never `01 00`).
+        while self.woken.try_recv().is_ok() {
+            self.write_buf.put_u8(STOP_WAITING);
+        }
+        db.execute(self.id, &self.waker, request, &mut self.write_buf)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,126 @@
+//! Creating the listening socket: dual-stack by default, the host's full accept backlog, and
+//! port 0 resolved by the kernel (the caller reads the real port back: no probe-then-bind race).
+
+use std::io;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::os::fd::{FromRawFd, RawFd};
+
+use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+
+/// Backlog used when the host's `somaxconn` cannot be read (Linux's default since 5.4).
+const FALLBACK_BACKLOG: i32 = 4096;
+
+/// The accept backlog: the host's `net.core.somaxconn`, as torch's servers use.
+pub fn host_backlog() -> i32 {
+    std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|text| text.trim().parse().ok())
+        .filter(|backlog: &i32| *backlog > 0)
+        .unwrap_or(FALLBACK_BACKLOG)
+}
+
+/// Binds and listens. Without a host, `[::]` with IPv4-mapped addresses accepted, falling back
+/// to `0.0.0.0` where IPv6 is unavailable; with a host, each of its addresses in turn. The
+/// error names every address tried and why each failed.
+pub fn bind(host: Option<&str>, port: u16) -> io::Result<TcpListener> {
+    let candidates: Vec<SocketAddr> = match host {
+        None | Some("") => vec![
+            SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)),
+            SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)),
+        ],
+        Some(host) => (host, port).to_socket_addrs().map_err(|err| {
+            io::Error::new(err.kind(), format!("cannot resolve listen host {host:?}: {err}"))
+        })?.collect(),
+    };
+    let mut failures = Vec::new();
+    let mut last_kind = io::ErrorKind::AddrNotAvailable;
+    for addr in &candidates {
+        match bind_one(*addr) {
+            Ok(listener) => return Ok(listener),
+            Err(err) => {
+                last_kind = err.kind();
+                failures.push(format!("{addr}: {err}"));
+            }
+        }
+    }
+    Err(io::Error::new(
+        last_kind,
+        format!(
+            "the store server failed to listen on any local address for port {port} (tried {})",
+            failures.join("; ")
+        ),
+    ))
+}
+
+fn bind_one(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    // Lets a restarted server take its port back from connections in TIME_WAIT; it does not
+    // let two live servers share a port (that would need SO_REUSEPORT).
+    socket.set_reuse_address(true)?;
+    if addr.is_ipv6() && addr.ip().is_unspecified() {
+        socket.set_only_v6(false)?;
+    }
+    socket.bind(&SockAddr::from(addr))?;
+    socket.listen(host_backlog())?;
+    socket.set_nonblocking(true)?;
+    Ok(socket.into())
+}
+
+/// Takes over a socket the caller already bound (torch's `master_listen_fd`) and listens on
+/// it. Its bound port must be `expected_port` unless that is 0.
+pub fn adopt(fd: RawFd, expected_port: u16) -> io::Result<TcpListener> {
+    // SAFETY: the caller hands over ownership of an open socket descriptor.
+    let socket = unsafe { Socket::from_raw_fd(fd) };
+    let bound = socket
+        .local_addr()?
+        .as_socket()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "listen fd is not an IP socket"))?;
+    if expected_port != 0 && bound.port() != expected_port {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("listen fd is bound to port {} but port {expected_port} was given", bound.port()),
+        ));
+    }
+    socket.listen(host_backlog())?;
+    socket.set_nonblocking(true)?;
+    Ok(socket.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn port_zero_binds_a_real_port_on_both_families() {
+        let listener = bind(None, 0).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert_ne!(port, 0);
+        // dual-stack: an IPv4 client reaches the [::] listener
+        std::net::TcpStream::connect((Ipv4Addr::LOCALHOST, port)).unwrap();
+    }
+
+    #[test]
+    fn a_taken_port_is_a_clear_error() {
+        let first = bind(None, 0).unwrap();
+        let port = first.local_addr().unwrap().port();
+        let err = bind(None, port).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::AddrInUse);
+        assert!(err.to_string().contains(&port.to_string()), "{err}");
+    }
+
+    #[test]
+    fn a_named_host_binds_that_address() {
+        let listener = bind(Some("127.0.0.1"), 0).unwrap();
+        assert_eq!(listener.local_addr().unwrap().ip(), Ipv4Addr::LOCALHOST);
+    }
+
+    #[test]
+    fn adopting_a_socket_checks_its_port() {
+        let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        socket.bind(&SockAddr::from(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))).unwrap();
+        let port = socket.local_addr().unwrap().as_socket().unwrap().port();
+        let fd = std::os::fd::IntoRawFd::into_raw_fd(socket);
+        let listener = adopt(fd, port).unwrap();
+        assert_eq!(listener.local_addr().unwrap().port(), port);
+    }
+}

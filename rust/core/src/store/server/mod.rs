@@ -1,0 +1,273 @@
+//! The store server: a tokio accept loop with a connection limit, one task per connection,
+//! all of them sharing one [`Db`] behind a mutex (every operation is short, and one lock makes
+//! the store linearizable like torch's single-threaded servers), and a graceful shutdown.
+
+mod connection;
+pub mod listener;
+mod shutdown;
+
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::runtime::Runtime;
+use tokio::sync::{mpsc, watch, Semaphore};
+
+use self::connection::Connection;
+use self::shutdown::Shutdown;
+use super::counter::parse_counter;
+use super::db::Db;
+use super::limits::Limits;
+
+/// How to run a server.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Address to listen on; `None` means every address, IPv6 and IPv4.
+    pub host: Option<String>,
+    /// Port to listen on; 0 lets the kernel pick a free one (read it back with `port()`).
+    pub port: u16,
+    /// An already bound socket to listen on instead (torch's `master_listen_fd`).
+    pub listen_fd: Option<RawFd>,
+    pub limits: Limits,
+    /// Connections served at once; further clients wait in the accept backlog.
+    pub max_connections: usize,
+}
+
+impl ServerConfig {
+    pub const DEFAULT_MAX_CONNECTIONS: usize = 65_536;
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            host: None,
+            port: 0,
+            listen_fd: None,
+            limits: Limits::default(),
+            max_connections: Self::DEFAULT_MAX_CONNECTIONS,
+        }
+    }
+}
+
+/// State shared by the accept loop and every connection.
+pub(crate) struct Shared {
+    db: Mutex<Db>,
+    limits: Limits,
+    next_id: AtomicU64,
+}
+
+impl Shared {
+    fn db(&self) -> MutexGuard<'_, Db> {
+        // No code path panics while holding the lock; if one ever did, the data is still
+        // consistent at operation granularity, so keep serving.
+        self.db.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn next_waiter_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// A running server. Dropping it stops the server; [`StoreServer::shutdown`] also waits for
+/// every connection to close.
+pub struct StoreServer {
+    local_addr: SocketAddr,
+    shared: Arc<Shared>,
+    connection_slots: Arc<Semaphore>,
+    max_connections: usize,
+    stop: watch::Sender<bool>,
+    /// Every task holds a sender; `recv` returns `None` once all of them have ended.
+    finished: mpsc::Receiver<()>,
+}
+
+impl StoreServer {
+    /// Binds (or adopts `listen_fd`) and starts serving on the current tokio runtime.
+    pub fn start(config: &ServerConfig) -> io::Result<StoreServer> {
+        let std_listener = match config.listen_fd {
+            Some(fd) => listener::adopt(fd, config.port)?,
+            None => listener::bind(config.host.as_deref(), config.port)?,
+        };
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(io::Error::other("StoreServer::start must run inside a tokio runtime"));
+        }
+        let listener = TcpListener::from_std(std_listener)?;
+        let local_addr = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            db: Mutex::new(Db::new()),
+            limits: config.limits,
+            next_id: AtomicU64::new(1),
+        });
+        let max_connections = config.max_connections.max(1);
+        let connection_slots = Arc::new(Semaphore::new(max_connections));
+        let (stop, stop_signal) = watch::channel(false);
+        let (task_done, finished) = mpsc::channel(1);
+        tokio::spawn(accept_loop(
+            listener,
+            shared.clone(),
+            connection_slots.clone(),
+            Shutdown::new(stop_signal),
+            task_done,
+        ));
+        tracing::info!(%local_addr, "store server listening");
+        Ok(StoreServer { local_addr, shared, connection_slots, max_connections, stop, finished })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    pub fn port(&self) -> u16 {
+        self.local_addr.port()
+    }
+
+    /// Connections being served right now.
+    pub fn connections(&self) -> usize {
+        self.max_connections - self.connection_slots.available_permits()
+    }
+
+    /// Clients blocked in WAIT or BARRIER right now.
+    pub fn waiting(&self) -> usize {
+        self.shared.db().waiting()
+    }
+
+    /// Waits, in-process and without polling, until the counter under `key` reaches `target`.
+    /// Returns the counter's value: `Ok` when reached, `Err` with the last value on timeout.
+    /// (A torch master uses this to wait for its workers' `init/` increments.)
+    pub async fn wait_for_counter(
+        &self,
+        key: &[u8],
+        target: i64,
+        timeout: Option<Duration>,
+    ) -> Result<i64, i64> {
+        let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+        let (waker, mut woken) = mpsc::unbounded_channel();
+        let id = self.shared.next_waiter_id();
+        loop {
+            let current = {
+                let mut db = self.shared.db();
+                let current =
+                    db.state().get(key).and_then(|v| parse_counter(v).ok()).unwrap_or(0);
+                if current >= target {
+                    return Ok(current);
+                }
+                db.watch_key(id, key, &waker);
+                current
+            };
+            let woke = match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline, woken.recv()).await.is_ok(),
+                None => woken.recv().await.is_some(),
+            };
+            if !woke {
+                self.shared.db().forget(id);
+                return Err(current);
+            }
+        }
+    }
+
+    /// Stops accepting, closes every connection (clients blocked in a wait see EOF at once)
+    /// and waits for all connection tasks to end.
+    pub async fn shutdown(mut self) {
+        let _ = self.stop.send(true);
+        let _ = self.finished.recv().await;
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    connection_slots: Arc<Semaphore>,
+    mut shutdown: Shutdown,
+    task_done: mpsc::Sender<()>,
+) {
+    let mut error_backoff = Duration::from_millis(5);
+    loop {
+        let slot = tokio::select! {
+            _ = shutdown.recv() => return,
+            slot = connection_slots.clone().acquire_owned() => slot.expect("semaphore is never closed"),
+        };
+        let accepted = tokio::select! {
+            _ = shutdown.recv() => return,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => {
+                error_backoff = Duration::from_millis(5);
+                accepted
+            }
+            Err(err) => {
+                // Out of descriptors or memory: back off instead of spinning, keep serving.
+                tracing::error!("accept failed: {err}; retrying in {error_backoff:?}");
+                tokio::select! {
+                    _ = shutdown.recv() => return,
+                    _ = tokio::time::sleep(error_backoff) => {}
+                }
+                error_backoff = (error_backoff * 2).min(Duration::from_secs(1));
+                continue;
+            }
+        };
+        if let Err(err) = stream.set_nodelay(true) {
+            tracing::debug!(%peer, "could not set TCP_NODELAY: {err}");
+        }
+        let connection = Connection::new(stream, peer, shared.clone());
+        let shutdown = shutdown.clone();
+        let task_done = task_done.clone();
+        tokio::spawn(async move {
+            connection.run(shutdown).await;
+            drop(slot);
+            drop(task_done);
+        });
+    }
+}
+
+/// A server on a runtime of its own, for programs that are not async themselves (Python's
+/// `TCPStore(is_master=True)`, tests). Dropping it stops the server and its threads.
+pub struct BackgroundServer {
+    server: Option<StoreServer>,
+    runtime: Option<Runtime>,
+}
+
+impl BackgroundServer {
+    pub fn start(config: &ServerConfig, worker_threads: usize) -> io::Result<BackgroundServer> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(worker_threads.max(1))
+            .thread_name("elastix-store")
+            .enable_all()
+            .build()?;
+        let server = {
+            let _entered = runtime.enter();
+            StoreServer::start(config)?
+        };
+        Ok(BackgroundServer { server: Some(server), runtime: Some(runtime) })
+    }
+
+    pub fn server(&self) -> &StoreServer {
+        self.server.as_ref().expect("present until drop")
+    }
+
+    pub fn port(&self) -> u16 {
+        self.server().port()
+    }
+}
+
+impl Drop for BackgroundServer {
+    fn drop(&mut self) {
+        drop(self.server.take()); // sends the stop signal
+        if let Some(runtime) = self.runtime.take() {
+            if tokio::runtime::Handle::try_current().is_ok() {
+                runtime.shutdown_background(); // cannot block inside an async context
+            } else {
+                runtime.shutdown_timeout(Duration::from_secs(2));
+            }
+        }
+    }
+}

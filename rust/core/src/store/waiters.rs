@@ -1,0 +1,228 @@
+//! Who is blocked in WAIT or BARRIER, on which keys, and how to wake them.
+//!
+//! The rules are torch's: a waiter counts the keys that were missing when it registered (a key
+//! named twice counts twice); every write to one of them decrements the count, and at zero the
+//! waiter gets its STOP_WAITING. A queue push satisfies only the first waiter it completes.
+//! Nothing here has a timer: clients enforce their own timeouts with CANCEL_WAIT.
+
+use std::collections::{HashMap, VecDeque};
+
+use bytes::Bytes;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// Identifies one waiting party: a client connection, or an in-process watcher.
+pub type WaiterId = u64;
+
+/// How a waiter is told it may stop waiting: one `()` per completed wait.
+pub type Waker = UnboundedSender<()>;
+
+#[derive(Debug, Default)]
+pub struct Waiters {
+    by_key: HashMap<Bytes, VecDeque<WaiterId>>,
+    pending: HashMap<WaiterId, Pending>,
+}
+
+#[derive(Debug)]
+struct Pending {
+    outstanding: usize,
+    keys: Vec<Bytes>,
+    waker: Waker,
+}
+
+/// A party may have one wait in flight; torch clients never send a second WAIT before the
+/// first is answered or cancelled.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("a wait is already pending on this connection")]
+pub struct AlreadyWaiting;
+
+impl Waiters {
+    /// Registers `id` as waiting until each key in `missing` has been written (duplicates
+    /// count once per occurrence). `missing` must not be empty.
+    pub fn register(
+        &mut self,
+        id: WaiterId,
+        missing: &[&[u8]],
+        waker: Waker,
+    ) -> Result<(), AlreadyWaiting> {
+        debug_assert!(!missing.is_empty());
+        if self.pending.contains_key(&id) {
+            return Err(AlreadyWaiting);
+        }
+        let mut keys = Vec::with_capacity(missing.len());
+        for key in missing {
+            let key = match self.by_key.get_key_value(*key) {
+                Some((stored, _)) => stored.clone(),
+                None => Bytes::copy_from_slice(key),
+            };
+            self.by_key.entry(key.clone()).or_default().push_back(id);
+            keys.push(key);
+        }
+        self.pending.insert(id, Pending { outstanding: missing.len(), keys, waker });
+        Ok(())
+    }
+
+    pub fn is_waiting(&self, id: WaiterId) -> bool {
+        self.pending.contains_key(&id)
+    }
+
+    /// Number of parties currently waiting.
+    pub fn len(&self) -> usize {
+        self.pending.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pending.is_empty()
+    }
+
+    /// `key` was written: every waiter on it counts one key less.
+    pub fn key_written(&mut self, key: &[u8]) {
+        let Some(ids) = self.by_key.remove(key) else { return };
+        for id in ids {
+            self.count_down(id);
+        }
+    }
+
+    /// An item was pushed to the queue `key`: waiters on it count down in arrival order until
+    /// one of them completes; that one is woken and the rest keep waiting.
+    pub fn item_pushed(&mut self, key: &[u8]) {
+        let Some(ids) = self.by_key.get_mut(key) else { return };
+        let mut woken = false;
+        while let Some(id) = ids.pop_front() {
+            if let Some(pending) = self.pending.get_mut(&id) {
+                pending.outstanding -= 1;
+                if pending.outstanding == 0 {
+                    let pending = self.pending.remove(&id).expect("present");
+                    let _ = pending.waker.send(());
+                    woken = true;
+                }
+            }
+            if woken {
+                break;
+            }
+        }
+        if self.by_key.get(key).is_some_and(VecDeque::is_empty) {
+            self.by_key.remove(key);
+        }
+    }
+
+    /// Drops the wait of `id`, if any (CANCEL_WAIT, or the connection closed). Returns whether
+    /// a wait was pending.
+    pub fn cancel(&mut self, id: WaiterId) -> bool {
+        let Some(pending) = self.pending.remove(&id) else { return false };
+        for key in pending.keys {
+            if let Some(ids) = self.by_key.get_mut(&key) {
+                ids.retain(|other| *other != id);
+                if ids.is_empty() {
+                    self.by_key.remove(&key);
+                }
+            }
+        }
+        true
+    }
+
+    fn count_down(&mut self, id: WaiterId) {
+        let Some(pending) = self.pending.get_mut(&id) else { return };
+        pending.outstanding -= 1;
+        if pending.outstanding == 0 {
+            let pending = self.pending.remove(&id).expect("present");
+            // The receiver is gone only when its connection already closed; nothing to do.
+            let _ = pending.waker.send(());
+        }
+    }
+
+    /// Number of (key, waiter) registrations still held, for leak checks in tests.
+    #[cfg(test)]
+    fn registrations(&self) -> usize {
+        self.by_key.values().map(VecDeque::len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+    fn waiter() -> (Waker, UnboundedReceiver<()>) {
+        unbounded_channel()
+    }
+
+    fn woken(rx: &mut UnboundedReceiver<()>) -> bool {
+        rx.try_recv().is_ok()
+    }
+
+    #[test]
+    fn a_waiter_wakes_once_every_missing_key_is_written() {
+        let mut waiters = Waiters::default();
+        let (tx, mut rx) = waiter();
+        waiters.register(1, &[b"a", b"b"], tx).unwrap();
+        waiters.key_written(b"a");
+        assert!(!woken(&mut rx));
+        waiters.key_written(b"a"); // the same key again does not count twice
+        assert!(!woken(&mut rx));
+        waiters.key_written(b"b");
+        assert!(woken(&mut rx));
+        assert!(waiters.is_empty());
+        assert_eq!(waiters.registrations(), 0);
+    }
+
+    #[test]
+    fn a_duplicated_key_is_satisfied_by_one_write() {
+        let mut waiters = Waiters::default();
+        let (tx, mut rx) = waiter();
+        waiters.register(1, &[b"k", b"k"], tx).unwrap();
+        waiters.key_written(b"k");
+        assert!(woken(&mut rx));
+    }
+
+    #[test]
+    fn a_second_wait_on_the_same_connection_is_refused() {
+        let mut waiters = Waiters::default();
+        waiters.register(1, &[b"a"], waiter().0).unwrap();
+        assert_eq!(waiters.register(1, &[b"b"], waiter().0), Err(AlreadyWaiting));
+    }
+
+    #[test]
+    fn cancel_leaves_nothing_behind() {
+        let mut waiters = Waiters::default();
+        let (tx, mut rx) = waiter();
+        waiters.register(1, &[b"a", b"b", b"a"], tx).unwrap();
+        waiters.register(2, &[b"a"], waiter().0).unwrap();
+        assert!(waiters.cancel(1));
+        assert!(!waiters.cancel(1));
+        assert_eq!(waiters.registrations(), 1);
+        waiters.key_written(b"a");
+        waiters.key_written(b"b");
+        assert!(!woken(&mut rx));
+        assert!(waiters.is_empty());
+        assert_eq!(waiters.registrations(), 0);
+    }
+
+    #[test]
+    fn a_push_wakes_one_waiter_in_arrival_order() {
+        let mut waiters = Waiters::default();
+        let (tx1, mut rx1) = waiter();
+        let (tx2, mut rx2) = waiter();
+        waiters.register(1, &[b"q"], tx1).unwrap();
+        waiters.register(2, &[b"q"], tx2).unwrap();
+        waiters.item_pushed(b"q");
+        assert!(woken(&mut rx1));
+        assert!(!woken(&mut rx2));
+        waiters.item_pushed(b"q");
+        assert!(woken(&mut rx2));
+        assert_eq!(waiters.registrations(), 0);
+    }
+
+    #[test]
+    fn a_push_counts_down_waiters_it_does_not_complete() {
+        let mut waiters = Waiters::default();
+        let (tx1, mut rx1) = waiter();
+        let (tx2, mut rx2) = waiter();
+        waiters.register(1, &[b"q", b"other"], tx1).unwrap();
+        waiters.register(2, &[b"q"], tx2).unwrap();
+        waiters.item_pushed(b"q");
+        assert!(!woken(&mut rx1));
+        assert!(woken(&mut rx2));
+        waiters.key_written(b"other");
+        assert!(woken(&mut rx1));
+    }
+}
