@@ -5,14 +5,20 @@
 //! * [`waiters`], [`db`]: blocking waits and the execution of requests on a server.
 //! * [`server`]: the tokio server; [`client`]: the tokio client.
 
+pub mod client;
 pub mod counter;
 pub mod db;
+pub mod error;
 pub mod limits;
 pub mod protocol;
 pub mod request;
 pub mod server;
 pub mod state;
+pub mod tcp_store;
 pub mod waiters;
 
+pub use client::{Client, ConnectOptions};
+pub use error::StoreError;
 pub use limits::Limits;
 pub use server::{BackgroundServer, ServerConfig, StoreServer};
+pub use tcp_store::{TcpStore, TcpStoreOptions};

@@ -9,7 +9,7 @@ mod shutdown;
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -58,6 +58,8 @@ pub(crate) struct Shared {
     db: Mutex<Db>,
     limits: Limits,
     next_id: AtomicU64,
+    /// Connections being served (the accept loop may hold one more slot while it waits).
+    connections: AtomicUsize,
 }
 
 impl Shared {
@@ -77,8 +79,6 @@ impl Shared {
 pub struct StoreServer {
     local_addr: SocketAddr,
     shared: Arc<Shared>,
-    connection_slots: Arc<Semaphore>,
-    max_connections: usize,
     stop: watch::Sender<bool>,
     /// Every task holds a sender; `recv` returns `None` once all of them have ended.
     finished: mpsc::Receiver<()>,
@@ -87,10 +87,19 @@ pub struct StoreServer {
 impl StoreServer {
     /// Binds (or adopts `listen_fd`) and starts serving on the current tokio runtime.
     pub fn start(config: &ServerConfig) -> io::Result<StoreServer> {
-        let std_listener = match config.listen_fd {
-            Some(fd) => listener::adopt(fd, config.port)?,
-            None => listener::bind(config.host.as_deref(), config.port)?,
-        };
+        StoreServer::serve(StoreServer::listen(config)?, config)
+    }
+
+    /// The listening socket `config` asks for.
+    pub fn listen(config: &ServerConfig) -> io::Result<std::net::TcpListener> {
+        match config.listen_fd {
+            Some(fd) => listener::adopt(fd, config.port),
+            None => listener::bind(config.host.as_deref(), config.port),
+        }
+    }
+
+    /// Starts serving on an already listening socket, on the current tokio runtime.
+    pub fn serve(std_listener: std::net::TcpListener, config: &ServerConfig) -> io::Result<StoreServer> {
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(io::Error::other("StoreServer::start must run inside a tokio runtime"));
         }
@@ -100,20 +109,20 @@ impl StoreServer {
             db: Mutex::new(Db::new()),
             limits: config.limits,
             next_id: AtomicU64::new(1),
+            connections: AtomicUsize::new(0),
         });
-        let max_connections = config.max_connections.max(1);
-        let connection_slots = Arc::new(Semaphore::new(max_connections));
+        let connection_slots = Arc::new(Semaphore::new(config.max_connections.max(1)));
         let (stop, stop_signal) = watch::channel(false);
         let (task_done, finished) = mpsc::channel(1);
         tokio::spawn(accept_loop(
             listener,
             shared.clone(),
-            connection_slots.clone(),
+            connection_slots,
             Shutdown::new(stop_signal),
             task_done,
         ));
         tracing::info!(%local_addr, "store server listening");
-        Ok(StoreServer { local_addr, shared, connection_slots, max_connections, stop, finished })
+        Ok(StoreServer { local_addr, shared, stop, finished })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -126,7 +135,7 @@ impl StoreServer {
 
     /// Connections being served right now.
     pub fn connections(&self) -> usize {
-        self.max_connections - self.connection_slots.available_permits()
+        self.shared.connections.load(Ordering::Relaxed)
     }
 
     /// Clients blocked in WAIT or BARRIER right now.
@@ -221,8 +230,11 @@ async fn accept_loop(
         let connection = Connection::new(stream, peer, shared.clone());
         let shutdown = shutdown.clone();
         let task_done = task_done.clone();
+        let counted = shared.clone();
+        counted.connections.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
             connection.run(shutdown).await;
+            counted.connections.fetch_sub(1, Ordering::Relaxed);
             drop(slot);
             drop(task_done);
         });
@@ -238,16 +250,24 @@ pub struct BackgroundServer {
 
 impl BackgroundServer {
     pub fn start(config: &ServerConfig, worker_threads: usize) -> io::Result<BackgroundServer> {
+        // Bind before making threads: a taken port is the common failure.
+        let listener = StoreServer::listen(config)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(worker_threads.max(1))
             .thread_name("elastix-store")
             .enable_all()
             .build()?;
-        let server = {
+        let started = {
             let _entered = runtime.enter();
-            StoreServer::start(config)?
+            StoreServer::serve(listener, config)
         };
-        Ok(BackgroundServer { server: Some(server), runtime: Some(runtime) })
+        match started {
+            Ok(server) => Ok(BackgroundServer { server: Some(server), runtime: Some(runtime) }),
+            Err(err) => {
+                dispose(runtime);
+                Err(err)
+            }
+        }
     }
 
     pub fn server(&self) -> &StoreServer {
@@ -263,11 +283,17 @@ impl Drop for BackgroundServer {
     fn drop(&mut self) {
         drop(self.server.take()); // sends the stop signal
         if let Some(runtime) = self.runtime.take() {
-            if tokio::runtime::Handle::try_current().is_ok() {
-                runtime.shutdown_background(); // cannot block inside an async context
-            } else {
-                runtime.shutdown_timeout(Duration::from_secs(2));
-            }
+            dispose(runtime);
         }
+    }
+}
+
+/// Stops a runtime's threads: waiting briefly for tasks to wind down where blocking is
+/// allowed, without waiting inside an async context (where blocking would panic).
+fn dispose(runtime: Runtime) {
+    if tokio::runtime::Handle::try_current().is_ok() {
+        runtime.shutdown_background();
+    } else {
+        runtime.shutdown_timeout(Duration::from_secs(2));
     }
 }

@@ -1,0 +1,147 @@
+//! Opening a connection: resolve, connect, VALIDATE, PING; retried with backoff until the
+//! deadline, because a client commonly starts before its server.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{lookup_host, TcpStream};
+use tokio::time::Instant;
+
+use super::backoff::Backoff;
+use crate::store::error::{Result, StoreError};
+use crate::store::protocol::VALIDATION_MAGIC;
+use crate::store::request::Request;
+
+/// Where and how long to try.
+#[derive(Clone, Debug)]
+pub struct ConnectOptions {
+    pub host: String,
+    pub port: u16,
+    /// Give up after this long; `None` retries forever. At least one attempt is always made.
+    pub timeout: Option<Duration>,
+    pub backoff: Backoff,
+}
+
+impl ConnectOptions {
+    pub fn new(host: impl Into<String>, port: u16, timeout: Option<Duration>) -> Self {
+        ConnectOptions { host: host.into(), port, timeout, backoff: Backoff::default() }
+    }
+}
+
+/// Connects and completes the handshake, retrying refused, reset, timed-out and unresolvable
+/// attempts until the deadline.
+pub(super) async fn connect(options: &ConnectOptions) -> Result<(TcpStream, SocketAddr)> {
+    let start = Instant::now();
+    let deadline = options.timeout.map(|timeout| start + timeout);
+    let mut backoff = options.backoff.clone();
+    let mut tried: Vec<String> = Vec::new();
+    let mut attempts = 0;
+    let mut last_error = String::new();
+    loop {
+        attempts += 1;
+        match attempt(options, deadline, &mut tried).await {
+            Ok(connected) => return Ok(connected),
+            // An attempt cut short by the deadline says less than the failure before it.
+            Err(failure) if failure.deadline_hit && !last_error.is_empty() => {}
+            Err(failure) => last_error = failure.message,
+        }
+        let now = Instant::now();
+        let remaining = deadline.map(|deadline| deadline.saturating_duration_since(now));
+        if remaining == Some(Duration::ZERO) {
+            return Err(StoreError::ConnectTimeout {
+                host: options.host.clone(),
+                port: options.port,
+                elapsed: now - start,
+                attempts,
+                tried: if tried.is_empty() { "none".into() } else { tried.join(", ") },
+                last_error,
+            });
+        }
+        tracing::debug!(host = %options.host, port = options.port, attempts, "store connect failed, retrying: {last_error}");
+        let delay = backoff.next_delay();
+        tokio::time::sleep(remaining.map_or(delay, |remaining| delay.min(remaining))).await;
+    }
+}
+
+/// Why one attempt failed.
+struct AttemptFailure {
+    message: String,
+    /// The attempt was cut short by the connect deadline.
+    deadline_hit: bool,
+}
+
+/// One pass over every address the host resolves to. The error describes each failure.
+async fn attempt(
+    options: &ConnectOptions,
+    deadline: Option<Instant>,
+    tried: &mut Vec<String>,
+) -> Result<(TcpStream, SocketAddr), AttemptFailure> {
+    let addrs = within(deadline, lookup_host((options.host.as_str(), options.port)))
+        .await
+        .map_err(|err| AttemptFailure {
+            message: format!("cannot resolve {:?}: {err}", options.host),
+            deadline_hit: err.kind() == io::ErrorKind::TimedOut,
+        })?;
+    let mut failures = Vec::new();
+    let mut deadline_hit = false;
+    for addr in addrs {
+        let shown = addr.to_string();
+        if !tried.contains(&shown) {
+            tried.push(shown);
+        }
+        let connected = async {
+            let stream = within(deadline, TcpStream::connect(addr)).await?;
+            stream.set_nodelay(true)?;
+            handshake(stream, deadline).await
+        };
+        match connected.await {
+            Ok(stream) => return Ok((stream, addr)),
+            Err(err) => {
+                deadline_hit |= err.kind() == io::ErrorKind::TimedOut;
+                failures.push(format!("{addr}: {err}"));
+            }
+        }
+    }
+    let message = if failures.is_empty() { "no addresses".into() } else { failures.join("; ") };
+    Err(AttemptFailure { message, deadline_hit })
+}
+
+/// VALIDATE, then PING with our pid as nonce, which the server must echo. Written as two
+/// separate sends, as torch's client does (torch's libuv server has trouble with both in one
+/// segment); the reply is bounded by the connect deadline.
+async fn handshake(mut stream: TcpStream, deadline: Option<Instant>) -> io::Result<TcpStream> {
+    let nonce = std::process::id();
+    for request in [Request::Validate { magic: VALIDATION_MAGIC }, Request::Ping { nonce }] {
+        let mut bytes = BytesMut::with_capacity(5);
+        request.encode(&mut bytes);
+        within(deadline, stream.write_all(&bytes)).await?;
+    }
+    let mut echo = [0u8; 4];
+    within(deadline, stream.read_exact(&mut echo))
+        .await
+        .map_err(|err| io::Error::new(err.kind(), format!("no PING reply: {err}")))?;
+    let echoed = u32::from_le_bytes(echo);
+    if echoed != nonce {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("ping failed: expected {nonce}, got {echoed}"),
+        ));
+    }
+    Ok(stream)
+}
+
+async fn within<T>(
+    deadline: Option<Instant>,
+    operation: impl Future<Output = io::Result<T>>,
+) -> io::Result<T> {
+    match deadline {
+        None => operation.await,
+        Some(deadline) => tokio::time::timeout_at(deadline, operation)
+            .await
+            .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"))),
+    }
+}
