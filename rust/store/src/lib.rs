@@ -1,0 +1,137 @@
+//! `elastix-store`: a standalone store server that torch's TCPStore clients, elastix clients
+//! and elastix agents can share. The command line lives in the library so that the Python
+//! package can install the same program as a console script.
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use elastix_core::store::{Limits, ServerConfig, StoreServer};
+
+/// How long connections get to close after a stop signal before the process exits anyway.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "elastix-store",
+    version,
+    about = "Serve a key-value store that speaks torch's TCPStore protocol.",
+    long_about = "Serve a key-value store that speaks torch's TCPStore wire protocol, for \
+                  `elastix run --rdzv-endpoint HOST:PORT` and torch.distributed.TCPStore clients. \
+                  Prints the bound address on its first line of output; stops cleanly on \
+                  SIGTERM or SIGINT."
+)]
+pub struct Args {
+    /// Address to listen on (default: every IPv6 and IPv4 address).
+    #[arg(long, env = "ELASTIX_STORE_HOST")]
+    pub host: Option<String>,
+    /// Port to listen on; 0 picks a free port (printed on start).
+    #[arg(long, default_value_t = 29400, env = "ELASTIX_STORE_PORT")]
+    pub port: u16,
+    /// Log filter: error, warn, info, debug, trace, or a tracing directive.
+    #[arg(long, default_value = "info", env = "ELASTIX_STORE_LOG_LEVEL")]
+    pub log_level: String,
+    /// Connections served at once; more clients wait in the accept backlog.
+    #[arg(long, default_value_t = ServerConfig::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// Longest key accepted, in bytes.
+    #[arg(long, default_value_t = Limits::DEFAULT_MAX_KEY_LEN)]
+    pub max_key_bytes: usize,
+    /// Longest value accepted, in bytes.
+    #[arg(long, default_value_t = Limits::DEFAULT_MAX_VALUE_LEN)]
+    pub max_value_bytes: usize,
+    /// Most keys in one CHECK, WAIT, MULTI_GET or MULTI_SET request.
+    #[arg(long, default_value_t = Limits::DEFAULT_MAX_KEYS_PER_REQUEST)]
+    pub max_keys_per_request: usize,
+    /// Worker threads (default: one per CPU).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+impl Args {
+    fn server_config(&self) -> ServerConfig {
+        ServerConfig {
+            host: self.host.clone(),
+            port: self.port,
+            listen_fd: None,
+            limits: Limits {
+                max_key_len: self.max_key_bytes,
+                max_value_len: self.max_value_bytes,
+                max_keys_per_request: self.max_keys_per_request,
+            },
+            max_connections: self.max_connections,
+        }
+    }
+}
+
+/// Parses `args` (program name first) and serves until SIGTERM or SIGINT.
+pub fn main_with_args<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let args = match Args::try_parse_from(args) {
+        Ok(args) => args,
+        Err(err) => {
+            let _ = err.print();
+            return if err.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+        }
+    };
+    init_logging(&args.log_level);
+    match serve(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("elastix-store: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Fails only if the embedding process already installed a subscriber; keep that one.
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+fn serve(args: &Args) -> std::io::Result<()> {
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = args.threads {
+        runtime.worker_threads(threads.max(1));
+    }
+    let runtime = runtime.thread_name("elastix-store").enable_all().build()?;
+    runtime.block_on(async {
+        // Handlers first: a signal right after the address is printed must not kill us.
+        let stop = StopSignals::install()?;
+        let server = StoreServer::start(&args.server_config())?;
+        println!("elastix-store listening on {}", server.local_addr());
+        use std::io::Write;
+        std::io::stdout().flush()?;
+        let signal = stop.recv().await;
+        tracing::info!("received {signal}, shutting down");
+        if tokio::time::timeout(SHUTDOWN_GRACE, server.shutdown()).await.is_err() {
+            tracing::warn!("connections still open after {SHUTDOWN_GRACE:?}; exiting anyway");
+        }
+        Ok(())
+    })
+}
+
+struct StopSignals {
+    terminate: tokio::signal::unix::Signal,
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn install() -> std::io::Result<StopSignals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(StopSignals { terminate: signal(SignalKind::terminate())?, interrupt: signal(SignalKind::interrupt())? })
+    }
+
+    async fn recv(mut self) -> &'static str {
+        tokio::select! {
+            _ = self.terminate.recv() => "SIGTERM",
+            _ = self.interrupt.recv() => "SIGINT",
+        }
+    }
+}
