@@ -3,13 +3,17 @@
 //! * [`protocol`], [`request`]: the wire format (opcodes, encoding, incremental decoding).
 //! * [`state`], [`counter`]: what each operation means, shared by every store flavour.
 //! * [`waiters`], [`db`]: blocking waits and the execution of requests on a server.
-//! * [`server`]: the tokio server; [`client`]: the tokio client.
+//! * [`server`]: the tokio server; [`client`]: the tokio client; [`tcp_store`]: torch's
+//!   TCPStore semantics over them.
+//! * [`blocking`], [`local`]: stores for plain threads (in-process, file-backed).
 
+pub mod blocking;
 pub mod client;
 pub mod counter;
 pub mod db;
 pub mod error;
 pub mod limits;
+pub mod local;
 pub mod protocol;
 pub mod request;
 pub mod server;
@@ -17,8 +21,10 @@ pub mod state;
 pub mod tcp_store;
 pub mod waiters;
 
+pub use blocking::BlockingStore;
 pub use client::{Client, ConnectOptions};
 pub use error::StoreError;
 pub use limits::Limits;
+pub use local::LocalStore;
 pub use server::{BackgroundServer, ServerConfig, StoreServer};
 pub use tcp_store::{TcpStore, TcpStoreOptions};
