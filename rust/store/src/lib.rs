@@ -3,7 +3,6 @@
 //! package can install the same program as a console script.
 
 use std::ffi::OsString;
-use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
@@ -65,8 +64,9 @@ impl Args {
     }
 }
 
-/// Parses `args` (program name first) and serves until SIGTERM or SIGINT.
-pub fn main_with_args<I, T>(args: I) -> ExitCode
+/// Parses `args` (program name first) and serves until SIGTERM or SIGINT. Returns the exit
+/// code: 0 after a clean stop (or `--help`), 1 if serving failed, 2 for a usage error.
+pub fn main_with_args<I, T>(args: I) -> u8
 where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
@@ -75,15 +75,15 @@ where
         Ok(args) => args,
         Err(err) => {
             let _ = err.print();
-            return if err.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+            return if err.use_stderr() { 2 } else { 0 };
         }
     };
     init_logging(&args.log_level);
     match serve(&args) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => 0,
         Err(err) => {
             eprintln!("elastix-store: {err}");
-            ExitCode::FAILURE
+            1
         }
     }
 }

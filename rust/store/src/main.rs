@@ -1,3 +1,3 @@
 fn main() -> std::process::ExitCode {
-    elastix_store::main_with_args(std::env::args_os())
+    std::process::ExitCode::from(elastix_store::main_with_args(std::env::args_os()))
 }

@@ -138,6 +138,11 @@ impl TcpStore {
         &self.client
     }
 
+    /// A PING round trip: proves the server is alive and the connection in sync.
+    pub async fn ping(&mut self) -> Result<()> {
+        self.client.ping().await
+    }
+
     pub async fn set(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
         self.client.set(&wire_key(key), value).await
     }
@@ -159,10 +164,11 @@ impl TcpStore {
         self.client.check(&as_slices(&keys)).await
     }
 
-    /// Waits for `keys` up to `timeout`, or the store timeout when `None` is given.
+    /// Waits for `keys` up to `timeout` (`None`: no limit; pass [`TcpStore::timeout`] for
+    /// the store's default).
     pub async fn wait(&mut self, keys: &[&[u8]], timeout: Option<Duration>) -> Result<()> {
         let keys = wire_keys(keys);
-        self.client.wait(&as_slices(&keys), timeout.or(self.timeout)).await
+        self.client.wait(&as_slices(&keys), timeout).await
     }
 
     pub async fn delete_key(&mut self, key: &[u8]) -> Result<bool> {
@@ -215,10 +221,10 @@ impl TcpStore {
         Ok(keys.into_iter().filter(|key| key.starts_with(b"/")).map(|key| key.slice(1..)).collect())
     }
 
-    /// Blocks until `world_size` parties reached the barrier `key` (up to `timeout`, or the
-    /// store timeout when `None`).
+    /// Blocks until `world_size` parties reached the barrier `key`, up to `timeout` (`None`:
+    /// no limit).
     pub async fn barrier(&mut self, key: &[u8], world_size: i64, timeout: Option<Duration>) -> Result<()> {
-        match self.client.barrier(&wire_key(key), world_size, timeout.or(self.timeout)).await {
+        match self.client.barrier(&wire_key(key), world_size, timeout).await {
             Err(StoreError::BarrierTimeout { timeout, .. }) => Err(StoreError::BarrierTimeout {
                 timeout,
                 key: String::from_utf8_lossy(key).into_owned(), // torch names the user's key

@@ -46,7 +46,8 @@ pub fn bind(host: Option<&str>, port: u16) -> io::Result<TcpListener> {
     Err(io::Error::new(
         last_kind,
         format!(
-            "the store server failed to listen on any local address for port {port} (tried {})",
+            // torch's wording, which users' code may match on
+            "The server socket has failed to listen on any local network address (port {port}; tried {})",
             failures.join("; ")
         ),
     ))

@@ -1,0 +1,46 @@
+"""Exceptions raised by elastix.
+
+The hierarchy is torch.distributed's, so code written against torch catches elastix errors
+unchanged: ``DistError`` < ``RuntimeError``; ``DistStoreError``, ``DistNetworkError`` and
+``DistBackendError`` < ``DistError``; ``QueueEmptyError`` < ``DistStoreError``.
+elastix adds a ``TimeoutError`` subclass for every deadline, so ``except TimeoutError`` works.
+"""
+
+
+class DistError(RuntimeError):
+    """Base class of elastix's distributed errors."""
+
+
+class DistStoreError(DistError):
+    """A store operation failed (including a wait that timed out)."""
+
+
+class DistNetworkError(DistError):
+    """Connecting to, or talking with, a store server failed."""
+
+
+class DistBackendError(DistError):
+    """A collective backend failed."""
+
+
+class QueueEmptyError(DistStoreError):
+    """A non-blocking ``queue_pop`` found the queue empty."""
+
+
+class StoreTimeoutError(DistStoreError, TimeoutError):
+    """A wait, get, barrier, or a master's wait for its workers passed its deadline."""
+
+
+class NetworkTimeoutError(DistNetworkError, TimeoutError):
+    """No connection could be made, or the server sent no reply, before the deadline."""
+
+
+__all__ = [
+    "DistError",
+    "DistStoreError",
+    "DistNetworkError",
+    "DistBackendError",
+    "QueueEmptyError",
+    "StoreTimeoutError",
+    "NetworkTimeoutError",
+]

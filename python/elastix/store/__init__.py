@@ -1,0 +1,8 @@
+"""Key-value stores with torch.distributed's API."""
+
+from .base import Store
+from .local import HashStore
+from .prefix import PrefixStore
+from .tcp import TCPStore
+
+__all__ = ["Store", "TCPStore", "PrefixStore", "HashStore"]

@@ -1,0 +1,102 @@
+"""Stores without a server: ``HashStore`` (one process) and ``FileStore`` (processes sharing a
+file, for ``file://`` initialisation)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import List, Optional, Sequence
+
+from .. import _core
+from .base import (
+    DEFAULT_TIMEOUT,
+    Key,
+    Store,
+    Value,
+    decode_key,
+    encode_key,
+    encode_keys,
+    encode_value,
+    to_seconds,
+    to_timedelta,
+)
+
+
+class _BlockingStore(Store):
+    """A store implemented by ``_core.BlockingStoreCore``; the timeout lives per handle."""
+
+    def __init__(self, core: _core.BlockingStoreCore, timeout: Optional[float]) -> None:
+        self._core = core
+        self._timeout = timeout
+
+    @property
+    def timeout(self) -> timedelta:
+        return to_timedelta(self._timeout)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = to_seconds(timeout)
+
+    def _wait_seconds(self, timeout: Optional[timedelta]) -> Optional[float]:
+        return self._timeout if timeout is None else to_seconds(timeout)
+
+    def set(self, key: Key, value: Value) -> None:
+        self._core.set(encode_key(key), encode_value(value))
+
+    def get(self, key: Key) -> bytes:
+        return self._core.get(encode_key(key), self._timeout)
+
+    def add(self, key: Key, amount: int) -> int:
+        return self._core.add(encode_key(key), int(amount))
+
+    def compare_set(self, key: Key, expected_value: Value, desired_value: Value) -> bytes:
+        return self._core.compare_set(encode_key(key), encode_value(expected_value), encode_value(desired_value))
+
+    def check(self, keys: Sequence[Key]) -> bool:
+        return self._core.check(encode_keys(keys))
+
+    def wait(self, keys: Sequence[Key], timeout: Optional[timedelta] = None) -> None:
+        self._core.wait(encode_keys(keys), self._wait_seconds(timeout))
+
+    def delete_key(self, key: Key) -> bool:
+        return self._core.delete_key(encode_key(key))
+
+    def num_keys(self) -> int:
+        return self._core.num_keys()
+
+    def append(self, key: Key, value: Value) -> None:
+        self._core.append(encode_key(key), encode_value(value))
+
+    def multi_get(self, keys: Sequence[Key]) -> List[bytes]:
+        return self._core.multi_get(encode_keys(keys), self._timeout)
+
+    def multi_set(self, keys: Sequence[Key], values: Sequence[Value]) -> None:
+        keys, values = encode_keys(keys), [encode_value(value) for value in values]
+        if len(keys) != len(values):
+            from ..errors import DistStoreError
+
+            raise DistStoreError(f"multi_set got {len(keys)} keys but {len(values)} values; they must be of the same length")
+        self._core.multi_set(keys, values)
+
+    def queue_push(self, key: Key, value: Value) -> None:
+        self._core.queue_push(encode_key(key), encode_value(value))
+
+    def queue_pop(self, key: Key, block: bool = True) -> bytes:
+        return self._core.queue_pop(encode_key(key), bool(block), self._timeout)
+
+    def queue_len(self, key: Key) -> int:
+        return self._core.queue_len(encode_key(key))
+
+    def list_keys(self) -> List[str]:
+        return [decode_key(key) for key in self._core.list_keys()]
+
+
+class HashStore(_BlockingStore):
+    """An in-memory store shared by the threads of one process (torch's HashStore)."""
+
+    def __init__(self) -> None:
+        super().__init__(_core.BlockingStoreCore.local(), to_seconds(DEFAULT_TIMEOUT))
+
+    def clone(self) -> "HashStore":
+        copy = HashStore.__new__(HashStore)
+        _BlockingStore.__init__(copy, self._core.share(), self._timeout)
+        return copy

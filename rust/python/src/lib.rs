@@ -1,0 +1,21 @@
+//! `elastix._core`: Python bindings of elastix-core. This crate only converts types,
+//! releases the GIL around every blocking call and maps errors to Python exceptions; the
+//! Python package (`python/elastix`) builds the user-facing API on top.
+
+mod blocking_store;
+mod errors;
+mod interrupt;
+mod store_cli;
+mod tcp_store;
+mod timeout;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    module.add_class::<tcp_store::TcpStoreCore>()?;
+    module.add_class::<blocking_store::BlockingStoreCore>()?;
+    module.add_function(wrap_pyfunction!(store_cli::run_store_cli, module)?)?;
+    Ok(())
+}

@@ -1,0 +1,54 @@
+"""elastix.HashStore: the in-process store."""
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+import elastix
+
+
+def test_operations():
+    store = elastix.HashStore()
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    assert store.add("n", 5) == 5
+    assert store.compare_set("k", "v", "w") == b"w"
+    assert store.compare_set("missing", "x", "y") == b"x"
+    assert store.check(["k", "n"]) and not store.check(["nope"])
+    store.append("k", "!")
+    assert store.get("k") == b"w!"
+    store.multi_set(["a", "b"], ["1", "2"])
+    assert store.multi_get(["a", "b"]) == [b"1", b"2"]
+    assert sorted(store.list_keys()) == ["a", "b", "k", "n"]
+    assert store.num_keys() == 4
+    assert store.delete_key("a") and not store.delete_key("a")
+    store.queue_push("q", "x")
+    assert store.queue_len("q") == 1 and store.queue_pop("q") == b"x"
+    with pytest.raises(elastix.QueueEmptyError):
+        store.queue_pop("q", block=False)
+    store.set("text", "abc")
+    with pytest.raises(elastix.DistStoreError):
+        store.add("text", 1)
+
+
+def test_waits_across_threads_and_clones():
+    store = elastix.HashStore()
+    other = store.clone()
+    threading.Timer(0.1, lambda: other.set("late", "x")).start()
+    start = time.monotonic()
+    assert store.get("late") == b"x"
+    assert time.monotonic() - start < 5
+    threading.Timer(0.1, lambda: other.queue_push("q", "item")).start()
+    assert store.queue_pop("q") == b"item"
+
+
+def test_timeouts():
+    store = elastix.HashStore()
+    store.set_timeout(timedelta(milliseconds=100))
+    with pytest.raises(elastix.StoreTimeoutError, match="wait timeout after 100ms, keys: missing"):
+        store.get("missing")
+    with pytest.raises(TimeoutError):
+        store.wait(["missing"], timedelta(milliseconds=30))
+    store.barrier("b", 1)

@@ -1,0 +1,110 @@
+"""Wire compatibility with real torch: torch's client against the elastix server, and the
+elastix client against torch's servers. Skipped where torch is not installed (it is an
+optional benchmark extra, never a CI requirement)."""
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+import elastix
+
+torch_dist = pytest.importorskip("torch.distributed")
+
+TIMEOUT = timedelta(seconds=10)
+
+
+def exercise(store, queues=True, barrier=True):
+    """The same calls on either implementation; returns what they gave."""
+    store.set("key0", "value0")
+    store.set("bin", b"\x00\xff")
+    results = [store.get("key0"), store.get("bin"), store.add("cnt", 5), store.add("cnt", -2)]
+    results.append(store.compare_set("cs", "", "v1"))
+    results.append(store.compare_set("cs", "wrong", "v2"))
+    results.append(store.compare_set("cs", "v1", "v2"))
+    results.append(store.compare_set("missing_cs", "x", "y"))
+    results.append(store.check(["key0", "nokey"]))
+    store.wait(["key0", "cnt"])
+    store.append("app", "po")
+    store.append("app", "tato")
+    store.multi_set(["m1", "m2"], ["a", "bb"])
+    results += [store.get("app"), store.multi_get(["m1", "m2"]), store.delete_key("m1")]
+    try:
+        store.wait(["nokey"], timedelta(milliseconds=200))
+        results.append("no timeout")
+    except RuntimeError as err:
+        results.append(str(err).split(" after")[0])
+    if queues:
+        store.queue_push("q", "x1")
+        store.queue_push("q", "x2")
+        results += [store.queue_len("q"), store.queue_pop("q"), store.queue_pop("q", False)]
+    results.append(sorted(store.list_keys()))
+    if barrier:
+        store.barrier("bar", 1)
+    results.append(store.num_keys())
+    return results
+
+
+def test_torch_client_and_elastix_client_agree_on_an_elastix_server():
+    server = elastix.TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT)
+    with_elastix = exercise(elastix.PrefixStore("e", server))
+    torch_client = torch_dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=TIMEOUT)
+    with_torch = exercise(torch_dist.PrefixStore("t", torch_client), barrier=False)
+    assert with_torch[:-2] == with_elastix[:-2]
+
+
+def test_torch_clients_count_into_an_elastix_master_and_see_its_data():
+    store = elastix.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=TIMEOUT)
+    workers = [
+        torch_dist.TCPStore("127.0.0.1", store.port, world_size=3, is_master=False, timeout=TIMEOUT)
+        for _ in range(2)
+    ]
+    assert store.num_keys() == 1  # only init/, which torch's clients incremented
+    store.set("from_elastix", "hi")
+    assert workers[0].get("from_elastix") == b"hi"
+    workers[1].set("from_torch", "hello")
+    assert store.get("from_torch") == b"hello"
+    # a torch client blocked in get() is woken by an elastix set
+    threading.Timer(0.1, lambda: store.set("late", "now")).start()
+    assert workers[0].get("late") == b"now"
+    workers[0].set_timeout(timedelta(milliseconds=200))
+    with pytest.raises(RuntimeError, match="wait timeout"):
+        workers[0].get("never")
+    workers[0].set("after_timeout", "ok")
+    assert workers[0].get("after_timeout") == b"ok"
+
+
+@pytest.mark.parametrize("use_libuv", [True, False])
+def test_elastix_client_against_torch_servers(use_libuv):
+    server = torch_dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=use_libuv, timeout=TIMEOUT)
+    client = elastix.TCPStore("127.0.0.1", server.port, timeout=TIMEOUT)
+    results = exercise(client, queues=use_libuv, barrier=True)
+    assert results[0] == b"value0" and results[2:4] == [5, 3]
+    assert results[4:8] == [b"v1", b"v1", b"v2", b"x"]
+    threading.Timer(0.1, lambda: server.set("late", "now")).start()
+    assert client.get("late") == b"now"
+    with pytest.raises(elastix.StoreTimeoutError):
+        client.barrier("never", 2, timedelta(milliseconds=100))
+    assert client.get("key0") == b"value0"
+
+
+def test_torch_master_waits_for_an_elastix_worker():
+    holder = {}
+
+    def master():
+        holder["m"] = torch_dist.TCPStore("127.0.0.1", port, world_size=2, is_master=True, timeout=TIMEOUT)
+
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    thread = threading.Thread(target=master)
+    thread.start()
+    time.sleep(0.2)
+    worker = elastix.TCPStore("127.0.0.1", port, world_size=2, timeout=TIMEOUT)
+    thread.join(10)
+    assert "m" in holder
+    holder["m"].set("k", "v")
+    assert worker.get("k") == b"v"
