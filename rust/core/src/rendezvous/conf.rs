@@ -1,0 +1,193 @@
+//! `--rdzv-conf k1=v1,k2=v2`: torch's keys, checked strictly. Unknown keys are an error (torch
+//! ignores them silently, so a typo like `heartbeat=10` used to do nothing), durations accept
+//! units (`30`, `30s`, `1.5s`, `500ms`, `2m`, `1h`), booleans accept torch's spellings.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::error::{RendezvousError, Result};
+
+/// The keys a backend accepts, with what each means (for the error message).
+pub const DYNAMIC_KEYS: &[(&str, &str)] = &[
+    ("join_timeout", "deadline for a whole rendezvous (default 600s)"),
+    ("last_call_timeout", "extra wait for more nodes once min_nodes joined (default 30s)"),
+    ("close_timeout", "deadline for closing the rendezvous (default 30s)"),
+    ("heartbeat_timeout", "deadline for one heartbeat write (default 5s)"),
+    ("keep_alive_interval", "time between heartbeats (default 5s)"),
+    ("keep_alive_max_attempt", "missed heartbeats before a node counts as dead (default 3)"),
+    ("read_timeout", "store operation timeout (default 60s)"),
+    ("store_type", "tcp (default) or file"),
+    ("is_host", "host the store in this agent (default: if the endpoint is this machine)"),
+    ("timeout", "accepted for torch compatibility; dynamic rendezvous uses join_timeout"),
+];
+
+pub const STATIC_KEYS: &[(&str, &str)] = &[
+    ("rank", "this node's rank (set from --node-rank)"),
+    ("timeout", "store timeout (default 600s)"),
+    ("read_timeout", "store operation timeout (default 60s)"),
+];
+
+/// Parsed `key=value` pairs, checked against the keys a backend accepts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RendezvousConf {
+    values: BTreeMap<String, String>,
+}
+
+impl RendezvousConf {
+    /// Parses torch's format: pieces split on `,`, each split on its first `=`, both sides
+    /// trimmed; an empty key or a missing `=` is an error, as is a key not in `allowed`.
+    pub fn parse(text: &str, allowed: &[(&str, &str)]) -> Result<Self> {
+        let mut conf = RendezvousConf::default();
+        let text = text.trim();
+        if text.is_empty() {
+            return Ok(conf);
+        }
+        for piece in text.split(',') {
+            let (key, value) = piece.split_once('=').ok_or_else(|| {
+                RendezvousError::Config(format!("--rdzv-conf: {piece:?} is not of the form key=value"))
+            })?;
+            conf.insert(key.trim(), value.trim(), allowed)?;
+        }
+        Ok(conf)
+    }
+
+    /// Adds one pair (also used for values coming from elsewhere, like `--node-rank`).
+    pub fn insert(&mut self, key: &str, value: &str, allowed: &[(&str, &str)]) -> Result<()> {
+        if key.is_empty() {
+            return Err(RendezvousError::Config("--rdzv-conf: empty key".into()));
+        }
+        if value.is_empty() {
+            return Err(RendezvousError::Config(format!("--rdzv-conf: key {key:?} has no value")));
+        }
+        if !allowed.iter().any(|(known, _)| *known == key) {
+            let known: Vec<String> = allowed.iter().map(|(k, meaning)| format!("  {k}: {meaning}")).collect();
+            return Err(RendezvousError::Config(format!(
+                "--rdzv-conf: unknown key {key:?}; this backend accepts:\n{}",
+                known.join("\n")
+            )));
+        }
+        self.values.insert(key.to_owned(), value.to_owned());
+        Ok(())
+    }
+
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.values.get(key).map(String::as_str)
+    }
+
+    pub fn duration(&self, key: &str, default: Duration) -> Result<Duration> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(text) => {
+                let duration = parse_duration(text)
+                    .map_err(|why| RendezvousError::Config(format!("--rdzv-conf {key}={text}: {why}")))?;
+                if duration.is_zero() {
+                    return Err(RendezvousError::Config(format!("--rdzv-conf {key}={text}: must be positive")));
+                }
+                Ok(duration)
+            }
+        }
+    }
+
+    pub fn positive_int(&self, key: &str, default: u32) -> Result<u32> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(text) => text
+                .parse::<u32>()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| RendezvousError::Config(format!("--rdzv-conf {key}={text}: expected a positive integer"))),
+        }
+    }
+
+    pub fn int(&self, key: &str) -> Result<Option<i64>> {
+        self.get(key)
+            .map(|text| {
+                text.parse::<i64>()
+                    .map_err(|_| RendezvousError::Config(format!("--rdzv-conf {key}={text}: expected an integer")))
+            })
+            .transpose()
+    }
+
+    pub fn boolean(&self, key: &str) -> Result<Option<bool>> {
+        self.get(key)
+            .map(|text| {
+                parse_bool(text).ok_or_else(|| {
+                    RendezvousError::Config(format!("--rdzv-conf {key}={text}: expected true/false (or 1/0, yes/no)"))
+                })
+            })
+            .transpose()
+    }
+}
+
+/// `30` (seconds), `30s`, `1.5s`, `500ms`, `250us`, `2m`, `1h`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 = number.parse().map_err(|_| format!("{text:?} is not a duration (e.g. 30, 30s, 500ms, 2m)"))?;
+    let seconds = match unit.trim() {
+        "" | "s" | "sec" | "secs" => value,
+        "ms" => value / 1e3,
+        "us" => value / 1e6,
+        "m" | "min" | "mins" => value * 60.0,
+        "h" => value * 3600.0,
+        other => return Err(format!("unknown unit {other:?} (use ms, s, m or h)")),
+    };
+    Duration::try_from_secs_f64(seconds).map_err(|err| format!("{text:?}: {err}"))
+}
+
+/// torch's boolean spellings, case-insensitive.
+pub fn parse_bool(text: &str) -> Option<bool> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "t" | "yes" | "y" => Some(true),
+        "0" | "false" | "f" | "no" | "n" => Some(false),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_torch_style_pairs() {
+        let conf = RendezvousConf::parse(" join_timeout = 60 , is_host=yes,last_call_timeout=500ms", DYNAMIC_KEYS).unwrap();
+        assert_eq!(conf.duration("join_timeout", Duration::ZERO).unwrap(), Duration::from_secs(60));
+        assert_eq!(conf.duration("last_call_timeout", Duration::ZERO).unwrap(), Duration::from_millis(500));
+        assert_eq!(conf.boolean("is_host").unwrap(), Some(true));
+        assert_eq!(conf.duration("close_timeout", Duration::from_secs(30)).unwrap(), Duration::from_secs(30));
+        assert_eq!(RendezvousConf::parse("", DYNAMIC_KEYS).unwrap(), RendezvousConf::default());
+    }
+
+    #[test]
+    fn rejects_unknown_keys_naming_the_known_ones() {
+        let err = RendezvousConf::parse("heartbeat=10", DYNAMIC_KEYS).unwrap_err().to_string();
+        assert!(err.contains("unknown key \"heartbeat\""), "{err}");
+        assert!(err.contains("heartbeat_timeout"), "{err}");
+        assert!(RendezvousConf::parse("rank=1", DYNAMIC_KEYS).is_err());
+        assert!(RendezvousConf::parse("rank=1", STATIC_KEYS).is_ok());
+    }
+
+    #[test]
+    fn rejects_malformed_pieces_and_values() {
+        assert!(RendezvousConf::parse("join_timeout", DYNAMIC_KEYS).is_err());
+        assert!(RendezvousConf::parse("=5", DYNAMIC_KEYS).is_err());
+        assert!(RendezvousConf::parse("join_timeout=", DYNAMIC_KEYS).is_err());
+        let conf = RendezvousConf::parse("join_timeout=soon,keep_alive_max_attempt=0,is_host=maybe", DYNAMIC_KEYS).unwrap();
+        assert!(conf.duration("join_timeout", Duration::ZERO).is_err());
+        assert!(conf.positive_int("keep_alive_max_attempt", 3).is_err());
+        assert!(conf.boolean("is_host").is_err());
+        let zero = RendezvousConf::parse("join_timeout=0", DYNAMIC_KEYS).unwrap();
+        assert!(zero.duration("join_timeout", Duration::ZERO).is_err());
+    }
+
+    #[test]
+    fn durations_take_units() {
+        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
+        assert_eq!(parse_duration("250us").unwrap(), Duration::from_micros(250));
+        assert!(parse_duration("5 parsecs").is_err());
+        assert!(parse_duration("-1").is_err());
+    }
+}

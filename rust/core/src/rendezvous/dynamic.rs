@@ -1,0 +1,440 @@
+//! The dynamic rendezvous handler: elastic membership over any [`RendezvousStore`].
+//!
+//! Rounds follow one another; a round, once sealed, never changes. A member that calls
+//! `next_rendezvous` again opens the next round (compare-and-set on the round number) and
+//! tells everyone through the event log; late nodes register as waiting (which tells the
+//! members to re-form with them) or as spares (the round is full), then wait for the next
+//! round. While a round runs, members send heartbeats and watch their ring neighbour; a
+//! background watcher turns relevant events into [`MembershipChange`]s for the agent.
+
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::error::{RendezvousError, Result};
+use super::events;
+use super::keys::Keys;
+use super::liveness::{member_key, spawn_heartbeats, spawn_monitor};
+use super::node::NodeDesc;
+use super::records::{decode, encode, Arrival, Event, Master, Meta, FORMAT_VERSION};
+use super::round::{JoinOutcome, RoundJoin};
+use super::settings::RendezvousSettings;
+use super::store::{RendezvousStore, StoreConn};
+use crate::store::{ServerConfig, StoreServer};
+
+/// What a completed rendezvous gives its node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RendezvousInfo {
+    pub run_id: String,
+    pub round: u64,
+    /// This node's rank among the round's nodes (its group rank).
+    pub rank: u32,
+    /// Nodes in the round (the group world size).
+    pub world_size: u32,
+    /// Where this round's workers find their store (served by rank 0's agent).
+    pub master_addr: String,
+    pub master_port: u16,
+    /// The rendezvous store, and the key namespace of this round inside it.
+    pub store_host: String,
+    pub store_port: u16,
+    pub store_prefix: String,
+}
+
+/// Why the running round should end.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MembershipChange {
+    /// Late nodes want to join: re-form with them (this does not use the restart budget).
+    NodesWaiting,
+    /// A member stopped sending heartbeats.
+    NodeLost { rank: u32, node: Option<NodeDesc> },
+    /// Another member opened a newer round (it restarted).
+    RoundSuperseded { round: u64 },
+    /// The job is over.
+    Closed,
+}
+
+/// The round this node is a member of, with what runs for it.
+struct Membership {
+    round: u64,
+    world_size: u32,
+    tasks: Vec<JoinHandle<()>>,
+    changes: watch::Receiver<Option<MembershipChange>>,
+    /// The workers' store, when this node is rank 0.
+    _master: Option<StoreServer>,
+}
+
+impl Drop for Membership {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+pub struct DynamicRendezvous<S: RendezvousStore> {
+    store: S,
+    settings: RendezvousSettings,
+    node: NodeDesc,
+    conn: Option<S::Conn>,
+    current: Option<Membership>,
+    /// The last round this node was a member of (it opens the next one when it comes back).
+    last_round: Option<(u64, u32)>,
+    meta_checked: bool,
+    /// Where workers' stores are published (the rendezvous store's address for messages).
+    store_addr: (String, u16),
+    store_prefix: String,
+}
+
+impl<S: RendezvousStore> DynamicRendezvous<S> {
+    /// `store_addr` and `store_prefix` say where the store is, for the [`RendezvousInfo`].
+    pub fn new(store: S, settings: RendezvousSettings, store_addr: (String, u16), store_prefix: String) -> Result<Self> {
+        settings.validate()?;
+        let node = NodeDesc::this_process(settings.local_addr.as_deref());
+        Ok(DynamicRendezvous {
+            store,
+            settings,
+            node,
+            conn: None,
+            current: None,
+            last_round: None,
+            meta_checked: false,
+            store_addr,
+            store_prefix,
+        })
+    }
+
+    pub fn run_id(&self) -> &str {
+        &self.settings.run_id
+    }
+
+    pub fn node(&self) -> &NodeDesc {
+        &self.node
+    }
+
+    pub fn settings(&self) -> &RendezvousSettings {
+        &self.settings
+    }
+
+    async fn conn(&mut self) -> Result<&mut S::Conn> {
+        if self.conn.is_none() {
+            self.conn = Some(self.store.connect().await?);
+        }
+        Ok(self.conn.as_mut().expect("connected above"))
+    }
+
+    /// Runs `operation` on the main connection; a failed operation drops the connection so
+    /// that the next call starts from a fresh one.
+    async fn with_conn<T>(&mut self, operation: impl AsyncFnOnce(&mut S::Conn) -> Result<T>) -> Result<T> {
+        let result = operation(self.conn().await?).await;
+        if result.is_err() {
+            self.conn = None;
+        }
+        result
+    }
+
+    /// Joins the next round and returns this node's place in it. Blocks until the round
+    /// forms, up to `join_timeout` (spares wait without a deadline, as in torch).
+    pub async fn next_rendezvous(&mut self) -> Result<RendezvousInfo> {
+        let deadline = Instant::now() + self.settings.join_timeout;
+        if let Some(membership) = self.current.take() {
+            self.last_round = Some((membership.round, lost_adjusted(&membership)));
+        }
+        self.check_meta().await?;
+        loop {
+            if self.is_closed().await? {
+                return Err(RendezvousError::Closed { run_id: self.settings.run_id.clone() });
+            }
+            let mut round = self.with_conn(async |conn| current_round(conn).await).await?;
+            if let Some((last, world_size)) = self.last_round {
+                if round <= last {
+                    self.open_next_round(last, Some(world_size)).await?;
+                    round = last + 1;
+                }
+            }
+            let (outcome, seen) = self.join(round, deadline).await?;
+            match outcome {
+                JoinOutcome::Member { rank, world_size } => {
+                    return self.start_membership(round, rank, world_size, seen, deadline).await;
+                }
+                JoinOutcome::Aborted => self.open_next_round(round, None).await?,
+                JoinOutcome::Late { world_size } => self.wait_as_late_node(round, world_size, deadline).await?,
+            }
+        }
+    }
+
+    async fn join(&mut self, round: u64, deadline: Instant) -> Result<(JoinOutcome, i64)> {
+        let (settings, node) = (self.settings.clone(), self.node.clone());
+        self.with_conn(async |conn| {
+            // Events counted before joining: the watcher replays anything that comes after.
+            let seen = events::count(conn).await?;
+            let outcome = RoundJoin { conn, settings: &settings, node: &node, round, deadline }.run().await?;
+            Ok((outcome, seen))
+        })
+        .await
+    }
+
+    /// Fails fast if other agents use different bounds or another state format.
+    async fn check_meta(&mut self) -> Result<()> {
+        if self.meta_checked {
+            return Ok(());
+        }
+        let ours = Meta { v: FORMAT_VERSION, min_nodes: self.settings.min_nodes, max_nodes: self.settings.max_nodes };
+        let stored = self.with_conn(async |conn| conn.compare_set(Keys::META, b"", &encode(&ours)).await).await?;
+        let theirs: Meta = decode(&stored, "metadata")?;
+        if theirs != ours {
+            return Err(RendezvousError::Config(format!(
+                "this node was started with --nnodes {}:{} but rendezvous {:?} runs with --nnodes {}:{}",
+                ours.min_nodes, ours.max_nodes, self.settings.run_id, theirs.min_nodes, theirs.max_nodes
+            )));
+        }
+        self.meta_checked = true;
+        Ok(())
+    }
+
+    /// Moves the round number past `round` (if nobody did yet) and announces it. When the
+    /// previous round's size is known, the new round forms as soon as that many nodes (plus
+    /// the late ones) are back, without waiting for the last call.
+    async fn open_next_round(&mut self, round: u64, previous_size: Option<u32>) -> Result<()> {
+        let max = self.settings.max_nodes;
+        let min = self.settings.min_nodes;
+        self.with_conn(async |conn| {
+            if let Some(size) = previous_size {
+                let late = conn.add(&Keys::waiting(round), 0).await? + conn.add(&Keys::spares(round), 0).await?;
+                let expected = (i64::from(size) + late).min(i64::from(max));
+                if expected >= i64::from(min) {
+                    // first writer wins, so joiners never see the expectation change
+                    conn.compare_set(&Keys::expected(round + 1), b"", expected.to_string().as_bytes()).await?;
+                }
+            }
+            let now = conn.compare_set(Keys::ROUND, round.to_string().as_bytes(), (round + 1).to_string().as_bytes()).await?;
+            if now.as_ref() == (round + 1).to_string().as_bytes() {
+                events::publish(conn, &Event::Opened { v: FORMAT_VERSION, round: round + 1 }).await?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    /// A node that arrived after `round` was fixed: registers as waiting (the round has room:
+    /// its members will re-form) or as a spare (the round is full), then waits for the next
+    /// round. Waiting nodes are bound by the join deadline; spares wait as long as it takes.
+    async fn wait_as_late_node(&mut self, round: u64, world_size: u32, deadline: Instant) -> Result<()> {
+        let spare = world_size >= self.settings.max_nodes;
+        let node = self.node.clone();
+        let run_id = self.settings.run_id.clone();
+        tracing::info!(round, spare, "arrived after the round formed; waiting for the next round");
+        self.with_conn(async |conn| {
+            if spare {
+                conn.add(&Keys::spares(round), 1).await?;
+            } else if conn.add(&Keys::waiting(round), 1).await? == 1 {
+                events::publish(conn, &Event::Waiting { v: FORMAT_VERSION, round, node }).await?;
+            }
+            loop {
+                let seen = events::count(conn).await?;
+                if conn.check(&[Keys::CLOSED.to_owned()]).await? {
+                    return Err(if spare { RendezvousError::GracefulExit { run_id } } else { RendezvousError::Closed { run_id } });
+                }
+                if current_round(conn).await? > round {
+                    return Ok(());
+                }
+                let timeout = (!spare).then(|| deadline.saturating_duration_since(Instant::now()));
+                if events::wait_for(conn, seen + 1, timeout).await?.is_none() {
+                    return Err(RendezvousError::Timeout(format!(
+                        "rendezvous {run_id:?}: waited {:.0?} (join_timeout) as a late node for round {round} \
+                         ({world_size} node(s)) to re-form, but its nodes did not come back",
+                        deadline.saturating_duration_since(Instant::now()).max(Duration::ZERO)
+                    )));
+                }
+            }
+        })
+        .await
+    }
+
+    /// Announces this member, sets up the workers' store (rank 0) and the round's background
+    /// tasks, and returns the round's information.
+    async fn start_membership(
+        &mut self,
+        round: u64,
+        rank: u32,
+        world_size: u32,
+        seen: i64,
+        deadline: Instant,
+    ) -> Result<RendezvousInfo> {
+        let member = Arrival { v: FORMAT_VERSION, node: Some(self.node.clone()) };
+        let master_server = if rank == 0 {
+            Some(StoreServer::start(&ServerConfig::default()).map_err(|err| {
+                RendezvousError::Config(format!("cannot start the workers' store: {err}"))
+            })?)
+        } else {
+            None
+        };
+        let published = master_server
+            .as_ref()
+            .map(|server| Master { v: FORMAT_VERSION, addr: self.node.addr.clone(), port: server.port() });
+        let run_id = self.settings.run_id.clone();
+        let master: Master = self
+            .with_conn(async |conn| {
+                conn.set(&member_key(round, rank), &encode(&member)).await?;
+                if let Some(master) = &published {
+                    conn.set(&Keys::master(round), &encode(master)).await?;
+                }
+                let timeout = deadline.saturating_duration_since(Instant::now());
+                match conn.wait_get(&Keys::master(round), Some(timeout)).await? {
+                    Some(bytes) => decode(&bytes, "master address"),
+                    None => Err(RendezvousError::Timeout(format!(
+                        "rendezvous {run_id:?} round {round}: rank 0 never published the workers' store address"
+                    ))),
+                }
+            })
+            .await?;
+
+        let (sender, changes) = watch::channel(None);
+        let mut tasks = vec![spawn_change_watcher(self.store.clone(), round, seen, sender)];
+        if world_size > 1 {
+            tasks.push(spawn_heartbeats(self.store.clone(), self.settings.clone(), round, rank));
+            tasks.push(spawn_monitor(self.store.clone(), self.settings.clone(), round, rank, world_size));
+        }
+        self.current = Some(Membership { round, world_size, tasks, changes, _master: master_server });
+        tracing::info!(round, rank, world_size, "rendezvous complete");
+        Ok(RendezvousInfo {
+            run_id: self.settings.run_id.clone(),
+            round,
+            rank,
+            world_size,
+            master_addr: master.addr,
+            master_port: master.port,
+            store_host: self.store_addr.0.clone(),
+            store_port: self.store_addr.1,
+            store_prefix: format!("{}{}", self.store_prefix, Keys::round_store(round)),
+        })
+    }
+
+    /// Changes to the current round (`None` until one happens). Stale once the node moves
+    /// to another round.
+    pub fn changes(&self) -> Option<watch::Receiver<Option<MembershipChange>>> {
+        self.current.as_ref().map(|membership| membership.changes.clone())
+    }
+
+    /// Late nodes waiting for the current round to re-form with them (torch's wait list).
+    pub async fn num_nodes_waiting(&mut self) -> Result<u32> {
+        let Some(round) = self.current.as_ref().map(|m| m.round) else { return Ok(0) };
+        let waiting = self.with_conn(async |conn| conn.add(&Keys::waiting(round), 0).await).await?;
+        Ok(waiting.max(0) as u32)
+    }
+
+    pub async fn is_closed(&mut self) -> Result<bool> {
+        self.with_conn(async |conn| conn.check(&[Keys::CLOSED.to_owned()]).await).await
+    }
+
+    /// Ends the job's rendezvous: no node may join any more, and every node is told.
+    pub async fn set_closed(&mut self) -> Result<()> {
+        let close_timeout = self.settings.close_timeout;
+        let closing = self.with_conn(async |conn| {
+            if !conn.check(&[Keys::CLOSED.to_owned()]).await? {
+                conn.set(Keys::CLOSED, b"1").await?;
+                events::publish(conn, &Event::Closed { v: FORMAT_VERSION }).await?;
+            }
+            Ok(())
+        });
+        match tokio::time::timeout(close_timeout, closing).await {
+            Ok(result) => result,
+            Err(_) => {
+                self.conn = None;
+                Err(RendezvousError::Timeout(format!(
+                    "closing rendezvous {:?} took longer than {close_timeout:?} (close_timeout)",
+                    self.settings.run_id
+                )))
+            }
+        }
+    }
+
+    /// Counts one restart after a failure, job-wide; returns the new total.
+    pub async fn record_restart(&mut self) -> Result<i64> {
+        self.with_conn(async |conn| conn.add(Keys::RESTARTS, 1).await).await
+    }
+
+    /// Restarts after failures so far, job-wide.
+    pub async fn restart_count(&mut self) -> Result<i64> {
+        self.with_conn(async |conn| conn.add(Keys::RESTARTS, 0).await).await
+    }
+
+    /// Stops this node's heartbeats and background work, and the workers' store it serves.
+    /// The rendezvous stays open for the other nodes (use [`Self::set_closed`] to end the job).
+    pub fn shutdown(&mut self) {
+        self.current = None;
+    }
+}
+
+/// The previous round's size less the members known lost, to expect when re-forming.
+fn lost_adjusted(membership: &Membership) -> u32 {
+    let lost = matches!(*membership.changes.borrow(), Some(MembershipChange::NodeLost { .. }));
+    membership.world_size - u32::from(lost)
+}
+
+async fn current_round<C: StoreConn>(conn: &mut C) -> Result<u64> {
+    Ok(conn.add(Keys::ROUND, 0).await?.max(0) as u64)
+}
+
+/// Follows the event log from event `seen + 1` and reports what matters to a member of
+/// `round`; keeps the first change that ended the round and any later ones.
+fn spawn_change_watcher<S: RendezvousStore>(
+    store: S,
+    round: u64,
+    seen: i64,
+    sender: watch::Sender<Option<MembershipChange>>,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let result: Result<()> = async {
+            let mut conn = store.connect().await?;
+            let mut next = seen + 1;
+            loop {
+                if let Some(event) = events::wait_for(&mut conn, next, None).await? {
+                    if let Some(change) = relevance(&event, round) {
+                        tracing::info!(round, ?change, "membership change");
+                        if sender.send(Some(change)).is_err() {
+                            return Ok(()); // nobody listens any more
+                        }
+                    }
+                }
+                next += 1;
+            }
+        }
+        .await;
+        if let Err(err) = result {
+            tracing::warn!(round, "membership watcher stopped: {err}");
+        }
+    })
+}
+
+fn relevance(event: &Event, round: u64) -> Option<MembershipChange> {
+    match event {
+        Event::Opened { round: opened, .. } if *opened > round => Some(MembershipChange::RoundSuperseded { round: *opened }),
+        Event::Waiting { round: r, .. } if *r == round => Some(MembershipChange::NodesWaiting),
+        Event::Lost { round: r, rank, node, .. } if *r == round => {
+            Some(MembershipChange::NodeLost { rank: *rank, node: node.clone() })
+        }
+        Event::Closed { .. } => Some(MembershipChange::Closed),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_events_about_this_round_or_later_matter() {
+        let node = NodeDesc { addr: "a".into(), pid: 1, local_id: 0 };
+        assert_eq!(relevance(&Event::Opened { v: 1, round: 3 }, 3), None);
+        assert_eq!(
+            relevance(&Event::Opened { v: 1, round: 4 }, 3),
+            Some(MembershipChange::RoundSuperseded { round: 4 })
+        );
+        assert_eq!(relevance(&Event::Waiting { v: 1, round: 2, node: node.clone() }, 3), None);
+        assert_eq!(relevance(&Event::Waiting { v: 1, round: 3, node }, 3), Some(MembershipChange::NodesWaiting));
+        assert_eq!(relevance(&Event::Lost { v: 1, round: 2, rank: 0, node: None }, 3), None);
+        assert_eq!(relevance(&Event::Closed { v: 1 }, 3), Some(MembershipChange::Closed));
+    }
+}

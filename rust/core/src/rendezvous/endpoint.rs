@@ -1,0 +1,96 @@
+//! `--rdzv-endpoint host[:port]` and whether it names this machine (then this agent hosts the
+//! store).
+
+use std::net::{IpAddr, ToSocketAddrs};
+
+use super::error::{RendezvousError, Result};
+
+/// torch's default port for the c10d rendezvous store.
+pub const DEFAULT_PORT: u16 = 29400;
+
+/// Parses `host`, `host:port`, `[v6]` or `[v6]:port`; an empty endpoint is `localhost`.
+pub fn parse_endpoint(endpoint: &str, default_port: u16) -> Result<(String, u16)> {
+    let endpoint = endpoint.trim();
+    if endpoint.is_empty() {
+        return Ok(("localhost".to_owned(), default_port));
+    }
+    let bad = |why: &str| RendezvousError::Config(format!("--rdzv-endpoint {endpoint:?}: {why}"));
+    let (host, port) = if let Some(rest) = endpoint.strip_prefix('[') {
+        let (host, after) = rest.split_once(']').ok_or_else(|| bad("unclosed '['"))?;
+        match after {
+            "" => (host, None),
+            _ => (host, Some(after.strip_prefix(':').ok_or_else(|| bad("expected ':' after ']'"))?)),
+        }
+    } else {
+        match endpoint.rsplit_once(':') {
+            // a bare IPv6 address has several colons and no port
+            Some((host, port)) if !host.contains(':') => (host, Some(port)),
+            _ => (endpoint, None),
+        }
+    };
+    if host.is_empty() || !host.chars().all(|c| c.is_alphanumeric() || "._-:".contains(c)) {
+        return Err(bad("not a valid host name or address"));
+    }
+    let port = match port {
+        None => default_port,
+        Some(port) => port.parse::<u16>().map_err(|_| bad("the port must be a number from 0 to 65535"))?,
+    };
+    Ok((host.to_owned(), port))
+}
+
+/// Whether `host` names this machine: "localhost", a loopback address, this machine's host
+/// name, or an address of one of its interfaces (also after resolving `host`).
+pub fn is_this_machine(host: &str) -> bool {
+    if host.eq_ignore_ascii_case("localhost") || host.eq_ignore_ascii_case(&super::node::host_name()) {
+        return true;
+    }
+    let addrs: Vec<IpAddr> = match host.parse::<IpAddr>() {
+        Ok(ip) => vec![ip],
+        Err(_) => (host, 0).to_socket_addrs().map(|a| a.map(|s| s.ip()).collect()).unwrap_or_default(),
+    };
+    let local = local_addresses();
+    addrs.iter().any(|ip| ip.is_loopback() || local.contains(ip))
+}
+
+fn local_addresses() -> Vec<IpAddr> {
+    let Ok(interfaces) = nix::ifaddrs::getifaddrs() else { return Vec::new() };
+    interfaces
+        .filter_map(|interface| interface.address)
+        .filter_map(|address| {
+            if let Some(v4) = address.as_sockaddr_in() {
+                Some(IpAddr::V4(v4.ip()))
+            } else {
+                address.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip()))
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_hosts_ports_and_brackets() {
+        assert_eq!(parse_endpoint("node1:1234", 29400).unwrap(), ("node1".into(), 1234));
+        assert_eq!(parse_endpoint("node1", 29400).unwrap(), ("node1".into(), 29400));
+        assert_eq!(parse_endpoint("", 29400).unwrap(), ("localhost".into(), 29400));
+        assert_eq!(parse_endpoint("[::1]:5", 29400).unwrap(), ("::1".into(), 5));
+        assert_eq!(parse_endpoint("[fe80::1]", 29400).unwrap(), ("fe80::1".into(), 29400));
+        assert_eq!(parse_endpoint("::1", 29400).unwrap(), ("::1".into(), 29400));
+        assert_eq!(parse_endpoint("localhost:0", 29400).unwrap(), ("localhost".into(), 0));
+        assert!(parse_endpoint("host:99999", 29400).is_err());
+        assert!(parse_endpoint("host:port", 29400).is_err());
+        assert!(parse_endpoint("[::1", 29400).is_err());
+        assert!(parse_endpoint("bad host:1", 29400).is_err());
+    }
+
+    #[test]
+    fn recognises_this_machine() {
+        assert!(is_this_machine("localhost"));
+        assert!(is_this_machine("127.0.0.1"));
+        assert!(is_this_machine("127.0.0.2"));
+        assert!(is_this_machine(&crate::rendezvous::node::host_name()));
+        assert!(!is_this_machine("192.0.2.1")); // TEST-NET-1, never local
+    }
+}

@@ -1,0 +1,205 @@
+//! Creating a rendezvous from launcher parameters, and one interface over the backends.
+
+use std::io;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::conf::{RendezvousConf, DYNAMIC_KEYS, STATIC_KEYS};
+use super::dynamic::{DynamicRendezvous, MembershipChange, RendezvousInfo};
+use super::endpoint::{is_this_machine, parse_endpoint, DEFAULT_PORT};
+use super::error::{RendezvousError, Result};
+use super::keys::run_prefix;
+use super::settings::RendezvousSettings;
+use super::static_rdzv::StaticRendezvous;
+use super::store::TcpRendezvousStore;
+use crate::store::{ConnectOptions, ServerConfig, StoreServer};
+
+/// torch's store operation timeout for the rendezvous store (`read_timeout`).
+const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(60);
+/// torch's `timeout` default for the static backend.
+const DEFAULT_STATIC_TIMEOUT: Duration = Duration::from_secs(600);
+/// torch's default master port for the static backend.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// What the launcher knows (`--rdzv-backend`, `--rdzv-endpoint`, `--rdzv-id`, `--nnodes`,
+/// `--local-addr`, `--rdzv-conf`, `--node-rank`).
+#[derive(Clone, Debug)]
+pub struct RendezvousParams {
+    pub backend: String,
+    pub endpoint: String,
+    pub run_id: String,
+    pub min_nodes: u32,
+    pub max_nodes: u32,
+    pub local_addr: Option<String>,
+    pub conf: String,
+    /// The node's rank, for the static backend.
+    pub node_rank: Option<u32>,
+}
+
+#[allow(clippy::large_enum_variant, reason = "one per agent; boxing buys nothing")]
+pub enum Rendezvous {
+    Dynamic {
+        handler: DynamicRendezvous<TcpRendezvousStore>,
+        /// The rendezvous store, when this agent hosts it.
+        server: Option<StoreServer>,
+    },
+    Static(StaticRendezvous),
+}
+
+impl Rendezvous {
+    /// Builds the backend `params.backend` names. Must run inside a tokio runtime (a hosted
+    /// store is served on it).
+    pub async fn create(params: RendezvousParams) -> Result<Rendezvous> {
+        match params.backend.as_str() {
+            "c10d" => create_c10d(params).await,
+            "static" => create_static(params),
+            "etcd" | "etcd-v2" => Err(RendezvousError::Config(format!(
+                "--rdzv-backend {}: the etcd backends are not available in this version of elastix; use c10d",
+                params.backend
+            ))),
+            other => Err(RendezvousError::Config(format!(
+                "--rdzv-backend {other:?} is unknown; use c10d (elastic, the default) or static"
+            ))),
+        }
+    }
+
+    pub fn backend(&self) -> &'static str {
+        match self {
+            Rendezvous::Dynamic { .. } => "c10d",
+            Rendezvous::Static(_) => "static",
+        }
+    }
+
+    pub fn run_id(&self) -> &str {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.run_id(),
+            Rendezvous::Static(handler) => handler.run_id(),
+        }
+    }
+
+    /// The rendezvous store's port when this agent serves it.
+    pub fn hosted_port(&self) -> Option<u16> {
+        match self {
+            Rendezvous::Dynamic { server, .. } => server.as_ref().map(StoreServer::port),
+            Rendezvous::Static(_) => None,
+        }
+    }
+
+    pub async fn next_rendezvous(&mut self) -> Result<RendezvousInfo> {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.next_rendezvous().await,
+            Rendezvous::Static(handler) => handler.next_rendezvous().await,
+        }
+    }
+
+    pub async fn num_nodes_waiting(&mut self) -> Result<u32> {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.num_nodes_waiting().await,
+            Rendezvous::Static(_) => Ok(0),
+        }
+    }
+
+    pub async fn is_closed(&mut self) -> Result<bool> {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.is_closed().await,
+            Rendezvous::Static(_) => Ok(false),
+        }
+    }
+
+    pub async fn set_closed(&mut self) -> Result<()> {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.set_closed().await,
+            Rendezvous::Static(_) => Ok(()),
+        }
+    }
+
+    /// Changes that should end the current round (dynamic backend only).
+    pub fn changes(&self) -> Option<watch::Receiver<Option<MembershipChange>>> {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.changes(),
+            Rendezvous::Static(_) => None,
+        }
+    }
+
+    pub async fn record_restart(&mut self) -> Result<i64> {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.record_restart().await,
+            Rendezvous::Static(_) => Ok(0),
+        }
+    }
+
+    pub async fn restart_count(&mut self) -> Result<i64> {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.restart_count().await,
+            Rendezvous::Static(_) => Ok(0),
+        }
+    }
+
+    /// Stops this node's part (heartbeats, the workers' store); the rendezvous stays open.
+    pub fn shutdown(&mut self) {
+        if let Rendezvous::Dynamic { handler, .. } = self {
+            handler.shutdown();
+        }
+    }
+}
+
+async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
+    let conf = RendezvousConf::parse(&params.conf, DYNAMIC_KEYS)?;
+    if let Some(store_type) = conf.get("store_type") {
+        if store_type != "tcp" {
+            return Err(RendezvousError::Config(format!(
+                "--rdzv-conf store_type={store_type}: elastix's c10d backend uses a TCP store (store_type=tcp)"
+            )));
+        }
+    }
+    let mut settings = RendezvousSettings::new(&params.run_id, params.min_nodes, params.max_nodes)?.with_conf(&conf)?;
+    settings.local_addr = params.local_addr.clone();
+    let read_timeout = conf.duration("read_timeout", DEFAULT_READ_TIMEOUT)?;
+    let (host, port) = parse_endpoint(&params.endpoint, DEFAULT_PORT)?;
+    let explicit = conf.boolean("is_host")?;
+    let server = if explicit.unwrap_or_else(|| is_this_machine(&host)) {
+        match StoreServer::start(&ServerConfig { port, ..ServerConfig::default() }) {
+            Ok(server) => Some(server),
+            // another agent on this machine got there first: use its store
+            Err(err) if explicit.is_none() && err.kind() == io::ErrorKind::AddrInUse => None,
+            Err(err) => {
+                return Err(RendezvousError::Config(format!(
+                    "cannot host the rendezvous store on port {port}: {err}"
+                )))
+            }
+        }
+    } else {
+        None
+    };
+    let port = server.as_ref().map_or(port, StoreServer::port);
+    // A store that starts later than this agent is waited for, up to the join timeout.
+    let options = ConnectOptions::new(host.clone(), port, Some(settings.join_timeout));
+    let prefix = run_prefix(&params.run_id);
+    let store = TcpRendezvousStore::new(options, prefix.clone(), read_timeout);
+    let handler = DynamicRendezvous::new(store, settings, (host, port), prefix)?;
+    Ok(Rendezvous::Dynamic { handler, server })
+}
+
+fn create_static(params: RendezvousParams) -> Result<Rendezvous> {
+    let mut conf = RendezvousConf::parse(&params.conf, STATIC_KEYS)?;
+    if let Some(rank) = params.node_rank {
+        conf.insert("rank", &rank.to_string(), STATIC_KEYS)?;
+    }
+    let rank = conf
+        .int("rank")?
+        .ok_or_else(|| RendezvousError::Config("static rendezvous needs the node rank (--node-rank)".into()))?;
+    let rank = u32::try_from(rank)
+        .map_err(|_| RendezvousError::Config(format!("static rendezvous: node rank {rank} is negative")))?;
+    let timeout = conf.duration("timeout", DEFAULT_STATIC_TIMEOUT)?;
+    let (host, port) = parse_endpoint(&params.endpoint, DEFAULT_MASTER_PORT)?;
+    let handler = StaticRendezvous::new(
+        &params.run_id,
+        rank,
+        params.max_nodes,
+        (host, port),
+        timeout,
+        params.local_addr.as_deref(),
+    )?;
+    Ok(Rendezvous::Static(handler))
+}

@@ -1,0 +1,30 @@
+//! Rendezvous: how the agents of a job find each other, agree on membership and ranks, and
+//! re-form when nodes join, leave or die.
+//!
+//! * [`handler`]: creating a rendezvous (`c10d`, `static`) and its common interface.
+//! * [`dynamic`]: the elastic handler; [`round`]: forming one round; [`liveness`]:
+//!   heartbeats; [`events`]: the run's event log.
+//! * [`store`]: the store operations it needs, as a backend trait (TCPStore protocol here).
+//! * [`settings`], [`conf`], [`endpoint`]: configuration; [`records`], [`keys`]: the
+//!   versioned JSON state and where it lives.
+
+pub mod conf;
+pub mod dynamic;
+pub mod endpoint;
+pub mod error;
+mod events;
+pub mod handler;
+pub mod keys;
+mod liveness;
+pub mod node;
+pub mod records;
+mod round;
+pub mod settings;
+pub mod static_rdzv;
+pub mod store;
+
+pub use dynamic::{DynamicRendezvous, MembershipChange, RendezvousInfo};
+pub use error::RendezvousError;
+pub use handler::{Rendezvous, RendezvousParams};
+pub use node::NodeDesc;
+pub use settings::RendezvousSettings;

@@ -1,0 +1,81 @@
+//! A node's identity in the rendezvous: (address, pid, local id), ordered in that order, which
+//! makes ranks deterministic and stable while the same agents stay.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+use super::error::{RendezvousError, Result};
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct NodeDesc {
+    pub addr: String,
+    pub pid: u32,
+    /// Distinguishes several handlers in one process.
+    pub local_id: u32,
+}
+
+impl NodeDesc {
+    /// This process's next node identity at `addr` (default: the host name).
+    pub fn this_process(addr: Option<&str>) -> NodeDesc {
+        static NEXT_LOCAL_ID: AtomicU32 = AtomicU32::new(0);
+        NodeDesc {
+            addr: addr.map_or_else(host_name, str::to_owned),
+            pid: std::process::id(),
+            local_id: NEXT_LOCAL_ID.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("a node description always serializes")
+    }
+
+    pub fn from_json(bytes: &[u8]) -> Result<NodeDesc> {
+        serde_json::from_slice(bytes).map_err(|err| {
+            RendezvousError::State(format!(
+                "unreadable node description {:?}: {err}",
+                String::from_utf8_lossy(bytes)
+            ))
+        })
+    }
+}
+
+impl std::fmt::Display for NodeDesc {
+    /// torch's form: `addr_pid_localid`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}_{}_{}", self.addr, self.pid, self.local_id)
+    }
+}
+
+/// This machine's host name, or "localhost" if it has none.
+pub fn host_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|name| name.into_string().ok())
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "localhost".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nodes_order_by_address_then_pid_then_local_id() {
+        let node = |addr: &str, pid, local_id| NodeDesc { addr: addr.into(), pid, local_id };
+        let mut nodes = [node("b", 1, 0), node("a", 9, 1), node("a", 9, 0), node("a", 10, 0)];
+        nodes.sort();
+        let order: Vec<String> = nodes.iter().map(ToString::to_string).collect();
+        assert_eq!(order, ["a_9_0", "a_9_1", "a_10_0", "b_1_0"]);
+    }
+
+    #[test]
+    fn local_ids_differ_within_a_process_and_json_round_trips() {
+        let a = NodeDesc::this_process(Some("127.0.0.2"));
+        let b = NodeDesc::this_process(Some("127.0.0.2"));
+        assert_ne!(a, b);
+        assert_eq!(NodeDesc::from_json(&a.to_json()).unwrap(), a);
+        assert!(NodeDesc::from_json(b"garbage").is_err());
+        assert!(!NodeDesc::this_process(None).addr.is_empty());
+    }
+}

@@ -1,0 +1,101 @@
+//! The JSON records the rendezvous writes. Every record carries a format version `v`; a reader
+//! refuses versions it does not know instead of misreading them.
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use super::error::{RendezvousError, Result};
+use super::node::NodeDesc;
+
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Written once per run: lets agents started with different settings or versions fail fast.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Meta {
+    pub v: u32,
+    pub min_nodes: u32,
+    pub max_nodes: u32,
+}
+
+/// What an arrival slot holds: the node, or nothing if it gave up before the round sealed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Arrival {
+    pub v: u32,
+    pub node: Option<NodeDesc>,
+}
+
+/// The outcome of a round, fixed by one compare-and-set.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Seal {
+    pub v: u32,
+    /// Members in the round; 0 for an aborted round.
+    pub world_size: u32,
+    /// The round could not form (too few live arrivals); everyone moves to the next one.
+    pub aborted: bool,
+}
+
+/// Where the workers of a round find their store (rank 0's agent serves it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Master {
+    pub v: u32,
+    pub addr: String,
+    pub port: u16,
+}
+
+/// Something every agent of a round may need to react to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Event {
+    /// A new round opened; members of earlier rounds should re-join.
+    Opened { v: u32, round: u64 },
+    /// A late node wants round `round` to re-form with it.
+    Waiting { v: u32, round: u64, node: NodeDesc },
+    /// A member of round `round` stopped sending heartbeats.
+    Lost { v: u32, round: u64, rank: u32, node: Option<NodeDesc> },
+    /// The job is over.
+    Closed { v: u32 },
+}
+
+pub fn encode<T: Serialize>(record: &T) -> Vec<u8> {
+    serde_json::to_vec(record).expect("rendezvous records always serialize")
+}
+
+/// Decodes a record, checking its version. `what` names it in the error.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T> {
+    #[derive(Deserialize)]
+    struct Versioned {
+        v: u32,
+    }
+    let bad = |err: serde_json::Error| {
+        RendezvousError::State(format!(
+            "unreadable rendezvous {what} {:?}: {err}",
+            String::from_utf8_lossy(bytes)
+        ))
+    };
+    let version: Versioned = serde_json::from_slice(bytes).map_err(bad)?;
+    if version.v != FORMAT_VERSION {
+        return Err(RendezvousError::State(format!(
+            "rendezvous {what} has format version {} but this elastix reads version {FORMAT_VERSION}; \
+             are all agents running the same elastix version?",
+            version.v
+        )));
+    }
+    serde_json::from_slice(bytes).map_err(bad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip_and_versions_are_checked() {
+        let event = Event::Lost { v: 1, round: 3, rank: 2, node: None };
+        let bytes = encode(&event);
+        assert_eq!(decode::<Event>(&bytes, "event").unwrap(), event);
+        let text = String::from_utf8(bytes).unwrap();
+        assert!(text.contains(r#""kind":"lost""#), "{text}");
+        let err = decode::<Seal>(br#"{"v":2,"world_size":1,"aborted":false}"#, "seal").unwrap_err();
+        assert!(err.to_string().contains("format version 2"), "{err}");
+        assert!(decode::<Seal>(b"pickle\x80", "seal").is_err());
+    }
+}

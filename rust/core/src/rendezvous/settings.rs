@@ -1,0 +1,114 @@
+//! What a dynamic rendezvous needs to know, with torch's defaults.
+
+use std::time::Duration;
+
+use super::conf::RendezvousConf;
+use super::error::{RendezvousError, Result};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RendezvousSettings {
+    /// Names the job; agents with the same run id form one rendezvous.
+    pub run_id: String,
+    pub min_nodes: u32,
+    pub max_nodes: u32,
+    /// Deadline for one `next_rendezvous` call (waiting nodes included; spares wait freely).
+    pub join_timeout: Duration,
+    /// Once `min_nodes` joined, how long to wait for more before the round starts.
+    pub last_call_timeout: Duration,
+    /// Deadline for closing the rendezvous.
+    pub close_timeout: Duration,
+    /// Deadline for one heartbeat write.
+    pub heartbeat_timeout: Duration,
+    /// Time between heartbeats.
+    pub keep_alive_interval: Duration,
+    /// A node missing this many heartbeats in a row is dead.
+    pub keep_alive_max_attempt: u32,
+    /// The address other nodes (and workers, for rank 0) use to reach this node; also the first
+    /// key of the rank order. Default: this machine's host name.
+    pub local_addr: Option<String>,
+}
+
+impl RendezvousSettings {
+    pub const DEFAULT_JOIN_TIMEOUT: Duration = Duration::from_secs(600);
+    pub const DEFAULT_LAST_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+    pub const DEFAULT_CLOSE_TIMEOUT: Duration = Duration::from_secs(30);
+    pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
+    pub const DEFAULT_KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(5);
+    pub const DEFAULT_KEEP_ALIVE_MAX_ATTEMPT: u32 = 3;
+
+    pub fn new(run_id: impl Into<String>, min_nodes: u32, max_nodes: u32) -> Result<Self> {
+        let settings = RendezvousSettings {
+            run_id: run_id.into(),
+            min_nodes,
+            max_nodes,
+            join_timeout: Self::DEFAULT_JOIN_TIMEOUT,
+            last_call_timeout: Self::DEFAULT_LAST_CALL_TIMEOUT,
+            close_timeout: Self::DEFAULT_CLOSE_TIMEOUT,
+            heartbeat_timeout: Self::DEFAULT_HEARTBEAT_TIMEOUT,
+            keep_alive_interval: Self::DEFAULT_KEEP_ALIVE_INTERVAL,
+            keep_alive_max_attempt: Self::DEFAULT_KEEP_ALIVE_MAX_ATTEMPT,
+            local_addr: None,
+        };
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    /// Applies the timing keys of a dynamic backend's `--rdzv-conf`.
+    pub fn with_conf(mut self, conf: &RendezvousConf) -> Result<Self> {
+        self.join_timeout = conf.duration("join_timeout", self.join_timeout)?;
+        self.last_call_timeout = conf.duration("last_call_timeout", self.last_call_timeout)?;
+        self.close_timeout = conf.duration("close_timeout", self.close_timeout)?;
+        self.heartbeat_timeout = conf.duration("heartbeat_timeout", self.heartbeat_timeout)?;
+        self.keep_alive_interval = conf.duration("keep_alive_interval", self.keep_alive_interval)?;
+        self.keep_alive_max_attempt = conf.positive_int("keep_alive_max_attempt", self.keep_alive_max_attempt)?;
+        self.validate()?;
+        Ok(self)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.run_id.is_empty() {
+            return Err(RendezvousError::Config("the run id must not be empty".into()));
+        }
+        if self.min_nodes < 1 {
+            return Err(RendezvousError::Config(format!("min_nodes must be at least 1, got {}", self.min_nodes)));
+        }
+        if self.max_nodes < self.min_nodes {
+            return Err(RendezvousError::Config(format!(
+                "max_nodes ({}) must be at least min_nodes ({})",
+                self.max_nodes, self.min_nodes
+            )));
+        }
+        Ok(())
+    }
+
+    /// After this long without a heartbeat a node counts as dead.
+    pub fn node_lost_after(&self) -> Duration {
+        self.keep_alive_interval * self.keep_alive_max_attempt
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rendezvous::conf::DYNAMIC_KEYS;
+
+    #[test]
+    fn defaults_are_torchs() {
+        let settings = RendezvousSettings::new("job", 1, 4).unwrap();
+        assert_eq!(settings.join_timeout, Duration::from_secs(600));
+        assert_eq!(settings.last_call_timeout, Duration::from_secs(30));
+        assert_eq!(settings.node_lost_after(), Duration::from_secs(15));
+    }
+
+    #[test]
+    fn conf_overrides_and_validation() {
+        let conf = RendezvousConf::parse("join_timeout=2m,keep_alive_interval=1s,keep_alive_max_attempt=2", DYNAMIC_KEYS).unwrap();
+        let settings = RendezvousSettings::new("job", 2, 2).unwrap().with_conf(&conf).unwrap();
+        assert_eq!(settings.join_timeout, Duration::from_secs(120));
+        assert_eq!(settings.node_lost_after(), Duration::from_secs(2));
+        assert!(RendezvousSettings::new("", 1, 1).is_err());
+        assert!(RendezvousSettings::new("job", 0, 1).is_err());
+        let err = RendezvousSettings::new("job", 3, 2).unwrap_err().to_string();
+        assert!(err.contains("max_nodes (2) must be at least min_nodes (3)"), "{err}");
+    }
+}

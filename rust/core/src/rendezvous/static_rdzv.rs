@@ -1,0 +1,118 @@
+//! The `static` backend: a fixed set of nodes with given ranks (`--node-rank`, `--nnodes N`),
+//! meeting at a fixed master address. Rank 0 serves the store, which the workers share
+//! (torch's behaviour); there is no elasticity, so nothing is ever waiting or closed.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::dynamic::RendezvousInfo;
+use super::error::{RendezvousError, Result};
+use super::node::NodeDesc;
+use super::records::{encode, Arrival, FORMAT_VERSION};
+use super::store::{RendezvousStore, StoreConn, TcpRendezvousStore};
+use crate::store::{ConnectOptions, ServerConfig, StoreServer};
+
+pub struct StaticRendezvous {
+    run_id: String,
+    rank: u32,
+    world_size: u32,
+    master_addr: String,
+    master_port: u16,
+    timeout: Duration,
+    node: NodeDesc,
+    /// Rank 0 serves the store for the whole job.
+    server: Option<StoreServer>,
+    store: TcpRendezvousStore,
+    rounds: u64,
+}
+
+impl StaticRendezvous {
+    pub fn new(
+        run_id: &str,
+        rank: u32,
+        world_size: u32,
+        master: (String, u16),
+        timeout: Duration,
+        local_addr: Option<&str>,
+    ) -> Result<Self> {
+        if world_size == 0 || rank >= world_size {
+            return Err(RendezvousError::Config(format!(
+                "static rendezvous: node rank {rank} is not in 0..{world_size} (--node-rank must be below --nnodes)"
+            )));
+        }
+        if master.1 == 0 {
+            return Err(RendezvousError::Config("static rendezvous needs a master port (--master-port)".into()));
+        }
+        let options = ConnectOptions::new(master.0.clone(), master.1, Some(timeout));
+        let store = TcpRendezvousStore::new(options, format!("/elastix/static/{run_id}/"), timeout);
+        Ok(StaticRendezvous {
+            run_id: run_id.to_owned(),
+            rank,
+            world_size,
+            master_addr: master.0,
+            master_port: master.1,
+            timeout,
+            node: NodeDesc::this_process(local_addr),
+            server: None,
+            store,
+            rounds: 0,
+        })
+    }
+
+    pub fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    /// Waits until every rank has checked in (the first time), then returns the fixed layout.
+    pub async fn next_rendezvous(&mut self) -> Result<RendezvousInfo> {
+        if self.rank == 0 && self.server.is_none() {
+            let config = ServerConfig { port: self.master_port, ..ServerConfig::default() };
+            self.server = Some(StoreServer::start(&config).map_err(|err| {
+                RendezvousError::Config(format!("static rendezvous: rank 0 cannot serve the store: {err}"))
+            })?);
+        }
+        if self.rounds == 0 {
+            self.check_in().await?;
+        }
+        let round = self.rounds;
+        self.rounds += 1;
+        Ok(RendezvousInfo {
+            run_id: self.run_id.clone(),
+            round,
+            rank: self.rank,
+            world_size: self.world_size,
+            master_addr: self.master_addr.clone(),
+            master_port: self.master_port,
+            store_host: self.master_addr.clone(),
+            store_port: self.master_port,
+            store_prefix: format!("{}round{round}", self.store.prefix()),
+        })
+    }
+
+    async fn check_in(&mut self) -> Result<()> {
+        let deadline = Instant::now() + self.timeout;
+        let mut conn = self.store.connect().await?;
+        let record = Arrival { v: FORMAT_VERSION, node: Some(self.node.clone()) };
+        conn.set(&format!("node/{}", self.rank), &encode(&record)).await?;
+        let keys: Vec<String> = (0..self.world_size).map(|rank| format!("node/{rank}")).collect();
+        if conn.wait(&keys, Some(deadline.saturating_duration_since(Instant::now()))).await? {
+            return Ok(());
+        }
+        let mut missing = Vec::new();
+        for (rank, key) in keys.iter().enumerate() {
+            if !conn.check(std::slice::from_ref(key)).await? {
+                missing.push(rank.to_string());
+            }
+        }
+        Err(RendezvousError::Timeout(format!(
+            "static rendezvous {:?}: timed out after {:.0?} waiting for node rank(s) [{}] of {} at {}:{}",
+            self.run_id,
+            self.timeout,
+            missing.join(", "),
+            self.world_size,
+            self.master_addr,
+            self.master_port
+        )))
+    }
+}
