@@ -35,6 +35,30 @@ class NetworkTimeoutError(DistNetworkError, TimeoutError):
     """No connection could be made, or the server sent no reply, before the deadline."""
 
 
+class RendezvousError(RuntimeError):
+    """Base class of rendezvous errors (torch's names)."""
+
+
+class RendezvousClosedError(RendezvousError):
+    """The job's rendezvous is closed: the job is over."""
+
+
+class RendezvousTimeoutError(RendezvousError, TimeoutError):
+    """A rendezvous deadline passed; the message says who joined and what was missing."""
+
+
+class RendezvousConnectionError(RendezvousError):
+    """The rendezvous store could not be reached."""
+
+
+class RendezvousStateError(RendezvousError):
+    """The rendezvous state is unreadable (another elastix version?)."""
+
+
+class RendezvousGracefulExitError(RendezvousError):
+    """A spare node leaves because the job finished without it; not a failure."""
+
+
 __all__ = [
     "DistError",
     "DistStoreError",
@@ -43,4 +67,10 @@ __all__ = [
     "QueueEmptyError",
     "StoreTimeoutError",
     "NetworkTimeoutError",
+    "RendezvousError",
+    "RendezvousClosedError",
+    "RendezvousTimeoutError",
+    "RendezvousConnectionError",
+    "RendezvousStateError",
+    "RendezvousGracefulExitError",
 ]

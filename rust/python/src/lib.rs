@@ -5,6 +5,7 @@
 mod blocking_store;
 mod errors;
 mod interrupt;
+mod rendezvous;
 mod store_cli;
 mod tcp_store;
 mod timeout;
@@ -16,6 +17,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     module.add_class::<tcp_store::TcpStoreCore>()?;
     module.add_class::<blocking_store::BlockingStoreCore>()?;
+    module.add_class::<rendezvous::RendezvousCore>()?;
     module.add_function(wrap_pyfunction!(store_cli::run_store_cli, module)?)?;
     Ok(())
 }

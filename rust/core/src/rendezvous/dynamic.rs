@@ -36,7 +36,8 @@ pub struct RendezvousInfo {
     /// Where this round's workers find their store (served by rank 0's agent).
     pub master_addr: String,
     pub master_port: u16,
-    /// The rendezvous store, and the key namespace of this round inside it.
+    /// The rendezvous store, and this round's namespace in it: keys `{store_prefix}/{key}`
+    /// (torch's PrefixStore convention, before the TCPStore's own `/`).
     pub store_host: String,
     pub store_port: u16,
     pub store_prefix: String,
@@ -118,6 +119,10 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     }
 
     async fn conn(&mut self) -> Result<&mut S::Conn> {
+        // a call that was cancelled midway (Ctrl-C) leaves its connection unusable
+        if self.conn.as_ref().is_some_and(|conn| !conn.is_usable()) {
+            self.conn = None;
+        }
         if self.conn.is_none() {
             self.conn = Some(self.store.connect().await?);
         }
@@ -307,7 +312,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             master_port: master.port,
             store_host: self.store_addr.0.clone(),
             store_port: self.store_addr.1,
-            store_prefix: format!("{}{}", self.store_prefix, Keys::round_store(round)),
+            store_prefix: format!("{}{}", self.store_prefix.trim_start_matches('/'), Keys::round_store(round)),
         })
     }
 

@@ -86,7 +86,7 @@ impl StaticRendezvous {
             master_port: self.master_port,
             store_host: self.master_addr.clone(),
             store_port: self.master_port,
-            store_prefix: format!("{}round{round}", self.store.prefix()),
+            store_prefix: format!("{}round{round}", self.store.prefix().trim_start_matches('/')),
         })
     }
 

@@ -41,6 +41,9 @@ pub trait StoreConn: Send + 'static {
     /// Values of keys known to exist.
     fn multi_get(&mut self, keys: &[String]) -> impl Future<Output = Result<Vec<Bytes>>> + Send;
     fn delete(&mut self, key: &str) -> impl Future<Output = Result<bool>> + Send;
+    /// False once the connection cannot be used any more (broken, or an operation on it was
+    /// abandoned midway); the caller should open a new one.
+    fn is_usable(&self) -> bool;
 
     /// The value of a key known to exist.
     fn get(&mut self, key: &str) -> impl Future<Output = Result<Bytes>> + Send {
@@ -170,5 +173,9 @@ impl StoreConn for TcpConn {
     async fn delete(&mut self, key: &str) -> Result<bool> {
         let key = self.key(key);
         Ok(self.client.delete_key(&key).await?)
+    }
+
+    fn is_usable(&self) -> bool {
+        self.client.is_usable()
     }
 }

@@ -100,6 +100,11 @@ impl Client {
         self.interrupt = check;
     }
 
+    /// False once the connection broke or an operation on it was abandoned midway.
+    pub fn is_usable(&self) -> bool {
+        matches!(self.state, State::Ready)
+    }
+
     pub async fn set(&mut self, key: &[u8], value: &[u8]) -> Result<()> {
         self.begin()?;
         self.send(&Request::Set { key, value }).await?;
