@@ -14,7 +14,7 @@ from .errors import (
     QueueEmptyError,
     StoreTimeoutError,
 )
-from .store import HashStore, PrefixStore, Store, TCPStore
+from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 
 __all__ = [
     "__version__",
@@ -22,6 +22,7 @@ __all__ = [
     "TCPStore",
     "PrefixStore",
     "HashStore",
+    "FileStore",
     "DistError",
     "DistStoreError",
     "DistNetworkError",

@@ -100,3 +100,33 @@ class HashStore(_BlockingStore):
         copy = HashStore.__new__(HashStore)
         _BlockingStore.__init__(copy, self._core.share(), self._timeout)
         return copy
+
+
+class FileStore(_BlockingStore):
+    """A store shared through a file by the processes of one machine or of a shared
+    filesystem (torch's FileStore), for ``file://`` initialisation.
+
+    Every operation locks the file, so processes may use it concurrently. With
+    ``world_size`` > 0, the file is deleted once that many handles have been closed and none
+    is open; with the default -1 it is kept. Waits poll the file (at most every 10 ms).
+    """
+
+    def __init__(self, file_name: str, world_size: int = -1) -> None:
+        path = os.fspath(file_name)
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise TypeError(f"world_size must be an int, got {world_size!r}")
+        if world_size == 0:
+            raise ValueError("FileStore world size cannot be 0")
+        core = _core.BlockingStoreCore.file(path, None if world_size < 0 else world_size)
+        super().__init__(core, to_seconds(DEFAULT_TIMEOUT))
+        self._path = path
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def clone(self) -> "FileStore":
+        copy = FileStore.__new__(FileStore)
+        _BlockingStore.__init__(copy, self._core.share(), self._timeout)
+        copy._path = self._path
+        return copy

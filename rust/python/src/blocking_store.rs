@@ -1,10 +1,11 @@
 //! `BlockingStoreCore`: the in-process store (torch's HashStore) and the file-backed store
 //! (torch's FileStore) behind one class, since both are a [`BlockingStore`].
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use elastix_core::store::error::Result as StoreResult;
-use elastix_core::store::{BlockingStore, LocalStore};
+use elastix_core::store::{BlockingStore, FileStore, LocalStore};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -42,6 +43,16 @@ impl BlockingStoreCore {
     #[staticmethod]
     fn local() -> Self {
         BlockingStoreCore { store: Arc::new(LocalStore::new()), pending: PendingSignal::default() }
+    }
+
+    /// A handle on the store in the file at `path` (created if missing). Once `world_size`
+    /// handles have been dropped and none is open, the file is deleted.
+    #[staticmethod]
+    #[pyo3(signature = (path, world_size=None))]
+    fn file(py: Python<'_>, path: PathBuf, world_size: Option<u32>) -> PyResult<Self> {
+        let pending = PendingSignal::default();
+        let store = py.detach(|| FileStore::open(path, world_size)).map_err(|err| to_py(err, &pending))?;
+        Ok(BlockingStoreCore { store: Arc::new(store), pending })
     }
 
     /// Another handle on the same store (it shares the data).

@@ -24,7 +24,9 @@ pub fn to_py(err: StoreError, pending: &PendingSignal) -> PyErr {
             NetworkTimeoutError::new_err(message)
         }
         StoreError::ConnectionLost { .. } | StoreError::Listen(_) => DistNetworkError::new_err(message),
-        StoreError::Protocol { .. } | StoreError::InvalidArgument(_) => DistStoreError::new_err(message),
+        StoreError::Protocol { .. } | StoreError::InvalidArgument(_) | StoreError::File { .. } => {
+            DistStoreError::new_err(message)
+        }
         StoreError::QueueEmpty => QueueEmptyError::new_err(message),
         StoreError::Interrupted => {
             pending.take().unwrap_or_else(|| PyKeyboardInterrupt::new_err("interrupted while waiting"))

@@ -2,6 +2,7 @@
 //! torch's TCPStore recognises (the wait and barrier timeouts keep torch's wording).
 
 use std::io;
+use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +61,11 @@ pub enum StoreError {
     /// Starting a server failed (port in use, bad host, bad listen fd).
     #[error("{0}")]
     Listen(io::Error),
+
+    /// A file store's file could not be opened, locked, read or written, or holds something
+    /// other than a store.
+    #[error("file store {}: {reason}", path.display())]
+    File { path: PathBuf, reason: String },
 }
 
 impl StoreError {

@@ -5,13 +5,14 @@
 //! * [`waiters`], [`db`]: blocking waits and the execution of requests on a server.
 //! * [`server`]: the tokio server; [`client`]: the tokio client; [`tcp_store`]: torch's
 //!   TCPStore semantics over them.
-//! * [`blocking`], [`local`]: stores for plain threads (in-process, file-backed).
+//! * [`blocking`], [`local`], [`file`]: stores for plain threads (in-process, file-backed).
 
 pub mod blocking;
 pub mod client;
 pub mod counter;
 pub mod db;
 pub mod error;
+pub mod file;
 pub mod limits;
 pub mod local;
 pub mod protocol;
@@ -24,6 +25,7 @@ pub mod waiters;
 pub use blocking::BlockingStore;
 pub use client::{Client, ConnectOptions};
 pub use error::StoreError;
+pub use file::FileStore;
 pub use limits::Limits;
 pub use local::LocalStore;
 pub use server::{BackgroundServer, ServerConfig, StoreServer};
