@@ -38,10 +38,7 @@ async fn user_keys_are_prefixed_and_init_is_counted_but_hidden() {
 #[tokio::test]
 async fn a_master_waits_for_its_workers() {
     let options = master(Some(3));
-    // bind first to learn the port, as a launcher would publish it
-    let probe = TcpStore::open(TcpStoreOptions { world_size: None, ..options.clone() }).await.unwrap();
-    let port = probe.port();
-    drop(probe);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let master = tokio::spawn(TcpStore::open(TcpStoreOptions { port, ..options }));
     let _first = TcpStore::open(worker(port, Some(3))).await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
