@@ -3,6 +3,8 @@
 //! * [`store`]: a key-value store that speaks torch's TCPStore wire protocol byte for byte
 //!   (server, client, and the in-process and file-backed stores used for `file://` init).
 //! * [`rendezvous`]: elastic membership of a job's nodes over a store.
+//! * [`agent`]: the per-node agent that runs and supervises the workers.
 
+pub mod agent;
 pub mod rendezvous;
 pub mod store;

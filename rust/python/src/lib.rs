@@ -2,6 +2,7 @@
 //! releases the GIL around every blocking call and maps errors to Python exceptions; the
 //! Python package (`python/elastix`) builds the user-facing API on top.
 
+mod agent;
 mod blocking_store;
 mod errors;
 mod interrupt;
@@ -19,5 +20,6 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<blocking_store::BlockingStoreCore>()?;
     module.add_class::<rendezvous::RendezvousCore>()?;
     module.add_function(wrap_pyfunction!(store_cli::run_store_cli, module)?)?;
+    module.add_function(wrap_pyfunction!(agent::run_agent, module)?)?;
     Ok(())
 }

@@ -335,10 +335,17 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
 
     /// Ends the job's rendezvous: no node may join any more, and every node is told.
     pub async fn set_closed(&mut self) -> Result<()> {
+        self.set_closed_with("closed").await
+    }
+
+    /// Closes with a reason every node can read back ([`Self::closed_reason`]): how the job
+    /// ended. The first reason stays.
+    pub async fn set_closed_with(&mut self, reason: &str) -> Result<()> {
         let close_timeout = self.settings.close_timeout;
+        let reason = if reason.is_empty() { "closed" } else { reason };
         let closing = self.with_conn(async |conn| {
-            if !conn.check(&[Keys::CLOSED.to_owned()]).await? {
-                conn.set(Keys::CLOSED, b"1").await?;
+            let stored = conn.compare_set(Keys::CLOSED, b"", reason.as_bytes()).await?;
+            if stored.as_ref() == reason.as_bytes() {
                 events::publish(conn, &Event::Closed { v: FORMAT_VERSION }).await?;
             }
             Ok(())
@@ -353,6 +360,31 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
                 )))
             }
         }
+    }
+
+    /// Why the rendezvous was closed, if it is.
+    pub async fn closed_reason(&mut self) -> Result<Option<String>> {
+        self.with_conn(async |conn| {
+            let key = Keys::CLOSED.to_owned();
+            if !conn.check(std::slice::from_ref(&key)).await? {
+                return Ok(None);
+            }
+            Ok(Some(String::from_utf8_lossy(&conn.get(&key).await?).into_owned()))
+        })
+        .await
+    }
+
+    /// Reports that this node's round ended in a failure. One crash often fails workers on
+    /// every node, so only the first report of a round counts as a job-wide restart. Returns
+    /// the number of restarts so far.
+    pub async fn report_failure(&mut self) -> Result<i64> {
+        let round = self.current.as_ref().map(|m| m.round).or(self.last_round.map(|(round, _)| round));
+        let Some(round) = round else { return self.restart_count().await };
+        self.with_conn(async |conn| {
+            let reports = conn.add(&Keys::failures(round), 1).await?;
+            conn.add(Keys::RESTARTS, i64::from(reports == 1)).await
+        })
+        .await
     }
 
     /// Counts one restart after a failure, job-wide; returns the new total.

@@ -122,17 +122,40 @@ impl Rendezvous {
         }
     }
 
+    pub async fn set_closed_with(&mut self, reason: &str) -> Result<()> {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.set_closed_with(reason).await,
+            Rendezvous::Static(_) => Ok(()),
+        }
+    }
+
+    pub async fn closed_reason(&mut self) -> Result<Option<String>> {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.closed_reason().await,
+            Rendezvous::Static(_) => Ok(None),
+        }
+    }
+
+    /// Reports that the current round ended in a failure; returns the restarts so far
+    /// (job-wide for c10d, this node's for static).
+    pub async fn report_failure(&mut self) -> Result<i64> {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.report_failure().await,
+            Rendezvous::Static(handler) => Ok(handler.report_failure()),
+        }
+    }
+
     pub async fn record_restart(&mut self) -> Result<i64> {
         match self {
             Rendezvous::Dynamic { handler, .. } => handler.record_restart().await,
-            Rendezvous::Static(_) => Ok(0),
+            Rendezvous::Static(handler) => Ok(handler.report_failure()),
         }
     }
 
     pub async fn restart_count(&mut self) -> Result<i64> {
         match self {
             Rendezvous::Dynamic { handler, .. } => handler.restart_count().await,
-            Rendezvous::Static(_) => Ok(0),
+            Rendezvous::Static(handler) => Ok(handler.restart_count()),
         }
     }
 

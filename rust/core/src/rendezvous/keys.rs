@@ -51,6 +51,11 @@ impl Keys {
         format!("r{r}/sealed")
     }
 
+    /// Failure reports for round `r`: only the first counts as a job-wide restart.
+    pub fn failures(r: u64) -> String {
+        format!("r{r}/failures")
+    }
+
     /// Late nodes that want the job to re-form with them (torch's wait list).
     pub fn waiting(r: u64) -> String {
         format!("r{r}/waiting")

@@ -25,6 +25,8 @@ pub struct StaticRendezvous {
     server: Option<StoreServer>,
     store: TcpRendezvousStore,
     rounds: u64,
+    /// Restarts after failures (static nodes do not share them).
+    restarts: i64,
 }
 
 impl StaticRendezvous {
@@ -57,11 +59,21 @@ impl StaticRendezvous {
             server: None,
             store,
             rounds: 0,
+            restarts: 0,
         })
     }
 
     pub fn run_id(&self) -> &str {
         &self.run_id
+    }
+
+    pub fn report_failure(&mut self) -> i64 {
+        self.restarts += 1;
+        self.restarts
+    }
+
+    pub fn restart_count(&self) -> i64 {
+        self.restarts
     }
 
     /// Waits until every rank has checked in (the first time), then returns the fixed layout.

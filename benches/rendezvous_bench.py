@@ -1,0 +1,109 @@
+"""Rendezvous benchmark: time for N simulated nodes to complete one round against one store.
+
+elastix: `elastix-rdzv-bench` (N handlers as tasks, each with its own store connections, one
+elastix store). torch (when installed): N DynamicRendezvousHandlers with the c10d backend,
+each with its own TCPStore client, as threads split over two processes, against one torch
+TCPStore server; min_nodes = max_nodes = N, as in reference/baselines.md.
+
+    python benches/rendezvous_bench.py [--nodes 16 128 1024] [--torch-max-nodes 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "target", "release", "elastix-rdzv-bench")
+
+TORCH_WORKER = r"""
+import sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+port, nodes, local, run_id, start_at = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
+finished = []
+
+def node():
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600))
+    params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id=run_id,
+                                  min_nodes=nodes, max_nodes=nodes, join_timeout="600", local_addr="127.0.0.1")
+    handler = create_handler(store, C10dRendezvousBackend(store, run_id), params)
+    time.sleep(max(0.0, start_at - time.time()))
+    handler.next_rendezvous()
+    finished.append(time.time())
+
+threads = [threading.Thread(target=node) for _ in range(local)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(max(finished), flush=True)
+"""
+
+
+def elastix_round(nodes: int) -> float:
+    if not os.path.exists(BENCH):
+        subprocess.run(["cargo", "build", "--release", "-p", "elastix-rdzv-bench"], cwd=REPO, check=True)
+    out = subprocess.run([BENCH, "--nodes", str(nodes)], capture_output=True, text=True, check=True, timeout=600)
+    return json.loads(out.stdout)["seconds"]
+
+
+def torch_round(nodes: int) -> float:
+    """N handlers split over two processes; the store server runs in a third."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import torch.distributed as d, time; from datetime import timedelta; "
+         "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600)); "
+         "print(s.port, flush=True); time.sleep(3600)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    workers = []
+    try:
+        port = int(server.stdout.readline())
+        start_at = time.time() + 3.0 + nodes / 100  # every handler is built before the start
+        run_id = f"bench-{nodes}-{os.getpid()}"
+        for local in (nodes - nodes // 2, nodes // 2):
+            workers.append(subprocess.Popen(
+                [sys.executable, "-c", TORCH_WORKER, str(port), str(nodes), str(local), run_id, str(start_at)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            ))
+        ends = []
+        for worker in workers:
+            out, err = worker.communicate(timeout=900)
+            if worker.returncode != 0:
+                raise RuntimeError(f"torch rendezvous worker failed:\n{err[-2000:]}")
+            ends.append(float(out))
+        return max(ends) - start_at
+    finally:
+        for proc in [server, *workers]:
+            proc.kill()
+            proc.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[16, 128, 1024])
+    parser.add_argument("--torch-max-nodes", type=int, default=128, help="skip torch above this (it is slow)")
+    args = parser.parse_args()
+    try:
+        import torch  # noqa: F401
+
+        have_torch = True
+    except ImportError:
+        have_torch = False
+        print("torch is not installed: elastix figures only (pip install -e '.[bench]' for the comparison)")
+    print(f"{'nodes':>6} | {'elastix s':>10} | {'torch s':>9} | {'speed-up':>8}")
+    for nodes in args.nodes:
+        ours = elastix_round(nodes)
+        theirs = torch_round(nodes) if have_torch and nodes <= args.torch_max_nodes else None
+        ratio = f"{theirs / ours:7.1f}x" if theirs else "      -"
+        print(f"{nodes:>6} | {ours:>10.3f} | {theirs if theirs else float('nan'):>9.3f} | {ratio:>8}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+//! What the launcher hands the agent: one JSON object (the CLI and `elastix.launch` build it),
+//! versioned by its fields; unknown fields are refused so a typo cannot pass silently.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::error::{AgentError, Result};
+use crate::rendezvous::RendezvousParams;
+
+/// Which of a worker's streams go to a file (torch's `Std` mask).
+pub const STD_OUT: u8 = 1;
+pub const STD_ERR: u8 = 2;
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    pub run_id: String,
+    pub role: String,
+    pub local_world_size: u32,
+    /// Program each worker executes, and its arguments (`${local_rank}` is substituted).
+    pub entrypoint: String,
+    pub args: Vec<String>,
+    /// Added to every worker's environment, on top of the agent's own.
+    pub env: BTreeMap<String, String>,
+    pub rdzv_backend: String,
+    pub rdzv_endpoint: String,
+    pub rdzv_conf: String,
+    pub min_nodes: u32,
+    pub max_nodes: u32,
+    pub node_rank: Option<u32>,
+    pub local_addr: Option<String>,
+    pub master_addr: Option<String>,
+    pub master_port: Option<u16>,
+    /// Job-wide: rounds that may end in a failure before the job gives up.
+    pub max_restarts: u32,
+    pub signals_to_handle: Vec<String>,
+    /// Seconds between the stop signal and SIGKILL.
+    pub shutdown_timeout: f64,
+    pub exit_barrier_timeout: f64,
+    pub log_dir: Option<String>,
+    /// Per local rank: streams written to files only, and streams written to files and echoed.
+    pub redirects: Vec<u8>,
+    pub tee: Vec<u8>,
+    /// Local ranks whose output reaches the console (`None`: all).
+    pub local_ranks_filter: Option<Vec<u32>>,
+    /// Template for console line prefixes: `{role}`, `{rank}`, `{local_rank}`, `{host}`.
+    pub line_prefix: Option<String>,
+    pub virtual_local_rank: bool,
+}
+
+impl AgentConfig {
+    pub fn from_json(text: &str) -> Result<AgentConfig> {
+        let config: AgentConfig =
+            serde_json::from_str(text).map_err(|err| AgentError::Config(format!("invalid agent configuration: {err}")))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let n = self.local_world_size as usize;
+        if n == 0 {
+            return Err(AgentError::Config("nproc-per-node must be at least 1".into()));
+        }
+        for (name, masks) in [("redirects", &self.redirects), ("tee", &self.tee)] {
+            if masks.len() != n || masks.iter().any(|mask| *mask > 3) {
+                return Err(AgentError::Config(format!(
+                    "{name} must give a mask 0-3 for each of the {n} local ranks, got {masks:?}"
+                )));
+            }
+        }
+        for (name, seconds) in [("shutdown_timeout", self.shutdown_timeout), ("exit_barrier_timeout", self.exit_barrier_timeout)] {
+            if !(seconds.is_finite() && seconds >= 0.0) {
+                return Err(AgentError::Config(format!("{name} must be a non-negative number of seconds, got {seconds}")));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn shutdown_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.shutdown_timeout)
+    }
+
+    pub fn exit_barrier_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.exit_barrier_timeout)
+    }
+
+    /// Streams of `local_rank` that are written to a file.
+    pub fn file_mask(&self, local_rank: usize) -> u8 {
+        self.redirects[local_rank] | self.tee[local_rank] | self.filtered_out_mask(local_rank)
+    }
+
+    /// Streams of `local_rank` that reach the console.
+    pub fn console_mask(&self, local_rank: usize) -> u8 {
+        if self.filtered_out_mask(local_rank) != 0 {
+            return 0;
+        }
+        (STD_OUT | STD_ERR) & !self.redirects[local_rank] | self.tee[local_rank]
+    }
+
+    /// A rank kept off the console by `--local-ranks-filter` still has its output kept, in
+    /// files (torch drops it).
+    fn filtered_out_mask(&self, local_rank: usize) -> u8 {
+        match &self.local_ranks_filter {
+            Some(shown) if !shown.contains(&(local_rank as u32)) => STD_OUT | STD_ERR,
+            _ => 0,
+        }
+    }
+
+    pub fn rendezvous_params(&self) -> RendezvousParams {
+        // static without an endpoint meets at the master address, as torch does
+        let endpoint = match (&self.rdzv_endpoint, self.rdzv_backend.as_str()) {
+            (endpoint, "static") if endpoint.is_empty() => format!(
+                "{}:{}",
+                self.master_addr.as_deref().unwrap_or("127.0.0.1"),
+                self.master_port.unwrap_or(crate::rendezvous::handler::DEFAULT_MASTER_PORT)
+            ),
+            (endpoint, _) => endpoint.clone(),
+        };
+        RendezvousParams {
+            backend: self.rdzv_backend.clone(),
+            endpoint,
+            run_id: self.run_id.clone(),
+            min_nodes: self.min_nodes,
+            max_nodes: self.max_nodes,
+            local_addr: self.local_addr.clone(),
+            conf: self.rdzv_conf.clone(),
+            node_rank: self.node_rank,
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn sample(local_world_size: u32) -> serde_json::Value {
+        let n = local_world_size as usize;
+        serde_json::json!({
+            "run_id": "job", "role": "default", "local_world_size": local_world_size,
+            "entrypoint": "/bin/true", "args": [], "env": {},
+            "rdzv_backend": "c10d", "rdzv_endpoint": "localhost:0", "rdzv_conf": "",
+            "min_nodes": 1, "max_nodes": 1, "node_rank": null, "local_addr": null,
+            "master_addr": null, "master_port": null, "max_restarts": 0,
+            "signals_to_handle": ["SIGTERM", "SIGINT"], "shutdown_timeout": 30.0,
+            "exit_barrier_timeout": 300.0, "log_dir": null,
+            "redirects": vec![0; n], "tee": vec![0; n], "local_ranks_filter": null,
+            "line_prefix": null, "virtual_local_rank": false
+        })
+    }
+
+    #[test]
+    fn parses_and_checks_masks() {
+        let config = AgentConfig::from_json(&sample(2).to_string()).unwrap();
+        assert_eq!(config.console_mask(0), 3);
+        assert_eq!(config.file_mask(0), 0);
+        let mut bad = sample(2);
+        bad["tee"] = serde_json::json!([3]);
+        assert!(AgentConfig::from_json(&bad.to_string()).unwrap_err().to_string().contains("tee"));
+        let mut typo = sample(1);
+        typo["max_restart"] = serde_json::json!(1);
+        assert!(AgentConfig::from_json(&typo.to_string()).is_err());
+    }
+
+    #[test]
+    fn redirects_tee_and_filters_combine() {
+        let mut value = sample(3);
+        value["redirects"] = serde_json::json!([1, 0, 0]);
+        value["tee"] = serde_json::json!([0, 2, 0]);
+        value["local_ranks_filter"] = serde_json::json!([0, 1]);
+        let config = AgentConfig::from_json(&value.to_string()).unwrap();
+        assert_eq!((config.file_mask(0), config.console_mask(0)), (STD_OUT, STD_ERR));
+        assert_eq!((config.file_mask(1), config.console_mask(1)), (STD_ERR, STD_OUT | STD_ERR));
+        assert_eq!((config.file_mask(2), config.console_mask(2)), (STD_OUT | STD_ERR, 0));
+    }
+
+    #[test]
+    fn static_meets_at_the_master_address() {
+        let mut value = sample(1);
+        value["rdzv_backend"] = serde_json::json!("static");
+        value["rdzv_endpoint"] = serde_json::json!("");
+        value["master_addr"] = serde_json::json!("10.0.0.1");
+        value["master_port"] = serde_json::json!(1234);
+        let config = AgentConfig::from_json(&value.to_string()).unwrap();
+        assert_eq!(config.rendezvous_params().endpoint, "10.0.0.1:1234");
+    }
+}

@@ -1,0 +1,177 @@
+//! What a failed worker left behind, and the root-cause summary: which worker failed first,
+//! where, how (exit code or signal name), and why (its error file, torch's error.json format,
+//! or else the last lines of its stderr). No decorator is needed to see why a worker died.
+
+use std::time::SystemTime;
+
+use nix::sys::signal::Signal;
+use serde::Serialize;
+
+/// Lines of stderr kept per worker for the summary.
+pub const STDERR_TAIL_LINES: usize = 20;
+/// Width cap of the summary's rules, as torch's.
+const MAX_RULE: usize = 60;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Failure {
+    pub global_rank: u32,
+    pub local_rank: u32,
+    pub host: String,
+    pub pid: u32,
+    /// The exit code, or minus the signal number for a worker killed by a signal (Python's
+    /// convention).
+    pub exitcode: i32,
+    pub signal: Option<String>,
+    /// Seconds since the Unix epoch (millisecond precision).
+    pub timestamp: f64,
+    /// The worker's error file, when it wrote one.
+    pub error_file: Option<String>,
+    /// The error file's message, else the stderr tail, else what the exit says.
+    pub message: String,
+}
+
+impl Failure {
+    /// `error_file` is read if it exists; `stderr_tail` is the worker's last stderr lines.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        global_rank: u32,
+        local_rank: u32,
+        host: &str,
+        pid: u32,
+        exitcode: i32,
+        at: SystemTime,
+        error_file: &str,
+        stderr_tail: &[String],
+    ) -> Failure {
+        let signal = (exitcode < 0).then(|| signal_name(-exitcode));
+        let from_file = read_error_file(error_file);
+        let message = match (&from_file, &signal) {
+            (Some(message), _) => message.clone(),
+            (None, _) if !stderr_tail.is_empty() => stderr_tail.join("\n"),
+            (None, Some(name)) => format!("Signal {} ({name}) received by PID {pid}", -exitcode),
+            (None, None) => format!("exited with code {exitcode} without writing an error file or to stderr"),
+        };
+        Failure {
+            global_rank,
+            local_rank,
+            host: host.to_owned(),
+            pid,
+            exitcode,
+            signal,
+            timestamp: at.duration_since(SystemTime::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
+            error_file: from_file.map(|_| error_file.to_owned()),
+            message,
+        }
+    }
+
+    fn block(&self, index: usize) -> String {
+        let at = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs_f64(self.timestamp);
+        let exit = match &self.signal {
+            Some(name) => format!("{} ({name}) (pid: {})", self.exitcode, self.pid),
+            None => format!("{} (pid: {})", self.exitcode, self.pid),
+        };
+        let detail = self.message.replace('\n', "\n    ");
+        format!(
+            "[{index}]:\n  time      : {}\n  host      : {}\n  rank      : {} (local_rank: {})\n  exitcode  : {exit}\n  error_file: {}\n  traceback : {detail}",
+            humantime::format_rfc3339_millis(at),
+            self.host,
+            self.global_rank,
+            self.local_rank,
+            self.error_file.as_deref().unwrap_or("<N/A>"),
+        )
+    }
+}
+
+/// "SIGSEGV" for 11, or "signal N" for numbers Linux does not name.
+pub fn signal_name(number: i32) -> String {
+    Signal::try_from(number).map_or_else(|_| format!("signal {number}"), |signal| signal.as_str().to_owned())
+}
+
+/// The message of a torch-format error file: `{"message": {"message": ..., "extraInfo":
+/// {"py_callstack": ...}}}` or `{"message": "..."}`; the call stack when there is one.
+fn read_error_file(path: &str) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let json: serde_json::Value = match serde_json::from_str(&text) {
+        Ok(json) => json,
+        Err(err) => return Some(format!("unreadable error file ({err}): {}", text.trim())),
+    };
+    let message = &json["message"];
+    if let Some(text) = message.as_str() {
+        return Some(text.to_owned());
+    }
+    let stack = message["extraInfo"]["py_callstack"].as_str();
+    let summary = message["message"].as_str();
+    stack.or(summary).map(|s| s.trim_end().to_owned()).or_else(|| Some(json.to_string()))
+}
+
+/// torch's ChildFailedError layout: the other failures, then the first one as the root cause.
+pub fn summary(name: &str, failures: &[Failure]) -> String {
+    let mut ordered: Vec<&Failure> = failures.iter().collect();
+    ordered.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
+    let Some((root, others)) = ordered.split_first() else {
+        return format!("{name} FAILED (no worker failure recorded)");
+    };
+    let title = format!("{name} FAILED");
+    let other_blocks: Vec<String> = others.iter().enumerate().map(|(i, f)| f.block(i + 1)).collect();
+    let root_block = root.block(0);
+    let width = std::iter::once(title.as_str())
+        .chain(other_blocks.iter().chain([&root_block]).flat_map(|b| b.lines()))
+        .map(str::len)
+        .max()
+        .unwrap_or(0)
+        .min(MAX_RULE);
+    let (heavy, light) = ("=".repeat(width), "-".repeat(width));
+    let others_text = if other_blocks.is_empty() { "  <NO_OTHER_FAILURES>".to_owned() } else { other_blocks.join("\n") };
+    format!(
+        "{heavy}\n{title}\n{light}\nFailures:\n{others_text}\n{light}\nRoot Cause (first observed failure):\n{root_block}\n{heavy}"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_file(name: &str, text: &str) -> String {
+        let path = std::env::temp_dir().join(format!("elastix-failure-{}-{name}", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        path.to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn the_error_file_wins_then_stderr_then_the_exit() {
+        let file = temp_file(
+            "err.json",
+            r#"{"message": {"message": "ValueError: bad", "extraInfo": {"py_callstack": "Traceback...\nValueError: bad", "timestamp": "1"}}}"#,
+        );
+        let failure = Failure::new(3, 1, "h", 42, 1, SystemTime::now(), &file, &["ignored".into()]);
+        assert_eq!(failure.message, "Traceback...\nValueError: bad");
+        assert_eq!(failure.error_file.as_deref(), Some(file.as_str()));
+        std::fs::remove_file(&file).unwrap();
+
+        let failure = Failure::new(0, 0, "h", 7, 2, SystemTime::now(), "/nonexistent", &["boom".into()]);
+        assert_eq!((failure.message.as_str(), failure.error_file.clone()), ("boom", None));
+
+        let failure = Failure::new(0, 0, "h", 7, -9, SystemTime::now(), "/nonexistent", &[]);
+        assert_eq!(failure.signal.as_deref(), Some("SIGKILL"));
+        assert_eq!(failure.message, "Signal 9 (SIGKILL) received by PID 7");
+    }
+
+    #[test]
+    fn the_summary_puts_the_first_failure_last_as_root_cause() {
+        let t = SystemTime::now();
+        let later = Failure::new(1, 1, "host-a", 11, 1, t + std::time::Duration::from_millis(5), "/none", &["late".into()]);
+        let first = Failure::new(0, 0, "host-a", 10, -11, t, "/none", &["segfault here".into()]);
+        let text = summary("train.py", &[later, first]);
+        let rule = text.lines().next().unwrap();
+        let longest = text.lines().map(str::len).max().unwrap();
+        assert!(rule.chars().all(|c| c == '=') && rule.len() == longest.min(MAX_RULE), "{text}");
+        let root = text.split("Root Cause (first observed failure):").nth(1).unwrap();
+        assert!(root.contains("rank      : 0 (local_rank: 0)") && root.contains("-11 (SIGSEGV)") && root.contains("segfault here"), "{text}");
+        assert!(text.contains("late"));
+        assert!(summary("x", &[first_only()]).contains("<NO_OTHER_FAILURES>"));
+    }
+
+    fn first_only() -> Failure {
+        Failure::new(0, 0, "h", 1, 3, SystemTime::now(), "/none", &[])
+    }
+}

@@ -1,0 +1,256 @@
+//! The local worker processes of one attempt: started together, each in its own process
+//! group with a parent-death signal; their exits arrive as events (no polling); stopped
+//! together (signal, grace period, SIGKILL to each whole group, every child reaped).
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime};
+
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::process::Command;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use super::config::{AgentConfig, STD_ERR, STD_OUT};
+use super::env::{worker_args, worker_env, WorkerPlace};
+use super::error::{AgentError, Result};
+use super::failure::Failure;
+use super::logs::{expand_prefix, pump, Console, Sink, DEFAULT_TEE_PREFIX};
+use super::ranks::Assignment;
+use crate::rendezvous::RendezvousInfo;
+
+/// After SIGKILL, how long to wait for the kernel to reap a worker before giving up on it.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+/// After a worker exits, how long its output may take to drain.
+const DRAIN_WAIT: Duration = Duration::from_millis(500);
+
+struct Worker {
+    place: WorkerPlace,
+    pid: u32,
+    exit: Option<(ExitStatus, SystemTime)>,
+    pumps: Vec<JoinHandle<()>>,
+    stderr_tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+/// How an attempt's workers ended.
+#[derive(Debug)]
+pub enum GroupOutcome {
+    Succeeded,
+    /// The first worker that failed (others may have failed after it).
+    Failed(Failure),
+}
+
+pub struct WorkerGroup {
+    workers: Vec<Worker>,
+    exits: mpsc::UnboundedReceiver<(usize, std::io::Result<ExitStatus>, SystemTime)>,
+    host: String,
+}
+
+/// What a group needs to start.
+pub struct Launch<'a> {
+    pub config: &'a AgentConfig,
+    pub info: &'a RendezvousInfo,
+    pub assignment: &'a Assignment,
+    pub restart_count: i64,
+    pub attempt_dir: &'a Path,
+    pub host: &'a str,
+}
+
+impl WorkerGroup {
+    pub fn start(launch: &Launch<'_>) -> Result<WorkerGroup> {
+        let (sender, exits) = mpsc::unbounded_channel();
+        let mut group = WorkerGroup { workers: Vec::new(), exits, host: launch.host.to_owned() };
+        for local_rank in 0..launch.config.local_world_size {
+            match spawn(launch, local_rank, sender.clone()) {
+                Ok(worker) => group.workers.push(worker),
+                Err(err) => {
+                    // leave nothing half-started behind
+                    group.kill_all();
+                    return Err(err);
+                }
+            }
+        }
+        Ok(group)
+    }
+
+    pub fn global_ranks(&self) -> Vec<u32> {
+        self.workers.iter().map(|w| w.place.global_rank).collect()
+    }
+
+    pub fn pids(&self) -> Vec<u32> {
+        self.workers.iter().map(|w| w.pid).collect()
+    }
+
+    /// Waits until a worker fails or every worker has succeeded.
+    pub async fn wait(&mut self) -> GroupOutcome {
+        while let Some((index, status, at)) = self.exits.recv().await {
+            let status = status.unwrap_or_else(|_| failed_status());
+            self.workers[index].exit = Some((status, at));
+            if !status.success() {
+                return GroupOutcome::Failed(self.failure(index).await);
+            }
+            if self.workers.iter().all(|w| w.exit.is_some()) {
+                return GroupOutcome::Succeeded;
+            }
+        }
+        GroupOutcome::Succeeded
+    }
+
+    async fn failure(&mut self, index: usize) -> Failure {
+        let worker = &mut self.workers[index];
+        // the exit can overtake the last lines of stderr (often the traceback): drain first
+        worker.pumps = drain(std::mem::take(&mut worker.pumps)).await;
+        let (status, at) = worker.exit.expect("recorded before");
+        let tail: Vec<String> = worker.stderr_tail.lock().unwrap_or_else(PoisonError::into_inner).iter().cloned().collect();
+        Failure::new(
+            worker.place.global_rank,
+            worker.place.local_rank,
+            &self.host,
+            worker.pid,
+            exit_code(status),
+            at,
+            &worker.place.error_file,
+            &tail,
+        )
+    }
+
+    /// Sends `signal` to every running worker's process group.
+    pub fn signal_all(&self, signal: Signal) {
+        for worker in self.workers.iter().filter(|w| w.exit.is_none()) {
+            let _ = killpg(Pid::from_raw(worker.pid as i32), signal);
+        }
+    }
+
+    /// Stops every worker: `signal` to each process group, up to `grace` for them to exit,
+    /// then SIGKILL; every worker is reaped, and what is left of its process group is killed.
+    pub async fn stop(&mut self, signal: Signal, grace: Duration) {
+        self.signal_all(signal);
+        if !self.reap_until(tokio::time::Instant::now() + grace).await {
+            self.signal_all(Signal::SIGKILL);
+            if !self.reap_until(tokio::time::Instant::now() + KILL_WAIT).await {
+                let stuck: Vec<u32> = self.workers.iter().filter(|w| w.exit.is_none()).map(|w| w.pid).collect();
+                eprintln!("[elastix] workers {stuck:?} did not exit after SIGKILL (uninterruptible sleep?); giving up on them");
+            }
+        }
+        self.kill_all();
+        for worker in &mut self.workers {
+            // a grandchild that kept the pipe open must not hold the agent
+            for pump in drain(std::mem::take(&mut worker.pumps)).await {
+                pump.abort();
+            }
+        }
+    }
+
+    /// Collects exits until all workers have exited (true) or the deadline passed (false).
+    async fn reap_until(&mut self, deadline: tokio::time::Instant) -> bool {
+        while self.workers.iter().any(|w| w.exit.is_none()) {
+            match tokio::time::timeout_at(deadline, self.exits.recv()).await {
+                Ok(Some((index, status, at))) => {
+                    self.workers[index].exit = Some((status.unwrap_or_else(|_| failed_status()), at));
+                }
+                Ok(None) | Err(_) => return false,
+            }
+        }
+        true
+    }
+
+    /// SIGKILL to every worker's process group, exited or not: nothing they started survives.
+    fn kill_all(&self) {
+        for worker in &self.workers {
+            let _ = killpg(Pid::from_raw(worker.pid as i32), Signal::SIGKILL);
+        }
+    }
+}
+
+impl Drop for WorkerGroup {
+    fn drop(&mut self) {
+        self.kill_all();
+    }
+}
+
+fn spawn(
+    launch: &Launch<'_>,
+    local_rank: u32,
+    exits: mpsc::UnboundedSender<(usize, std::io::Result<ExitStatus>, SystemTime)>,
+) -> Result<Worker> {
+    let config = launch.config;
+    let rank_dir = launch.attempt_dir.join(local_rank.to_string());
+    let error_file = rank_dir.join("error.json").to_string_lossy().into_owned();
+    let place = WorkerPlace::new(local_rank, launch.assignment, launch.restart_count, error_file);
+    let mut command = Command::new(&config.entrypoint);
+    command
+        .args(worker_args(&config.args, local_rank))
+        .envs(worker_env(config, launch.info, launch.assignment, &place))
+        .stdin(Stdio::inherit())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let agent_pid = nix::unistd::getpid();
+    // SAFETY: only async-signal-safe system calls run between fork and exec.
+    unsafe {
+        command.pre_exec(move || {
+            // die with the agent; if it already died, do not start at all
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+            if nix::unistd::getppid() != agent_pid {
+                return Err(std::io::Error::other("the agent exited before the worker started"));
+            }
+            Ok(())
+        });
+    }
+    let mut child = command.spawn().map_err(|err| {
+        AgentError::Spawn(format!("cannot start worker {local_rank} ({} {:?}): {err}", config.entrypoint, config.args))
+    })?;
+    let pid = child.id().expect("a just-spawned child has a pid");
+    let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
+    let sink = |mask: u8, console: Console, name: &str, tail: Option<Arc<Mutex<VecDeque<String>>>>| -> Result<Sink> {
+        let local = local_rank as usize;
+        let file = if config.file_mask(local) & mask != 0 {
+            Some(std::fs::File::create(rank_dir.join(name))?)
+        } else {
+            None
+        };
+        let shown = config.console_mask(local) & mask != 0;
+        let tee = config.tee[local] & mask != 0;
+        let template = config.line_prefix.as_deref().or(tee.then_some(DEFAULT_TEE_PREFIX));
+        let prefix = template
+            .map(|t| expand_prefix(t, &config.role, place.global_rank, local_rank, launch.host))
+            .unwrap_or_default();
+        Ok(Sink { file, console: shown.then_some(console), prefix, tail })
+    };
+    let pumps = vec![
+        pump(child.stdout.take().expect("piped"), sink(STD_OUT, Console::Stdout, "stdout.log", None)?),
+        pump(child.stderr.take().expect("piped"), sink(STD_ERR, Console::Stderr, "stderr.log", Some(stderr_tail.clone()))?),
+    ];
+    let index = local_rank as usize;
+    tokio::spawn(async move {
+        let status = child.wait().await;
+        let _ = exits.send((index, status, SystemTime::now()));
+    });
+    Ok(Worker { place, pid, exit: None, pumps, stderr_tail })
+}
+
+/// Waits up to [`DRAIN_WAIT`] for output pumps to reach EOF; returns those still running.
+async fn drain(pumps: Vec<JoinHandle<()>>) -> Vec<JoinHandle<()>> {
+    let deadline = tokio::time::Instant::now() + DRAIN_WAIT;
+    let mut running = Vec::new();
+    for mut pump in pumps {
+        if tokio::time::timeout_at(deadline, &mut pump).await.is_err() {
+            running.push(pump);
+        }
+    }
+    running
+}
+
+/// Python's convention: the exit code, or minus the signal that killed the process.
+pub fn exit_code(status: ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    status.code().unwrap_or_else(|| -status.signal().unwrap_or(0))
+}
+
+fn failed_status() -> ExitStatus {
+    use std::os::unix::process::ExitStatusExt;
+    ExitStatus::from_raw(1 << 8)
+}

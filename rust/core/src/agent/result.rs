@@ -1,0 +1,35 @@
+//! What the agent reports back to the launcher (as JSON).
+
+use serde::Serialize;
+
+use super::failure::Failure;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum RunState {
+    Succeeded,
+    Failed,
+    Interrupted,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AgentResult {
+    pub state: RunState,
+    /// What the launching process should exit with: 0, 1 on failure, 128+N after signal N.
+    pub exit_code: i32,
+    pub restart_count: i64,
+    pub group_rank: Option<u32>,
+    pub group_world_size: Option<u32>,
+    pub log_dir: Option<String>,
+    /// Global rank of each local rank in the last attempt.
+    pub global_ranks: Vec<u32>,
+    pub failures: Vec<Failure>,
+    /// The root-cause text, already printed to stderr.
+    pub summary: Option<String>,
+}
+
+impl AgentResult {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("the result always serializes")
+    }
+}

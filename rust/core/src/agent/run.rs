@@ -1,0 +1,329 @@
+//! The agent's life: rendezvous, start the workers, wait for the first event (a worker
+//! failed, all succeeded, the membership changed, a signal), react, repeat.
+//!
+//! * A worker failure stops the local workers and reports the failure to the rendezvous;
+//!   the first report of a round spends one job-wide restart. Within the budget the agent
+//!   re-joins (which opens the next round and restarts every node); past it, the job is
+//!   closed as failed and every agent exits 1 with the root cause.
+//! * A membership change (late nodes waiting, a node lost, a newer round) restarts the
+//!   workers without spending the budget.
+//! * A signal is forwarded to the workers, which are then stopped; the agent exits with
+//!   128+N and leaves the rendezvous open (the other nodes re-form without it).
+//! * All local workers succeeding leads to the exit barrier; once every node is through, the
+//!   job is done and the rendezvous is closed as succeeded.
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tokio::sync::watch;
+
+use super::config::AgentConfig;
+use super::error::{AgentError, Result};
+use super::failure::{summary, Failure};
+use super::group::{GroupOutcome, Launch, WorkerGroup};
+use super::logs::LogDirs;
+use super::ranks::{self, RoleInfo};
+use super::result::{AgentResult, RunState};
+use super::signals::Signals;
+use crate::rendezvous::node::host_name;
+use crate::rendezvous::{MembershipChange, Rendezvous, RendezvousError, RendezvousInfo};
+use crate::store::{TcpStore, TcpStoreOptions};
+
+/// The reason a successful job closes its rendezvous with.
+const SUCCEEDED: &str = "succeeded";
+/// Prefix of the reason a failed job closes its rendezvous with (the summary follows).
+const FAILED: &str = "failed: ";
+/// Bound on the rank exchange and other agent-side store waits.
+const STORE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Runs an agent to the end and reports how it went. Must run inside a multi-thread tokio
+/// runtime that lives as long as the call (workers die with the thread that started them).
+pub async fn run_agent(config: AgentConfig) -> AgentResult {
+    let mut report = Report::default();
+    let outcome = match Agent::start(config, &mut report).await {
+        Ok(mut agent) => agent.run(&mut report).await,
+        Err(err) => Err(err),
+    };
+    match outcome {
+        Ok(end) => report.finish(end),
+        Err(err) => {
+            eprintln!("[elastix] agent failed: {err}");
+            report.summary = Some(err.to_string());
+            report.finish(End::Failed)
+        }
+    }
+}
+
+/// How the agent's run ended.
+enum End {
+    Succeeded,
+    Failed,
+    Interrupted(Signal),
+}
+
+/// What the result will say; filled in as the run goes.
+#[derive(Default)]
+struct Report {
+    restart_count: i64,
+    group_rank: Option<u32>,
+    group_world_size: Option<u32>,
+    log_dir: Option<String>,
+    global_ranks: Vec<u32>,
+    failures: Vec<Failure>,
+    summary: Option<String>,
+}
+
+impl Report {
+    fn finish(self, end: End) -> AgentResult {
+        let (state, exit_code) = match end {
+            End::Succeeded => (RunState::Succeeded, 0),
+            End::Failed => (RunState::Failed, 1),
+            End::Interrupted(signal) => (RunState::Interrupted, 128 + signal as i32),
+        };
+        AgentResult {
+            state,
+            exit_code,
+            restart_count: self.restart_count,
+            group_rank: self.group_rank,
+            group_world_size: self.group_world_size,
+            log_dir: self.log_dir,
+            global_ranks: self.global_ranks,
+            failures: self.failures,
+            summary: self.summary,
+        }
+    }
+}
+
+/// What ended one attempt.
+enum Event {
+    Workers(GroupOutcome),
+    Change(MembershipChange),
+    Signal(Signal),
+}
+
+struct Agent {
+    config: AgentConfig,
+    rdzv: Rendezvous,
+    signals: Signals,
+    logs: LogDirs,
+    host: String,
+    attempt: u32,
+    store: Option<TcpStore>,
+}
+
+impl Agent {
+    async fn start(config: AgentConfig, report: &mut Report) -> Result<Agent> {
+        // signals first: one that arrives during the rendezvous is handled like any other
+        let signals = Signals::install(&config.signals_to_handle)?;
+        let logs = LogDirs::create(config.log_dir.as_deref(), &config.run_id)?;
+        report.log_dir = Some(logs.run_dir().to_string_lossy().into_owned());
+        let rdzv = Rendezvous::create(config.rendezvous_params()).await?;
+        let host = config.local_addr.clone().unwrap_or_else(host_name);
+        Ok(Agent { config, rdzv, signals, logs, host, attempt: 0, store: None })
+    }
+
+    async fn run(&mut self, report: &mut Report) -> Result<End> {
+        loop {
+            let info = tokio::select! {
+                info = self.rdzv.next_rendezvous() => match info {
+                    Ok(info) => info,
+                    Err(RendezvousError::Closed { .. }) => return self.closed(report).await,
+                    Err(RendezvousError::GracefulExit { .. }) => {
+                        eprintln!("[elastix] the job finished while this node waited as a spare");
+                        return Ok(End::Succeeded);
+                    }
+                    Err(err) => return Err(err.into()),
+                },
+                signal = self.signals.recv() => return Ok(End::Interrupted(signal)),
+            };
+            report.failures.clear(); // the result describes the last attempt
+            report.group_rank = Some(info.rank);
+            report.group_world_size = Some(info.world_size);
+            report.restart_count = self.rdzv.restart_count().await?;
+            let mut group = self.start_workers(&info, report.restart_count).await?;
+            report.global_ranks = group.global_ranks();
+            let mut changes = self.rdzv.changes();
+            let event = tokio::select! {
+                outcome = group.wait() => Event::Workers(outcome),
+                change = next_change(&mut changes) => Event::Change(change),
+                signal = self.signals.recv() => Event::Signal(signal),
+            };
+            let grace = self.config.shutdown_timeout();
+            match event {
+                Event::Workers(GroupOutcome::Succeeded) => {
+                    drop(group);
+                    match self.exit_barrier(&info, &mut changes).await? {
+                        None => {
+                            // every node is through: the job is done
+                            let _ = self.rdzv.set_closed_with(SUCCEEDED).await;
+                            self.logs.remove_if_temporary();
+                            report.log_dir = None;
+                            return Ok(End::Succeeded);
+                        }
+                        Some(Event::Signal(signal)) => return Ok(End::Interrupted(signal)),
+                        Some(Event::Change(MembershipChange::Closed)) => return self.closed(report).await,
+                        Some(_) => continue, // another node restarted: run again with it
+                    }
+                }
+                Event::Workers(GroupOutcome::Failed(failure)) => {
+                    group.stop(Signal::SIGTERM, grace).await;
+                    if let Some(end) = self.after_failure(failure, report).await? {
+                        return Ok(end);
+                    }
+                }
+                Event::Change(change) => {
+                    eprintln!("[elastix] {}; restarting the workers", describe(&change));
+                    group.stop(Signal::SIGTERM, grace).await;
+                    if change == MembershipChange::Closed {
+                        return self.closed(report).await;
+                    }
+                }
+                Event::Signal(signal) => {
+                    eprintln!("[elastix] received {signal}; stopping the workers");
+                    group.stop(signal, grace).await;
+                    return Ok(End::Interrupted(signal));
+                }
+            }
+        }
+    }
+
+    async fn start_workers(&mut self, info: &RendezvousInfo, restart_count: i64) -> Result<WorkerGroup> {
+        let store = connect_store(&mut self.store, info).await?;
+        let me = RoleInfo { role: self.config.role.clone(), local_world_size: self.config.local_world_size };
+        let assignment = ranks::assign(store, &info.store_prefix, info.rank, info.world_size, &me, STORE_TIMEOUT).await?;
+        let attempt_dir = self.logs.attempt(self.attempt, self.config.local_world_size)?;
+        self.attempt += 1;
+        WorkerGroup::start(&Launch {
+            config: &self.config,
+            info,
+            assignment: &assignment,
+            restart_count,
+            attempt_dir: &attempt_dir,
+            host: &self.host,
+        })
+    }
+
+    /// Spends a restart if this is the round's first failure report; past the budget, closes
+    /// the job as failed. `Some` ends the agent.
+    async fn after_failure(&mut self, failure: Failure, report: &mut Report) -> Result<Option<End>> {
+        let restarts = self.rdzv.report_failure().await?;
+        report.restart_count = restarts;
+        let name = entrypoint_name(&self.config);
+        let text = summary(&name, std::slice::from_ref(&failure));
+        report.failures = vec![failure];
+        if restarts > i64::from(self.config.max_restarts) {
+            eprintln!("{text}");
+            let _ = self.rdzv.set_closed_with(&format!("{FAILED}{text}")).await;
+            report.summary = Some(text);
+            return Ok(Some(End::Failed));
+        }
+        let failure = &report.failures[0];
+        eprintln!(
+            "[elastix] worker rank {} (local rank {}, pid {}) failed with exit code {}{}; restart {restarts} of {}",
+            failure.global_rank,
+            failure.local_rank,
+            failure.pid,
+            failure.exitcode,
+            failure.signal.as_deref().map(|s| format!(" ({s})")).unwrap_or_default(),
+            self.config.max_restarts
+        );
+        Ok(None)
+    }
+
+    /// The rendezvous was closed: by a successful job, or by one that failed elsewhere.
+    async fn closed(&mut self, report: &mut Report) -> Result<End> {
+        let reason = self.rdzv.closed_reason().await?.unwrap_or_default();
+        if reason == SUCCEEDED {
+            return Ok(End::Succeeded);
+        }
+        let why = reason.strip_prefix(FAILED).unwrap_or(&reason);
+        eprintln!("[elastix] the job was closed after a failure on another node:\n{why}");
+        report.summary = Some(why.to_owned());
+        Ok(End::Failed)
+    }
+
+    /// Waits until every node's workers are done (`None`), a membership change or a signal
+    /// comes first (`Some`), or the timeout passes (`None`, with a warning: this node's
+    /// workers did succeed).
+    async fn exit_barrier(
+        &mut self,
+        info: &RendezvousInfo,
+        changes: &mut Option<watch::Receiver<Option<MembershipChange>>>,
+    ) -> Result<Option<Event>> {
+        let timeout = self.config.exit_barrier_timeout();
+        let prefix = info.store_prefix.clone();
+        let world_size = i64::from(info.world_size);
+        let store = connect_store(&mut self.store, info).await?;
+        let done = async {
+            let arrived = store.add(format!("{prefix}/terminal/num_members").as_bytes(), 1).await?;
+            let last = format!("{prefix}/terminal/last_member");
+            if arrived == world_size {
+                store.set(last.as_bytes(), b"1").await?;
+            }
+            store.wait(&[last.as_bytes()], Some(timeout)).await
+        };
+        let event = tokio::select! {
+            done = done => match done {
+                Ok(()) => None,
+                Err(err) if err.is_timeout() => {
+                    eprintln!("[elastix] exit barrier: not every node finished within {timeout:?}; exiting anyway");
+                    None
+                }
+                Err(err) => return Err(AgentError::Store(err)),
+            },
+            change = next_change(changes) => Some(Event::Change(change)),
+            signal = self.signals.recv() => Some(Event::Signal(signal)),
+        };
+        Ok(event)
+    }
+}
+
+/// A connection to the rendezvous store, kept in `slot` while it stays usable.
+async fn connect_store<'a>(slot: &'a mut Option<TcpStore>, info: &RendezvousInfo) -> Result<&'a mut TcpStore> {
+    let reusable = slot.as_ref().is_some_and(|store| {
+        store.client().is_usable() && store.host() == info.store_host && store.port() == info.store_port
+    });
+    if !reusable {
+        let options =
+            TcpStoreOptions { timeout: Some(STORE_TIMEOUT), ..TcpStoreOptions::new(info.store_host.clone(), info.store_port) };
+        *slot = Some(TcpStore::open(options).await?);
+    }
+    Ok(slot.as_mut().expect("opened above"))
+}
+
+/// The next membership change (never, for a backend without any).
+async fn next_change(changes: &mut Option<watch::Receiver<Option<MembershipChange>>>) -> MembershipChange {
+    let Some(receiver) = changes else { return std::future::pending().await };
+    loop {
+        if let Some(change) = receiver.borrow_and_update().clone() {
+            return change;
+        }
+        if receiver.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+    }
+}
+
+fn describe(change: &MembershipChange) -> String {
+    match change {
+        MembershipChange::NodesWaiting => "new nodes are waiting to join".to_owned(),
+        MembershipChange::NodeLost { rank, node } => match node {
+            Some(node) => format!("node {node} (group rank {rank}) stopped responding"),
+            None => format!("group rank {rank} stopped responding"),
+        },
+        MembershipChange::RoundSuperseded { round } => format!("another node restarted (round {round})"),
+        MembershipChange::Closed => "the job's rendezvous was closed".to_owned(),
+    }
+}
+
+/// What failed, as the summary names it: the script for Python workers, else the program.
+fn entrypoint_name(config: &AgentConfig) -> String {
+    let python_script = config.args.iter().find(|arg| !arg.starts_with('-'));
+    let is_python = std::path::Path::new(&config.entrypoint)
+        .file_name()
+        .is_some_and(|name| name.to_string_lossy().starts_with("python"));
+    match (is_python, python_script) {
+        (true, Some(script)) => script.clone(),
+        _ => config.entrypoint.clone(),
+    }
+}

@@ -1,0 +1,26 @@
+//! `run_agent(config_json) -> result_json`: runs an agent to the end on a runtime of its own,
+//! with the GIL released. The agent handles the signals it is configured for itself.
+
+use elastix_core::agent::{run_agent as run, AgentConfig};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+/// Worker threads of the agent's runtime: its work is waiting on processes and sockets.
+const AGENT_THREADS: usize = 2;
+
+#[pyfunction]
+pub fn run_agent(py: Python<'_>, config_json: &str) -> PyResult<String> {
+    let config = AgentConfig::from_json(config_json).map_err(|err| PyValueError::new_err(err.to_string()))?;
+    py.detach(|| {
+        // Workers get a parent-death signal tied to the thread that started them, so the
+        // runtime's threads must live as long as the agent: a runtime of its own per run.
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(AGENT_THREADS)
+            .thread_name("elastix-agent")
+            .enable_all()
+            .build()?;
+        let result = runtime.block_on(run(config));
+        runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+        Ok(result.to_json())
+    })
+}
