@@ -43,9 +43,11 @@ pub struct Args {
     /// Most keys in one CHECK, WAIT, MULTI_GET or MULTI_SET request.
     #[arg(long, default_value_t = Limits::DEFAULT_MAX_KEYS_PER_REQUEST)]
     pub max_keys_per_request: usize,
-    /// Worker threads (default: one per CPU).
-    #[arg(long)]
-    pub threads: Option<usize>,
+    /// Threads serving connections. One is fastest on small machines (all data sits behind
+    /// one lock, and the work is mostly the kernel's TCP); more help where many cores serve
+    /// thousands of clients.
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
 }
 
 impl Args {
@@ -96,10 +98,14 @@ fn init_logging(filter: &str) {
 }
 
 fn serve(args: &Args) -> std::io::Result<()> {
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if let Some(threads) = args.threads {
-        runtime.worker_threads(threads.max(1));
-    }
+    let mut runtime = match args.threads {
+        0 | 1 => tokio::runtime::Builder::new_current_thread(),
+        threads => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(threads);
+            builder
+        }
+    };
     let runtime = runtime.thread_name("elastix-store").enable_all().build()?;
     runtime.block_on(async {
         // Handlers first: a signal right after the address is printed must not kill us.

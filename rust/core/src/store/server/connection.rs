@@ -88,11 +88,14 @@ impl Connection {
     }
 
     async fn serve(&mut self, shutdown: &mut Shutdown) -> Result<(), CloseReason> {
+        // one stop future for the connection's life, not one per request
+        let stop = shutdown.recv();
+        tokio::pin!(stop);
         loop {
             self.reserve_for_next_read();
             tokio::select! {
                 biased;
-                _ = shutdown.recv() => return Ok(()),
+                _ = &mut stop => return Ok(()),
                 Some(()) = self.session.woken.recv() => self.session.write_buf.put_u8(STOP_WAITING),
                 read = self.stream.read_buf(&mut self.read_buf) => {
                     if read? == 0 {
@@ -105,14 +108,24 @@ impl Connection {
                 }
             }
             let replies = &mut self.session.write_buf;
+            if replies.is_empty() {
+                continue;
+            }
+            // Replies almost always fit the socket buffer: write at once, and wait for
+            // room (still watching for shutdown) only when it is full.
+            match self.stream.try_write(replies) {
+                Ok(written) => replies.advance(written),
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}
+                Err(err) => return Err(err.into()),
+            }
             if !replies.is_empty() {
                 tokio::select! {
                     biased;
-                    _ = shutdown.recv() => return Ok(()),
+                    _ = &mut stop => return Ok(()),
                     written = self.stream.write_all(replies) => written?,
                 }
-                replies.clear();
             }
+            replies.clear();
         }
     }
 
