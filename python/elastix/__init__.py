@@ -14,7 +14,36 @@ from .errors import (
     QueueEmptyError,
     StoreTimeoutError,
 )
+from .record import record  # a light module; imported eagerly so `elastix.record` is the decorator
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
+
+# The launcher API loads on first use, keeping `import elastix` (and so `elastix run`) fast.
+_LAZY = {
+    "launch": "launcher",
+    "elastic_launch": "launcher",
+    "LaunchConfig": "launcher",
+    "RunResult": "agent",
+    "WorkerSpec": "agent",
+    "WorkerState": "agent",
+    "ProcessFailure": "failures",
+    "ChildFailedError": "failures",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elastix' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "__version__",
@@ -30,4 +59,13 @@ __all__ = [
     "QueueEmptyError",
     "StoreTimeoutError",
     "NetworkTimeoutError",
+    "record",
+    "launch",
+    "elastic_launch",
+    "LaunchConfig",
+    "RunResult",
+    "WorkerSpec",
+    "WorkerState",
+    "ProcessFailure",
+    "ChildFailedError",
 ]

@@ -1,4 +1,5 @@
-"""The ``elastix`` command."""
+"""The ``elastix`` command: ``elastix run`` (torchrun's launcher), ``elastix store`` (the
+standalone store server, same as ``elastix-store``) and ``--version``."""
 
 from __future__ import annotations
 
@@ -6,31 +7,40 @@ import argparse
 import sys
 from typing import List, Optional
 
+COMMANDS = {
+    "run": "launch workers on this node (torchrun's flags; `elastix run --help`)",
+    "store": "serve a TCPStore-compatible key-value store (same as elastix-store)",
+}
+
 
 def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    # a subcommand owns everything after its name: `run` passes the program's own arguments
+    # through untouched, which a top-level parser would try to interpret
+    if argv[:1] == ["run"]:
+        from . import run
+
+        run.main(argv[1:], prog="elastix run")
+        return
+    if argv[:1] == ["store"]:
+        from . import store_cli
+
+        sys.argv = ["elastix-store", *argv[1:]]
+        store_cli.main()
+        return
     parser = argparse.ArgumentParser(
         prog="elastix",
         description="A fast, PyTorch-free elastic launcher and store.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="commands:\n" + "\n".join(f"  {name:<8}{text}" for name, text in COMMANDS.items()),
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser(
-        "store",
-        help="serve a TCPStore-compatible key-value store (same as elastix-store)",
-        add_help=False,
-    )
-    args, rest = parser.parse_known_args(argv)
+    parser.add_argument("command", nargs="?", choices=sorted(COMMANDS), metavar="COMMAND")
+    args = parser.parse_args(argv)
     if args.version:
         from . import __version__
 
         print(f"elastix {__version__}")
-        return
-    if args.command == "store":
-        from . import store_cli
-
-        sys.argv = ["elastix-store", *rest]
-        store_cli.main()
         return
     parser.print_help()
     sys.exit(2)

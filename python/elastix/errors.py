@@ -59,6 +59,20 @@ class RendezvousGracefulExitError(RendezvousError):
     """A spare node leaves because the job finished without it; not a failure."""
 
 
+class SignalException(Exception):
+    """The agent stopped because it received a signal (torch's name); ``sigval`` is the signal.
+    The workers got the same signal, and the rendezvous stays open for the other nodes."""
+
+    def __init__(self, msg: str, sigval: int) -> None:
+        super().__init__(msg)
+        import signal
+
+        try:
+            self.sigval = signal.Signals(sigval)
+        except ValueError:
+            self.sigval = sigval  # type: ignore[assignment]
+
+
 __all__ = [
     "DistError",
     "DistStoreError",
@@ -73,4 +87,6 @@ __all__ = [
     "RendezvousConnectionError",
     "RendezvousStateError",
     "RendezvousGracefulExitError",
+    "SignalException",
 ]
+

@@ -1,0 +1,175 @@
+"""Builds and checks the AgentConfig the Rust agent takes (one JSON object, every key present),
+for both ``elastix run`` and ``elastix.launch``. Errors are ValueErrors that name the flag."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from ._signals import parse_signals
+
+BACKENDS = ("c10d", "static")
+# torch's other built-in backends, refused with a pointer rather than an "unknown" error
+_LATER_BACKENDS = ("etcd", "etcd-v2")
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
+
+
+def warn(message: str) -> None:
+    print(f"elastix: warning: {message}", file=sys.stderr, flush=True)
+
+
+def parse_nnodes(spec: str) -> "tuple[int, int]":
+    """``"N"`` or ``"MIN:MAX"`` with ``0 < MIN <= MAX``."""
+    parts = str(spec).strip().split(":")
+    try:
+        if len(parts) == 1:
+            low = high = int(parts[0])
+        elif len(parts) == 2:
+            low, high = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--nnodes: {spec!r} is not N or MIN:MAX (e.g. 2 or 1:4)") from None
+    check_nodes(low, high)
+    return low, high
+
+
+def check_nodes(min_nodes: int, max_nodes: int) -> None:
+    if not 0 < min_nodes <= max_nodes:
+        raise ValueError(
+            f"--nnodes: need 0 < MIN <= MAX, got min_nodes={min_nodes}, max_nodes={max_nodes}"
+        )
+
+
+def check_backend(backend: str) -> str:
+    if backend in BACKENDS:
+        return backend
+    if backend in _LATER_BACKENDS:
+        raise ValueError(
+            f"--rdzv-backend {backend}: not available in elastix yet; use c10d (elastic, the "
+            "store is served by one of the agents) or static"
+        )
+    raise ValueError(f"--rdzv-backend: unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+
+
+def check_seconds(flag: str, value: Any) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag}: {value!r} is not a number of seconds") from None
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"{flag}: must be a non-negative number of seconds, got {value!r}")
+    return seconds
+
+
+def build(
+    *,
+    run_id: str,
+    role: str,
+    local_world_size: int,
+    entrypoint: str,
+    args: Sequence[str],
+    env: Optional[Dict[str, str]] = None,
+    rdzv_backend: str,
+    rdzv_endpoint: str,
+    rdzv_conf: str,
+    min_nodes: int,
+    max_nodes: int,
+    node_rank: Optional[int],
+    local_addr: Optional[str],
+    master_addr: Optional[str],
+    master_port: Optional[int],
+    max_restarts: int,
+    signals_to_handle: Any,
+    shutdown_timeout: float,
+    exit_barrier_timeout: float,
+    log_dir: Optional[str],
+    redirects: List[int],
+    tee: List[int],
+    local_ranks_filter: Optional[List[int]],
+    line_prefix: Optional[str],
+    virtual_local_rank: bool,
+    name: Optional[str] = None,
+    warn: Callable[[str], None] = warn,
+) -> Dict[str, Any]:
+    check_backend(rdzv_backend)
+    check_nodes(int(min_nodes), int(max_nodes))
+    if int(local_world_size) < 1:
+        raise ValueError(f"--nproc-per-node must be at least 1, got {local_world_size}")
+    if int(max_restarts) < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if master_port is not None and not 0 <= int(master_port) <= 65535:
+        raise ValueError(f"--master-port: {master_port} is not a TCP port (0-65535)")
+    if rdzv_backend == "static":
+        node_rank = 0 if node_rank is None else int(node_rank)
+        # the static rendezvous waits for exactly max_nodes nodes, ranked 0..max_nodes-1
+        if not 0 <= node_rank < int(max_nodes):
+            raise ValueError(
+                f"--node-rank {node_rank}: the static rendezvous has --nnodes {max_nodes} "
+                f"nodes, ranked 0 to {int(max_nodes) - 1}"
+            )
+        if min_nodes != max_nodes:
+            warn(f"the static rendezvous is not elastic: it waits for all {max_nodes} nodes")
+    else:
+        node_rank = None
+        master_addr = master_port = None  # torch uses them for static only
+    if log_dir is not None and log_dir != os.devnull:  # torch: /dev/null means no log files
+        log_dir = os.path.abspath(os.path.expanduser(log_dir))
+        if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+            raise ValueError(f"--log-dir: {log_dir} exists and is not a directory")
+    n = int(local_world_size)
+    if len(redirects) != n or len(tee) != n:
+        raise AssertionError("redirects and tee need one mask per local rank")
+    return {
+        "run_id": str(run_id),
+        "role": str(role),
+        "local_world_size": n,
+        "entrypoint": str(entrypoint),
+        "args": [str(arg) for arg in args],
+        "env": {str(k): str(v) for k, v in (env or {}).items()},
+        "rdzv_backend": rdzv_backend,
+        "rdzv_endpoint": str(rdzv_endpoint),
+        "rdzv_conf": str(rdzv_conf),
+        "min_nodes": int(min_nodes),
+        "max_nodes": int(max_nodes),
+        "node_rank": node_rank,
+        "local_addr": local_addr or None,
+        "master_addr": master_addr,
+        "master_port": None if master_port is None else int(master_port),
+        "max_restarts": int(max_restarts),
+        "signals_to_handle": parse_signals(signals_to_handle),
+        "shutdown_timeout": check_seconds("--shutdown-timeout", shutdown_timeout),
+        "exit_barrier_timeout": check_seconds("--exit-barrier-timeout", exit_barrier_timeout),
+        "log_dir": log_dir,
+        "redirects": [int(mask) for mask in redirects],
+        "tee": [int(mask) for mask in tee],
+        "local_ranks_filter": local_ranks_filter,
+        "line_prefix": line_prefix,
+        "virtual_local_rank": bool(virtual_local_rank),
+        # what the failure summary calls the job (the agent names the program otherwise)
+        "name": name,
+    }
+
+
+def shutdown_timeout_from_env(value: Optional[float]) -> float:
+    """An explicit value, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s (torch main's rule)."""
+    if value is not None:
+        return check_seconds("--shutdown-timeout", value)
+    env = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if env:
+        return check_seconds("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", env)
+    return DEFAULT_SHUTDOWN_TIMEOUT
+
+
+def exit_barrier_timeout_from_env(value: Optional[float]) -> float:
+    """An explicit value, else TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT (the name torch's open PR
+    #195543 proposes), else 300 s."""
+    if value is not None:
+        return check_seconds("--exit-barrier-timeout", value)
+    env = os.environ.get("TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT")
+    if env:
+        return check_seconds("TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT", env)
+    return DEFAULT_EXIT_BARRIER_TIMEOUT

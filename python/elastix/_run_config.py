@@ -1,0 +1,169 @@
+"""``elastix run``'s parsed flags -> the agent's configuration, with torchrun's derived rules
+(standalone, static endpoint, worker command line, OMP_NUM_THREADS) and clear errors for flags
+that contradict each other or that elastix does not implement."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+from . import _agent_config
+from ._envargs import source_of
+from ._nproc import resolve_nproc
+from .logs_specs import masks_per_rank, parse_ranks_filter, translate_torch_prefix
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+OMP_BANNER = (
+    "\n*****************************************\n"
+    "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid "
+    "your system being overloaded, please further tune the variable for optimal performance in "
+    "your application as needed.\n"
+    "*****************************************"
+)
+
+
+def config_from_args(
+    args: argparse.Namespace, warn: Callable[[str], None] = _agent_config.warn
+) -> Dict[str, Any]:
+    """The AgentConfig dict for parsed ``elastix run`` flags; ValueError on bad input."""
+    _refuse_unimplemented(args)
+    given = lambda dest: source_of(args, dest) != "default"  # noqa: E731
+    on_cli = lambda dest: source_of(args, dest) == "cli"  # noqa: E731
+
+    min_nodes, max_nodes = _agent_config.parse_nnodes(args.nnodes)
+    backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
+    if args.standalone:
+        flags = ("rdzv_backend", "rdzv_endpoint", "rdzv_id")
+        ignored = [f"--{d.replace('_', '-')}" for d in flags if on_cli(d)]
+        if ignored:
+            warn(f"--standalone ignores {', '.join(ignored)}")
+        if min_nodes > 1:
+            raise ValueError(f"--standalone runs a single node, but --nnodes asks for at least {min_nodes}")
+        backend, endpoint, run_id = _standalone()
+    elif (backend == "static" and not endpoint and max_nodes == 1
+          and not (given("master_port") or given("master_addr"))):  # fmt: skip
+        # newer torchrun: a one-node static job with nothing to meet at is standalone, which
+        # avoids a fixed port 29500 colliding between jobs on one host (torch checks the port
+        # only; a master address given on purpose also keeps the static rendezvous here)
+        backend, endpoint, run_id = _standalone()
+    _agent_config.check_backend(backend)
+
+    master_addr = args.master_addr if args.master_addr is not None else DEFAULT_MASTER_ADDR
+    master_port = args.master_port if args.master_port is not None else DEFAULT_MASTER_PORT
+    if backend != "static":
+        for dest in ("master_addr", "master_port", "node_rank"):
+            if on_cli(dest):
+                warn(f"--{dest.replace('_', '-')} only applies to --rdzv-backend static; ignored")
+    elif endpoint:
+        for dest in ("master_addr", "master_port"):
+            if on_cli(dest):
+                warn(f"--{dest.replace('_', '-')} is ignored: --rdzv-endpoint {endpoint} is given")
+
+    if args.monitor_interval <= 0:
+        raise ValueError(f"--monitor-interval must be > 0, got {args.monitor_interval}")
+    nproc = resolve_nproc(args.nproc_per_node)
+    entrypoint, worker_args = _command(args, warn)
+
+    env: Dict[str, str] = {}
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+        warn(OMP_BANNER)
+        env["OMP_NUM_THREADS"] = "1"
+
+    return _agent_config.build(
+        run_id=run_id,
+        role=args.role,
+        local_world_size=nproc,
+        entrypoint=entrypoint,
+        args=worker_args,
+        env=env,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_conf=args.rdzv_conf,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        node_rank=args.node_rank,
+        local_addr=args.local_addr,
+        master_addr=master_addr,
+        master_port=master_port,
+        max_restarts=args.max_restarts,
+        signals_to_handle=args.signals_to_handle,
+        shutdown_timeout=_agent_config.shutdown_timeout_from_env(args.shutdown_timeout),
+        exit_barrier_timeout=_agent_config.exit_barrier_timeout_from_env(args.exit_barrier_timeout),
+        log_dir=args.log_dir or None,
+        redirects=masks_per_rank(args.redirects, nproc, "--redirects"),
+        tee=masks_per_rank(args.tee, nproc, "--tee"),
+        local_ranks_filter=parse_ranks_filter(args.local_ranks_filter),
+        line_prefix=_line_prefix(args),
+        virtual_local_rank=args.virtual_local_rank,
+        name=args.training_script if args.run_path else None,
+        warn=warn,
+    )
+
+
+def _standalone() -> "tuple[str, str, str]":
+    import uuid
+
+    return "c10d", "localhost:0", uuid.uuid4().hex
+
+
+def _command(args: argparse.Namespace, warn: Callable[[str], None]) -> "tuple[str, List[str]]":
+    """The program each worker executes and its arguments (before ${local_rank} substitution)."""
+    script, rest = args.training_script, list(args.training_script_args)
+    python = os.environ.get("PYTHON_EXEC", sys.executable)
+    if args.run_path:
+        if args.module:
+            raise ValueError("--run-path runs a script file; it cannot be combined with -m/--module")
+        if args.start_method != "spawn":
+            warn(f"--start-method {args.start_method}: elastix always starts workers as new "
+                 "processes (spawn)")
+        _check_script(script)
+        return python, ["-u", "-m", "elastix._function_worker", "--run-path", script, *rest]
+    if args.no_python:
+        if args.module:
+            raise ValueError("--no-python and -m/--module cannot be used together")
+        return script, rest
+    if args.module:
+        return python, ["-u", "-m", script, *rest]
+    _check_script(script)
+    return python, ["-u", script, *rest]
+
+
+def _check_script(script: str) -> None:
+    # one clear error here rather than N workers failing with "can't open file"
+    if not os.path.exists(script):
+        raise ValueError(f"program {script!r} not found (to run a module, add -m)")
+
+
+def _line_prefix(args: argparse.Namespace) -> Optional[str]:
+    """--line-prefix (elastix syntax) or --log-line-prefix-template / its env / the variable
+    TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (torch syntax, translated); None: torch's default."""
+    ours, torchs = source_of(args, "line_prefix"), source_of(args, "log_line_prefix_template")
+    if ours == "cli" and torchs == "cli":
+        raise ValueError("give --line-prefix or --log-line-prefix-template, not both")
+    if ours == "cli" or (args.line_prefix is not None and torchs != "cli"):
+        return args.line_prefix
+    template = args.log_line_prefix_template or os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+    return translate_torch_prefix(template) if template else None
+
+
+def _refuse_unimplemented(args: argparse.Namespace) -> None:
+    """torchrun flags elastix accepts only at their defaults: anything else would silently do
+    nothing, so it is an error that names the flag."""
+    refused: List[str] = []
+    if args.event_log_handler != "null":
+        refused.append(f"--event-log-handler {args.event_log_handler} (only 'null')")
+    if args.logs_specs is not None:
+        refused.append(f"--logs-specs {args.logs_specs} (log layout plugins)")
+    if args.numa_binding is not None:
+        refused.append(f"--numa-binding {args.numa_binding}")
+    for name in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
+        if any(getattr(args, name)):
+            refused.append(f"--{name.replace('_', '-')}")
+    if refused:
+        raise ValueError("elastix does not implement " + "; ".join(refused))
+
+
+__all__ = ["config_from_args", "DEFAULT_MASTER_ADDR", "DEFAULT_MASTER_PORT"]
