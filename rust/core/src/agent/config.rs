@@ -48,6 +48,9 @@ pub struct AgentConfig {
     /// Template for console line prefixes: `{role}`, `{rank}`, `{local_rank}`, `{host}`.
     pub line_prefix: Option<String>,
     pub virtual_local_rank: bool,
+    /// What the failure summary calls the job (default: the script or program).
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 impl AgentConfig {

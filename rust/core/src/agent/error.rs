@@ -17,4 +17,20 @@ pub enum AgentError {
     Io(#[from] std::io::Error),
 }
 
+impl AgentError {
+    /// A short name for the kind of error, for launchers that map it to exception types.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            AgentError::Config(_) => "config",
+            AgentError::Rendezvous(RendezvousError::Timeout(_)) => "rendezvous_timeout",
+            AgentError::Rendezvous(RendezvousError::Closed { .. }) => "rendezvous_closed",
+            AgentError::Rendezvous(RendezvousError::Config(_)) => "config",
+            AgentError::Rendezvous(_) => "rendezvous",
+            AgentError::Store(_) => "store",
+            AgentError::Spawn(_) => "spawn",
+            AgentError::Io(_) => "io",
+        }
+    }
+}
+
 pub type Result<T, E = AgentError> = std::result::Result<T, E>;

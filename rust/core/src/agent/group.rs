@@ -55,7 +55,8 @@ pub struct Launch<'a> {
     pub info: &'a RendezvousInfo,
     pub assignment: &'a Assignment,
     pub restart_count: i64,
-    pub attempt_dir: &'a Path,
+    /// `None` when log files are off: no files, and an empty error file path (torch's rule).
+    pub attempt_dir: Option<&'a Path>,
     pub host: &'a str,
 }
 
@@ -177,8 +178,9 @@ fn spawn(
     exits: mpsc::UnboundedSender<(usize, std::io::Result<ExitStatus>, SystemTime)>,
 ) -> Result<Worker> {
     let config = launch.config;
-    let rank_dir = launch.attempt_dir.join(local_rank.to_string());
-    let error_file = rank_dir.join("error.json").to_string_lossy().into_owned();
+    let rank_dir = launch.attempt_dir.map(|dir| dir.join(local_rank.to_string()));
+    let error_file =
+        rank_dir.as_ref().map(|dir| dir.join("error.json").to_string_lossy().into_owned()).unwrap_or_default();
     let place = WorkerPlace::new(local_rank, launch.assignment, launch.restart_count, error_file);
     let mut command = Command::new(&config.entrypoint);
     command
@@ -207,10 +209,9 @@ fn spawn(
     let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
     let sink = |mask: u8, console: Console, name: &str, tail: Option<Arc<Mutex<VecDeque<String>>>>| -> Result<Sink> {
         let local = local_rank as usize;
-        let file = if config.file_mask(local) & mask != 0 {
-            Some(std::fs::File::create(rank_dir.join(name))?)
-        } else {
-            None
+        let file = match &rank_dir {
+            Some(dir) if config.file_mask(local) & mask != 0 => Some(std::fs::File::create(dir.join(name))?),
+            _ => None,
         };
         let shown = config.console_mask(local) & mask != 0;
         let tee = config.tee[local] & mask != 0;

@@ -18,16 +18,21 @@ use super::failure::STDERR_TAIL_LINES;
 
 /// The run's log directory and its attempt directories.
 pub struct LogDirs {
-    run_dir: PathBuf,
+    /// `None` when logging to files is turned off (`--log-dir /dev/null`, as torch).
+    run_dir: Option<PathBuf>,
     /// Made by the agent in the temp directory (removed after a clean run).
     temporary: bool,
 }
 
+/// torch's way of turning log files (and error files) off.
+const NO_LOGS: &str = "/dev/null";
+
 impl LogDirs {
     /// Under `base` (or a new temporary directory): a directory of its own for this run,
-    /// `<run_id>_<n>`, never one that already exists.
+    /// `<run_id>_<pid>_<n>`, never one that already exists.
     pub fn create(base: Option<&str>, run_id: &str) -> io::Result<LogDirs> {
         let (base, temporary) = match base {
+            Some(NO_LOGS) => return Ok(LogDirs { run_dir: None, temporary: false }),
             Some(base) => (PathBuf::from(base), false),
             None => (std::env::temp_dir(), true),
         };
@@ -37,7 +42,7 @@ impl LogDirs {
         for n in 0..10_000u32 {
             let candidate = base.join(format!("{stem}_{}_{n}", std::process::id()));
             match std::fs::create_dir(&candidate) {
-                Ok(()) => return Ok(LogDirs { run_dir: candidate, temporary }),
+                Ok(()) => return Ok(LogDirs { run_dir: Some(candidate), temporary }),
                 Err(err) if err.kind() == io::ErrorKind::AlreadyExists => continue,
                 Err(err) => {
                     return Err(io::Error::new(err.kind(), format!("cannot create {}: {err}", candidate.display())))
@@ -47,28 +52,30 @@ impl LogDirs {
         Err(io::Error::other(format!("no free run directory name under {}", base.display())))
     }
 
-    pub fn run_dir(&self) -> &Path {
-        &self.run_dir
+    pub fn run_dir(&self) -> Option<&Path> {
+        self.run_dir.as_deref()
     }
 
     pub fn is_temporary(&self) -> bool {
         self.temporary
     }
 
-    /// `attempt_<n>/<local_rank>/` for every local rank, created fresh.
-    pub fn attempt(&self, attempt: u32, local_world_size: u32) -> io::Result<PathBuf> {
-        let dir = self.run_dir.join(format!("attempt_{attempt}"));
+    /// `attempt_<n>/<local_rank>/` for every local rank, created fresh (`None` when log files
+    /// are off).
+    pub fn attempt(&self, attempt: u32, local_world_size: u32) -> io::Result<Option<PathBuf>> {
+        let Some(run_dir) = &self.run_dir else { return Ok(None) };
+        let dir = run_dir.join(format!("attempt_{attempt}"));
         std::fs::create_dir(&dir)?;
         for local_rank in 0..local_world_size {
             std::fs::create_dir(dir.join(local_rank.to_string()))?;
         }
-        Ok(dir)
+        Ok(Some(dir))
     }
 
     /// Removes a temporary run directory (after a clean run nothing in it is needed).
     pub fn remove_if_temporary(&self) {
-        if self.temporary {
-            let _ = std::fs::remove_dir_all(&self.run_dir);
+        if let (true, Some(run_dir)) = (self.temporary, &self.run_dir) {
+            let _ = std::fs::remove_dir_all(run_dir);
         }
     }
 }
@@ -166,13 +173,15 @@ mod tests {
         let first = LogDirs::create(Some(&base_text), "job").unwrap();
         let second = LogDirs::create(Some(&base_text), "job").unwrap();
         assert_ne!(first.run_dir(), second.run_dir());
-        let attempt = first.attempt(0, 2).unwrap();
+        let attempt = first.attempt(0, 2).unwrap().unwrap();
         assert!(attempt.join("1").is_dir());
         assert!(first.attempt(0, 2).is_err(), "an attempt directory is never reused");
         assert!(!first.is_temporary());
         first.remove_if_temporary();
-        assert!(first.run_dir().exists());
+        assert!(first.run_dir().unwrap().exists());
         std::fs::remove_dir_all(&base).unwrap();
+        let off = LogDirs::create(Some("/dev/null"), "job").unwrap();
+        assert_eq!((off.run_dir(), off.attempt(0, 2).unwrap()), (None, None));
     }
 
     #[test]

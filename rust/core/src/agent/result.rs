@@ -26,6 +26,17 @@ pub struct AgentResult {
     pub failures: Vec<Failure>,
     /// The root-cause text, already printed to stderr.
     pub summary: Option<String>,
+    /// Set when the run failed for a reason other than a local worker's failure.
+    pub error: Option<AgentErrorInfo>,
+}
+
+/// A failure not tied to a local worker, typed so the launcher can raise the right error.
+#[derive(Clone, Debug, Serialize)]
+pub struct AgentErrorInfo {
+    /// "config", "rendezvous_timeout", "rendezvous_closed", "rendezvous", "store", "spawn",
+    /// "io", or "remote_failure" (workers failed on another node).
+    pub kind: String,
+    pub message: String,
 }
 
 impl AgentResult {

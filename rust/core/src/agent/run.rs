@@ -23,7 +23,7 @@ use super::failure::{summary, Failure};
 use super::group::{GroupOutcome, Launch, WorkerGroup};
 use super::logs::LogDirs;
 use super::ranks::{self, RoleInfo};
-use super::result::{AgentResult, RunState};
+use super::result::{AgentErrorInfo, AgentResult, RunState};
 use super::signals::Signals;
 use crate::rendezvous::node::host_name;
 use crate::rendezvous::{MembershipChange, Rendezvous, RendezvousError, RendezvousInfo};
@@ -49,6 +49,7 @@ pub async fn run_agent(config: AgentConfig) -> AgentResult {
         Err(err) => {
             eprintln!("[elastix] agent failed: {err}");
             report.summary = Some(err.to_string());
+            report.error = Some(AgentErrorInfo { kind: err.kind().to_owned(), message: err.to_string() });
             report.finish(End::Failed)
         }
     }
@@ -71,6 +72,7 @@ struct Report {
     global_ranks: Vec<u32>,
     failures: Vec<Failure>,
     summary: Option<String>,
+    error: Option<AgentErrorInfo>,
 }
 
 impl Report {
@@ -90,6 +92,7 @@ impl Report {
             global_ranks: self.global_ranks,
             failures: self.failures,
             summary: self.summary,
+            error: self.error,
         }
     }
 }
@@ -98,7 +101,8 @@ impl Report {
 enum Event {
     Workers(GroupOutcome),
     Change(MembershipChange),
-    Signal(Signal),
+    /// A handled signal, and whether to forward it to the workers.
+    Signal(Signal, bool),
 }
 
 struct Agent {
@@ -116,7 +120,7 @@ impl Agent {
         // signals first: one that arrives during the rendezvous is handled like any other
         let signals = Signals::install(&config.signals_to_handle)?;
         let logs = LogDirs::create(config.log_dir.as_deref(), &config.run_id)?;
-        report.log_dir = Some(logs.run_dir().to_string_lossy().into_owned());
+        report.log_dir = logs.run_dir().map(|dir| dir.to_string_lossy().into_owned());
         let rdzv = Rendezvous::create(config.rendezvous_params()).await?;
         let host = config.local_addr.clone().unwrap_or_else(host_name);
         Ok(Agent { config, rdzv, signals, logs, host, attempt: 0, store: None })
@@ -134,7 +138,7 @@ impl Agent {
                     }
                     Err(err) => return Err(err.into()),
                 },
-                signal = self.signals.recv() => return Ok(End::Interrupted(signal)),
+                (signal, _) = self.signals.recv() => return Ok(End::Interrupted(signal)),
             };
             report.failures.clear(); // the result describes the last attempt
             report.group_rank = Some(info.rank);
@@ -146,7 +150,7 @@ impl Agent {
             let event = tokio::select! {
                 outcome = group.wait() => Event::Workers(outcome),
                 change = next_change(&mut changes) => Event::Change(change),
-                signal = self.signals.recv() => Event::Signal(signal),
+                (signal, forward) = self.signals.recv() => Event::Signal(signal, forward),
             };
             let grace = self.config.shutdown_timeout();
             match event {
@@ -160,8 +164,12 @@ impl Agent {
                             report.log_dir = None;
                             return Ok(End::Succeeded);
                         }
-                        Some(Event::Signal(signal)) => return Ok(End::Interrupted(signal)),
-                        Some(Event::Change(MembershipChange::Closed)) => return self.closed(report).await,
+                        Some(Event::Signal(signal, _)) => return Ok(End::Interrupted(signal)),
+                        Some(Event::Change(MembershipChange::Closed)) => {
+                            // closed while this node's workers had finished: the usual cause is
+                            // the job's success, and the store may already be gone with its host
+                            return Ok(self.closed(report).await.unwrap_or(End::Succeeded));
+                        }
                         Some(_) => continue, // another node restarted: run again with it
                     }
                 }
@@ -178,9 +186,10 @@ impl Agent {
                         return self.closed(report).await;
                     }
                 }
-                Event::Signal(signal) => {
+                Event::Signal(signal, forward) => {
                     eprintln!("[elastix] received {signal}; stopping the workers");
-                    group.stop(signal, grace).await;
+                    // workers get the signal itself when it is one to forward, else SIGTERM
+                    group.stop(if forward { signal } else { Signal::SIGTERM }, grace).await;
                     return Ok(End::Interrupted(signal));
                 }
             }
@@ -198,7 +207,7 @@ impl Agent {
             info,
             assignment: &assignment,
             restart_count,
-            attempt_dir: &attempt_dir,
+            attempt_dir: attempt_dir.as_deref(),
             host: &self.host,
         })
     }
@@ -239,6 +248,7 @@ impl Agent {
         let why = reason.strip_prefix(FAILED).unwrap_or(&reason);
         eprintln!("[elastix] the job was closed after a failure on another node:\n{why}");
         report.summary = Some(why.to_owned());
+        report.error = Some(AgentErrorInfo { kind: "remote_failure".to_owned(), message: why.to_owned() });
         Ok(End::Failed)
     }
 
@@ -263,6 +273,7 @@ impl Agent {
             store.wait(&[last.as_bytes()], Some(timeout)).await
         };
         let event = tokio::select! {
+            biased;
             done = done => match done {
                 Ok(()) => None,
                 Err(err) if err.is_timeout() => {
@@ -272,7 +283,7 @@ impl Agent {
                 Err(err) => return Err(AgentError::Store(err)),
             },
             change = next_change(changes) => Some(Event::Change(change)),
-            signal = self.signals.recv() => Some(Event::Signal(signal)),
+            (signal, forward) = self.signals.recv() => Some(Event::Signal(signal, forward)),
         };
         Ok(event)
     }
@@ -316,8 +327,12 @@ fn describe(change: &MembershipChange) -> String {
     }
 }
 
-/// What failed, as the summary names it: the script for Python workers, else the program.
+/// What failed, as the summary names it: the configured name, the script for Python
+/// workers, else the program.
 fn entrypoint_name(config: &AgentConfig) -> String {
+    if let Some(name) = &config.name {
+        return name.clone();
+    }
     let python_script = config.args.iter().find(|arg| !arg.starts_with('-'));
     let is_python = std::path::Path::new(&config.entrypoint)
         .file_name()

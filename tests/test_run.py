@@ -1,0 +1,262 @@
+"""`elastix run` end to end: real scripts, real processes, several agents as nodes on
+127.0.0.x addresses. Every process a test starts is bounded in time and killed at the end,
+and tests check the process table for anything left behind."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from conftest import REPO, free_port
+
+WORKERS = os.path.join(REPO, "tests", "workers")
+# short heartbeats and last calls so that membership changes happen within a test's time
+FAST_RDZV = "keep_alive_interval=200ms,keep_alive_max_attempt=3,last_call_timeout=500ms,join_timeout=60s"
+
+
+def elastix_run(*args, out_dir, marker, **popen):
+    env = {**os.environ, "OUT_DIR": str(out_dir), "ELASTIX_TEST_MARKER": marker}
+    return subprocess.Popen(
+        [sys.executable, "-m", "elastix", "run", *map(str, args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
+def finish(proc, timeout=90):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"elastix run did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+    return proc.returncode, out, err
+
+
+def marked_processes(marker):
+    """Live processes started with our marker in their environment (workers, agents)."""
+    found = []
+    for environ in glob.glob("/proc/[0-9]*/environ"):
+        try:
+            with open(environ, "rb") as f:
+                if f"ELASTIX_TEST_MARKER={marker}".encode() in f.read().split(b"\0"):
+                    pid = int(environ.split("/")[2])
+                    with open(f"/proc/{pid}/stat") as stat:
+                        if stat.read().split(") ")[1].split()[0] != "Z":
+                            found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def assert_nothing_left(marker, within=5.0):
+    deadline = time.monotonic() + within
+    while marked_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marked_processes(marker) == [], "processes were left behind"
+
+
+def starts(out_dir):
+    records = []
+    for path in glob.glob(os.path.join(out_dir, "start_*.json")):
+        with open(path) as f:
+            records.append(json.load(f))
+    return records
+
+
+def wait_for(predicate, timeout=60, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def marker():
+    marker = uuid.uuid4().hex
+    yield marker
+    for pid in marked_processes(marker):  # a failed test must not leak processes
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_each_rank_gets_the_environment_contract(tmp_path, marker):
+    proc = elastix_run("--standalone", "--nproc-per-node", 3, os.path.join(WORKERS, "report_env.py"), out_dir=tmp_path, marker=marker)
+    code, out, err = finish(proc)
+    assert code == 0, err
+    envs = sorted((json.load(open(p)) for p in glob.glob(str(tmp_path / "*.json"))), key=lambda e: int(e["RANK"]))
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]
+    for env in envs:
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == env["ROLE_WORLD_SIZE"] == "3"
+        assert env["GROUP_RANK"] == "0" and env["GROUP_WORLD_SIZE"] == "1"
+        assert env["ROLE_NAME"] == "default" and env["ROLE_RANK"] == env["RANK"]
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert env["ELASTIX_RANK"] == env["RANK"]
+        assert env["OMP_NUM_THREADS"] == "1"
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"/{env['LOCAL_RANK']}/error.json")
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"], e["TORCHELASTIC_RUN_ID"]) for e in envs}) == 1
+    assert_nothing_left(marker)
+
+
+def test_a_worker_that_fails_once_is_restarted_and_the_job_succeeds(tmp_path, marker):
+    proc = elastix_run(
+        "--standalone", "--nproc-per-node", 2, "--max-restarts", 1,
+        os.path.join(WORKERS, "elastic_loop.py"), "--fail-once", 1, out_dir=tmp_path, marker=marker,
+    )
+    wait_for(lambda: len([s for s in starts(tmp_path) if s["restart"] == 1]) == 2, what="the restarted workers")
+    (tmp_path / "stop").touch()
+    code, out, err = finish(proc)
+    assert code == 0, err
+    assert sorted((s["restart"], s["rank"]) for s in starts(tmp_path)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert_nothing_left(marker)
+
+
+def test_no_restarts_left_fails_with_the_root_cause(tmp_path, marker):
+    script = tmp_path / "crash.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('the data is corrupt')\nimport time; time.sleep(60)\n")
+    proc = elastix_run("--standalone", "--nproc-per-node", 2, "--max-restarts", 0, script, out_dir=tmp_path, marker=marker)
+    code, out, err = finish(proc)
+    assert code == 1
+    root = err.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 1 (local_rank: 1)" in root
+    assert "ValueError: the data is corrupt" in root
+    assert "crash.py FAILED" in err
+    assert_nothing_left(marker)
+
+
+def test_a_worker_killed_by_a_signal_is_named(tmp_path, marker):
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal, time\nif os.environ['RANK'] == '0':\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(60)\n")
+    proc = elastix_run("--standalone", "--nproc-per-node", 2, script, out_dir=tmp_path, marker=marker)
+    code, out, err = finish(proc)
+    assert code == 1
+    assert "-9 (SIGKILL)" in err
+    assert_nothing_left(marker)
+
+
+def test_sigterm_to_the_agent_stops_hung_workers_and_leaves_nothing(tmp_path, marker):
+    proc = elastix_run(
+        "--standalone", "--nproc-per-node", 2, "--shutdown-timeout", 1,
+        os.path.join(WORKERS, "elastic_loop.py"), "--hang", out_dir=tmp_path, marker=marker,
+    )
+    wait_for(lambda: len(starts(tmp_path)) == 2, what="the workers")
+    time.sleep(0.2)  # let them install their SIGTERM-ignoring handler
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc, timeout=30)
+    assert code == 128 + signal.SIGTERM
+    assert_nothing_left(marker)
+
+
+def two_node_args(port, nnodes, addr):
+    return [
+        "--nnodes", nnodes, "--nproc-per-node", 1, "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", "--local-addr", addr,
+        "--rdzv-conf", FAST_RDZV, os.path.join(WORKERS, "elastic_loop.py"),
+    ]
+
+
+def test_two_agents_on_one_machine_form_one_job(tmp_path, marker):
+    port = free_port()
+    agents = [elastix_run(*two_node_args(port, 2, f"127.0.0.{i}"), out_dir=tmp_path, marker=marker) for i in (1, 2)]
+    records = wait_for(lambda: starts(tmp_path) if len(starts(tmp_path)) == 2 else None, what="both nodes' workers")
+    assert sorted(r["rank"] for r in records) == [0, 1]
+    assert {r["world_size"] for r in records} == {2}
+    assert sorted(r["group_rank"] for r in records) == [0, 1]
+    (tmp_path / "stop").touch()
+    for agent in agents:
+        code, out, err = finish(agent)
+        assert code == 0, err
+    assert_nothing_left(marker)
+
+
+def test_a_node_that_dies_mid_run_is_dropped_and_the_other_re_forms(tmp_path, marker):
+    port = free_port()
+    survivor = elastix_run(*two_node_args(port, "1:2", "127.0.0.1"), out_dir=tmp_path, marker=marker)
+    wait_for(lambda: marked_processes(marker), what="the first agent")
+    time.sleep(0.3)  # the first agent hosts the store
+    doomed = elastix_run(*two_node_args(port, "1:2", "127.0.0.2"), out_dir=tmp_path, marker=marker)
+    wait_for(lambda: any(r["world_size"] == 2 for r in starts(tmp_path)) and len([r for r in starts(tmp_path) if r["world_size"] == 2]) == 2, what="a two-node round")
+    doomed.kill()  # SIGKILL: no goodbye; its worker dies with it (parent-death signal)
+    doomed.communicate()
+    alone = wait_for(lambda: [r for r in starts(tmp_path) if r["world_size"] == 1 and r["round"] > 0], what="the survivor re-forming alone")
+    assert alone[0]["rank"] == 0
+    (tmp_path / "stop").touch()
+    code, out, err = finish(survivor)
+    assert code == 0, err
+    assert_nothing_left(marker)
+
+
+def test_a_third_node_joins_a_running_job(tmp_path, marker):
+    port = free_port()
+    args = lambda addr: two_node_args(port, "2:3", addr)  # noqa: E731
+    agents = [elastix_run(*args("127.0.0.1"), out_dir=tmp_path, marker=marker)]
+    wait_for(lambda: marked_processes(marker), what="the first agent")
+    time.sleep(0.3)
+    agents.append(elastix_run(*args("127.0.0.2"), out_dir=tmp_path, marker=marker))
+    wait_for(lambda: len([r for r in starts(tmp_path) if r["world_size"] == 2]) == 2, what="the two-node round")
+    agents.append(elastix_run(*args("127.0.0.3"), out_dir=tmp_path, marker=marker))
+    three = wait_for(lambda: (lambda rs: rs if len(rs) == 3 else None)([r for r in starts(tmp_path) if r["world_size"] == 3]), what="the three-node round")
+    assert sorted(r["rank"] for r in three) == [0, 1, 2]
+    assert {r["restart"] for r in three} == {0}, "a membership change does not spend the restart budget"
+    (tmp_path / "stop").touch()
+    for agent in agents:
+        code, out, err = finish(agent)
+        assert code == 0, err
+    assert_nothing_left(marker)
+
+
+def test_torch_init_process_group_gloo_under_elastix_run(tmp_path, marker):
+    pytest.importorskip("torch.distributed")
+    script = tmp_path / "gloo.py"
+    script.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+        "dist.all_reduce(t)\n"
+        "open(os.path.join(os.environ['OUT_DIR'], f'sum_{dist.get_rank()}'), 'w').write(str(t.item()))\n"
+        "dist.destroy_process_group()\n"
+    )
+    proc = elastix_run("--standalone", "--nproc-per-node", 2, script, out_dir=tmp_path, marker=marker)
+    code, out, err = finish(proc, timeout=180)
+    assert code == 0, err
+    assert [open(tmp_path / f"sum_{r}").read() for r in (0, 1)] == ["3.0", "3.0"]
+    assert_nothing_left(marker)
+
+
+def test_the_agent_handles_signals_on_every_launch_and_gives_the_handlers_back(tmp_path, marker):
+    # each launch's worker sends SIGTERM to the launching process (the agent): both launches
+    # must end as interrupted, and the process must keep running with its own handlers
+    script = tmp_path / "twice.py"
+    script.write_text(
+        "import signal, elastix\n"
+        "from elastix.errors import SignalException\n"
+        "config = elastix.LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, rdzv_endpoint='localhost:0')\n"
+        "for attempt in range(2):\n"
+        "    try:\n"
+        "        elastix.launch(config, '/bin/sh', ['-c', 'kill -TERM $PPID; sleep 30'])\n"
+        "        print('not interrupted', flush=True)\n"
+        "    except SignalException as err:\n"
+        "        print('interrupted', err.sigval, flush=True)\n"
+        "print('handlers', signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n"
+    )
+    env = {**os.environ, "ELASTIX_TEST_MARKER": marker}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:3] == [f"interrupted {int(signal.SIGTERM)}"] * 2 + ["handlers True True"], result.stdout
+    assert_nothing_left(marker)
