@@ -4,6 +4,7 @@
 
 mod agent;
 mod blocking_store;
+mod collectives;
 mod errors;
 mod interrupt;
 mod rendezvous;
@@ -21,5 +22,6 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<rendezvous::RendezvousCore>()?;
     module.add_function(wrap_pyfunction!(store_cli::run_store_cli, module)?)?;
     module.add_function(wrap_pyfunction!(agent::run_agent, module)?)?;
+    collectives::register(module)?;
     Ok(())
 }

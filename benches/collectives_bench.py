@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""all_reduce benchmark: elastix.collectives (cpu backend) against torch's gloo, same machine,
+same run. It prints figures and asserts nothing.
+
+For each world size (local ranks, spawned as processes) and each message size it reports the
+time of one all_reduce of float32 (the slowest rank's mean over the iterations) and the bus
+bandwidth, busbw = size / time x 2(p-1)/p (the nccl-tests definition), for elastix and, when
+torch is installed (pip install -e '.[bench]'), for gloo, and the ratio. Targets (design.md):
+>= 2x gloo's busbw at >= 1 MiB, and a 4 KiB all_reduce in <= 50 us on 2 local ranks. With
+CuPy and at least two GPUs it also measures the nccl backend.
+
+    python benches/collectives_bench.py [--ranks 2,4] [--max-size 256M] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET_RATIO = 2.0
+TARGET_SMALL_US = 50.0
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(text[:-1]) * mult[text[-1]]) if text[-1] in mult else int(text)
+
+
+def human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+def iterations(nbytes: int, budget: float) -> int:
+    # a rough guess at 1 GB/s, then clamped: enough samples, bounded time
+    return int(min(5000, max(5, budget / (20e-6 + nbytes / 1e9))))
+
+
+# -- the worker (one per rank) ------------------------------------------------------------------
+
+def worker(impl: str, sizes, budget: float, out: str) -> None:
+    import numpy as np
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if impl == "gloo":
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=os.environ["BENCH_INIT"], rank=rank, world_size=world,
+                                timeout=timedelta(seconds=600))
+        make = lambda n: torch.ones(n, dtype=torch.float32)  # noqa: E731
+        reduce_ = dist.all_reduce
+        barrier = dist.barrier
+
+        def slowest(t: float) -> float:
+            v = torch.tensor([t], dtype=torch.float64)
+            dist.all_reduce(v, op=dist.ReduceOp.MAX)
+            return float(v[0])
+    else:
+        import elastix.collectives as ec
+
+        ec.init_process_group("nccl" if impl == "nccl" else "cpu", timeout=timedelta(seconds=600))
+        if impl == "nccl":
+            import cupy
+
+            cupy.cuda.Device(rank).use()
+            make = lambda n: cupy.ones(n, dtype=cupy.float32)  # noqa: E731
+
+            def reduce_(x):
+                ec.all_reduce(x)
+                cupy.cuda.get_current_stream().synchronize()
+        else:
+            make = lambda n: np.ones(n, dtype=np.float32)  # noqa: E731
+            reduce_ = ec.all_reduce
+        barrier = ec.barrier
+
+        def slowest(t: float) -> float:
+            v = np.array([t])
+            ec.all_reduce(v, ec.ReduceOp.MAX)
+            return float(v[0])
+
+    results = {}
+    for nbytes in sizes:
+        x = make(nbytes // 4)
+        iters = iterations(nbytes, budget)
+        for _ in range(max(2, iters // 10)):
+            reduce_(x)
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            reduce_(x)
+        t = slowest((time.perf_counter() - t0) / iters)
+        results[nbytes] = t
+        del x
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+# -- the driver ------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_impl(impl: str, world: int, sizes, budget: float, timeout: float):
+    """Spawns ``world`` ranks of ``impl``; returns {size: seconds} or None (and why)."""
+    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    env = dict(os.environ, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+               OMP_NUM_THREADS="1", GROUP_RANK="0")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
+    store = None
+    if impl == "gloo":
+        env["BENCH_INIT"] = f"tcp://127.0.0.1:{free_port()}"
+    else:
+        import elastix
+
+        store = elastix.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=600))
+        env.update(MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
+    cmd = [sys.executable, __file__, "--worker", impl, "--sizes", ",".join(map(str, sizes)),
+           "--budget", str(budget), "--out", out]
+    procs = []
+    try:
+        for r in range(world):
+            procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                                          stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                          start_new_session=True))
+        deadline = time.monotonic() + timeout
+        errors = []
+        for p in procs:
+            try:
+                _, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return None, "timed out"
+            if p.returncode:
+                errors.append(err[-1500:])
+        if errors:
+            return None, errors[0]
+        with open(out) as f:
+            return {int(k): v for k, v in json.load(f).items()}, None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        os.unlink(out)
+
+
+def busbw(nbytes: int, seconds: float, world: int) -> float:
+    return nbytes / seconds * 2 * (world - 1) / world / 1e9
+
+
+def gpu_count() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--min-size", default="4K")
+    ap.add_argument("--max-size", default="256M")
+    ap.add_argument("--budget", type=float, default=0.4, help="seconds of timed work per size")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, [int(s) for s in args.sizes.split(",")], args.budget, args.out)
+        return 0
+
+    sizes, s = [], parse_size(args.min_size)
+    while s <= parse_size(args.max_size):
+        sizes.append(s)
+        s *= 4
+    have_torch = not args.no_torch and importlib.util.find_spec("torch") is not None
+    impls = ["elastix"] + (["gloo"] if have_torch else [])
+    if gpu_count() >= 2:
+        impls.append("nccl")
+    print(f"all_reduce float32, local ranks, {os.cpu_count()} CPUs; load average "
+          f"{os.getloadavg()[0]:.2f}; impls: {', '.join(impls)}" + ("" if have_torch else " (torch not installed)"))
+    report = {}
+    for world in [int(w) for w in args.ranks.split(",")]:
+        figures = {}
+        for impl in impls:
+            if impl == "nccl" and world > gpu_count():
+                continue
+            result, why = run_impl(impl, world, sizes, args.budget, args.timeout)
+            if result is None:
+                print(f"  {impl} with {world} ranks failed: {why}")
+                continue
+            figures[impl] = result
+        report[world] = figures
+        print(f"\n{world} ranks")
+        head = f"{'size':>9} | {'elastix':>10} {'busbw':>9}"
+        if "gloo" in figures:
+            head += f" | {'gloo':>10} {'busbw':>9} | {'ratio':>6}"
+        if "nccl" in figures:
+            head += f" | {'nccl':>10} {'busbw':>9}"
+        print(head)
+        print("-" * len(head))
+        for n in sizes:
+            e = figures.get("elastix", {}).get(n)
+            line = f"{human(n):>9} | " + (f"{e * 1e6:>8.1f}us {busbw(n, e, world):>5.2f}GB/s" if e else f"{'-':>20}")
+            if "gloo" in figures:
+                g = figures["gloo"].get(n)
+                line += f" | {g * 1e6:>8.1f}us {busbw(n, g, world):>5.2f}GB/s | {g / e:>5.2f}x" if g and e else ""
+            if "nccl" in figures:
+                c = figures["nccl"].get(n)
+                line += f" | {c * 1e6:>8.1f}us {busbw(n, c, world):>5.2f}GB/s" if c else ""
+            print(line)
+        e = figures.get("elastix", {})
+        if world == 2 and 4096 in e:
+            verdict = "meets" if e[4096] * 1e6 <= TARGET_SMALL_US else "misses"
+            print(f"4 KiB all_reduce: {e[4096] * 1e6:.1f} us ({verdict} the <= {TARGET_SMALL_US:.0f} us target)")
+        if "gloo" in figures:
+            big = [n for n in sizes if n >= 1 << 20 and n in e and n in figures["gloo"]]
+            if big:
+                worst = min(figures["gloo"][n] / e[n] for n in big)
+                verdict = "meets" if worst >= TARGET_RATIO else "misses"
+                print(f"busbw ratio vs gloo at >= 1 MiB: min {worst:.2f}x ({verdict} the >= {TARGET_RATIO:.0f}x target)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({str(w): {i: {str(n): t for n, t in r.items()} for i, r in fig.items()}
+                       for w, fig in report.items()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,403 @@
+"""The collectives (torch.distributed's names and signatures), on NumPy and CuPy arrays.
+
+Every function checks its arguments on the calling rank (types, shapes, dtypes, ops, ranks),
+describes the call to its peers (so ranks that disagree raise ``MismatchError`` rather than
+hang), and runs on the group's backend, now or, with ``async_op=True``, on the group's worker
+thread (returning a ``Work``). Ranks in arguments (src, dst) are global ranks, as in torch.
+CuPy arrays go to NCCL directly with the ``nccl`` backend; with ``cpu`` they are staged
+through host memory.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from . import descriptor, dtypes
+from .arrays import check_array, flat_in, flat_out, is_cupy
+from .group import ProcessGroup, resolve
+from .reduce_op import ReduceOp, as_op, kernel_op
+from .work import CompletedWork, Work
+
+_U8 = np.dtype(np.uint8)
+
+
+def _run(g: ProcessGroup, fn, async_op: bool):
+    if g.send_executor._pending:
+        g.send_executor.drain()  # a collective never shares a connection with a pending send
+    if async_op:
+        return g.executor.submit(fn)
+    return g.executor.run(fn)
+
+
+def _nccl(g: ProcessGroup) -> bool:
+    return g.backend_name == "nccl"
+
+
+class _Host:
+    """A NumPy array to run a CPU collective on: the array itself, or a host copy of a CuPy
+    array written back by ``done()``."""
+
+    def __init__(self, x, write_back: bool):
+        self.x = x
+        self.cupy = is_cupy(x)
+        self.write_back = write_back
+        self.host = x.get() if self.cupy else x
+
+    def done(self) -> None:
+        if self.cupy and self.write_back:
+            import cupy
+
+            self.x[...] = cupy.asarray(self.host)
+
+
+def _same(a, b, what: str) -> None:
+    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+        raise ValueError(f"{what} must match the input's shape {tuple(b.shape)} and dtype {b.dtype}, "
+                         f"got {tuple(a.shape)} {a.dtype}")
+
+
+def _reduction(g, x, op, dtype, what):
+    op = as_op(op)
+    kind = dtypes.reduce_kind(x.dtype, dtype)
+    kop, div = kernel_op(op, kind, g.size())
+    return op, kind, kind.code, kop, div
+
+
+# -- reductions ----------------------------------------------------------------------------------
+
+def all_reduce(tensor, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
+               *, dtype: Optional[str] = None):
+    """Reduces ``tensor`` over the group, in place on every rank. ``dtype="bfloat16"`` reads
+    16-bit integer arrays as bfloat16."""
+    g = resolve(group)
+    x = check_array(tensor)
+    op, kind, code, kop, div = _reduction(g, x, op, dtype, "all_reduce")
+    desc = descriptor.make("all_reduce", x.dtype, x.shape, int(op))
+    if _nccl(g):
+        return g.backend.run(lambda: g.backend.all_reduce(x, op, kind, desc), async_op)
+    if type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable:
+        # the common case, kept short: a contiguous NumPy array reduced where it is
+        view = x.reshape(-1).view(kind.view)
+        return _run(g, lambda: g.backend.all_reduce(view, code, kop, div, desc), async_op)
+    h = _Host(x, True)
+    flat = flat_out(h.host, "all_reduce tensor")
+    view = flat.flat.view(kind.view)
+
+    def fn():
+        g.backend.all_reduce(view, code, kop, div, desc)
+        flat.finish()
+        h.done()
+
+    return _run(g, fn, async_op)
+
+
+def reduce(tensor, dst: int, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
+           *, dtype: Optional[str] = None):
+    """Reduces ``tensor`` over the group into rank ``dst``'s ``tensor`` (others unchanged)."""
+    g = resolve(group)
+    x = check_array(tensor)
+    root = g.group_rank(dst, "dst")
+    op, kind, code, kop, div = _reduction(g, x, op, dtype, "reduce")
+    desc = descriptor.make("reduce", x.dtype, x.shape, int(op), root)
+    if _nccl(g):
+        return g.backend.run(lambda: g.backend.reduce(x, root, op, kind, desc), async_op)
+    is_root = g.rank() == root
+    h = _Host(x, is_root)
+    flat = flat_out(h.host, "reduce tensor") if is_root else None
+    view = (flat.flat if is_root else flat_in(h.host).copy()).view(kind.view)
+
+    def fn():
+        g.backend.reduce(view, root, code, kop, div, desc)
+        if is_root:
+            flat.finish()
+            h.done()
+
+    return _run(g, fn, async_op)
+
+
+def reduce_scatter(output, input_list: Sequence, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None,
+                   async_op: bool = False, *, dtype: Optional[str] = None):
+    """``output`` on rank i gets the reduction over ranks of their ``input_list[i]``."""
+    g = resolve(group)
+    out = check_array(output, "output")
+    ins = [check_array(t, f"input_list[{i}]") for i, t in enumerate(input_list)]
+    if len(ins) != g.size():
+        raise ValueError(f"input_list needs {g.size()} arrays (one per rank), got {len(ins)}")
+    for i, t in enumerate(ins):
+        _same(t, out, f"input_list[{i}]")
+    op, kind, code, kop, div = _reduction(g, out, op, dtype, "reduce_scatter")
+    desc = descriptor.make("reduce_scatter", out.dtype, out.shape, int(op))
+    if _nccl(g):
+        return g.backend.run(lambda: g.backend.reduce_scatter(out, ins, op, kind, desc), async_op)
+    h = _Host(out, True)
+    flat = flat_out(h.host, "output")
+    host_ins = [_Host(t, False).host for t in ins]
+    views = [flat_in(t).view(kind.view) for t in host_ins]
+
+    def fn():
+        g.backend.reduce_scatter(flat.flat.view(kind.view), views, code, kop, div, desc)
+        flat.finish()
+        h.done()
+
+    return _run(g, fn, async_op)
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None,
+                          async_op: bool = False, *, dtype: Optional[str] = None):
+    """``input`` holds size() consecutive blocks the shape of ``output``; rank i gets block i reduced."""
+    g = resolve(group)
+    out, inp = check_array(output, "output"), check_array(input, "input")
+    if inp.size != out.size * g.size() or inp.dtype != out.dtype:
+        raise ValueError(f"input must hold {g.size()} x output.size elements of {out.dtype}, "
+                         f"got {inp.size} of {inp.dtype}")
+    src = inp if is_cupy(inp) else flat_in(inp)
+    blocks = [b.reshape(out.shape) for b in src.reshape(g.size(), -1)]
+    return reduce_scatter(out, blocks, op, group, async_op, dtype=dtype)
+
+
+# -- data movement -------------------------------------------------------------------------------
+
+def broadcast(tensor, src: int, group: Optional[ProcessGroup] = None, async_op: bool = False):
+    """Copies rank ``src``'s ``tensor`` into every rank's ``tensor``."""
+    g = resolve(group)
+    x = check_array(tensor)
+    root = g.group_rank(src, "src")
+    desc = descriptor.make("broadcast", x.dtype, x.shape, -1, root)
+    if _nccl(g):
+        return g.backend.run(lambda: g.backend.broadcast(x, root, desc), async_op)
+    is_root = g.rank() == root
+    h = _Host(x, not is_root)
+    if is_root:
+        data = flat_in(h.host)
+        fn = lambda: g.backend.broadcast(data, root, desc)  # noqa: E731
+    else:
+        flat = flat_out(h.host, "broadcast tensor")
+
+        def fn():
+            g.backend.broadcast(flat.flat, root, desc)
+            flat.finish()
+            h.done()
+
+    return _run(g, fn, async_op)
+
+
+def all_gather(tensor_list: List, tensor, group: Optional[ProcessGroup] = None, async_op: bool = False):
+    """``tensor_list[i]`` gets rank i's ``tensor`` on every rank."""
+    g = resolve(group)
+    x = check_array(tensor)
+    outs = [check_array(t, f"tensor_list[{i}]") for i, t in enumerate(tensor_list)]
+    if len(outs) != g.size():
+        raise ValueError(f"tensor_list needs {g.size()} arrays (one per rank), got {len(outs)}")
+    for i, t in enumerate(outs):
+        _same(t, x, f"tensor_list[{i}]")
+    desc = descriptor.make("all_gather", x.dtype, x.shape)
+    if _nccl(g):
+        return g.backend.run(lambda: g.backend.all_gather(outs, x, desc), async_op)
+    hosts = [_Host(t, True) for t in outs]
+    flats = [flat_out(h.host, f"tensor_list[{i}]") for i, h in enumerate(hosts)]
+    data = flat_in(_Host(x, False).host)
+
+    def fn():
+        g.backend.all_gather([f.flat for f in flats], data, desc)
+        for f, h in zip(flats, hosts):
+            f.finish()
+            h.done()
+
+    return _run(g, fn, async_op)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group: Optional[ProcessGroup] = None,
+                           async_op: bool = False):
+    """``output_tensor`` (size() x input size elements) gets every rank's input, in rank order."""
+    g = resolve(group)
+    out, inp = check_array(output_tensor, "output_tensor"), check_array(input_tensor, "input_tensor")
+    if out.size != inp.size * g.size() or out.dtype != inp.dtype:
+        raise ValueError(f"output_tensor must hold {g.size()} x input size elements of {inp.dtype}, "
+                         f"got {out.size} of {out.dtype}")
+    blocks = [b.reshape(inp.shape) for b in out.reshape(g.size(), -1)] if out.flags.c_contiguous or is_cupy(out) else None
+    if blocks is None:
+        staged = np.empty((g.size(),) + tuple(inp.shape), inp.dtype)
+        work = all_gather(list(staged), inp, group, async_op)
+
+        def copy_back():
+            out[...] = staged.reshape(out.shape)
+
+        if async_op:
+            work.wait()
+        copy_back()
+        return CompletedWork() if async_op else None
+    return all_gather(blocks, inp, group, async_op)
+
+
+def gather(tensor, gather_list: Optional[List] = None, dst: int = 0, group: Optional[ProcessGroup] = None,
+           async_op: bool = False):
+    """Rank ``dst``'s ``gather_list[i]`` gets rank i's ``tensor``."""
+    g = resolve(group)
+    x = check_array(tensor)
+    root = g.group_rank(dst, "dst")
+    is_root = g.rank() == root
+    outs = None
+    if is_root:
+        if gather_list is None or len(gather_list) != g.size():
+            raise ValueError(f"gather_list on the destination rank needs {g.size()} arrays")
+        outs = [check_array(t, f"gather_list[{i}]") for i, t in enumerate(gather_list)]
+        for i, t in enumerate(outs):
+            _same(t, x, f"gather_list[{i}]")
+    elif gather_list:
+        raise ValueError("gather_list must be None or empty on ranks other than dst")
+    desc = descriptor.make("gather", x.dtype, x.shape, -1, root)
+    if _nccl(g):
+        return g.backend.run(lambda: g.backend.gather(outs, x, root, desc), async_op)
+    hosts = [_Host(t, True) for t in outs] if is_root else []
+    flats = [flat_out(h.host, f"gather_list[{i}]") for i, h in enumerate(hosts)]
+    data = flat_in(_Host(x, False).host)
+
+    def fn():
+        g.backend.gather([f.flat for f in flats] if is_root else None, data, root, desc)
+        for f, h in zip(flats, hosts):
+            f.finish()
+            h.done()
+
+    return _run(g, fn, async_op)
+
+
+def scatter(tensor, scatter_list: Optional[List] = None, src: int = 0, group: Optional[ProcessGroup] = None,
+            async_op: bool = False):
+    """Rank i's ``tensor`` gets rank ``src``'s ``scatter_list[i]``."""
+    g = resolve(group)
+    x = check_array(tensor)
+    root = g.group_rank(src, "src")
+    is_root = g.rank() == root
+    ins = None
+    if is_root:
+        if scatter_list is None or len(scatter_list) != g.size():
+            raise ValueError(f"scatter_list on the source rank needs {g.size()} arrays")
+        ins = [check_array(t, f"scatter_list[{i}]") for i, t in enumerate(scatter_list)]
+        for i, t in enumerate(ins):
+            _same(t, x, f"scatter_list[{i}]")
+    elif scatter_list:
+        raise ValueError("scatter_list must be None or empty on ranks other than src")
+    desc = descriptor.make("scatter", x.dtype, x.shape, -1, root)
+    if _nccl(g):
+        return g.backend.run(lambda: g.backend.scatter(x, ins, root, desc), async_op)
+    h = _Host(x, True)
+    flat = flat_out(h.host, "scatter tensor")
+    host_ins = [flat_in(_Host(t, False).host) for t in ins] if is_root else None
+
+    def fn():
+        g.backend.scatter(flat.flat, host_ins, root, desc)
+        flat.finish()
+        h.done()
+
+    return _run(g, fn, async_op)
+
+
+def all_to_all(output_tensor_list: List, input_tensor_list: List, group: Optional[ProcessGroup] = None,
+               async_op: bool = False):
+    """Rank i's ``output_tensor_list[j]`` gets rank j's ``input_tensor_list[i]`` (all arrays
+    of one shape and dtype)."""
+    g = resolve(group)
+    outs = [check_array(t, f"output_tensor_list[{i}]") for i, t in enumerate(output_tensor_list)]
+    ins = [check_array(t, f"input_tensor_list[{i}]") for i, t in enumerate(input_tensor_list)]
+    if len(outs) != g.size() or len(ins) != g.size():
+        raise ValueError(f"all_to_all needs {g.size()} input and output arrays (one per rank)")
+    for i, t in enumerate(ins + outs):
+        _same(t, ins[0], "every all_to_all array")
+    desc = descriptor.make("all_to_all", ins[0].dtype, ins[0].shape)
+    if _nccl(g):
+        return g.backend.run(lambda: g.backend.all_to_all(outs, ins, desc), async_op)
+    hosts = [_Host(t, True) for t in outs]
+    flats = [flat_out(h.host, f"output_tensor_list[{i}]") for i, h in enumerate(hosts)]
+    datas = [flat_in(_Host(t, False).host) for t in ins]
+
+    def fn():
+        g.backend.all_to_all([f.flat for f in flats], datas, desc)
+        for f, h in zip(flats, hosts):
+            f.finish()
+            h.done()
+
+    return _run(g, fn, async_op)
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                      group: Optional[ProcessGroup] = None, async_op: bool = False):
+    """Equal splits of the first dimension: block j of ``input`` goes to rank j, block i of
+    ``output`` comes from rank i."""
+    g = resolve(group)
+    out, inp = check_array(output, "output"), check_array(input, "input")
+    if output_split_sizes is not None or input_split_sizes is not None:
+        raise NotImplementedError("all_to_all_single with split sizes is not supported; use equal splits")
+    p = g.size()
+    if out.shape != inp.shape or out.dtype != inp.dtype or (inp.shape[0] if inp.ndim else 0) % p:
+        raise ValueError(f"input and output must have one shape and dtype whose first dimension divides by {p}")
+    outs = list(out.reshape((p, -1) + tuple(out.shape[1:])) if out.flags.c_contiguous else np.array_split(out, p))
+    ins = list(inp.reshape((p, -1) + tuple(inp.shape[1:]))) if inp.flags.c_contiguous else np.array_split(inp, p)
+    return all_to_all(outs, ins, group, async_op)
+
+
+def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False, device_ids=None):
+    """Returns once every rank of the group entered the barrier."""
+    g = resolve(group)
+    desc = descriptor.make("barrier", np.dtype(np.uint8), ())
+    if _nccl(g):
+        return g.backend.run(lambda: g.backend.barrier(desc), async_op)
+    return _run(g, lambda: g.backend.barrier(desc), async_op)
+
+
+# -- point to point -------------------------------------------------------------------------------
+
+def _p2p_desc(x, tag: int):
+    return descriptor.make("send/recv", x.dtype, x.shape, -1, -1, int(tag))
+
+
+def send(tensor, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> None:
+    """Sends ``tensor`` to rank ``dst``, which must ``recv`` an array of the same shape and
+    dtype with the same tag."""
+    isend(tensor, dst, group, tag).wait()
+
+
+def recv(tensor, src: Optional[int] = None, group: Optional[ProcessGroup] = None, tag: int = 0) -> int:
+    """Receives into ``tensor`` from rank ``src``; returns ``src``."""
+    return irecv(tensor, src, group, tag).result()
+
+
+def isend(tensor, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> Work:
+    g = resolve(group)
+    x = check_array(tensor)
+    peer = g.group_rank(dst, "dst")
+    desc = _p2p_desc(x, tag)
+    if _nccl(g):
+        return g.backend.run(lambda: g.backend.send(x, peer, desc), True)
+    data = flat_in(_Host(x, False).host)  # the caller's memory: do not change it before wait()
+    # sends run on their own thread, so that isend + irecv pairs cannot block each other
+    return g.send_executor.submit(lambda: g.backend.send(data, peer, desc))
+
+
+def irecv(tensor, src: Optional[int] = None, group: Optional[ProcessGroup] = None, tag: int = 0) -> Work:
+    g = resolve(group)
+    x = check_array(tensor)
+    if src is None:
+        raise NotImplementedError("recv from any source is not supported: pass src=")
+    peer = g.group_rank(src, "src")
+    desc = _p2p_desc(x, tag)
+    if _nccl(g):
+        return g.backend.run(lambda: (g.backend.recv(x, peer, desc), src)[1], True)
+    h = _Host(x, True)
+    flat = flat_out(h.host, "recv tensor")
+
+    def fn():
+        g.backend.recv(flat.flat, peer, desc)
+        flat.finish()
+        h.done()
+        return src
+
+    return g.executor.submit(fn)
+
+
+__all__ = [
+    "all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "all_gather",
+    "all_gather_into_tensor", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier",
+    "send", "recv", "isend", "irecv",
+]

@@ -1,0 +1,57 @@
+"""Errors of the collectives (all are torch's ``DistError`` family, so ``except DistError``
+and ``except DistBackendError`` catch them as they catch torch's)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ..errors import DistBackendError, DistError
+
+
+class CollectiveError(DistBackendError):
+    """A collective failed; the group may be unusable afterwards (see the message)."""
+
+
+class MismatchError(CollectiveError, ValueError):
+    """Ranks called a collective with different shapes, dtypes, ops, roots, or different
+    collectives. Every rank of the group raises it, and the group stays usable."""
+
+
+class PeerError(CollectiveError):
+    """A peer died, closed its connection or gave up; ``rank`` is its global rank."""
+
+    def __init__(self, message: str, rank: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """Peers did not arrive before the group's timeout; ``ranks`` are their global ranks."""
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+class NotInitializedError(DistError, ValueError):
+    """A collective was called before ``init_process_group`` (torch raises ValueError too)."""
+
+
+class GroupError(DistError, ValueError):
+    """A group was misused: this rank is not a member, the group was destroyed, or a rank
+    given is not in it."""
+
+
+class BackendUnavailableError(DistError, ImportError):
+    """The backend asked for needs something that is not installed (the message says what)."""
+
+
+__all__ = [
+    "CollectiveError",
+    "MismatchError",
+    "PeerError",
+    "CollectiveTimeoutError",
+    "NotInitializedError",
+    "GroupError",
+    "BackendUnavailableError",
+]

@@ -1,0 +1,148 @@
+"""Process groups: the default (world) group made by ``init_process_group`` and subgroups made
+by ``new_group``. Each group lives in its own namespace of the job's store
+(``elastix/collectives/pg<N>/...``), so any number of groups share one store.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import List, Optional, Sequence
+
+from ..store import PrefixStore
+from ..store.base import to_seconds
+from .errors import GroupError, NotInitializedError
+from .work import Executor
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+STORE_PREFIX = "elastix/collectives"
+BACKENDS = ("cpu", "nccl")
+
+
+def normalize_backend(backend: Optional[str]) -> str:
+    if backend is None:
+        return "cpu"
+    name = str(backend).lower()
+    if name in ("cpu", "gloo", "shm", "tcp"):
+        return "cpu"
+    if name in ("nccl", "cuda"):
+        return "nccl"
+    raise ValueError(f"unknown backend {backend!r}: use 'cpu' (alias 'gloo') or 'nccl'")
+
+
+class ProcessGroup:
+    """A set of ranks that run collectives together. ``rank()`` is this process's rank in the
+    group (-1 if it is not a member), ``size()`` the number of members; ``ranks`` lists the
+    members' global ranks in group-rank order."""
+
+    def __init__(self, name: str, ranks: Sequence[int], global_rank: int, backend_name: str,
+                 timeout: Optional[float], store) -> None:
+        self.name = name
+        self.ranks: List[int] = list(ranks)
+        self._rank = self.ranks.index(global_rank) if global_rank in self.ranks else -1
+        self.backend_name = backend_name
+        self.timeout = timeout
+        self.store = store
+        self.backend = None
+        self.destroyed = False
+        self.executor = Executor(f"pg{name}")
+        self.send_executor = Executor(f"pg{name}-send")
+        if self._rank >= 0:
+            self.backend = _make_backend(backend_name, store, self._rank, self.ranks, timeout)
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def group_rank(self, global_rank: int, what: str = "rank") -> int:
+        try:
+            return self.ranks.index(int(global_rank))
+        except ValueError:
+            raise GroupError(f"{what} {global_rank} is not a member of group {self.name} "
+                             f"(ranks {self.ranks})") from None
+
+    def __repr__(self) -> str:
+        return f"ProcessGroup(name={self.name!r}, ranks={self.ranks}, rank={self._rank}, backend={self.backend_name!r})"
+
+    def close(self) -> None:
+        if self.destroyed:
+            return
+        self.destroyed = True
+        self.executor.close()
+        self.send_executor.close()
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+
+
+def _make_backend(name: str, store, rank: int, ranks: List[int], timeout: Optional[float]):
+    if name == "nccl":
+        from .nccl_backend import NcclBackend
+
+        return NcclBackend(store, rank, len(ranks), ranks, timeout)
+    from .cpu_backend import CpuBackend
+
+    return CpuBackend(store, rank, len(ranks), ranks, timeout)
+
+
+class World:
+    def __init__(self, store, rank: int, size: int, backend: str, timeout: Optional[float],
+                 namespace: str = "") -> None:
+        # `elastix run` keeps one store for the whole job and exports the rendezvous round
+        # (ELASTIX_ROUND): each round's groups get their own keys, so stale keys of an earlier
+        # attempt are never read
+        self.store = PrefixStore(STORE_PREFIX + (f"/{namespace}" if namespace else ""), store)
+        self.raw_store = store
+        self.rank = rank
+        self.size = size
+        self.backend = backend
+        self.timeout = timeout
+        self.groups: List[ProcessGroup] = []
+        self.counter = 0
+        self.default = self.make(list(range(size)), backend, timeout)
+
+    def make(self, ranks: List[int], backend: str, timeout: Optional[float]) -> ProcessGroup:
+        name = str(self.counter)
+        self.counter += 1
+        group = ProcessGroup(name, ranks, self.rank, backend, timeout, PrefixStore(f"pg{name}", self.store))
+        self.groups.append(group)
+        return group
+
+
+_world: Optional[World] = None
+_lock = threading.RLock()
+
+
+def world() -> World:
+    if _world is None:
+        raise NotInitializedError("the default process group has not been initialized; call "
+                                  "elastix.collectives.init_process_group() first")
+    return _world
+
+
+def set_world(w: Optional[World]) -> None:
+    global _world
+    _world = w
+
+
+def resolve(group: Optional[ProcessGroup]) -> ProcessGroup:
+    """The group a collective runs on; raises if this rank cannot use it."""
+    w = world()
+    g = w.default if group is None else group
+    if not isinstance(g, ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup from new_group(), not {type(g).__name__}")
+    if g.destroyed:
+        raise GroupError(f"group {g.name} was destroyed")
+    if g.rank() < 0:
+        raise GroupError(f"rank {w.rank} is not a member of group {g.name} (ranks {g.ranks})")
+    return g
+
+
+def timeout_seconds(timeout) -> Optional[float]:
+    return to_seconds(DEFAULT_TIMEOUT if timeout is None else timeout)
+
+
+__all__ = ["ProcessGroup", "World", "world", "set_world", "resolve", "normalize_backend",
+           "DEFAULT_TIMEOUT", "timeout_seconds"]

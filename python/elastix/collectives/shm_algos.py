@@ -1,0 +1,192 @@
+"""The collectives of one host's ranks over a ``ShmComm`` (see shm_comm for the step rules).
+
+Arrays here are C-contiguous 1-D NumPy arrays; reductions get them already viewed as the
+kernel's dtype. Ranks are local indexes of the comm.
+
+all_reduce, small messages: each rank copies its input into its slot, one step, and each rank
+reduces all slots in rank order itself (one synchronisation; every rank computes the same sums
+in the same order, so results are bit-identical). Large messages: a pipelined reduce-scatter
+plus all-gather. The array is cut into segments of (slot size) bytes and each segment into one
+chunk per rank; in step t a rank copies segment t's chunks that others reduce into its slot,
+reduces its own chunk of segment t-1 from the peers' slots (sources in rank order, its own
+chunk read from its array) into its array and its slot, and after the step copies the other
+chunks of segment t-1 out of their owners' slots. Each rank moves (p-1)/p of the data in and
+out, the reduction work is split p ways, and a segment stays in cache between its steps.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from . import _native
+from .shm_comm import ShmComm
+
+_U8 = np.dtype(np.uint8)
+
+
+def small_limit(comm: ShmComm) -> int:
+    """Largest all_reduce done in one step (measured crossover on 2 ranks: ~256 KiB; with more
+    ranks each one reduces p copies, so lower)."""
+    limit = comm.__dict__.get("_small")
+    if limit is None:
+        default = (256 << 10) if comm.n <= 2 else (64 << 10)
+        limit = comm._small = min(comm.slot_bytes, int(os.environ.get("ELASTIX_SHM_SMALL_BYTES", default)))
+    return limit
+
+
+def _region(comm: ShmComm) -> int:
+    """Bytes of a slot given to each rank's chunk (64-byte aligned)."""
+    return (comm.slot_bytes // comm.n) // 64 * 64
+
+
+def _segments(nbytes: int, size: int) -> range:
+    return range(max(1, -(-nbytes // size)))
+
+
+def all_reduce(comm: ShmComm, x: np.ndarray, code: int, op: int, div: int, desc: List[int],
+               root: Optional[int] = None, what: str = "all_reduce") -> None:
+    """In place; with ``root`` it is a reduce: only the root's array changes."""
+    p, me, dt, n = comm.n, comm.me, x.dtype, x.size
+    if x.nbytes <= small_limit(comm):
+        b = comm.next_buf
+        np.copyto(comm.slot(me, b, dt, 0, n), x)
+        comm.step(desc, what)
+        if n and (root is None or root == me):
+            _native.reduce(code, op, [comm.slot(j, b, dt, 0, n) for j in range(p)], [x], div)
+        return
+    region = _region(comm)
+    per_chunk = region // dt.itemsize
+    per_seg = per_chunk * p
+    nseg = -(-n // per_seg)
+    prev = None
+    prev_buf = 0
+    for t in range(nseg + 1):
+        b = comm.next_buf
+        bounds = None
+        if t < nseg:
+            start = t * per_seg
+            length = min(per_seg, n - start)
+            chunk = -(-length // p)
+            bounds = [(start + min(j * chunk, length), start + min((j + 1) * chunk, length)) for j in range(p)]
+            for j in range(p):
+                a, e = bounds[j]
+                if j != me and e > a:
+                    np.copyto(comm.slot(me, b, dt, j * region, e - a), x[a:e])
+        if prev is not None:
+            a, e = prev[me]
+            if e > a:
+                srcs = [x[a:e] if j == me else comm.slot(j, prev_buf, dt, me * region, e - a) for j in range(p)]
+                dsts = [comm.slot(me, b, dt, me * region, e - a)]
+                if root is None or root == me:
+                    dsts.append(x[a:e])
+                _native.reduce(code, op, srcs, dsts, div)
+        comm.step(desc if t == 0 else None, what)
+        if prev is not None and (root is None or root == me):
+            for j in range(p):
+                a, e = prev[j]
+                if j != me and e > a:
+                    np.copyto(x[a:e], comm.slot(j, b, dt, j * region, e - a))
+        prev, prev_buf = bounds, b
+
+
+def broadcast(comm: ShmComm, x: np.ndarray, root: int, desc: List[int]) -> None:
+    data = x.view(_U8)
+    seg = comm.slot_bytes
+    for t in _segments(data.size, seg):
+        a, e = t * seg, min(data.size, (t + 1) * seg)
+        b = comm.next_buf
+        if comm.me == root and e > a:
+            np.copyto(comm.slot(root, b, _U8, 0, e - a), data[a:e])
+        comm.step(desc if t == 0 else None, "broadcast")
+        if comm.me != root and e > a:
+            np.copyto(data[a:e], comm.slot(root, b, _U8, 0, e - a))
+
+
+def all_gather(comm: ShmComm, outs: Optional[Sequence[np.ndarray]], x: np.ndarray, desc: List[int],
+               root: Optional[int] = None, what: str = "all_gather") -> None:
+    """``outs[j]`` gets rank j's ``x`` (bytes); with ``root``, only there (gather)."""
+    data = x.view(_U8)
+    targets = [o.view(_U8) for o in outs] if outs is not None else None
+    seg = comm.slot_bytes
+    me = comm.me
+    receive = root is None or root == me
+    if receive:
+        np.copyto(targets[me], data)
+    for t in _segments(data.size, seg):
+        a, e = t * seg, min(data.size, (t + 1) * seg)
+        b = comm.next_buf
+        if e > a:
+            np.copyto(comm.slot(me, b, _U8, 0, e - a), data[a:e])
+        comm.step(desc if t == 0 else None, what)
+        if receive and e > a:
+            for j in range(comm.n):
+                if j != me:
+                    np.copyto(targets[j][a:e], comm.slot(j, b, _U8, 0, e - a))
+
+
+def scatter(comm: ShmComm, x: np.ndarray, ins: Optional[Sequence[np.ndarray]], root: int, desc: List[int]) -> None:
+    data = x.view(_U8)
+    me = comm.me
+    sources = [i.view(_U8) for i in ins] if me == root else None
+    if me == root:
+        np.copyto(data, sources[me])
+    region = _region(comm)
+    for t in _segments(data.size, region):
+        a, e = t * region, min(data.size, (t + 1) * region)
+        b = comm.next_buf
+        if me == root and e > a:
+            for j in range(comm.n):
+                if j != me:
+                    np.copyto(comm.slot(me, b, _U8, j * region, e - a), sources[j][a:e])
+        comm.step(desc if t == 0 else None, "scatter")
+        if me != root and e > a:
+            np.copyto(data[a:e], comm.slot(root, b, _U8, me * region, e - a))
+
+
+def reduce_scatter(comm: ShmComm, out: np.ndarray, ins: Sequence[np.ndarray], code: int, op: int,
+                   div: int, desc: List[int]) -> None:
+    """``out`` gets the reduction over ranks of their ``ins[me]`` (all viewed as the kernel's dtype)."""
+    p, me, dt, n = comm.n, comm.me, out.dtype, out.size
+    region = _region(comm)
+    per = region // dt.itemsize
+    for t in _segments(n, per):
+        a, e = t * per, min(n, (t + 1) * per)
+        b = comm.next_buf
+        for j in range(p):
+            if j != me and e > a:
+                np.copyto(comm.slot(me, b, dt, j * region, e - a), ins[j][a:e])
+        comm.step(desc if t == 0 else None, "reduce_scatter")
+        if e > a:
+            srcs = [ins[me][a:e] if j == me else comm.slot(j, b, dt, me * region, e - a) for j in range(p)]
+            _native.reduce(code, op, srcs, [out[a:e]], div)
+
+
+def all_to_all(comm: ShmComm, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray], desc: List[int]) -> None:
+    me = comm.me
+    targets = [o.view(_U8) for o in outs]
+    sources = [i.view(_U8) for i in ins]
+    nbytes = sources[me].size
+    region = _region(comm)
+    for t in _segments(nbytes, region):
+        a, e = t * region, min(nbytes, (t + 1) * region)
+        b = comm.next_buf
+        if e > a:
+            for j in range(comm.n):
+                if j != me:
+                    np.copyto(comm.slot(me, b, _U8, j * region, e - a), sources[j][a:e])
+        comm.step(desc if t == 0 else None, "all_to_all")
+        if e > a:
+            for j in range(comm.n):
+                if j != me:
+                    np.copyto(targets[j][a:e], comm.slot(j, b, _U8, me * region, e - a))
+    np.copyto(targets[me], sources[me])
+
+
+def barrier(comm: ShmComm, desc: List[int]) -> None:
+    comm.step(desc, "barrier")
+
+
+__all__ = ["all_reduce", "broadcast", "all_gather", "scatter", "reduce_scatter", "all_to_all", "barrier"]

@@ -1,0 +1,502 @@
+//! Reduction kernels: `dst = src[0] op src[1] op ... op src[n-1]` (optionally divided by a
+//! count, for averages) written to one or more destinations, in one pass over the sources.
+//!
+//! The sources are combined in the order given, block by block (a few KiB that stay in L1), so
+//! every rank that reduces the same sources in the same order gets bit-identical results.
+//! float16 and bfloat16 are accumulated in f32 and rounded once per block.
+//! Integers wrap on overflow, as NumPy's do; bool is logical (sum and max are "or", product and
+//! min are "and"); float min and max propagate NaN, as NumPy's `minimum`/`maximum` do.
+
+use std::mem::size_of;
+use std::ptr::copy_nonoverlapping;
+
+use super::dtype::{DType, ReduceOp};
+use super::half::{self, Half};
+
+/// Elements per block: the accumulator lives on the stack.
+const BLOCK: usize = 2048;
+
+/// Why a reduction was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    #[error("a reduction needs at least one source")]
+    NoSources,
+    #[error("bitwise reductions need integer or bool data, not {0:?}")]
+    BitwiseOnFloat(DType),
+    #[error("an average needs floating-point data, not {0:?}")]
+    DivisorOnInteger(DType),
+}
+
+/// Reduces `n` elements of type `dtype` from every source into every destination.
+/// `divisor` > 1 divides the result (floats only: averages).
+///
+/// # Safety
+/// Every source must be valid for reading, and every destination for writing, `n *
+/// dtype.size()` bytes. A destination may be the very same address as a source (each block is
+/// read entirely before it is written), but must not otherwise overlap one.
+pub unsafe fn reduce(
+    dtype: DType,
+    op: ReduceOp,
+    srcs: &[*const u8],
+    dsts: &[*mut u8],
+    n: usize,
+    divisor: u32,
+) -> Result<(), KernelError> {
+    if srcs.is_empty() {
+        return Err(KernelError::NoSources);
+    }
+    if op.is_bitwise() && dtype.is_float() {
+        return Err(KernelError::BitwiseOnFloat(dtype));
+    }
+    if divisor > 1 && !dtype.is_float() {
+        return Err(KernelError::DivisorOnInteger(dtype));
+    }
+    match dtype {
+        DType::Bool => bool_kernel(op, srcs, dsts, n),
+        DType::I8 => int_kernel::<i8>(op, srcs, dsts, n),
+        DType::U8 => int_kernel::<u8>(op, srcs, dsts, n),
+        DType::I16 => int_kernel::<i16>(op, srcs, dsts, n),
+        DType::U16 => int_kernel::<u16>(op, srcs, dsts, n),
+        DType::I32 => int_kernel::<i32>(op, srcs, dsts, n),
+        DType::U32 => int_kernel::<u32>(op, srcs, dsts, n),
+        DType::I64 => int_kernel::<i64>(op, srcs, dsts, n),
+        DType::U64 => int_kernel::<u64>(op, srcs, dsts, n),
+        DType::F32 => float_kernel::<f32>(op, srcs, dsts, n, divisor),
+        DType::F64 => float_kernel::<f64>(op, srcs, dsts, n, divisor),
+        DType::F16 => half_kernel(Half::F16, op, srcs, dsts, n, divisor),
+        DType::BF16 => half_kernel(Half::BF16, op, srcs, dsts, n, divisor),
+    }
+    Ok(())
+}
+
+/// Runs `combine` over the sources and writes `post(result)` to every destination. Two sources
+/// and one or two destinations (the common cases) take one direct pass; otherwise the sources
+/// are combined block by block in a stack buffer (first two fused) that is then copied out.
+#[inline(always)]
+unsafe fn drive<T: Copy + Default>(
+    srcs: &[*const u8],
+    dsts: &[*mut u8],
+    n: usize,
+    combine: impl Fn(T, T) -> T + Copy,
+    post: impl Fn(T) -> T + Copy,
+) {
+    let size = size_of::<T>();
+    if srcs.len() == 2 && (dsts.len() == 1 || dsts.len() == 2) {
+        // Element i is read before it is written, so a destination may be a source.
+        let (a, b) = (srcs[0] as *const T, srcs[1] as *const T);
+        let d0 = dsts[0] as *mut T;
+        if dsts.len() == 1 {
+            for i in 0..n {
+                d0.add(i).write_unaligned(post(combine(
+                    a.add(i).read_unaligned(),
+                    b.add(i).read_unaligned(),
+                )));
+            }
+        } else {
+            let d1 = dsts[1] as *mut T;
+            for i in 0..n {
+                let v = post(combine(
+                    a.add(i).read_unaligned(),
+                    b.add(i).read_unaligned(),
+                ));
+                d0.add(i).write_unaligned(v);
+                d1.add(i).write_unaligned(v);
+            }
+        }
+        return;
+    }
+    let mut block = [T::default(); BLOCK];
+    let mut done = 0;
+    while done < n {
+        let len = BLOCK.min(n - done);
+        let acc = &mut block[..len];
+        let offset = done * size;
+        if srcs.len() >= 2 {
+            let (a, b) = (
+                srcs[0].add(offset) as *const T,
+                srcs[1].add(offset) as *const T,
+            );
+            for (i, x) in acc.iter_mut().enumerate() {
+                *x = combine(a.add(i).read_unaligned(), b.add(i).read_unaligned());
+            }
+        } else {
+            copy_nonoverlapping(srcs[0].add(offset), acc.as_mut_ptr() as *mut u8, len * size);
+        }
+        for src in srcs.iter().skip(2) {
+            combine_into(acc, src.add(offset) as *const T, combine);
+        }
+        for x in acc.iter_mut() {
+            *x = post(*x);
+        }
+        for dst in dsts {
+            copy_nonoverlapping(acc.as_ptr() as *const u8, dst.add(offset), len * size);
+        }
+        done += len;
+    }
+}
+
+#[inline(always)]
+unsafe fn combine_into<T: Copy>(acc: &mut [T], src: *const T, combine: impl Fn(T, T) -> T) {
+    for (i, a) in acc.iter_mut().enumerate() {
+        *a = combine(*a, src.add(i).read_unaligned());
+    }
+}
+
+/// No finishing step.
+#[inline(always)]
+fn keep<T>(x: T) -> T {
+    x
+}
+
+/// Integer arithmetic that wraps, as NumPy's does.
+trait Int: Copy + Default + Ord {
+    fn wadd(self, other: Self) -> Self;
+    fn wmul(self, other: Self) -> Self;
+    fn and(self, other: Self) -> Self;
+    fn or(self, other: Self) -> Self;
+    fn xor(self, other: Self) -> Self;
+}
+
+macro_rules! int_impl {
+    ($($t:ty),*) => {$(
+        impl Int for $t {
+            #[inline(always)]
+            fn wadd(self, other: Self) -> Self { self.wrapping_add(other) }
+            #[inline(always)]
+            fn wmul(self, other: Self) -> Self { self.wrapping_mul(other) }
+            #[inline(always)]
+            fn and(self, other: Self) -> Self { self & other }
+            #[inline(always)]
+            fn or(self, other: Self) -> Self { self | other }
+            #[inline(always)]
+            fn xor(self, other: Self) -> Self { self ^ other }
+        }
+    )*};
+}
+int_impl!(i8, u8, i16, u16, i32, u32, i64, u64);
+
+unsafe fn int_kernel<T: Int>(op: ReduceOp, srcs: &[*const u8], dsts: &[*mut u8], n: usize) {
+    match op {
+        ReduceOp::Sum => drive::<T>(srcs, dsts, n, T::wadd, keep::<T>),
+        ReduceOp::Product => drive::<T>(srcs, dsts, n, T::wmul, keep::<T>),
+        ReduceOp::Min => drive::<T>(srcs, dsts, n, Ord::min, keep::<T>),
+        ReduceOp::Max => drive::<T>(srcs, dsts, n, Ord::max, keep::<T>),
+        ReduceOp::BitAnd => drive::<T>(srcs, dsts, n, T::and, keep::<T>),
+        ReduceOp::BitOr => drive::<T>(srcs, dsts, n, T::or, keep::<T>),
+        ReduceOp::BitXor => drive::<T>(srcs, dsts, n, T::xor, keep::<T>),
+    }
+}
+
+unsafe fn bool_kernel(op: ReduceOp, srcs: &[*const u8], dsts: &[*mut u8], n: usize) {
+    // NumPy bools are bytes holding 0 or 1, so logical ops are the bitwise ones on u8.
+    match op {
+        ReduceOp::Sum | ReduceOp::Max | ReduceOp::BitOr => {
+            drive::<u8>(srcs, dsts, n, |a, b| a | b, keep::<u8>)
+        }
+        ReduceOp::Product | ReduceOp::Min | ReduceOp::BitAnd => {
+            drive::<u8>(srcs, dsts, n, |a, b| a & b, keep::<u8>)
+        }
+        ReduceOp::BitXor => drive::<u8>(srcs, dsts, n, |a, b| a ^ b, keep::<u8>),
+    }
+}
+
+trait Float:
+    Copy
+    + Default
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+{
+    fn from_u32(v: u32) -> Self;
+    fn nan(self) -> bool;
+}
+
+impl Float for f32 {
+    #[inline(always)]
+    fn from_u32(v: u32) -> Self {
+        v as f32
+    }
+    #[inline(always)]
+    fn nan(self) -> bool {
+        self.is_nan()
+    }
+}
+
+impl Float for f64 {
+    #[inline(always)]
+    fn from_u32(v: u32) -> Self {
+        v as f64
+    }
+    #[inline(always)]
+    fn nan(self) -> bool {
+        self.is_nan()
+    }
+}
+
+/// NumPy's `minimum`: NaN wins.
+#[inline(always)]
+fn fmin<T: Float>(a: T, b: T) -> T {
+    if a < b || a.nan() {
+        a
+    } else {
+        b
+    }
+}
+
+/// NumPy's `maximum`: NaN wins.
+#[inline(always)]
+fn fmax<T: Float>(a: T, b: T) -> T {
+    if a > b || a.nan() {
+        a
+    } else {
+        b
+    }
+}
+
+#[inline(always)]
+fn combiner<T: Float>(op: ReduceOp) -> fn(T, T) -> T {
+    match op {
+        ReduceOp::Sum => |a, b| a + b,
+        ReduceOp::Product => |a, b| a * b,
+        ReduceOp::Min => fmin,
+        _ => fmax, // Max (bitwise ops were refused earlier)
+    }
+}
+
+unsafe fn float_kernel<T: Float>(
+    op: ReduceOp,
+    srcs: &[*const u8],
+    dsts: &[*mut u8],
+    n: usize,
+    divisor: u32,
+) {
+    let d = T::from_u32(divisor.max(1));
+    let divide = move |x: T| x / d;
+    // Each arm is its own monomorphised loop, so the compiler can vectorise it.
+    match (op, divisor > 1) {
+        (ReduceOp::Sum, false) => drive::<T>(srcs, dsts, n, |a, b| a + b, keep::<T>),
+        (ReduceOp::Sum, true) => drive::<T>(srcs, dsts, n, |a, b| a + b, divide),
+        (ReduceOp::Product, false) => drive::<T>(srcs, dsts, n, |a, b| a * b, keep::<T>),
+        (ReduceOp::Min, false) => drive::<T>(srcs, dsts, n, fmin, keep::<T>),
+        (ReduceOp::Max, false) => drive::<T>(srcs, dsts, n, fmax, keep::<T>),
+        (op, _) => drive::<T>(srcs, dsts, n, combiner::<T>(op), divide),
+    }
+}
+
+unsafe fn half_kernel(
+    kind: Half,
+    op: ReduceOp,
+    srcs: &[*const u8],
+    dsts: &[*mut u8],
+    n: usize,
+    divisor: u32,
+) {
+    let combine = combiner::<f32>(op);
+    let d = divisor.max(1) as f32;
+    let mut acc = [0f32; BLOCK];
+    let mut tmp = [0f32; BLOCK];
+    let mut done = 0;
+    while done < n {
+        let len = BLOCK.min(n - done);
+        let offset = done * 2;
+        half::load_block(kind, srcs[0].add(offset), &mut acc[..len]);
+        for src in &srcs[1..] {
+            half::load_block(kind, src.add(offset), &mut tmp[..len]);
+            match op {
+                ReduceOp::Sum => acc[..len]
+                    .iter_mut()
+                    .zip(&tmp[..len])
+                    .for_each(|(a, b)| *a += *b),
+                _ => acc[..len]
+                    .iter_mut()
+                    .zip(&tmp[..len])
+                    .for_each(|(a, b)| *a = combine(*a, *b)),
+            }
+        }
+        if divisor > 1 {
+            acc[..len].iter_mut().for_each(|a| *a /= d);
+        }
+        for dst in dsts {
+            half::store_block(kind, &acc[..len], dst.add(offset));
+        }
+        done += len;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run<T: Copy + Default>(
+        dtype: DType,
+        op: ReduceOp,
+        inputs: &[Vec<T>],
+        divisor: u32,
+    ) -> Result<Vec<T>, KernelError> {
+        let n = inputs[0].len();
+        let mut out = vec![T::default(); n];
+        let srcs: Vec<*const u8> = inputs.iter().map(|v| v.as_ptr() as *const u8).collect();
+        unsafe { reduce(dtype, op, &srcs, &[out.as_mut_ptr() as *mut u8], n, divisor)? };
+        Ok(out)
+    }
+
+    #[test]
+    fn integer_ops_wrap_like_numpy() {
+        let a: Vec<i8> = vec![100, -128, 3, 0, 7];
+        let b: Vec<i8> = vec![100, -1, -5, 0, 12];
+        assert_eq!(
+            run(DType::I8, ReduceOp::Sum, &[a.clone(), b.clone()], 1).unwrap(),
+            vec![-56, 127, -2, 0, 19]
+        );
+        assert_eq!(
+            run(DType::I8, ReduceOp::Product, &[a.clone(), b.clone()], 1).unwrap(),
+            vec![16, -128, -15, 0, 84]
+        );
+        assert_eq!(
+            run(DType::I8, ReduceOp::Min, &[a.clone(), b.clone()], 1).unwrap(),
+            vec![100, -128, -5, 0, 7]
+        );
+        assert_eq!(
+            run(DType::I8, ReduceOp::Max, &[a.clone(), b.clone()], 1).unwrap(),
+            vec![100, -1, 3, 0, 12]
+        );
+        assert_eq!(
+            run(DType::I8, ReduceOp::BitXor, &[a, b], 1).unwrap(),
+            vec![0, 127, -8, 0, 11]
+        );
+        let u: Vec<u64> = vec![u64::MAX, 5];
+        assert_eq!(
+            run(DType::U64, ReduceOp::Sum, &[u.clone(), vec![2, 6]], 1).unwrap(),
+            vec![1, 11]
+        );
+        assert_eq!(
+            run(DType::U64, ReduceOp::BitAnd, &[u, vec![2, 6]], 1).unwrap(),
+            vec![2, 4]
+        );
+    }
+
+    #[test]
+    fn many_sources_and_long_inputs_cross_blocks() {
+        let n = BLOCK * 3 + 17;
+        let inputs: Vec<Vec<i32>> = (0..5)
+            .map(|r| (0..n as i32).map(|i| i * (r + 1)).collect())
+            .collect();
+        let out = run(DType::I32, ReduceOp::Sum, &inputs, 1).unwrap();
+        for (i, v) in out.iter().enumerate() {
+            assert_eq!(*v, i as i32 * 15);
+        }
+    }
+
+    #[test]
+    fn floats_sum_in_order_and_average() {
+        let a = vec![1.0f64, f64::NAN, 3.0];
+        let b = vec![2.0f64, 1.0, -3.0];
+        let s = run(DType::F64, ReduceOp::Sum, &[a.clone(), b.clone()], 2).unwrap();
+        assert_eq!(s[0], 1.5);
+        assert!(s[1].is_nan());
+        assert_eq!(s[2], 0.0);
+        let mn = run(DType::F64, ReduceOp::Min, &[b.clone(), a.clone()], 1).unwrap();
+        assert_eq!(mn[0], 1.0);
+        assert!(mn[1].is_nan(), "NaN propagates as in numpy.minimum");
+        let mx = run(
+            DType::F32,
+            ReduceOp::Max,
+            &[vec![1.0f32, 5.0], vec![f32::NAN, 2.0]],
+            1,
+        )
+        .unwrap();
+        assert!(mx[0].is_nan());
+        assert_eq!(mx[1], 5.0);
+        let p = run(
+            DType::F32,
+            ReduceOp::Product,
+            &[vec![1.5f32], vec![4.0], vec![0.5]],
+            1,
+        )
+        .unwrap();
+        assert_eq!(p, vec![3.0]);
+    }
+
+    #[test]
+    fn bool_is_logical() {
+        let a = vec![0u8, 0, 1, 1];
+        let b = vec![0u8, 1, 0, 1];
+        assert_eq!(
+            run(DType::Bool, ReduceOp::Sum, &[a.clone(), b.clone()], 1).unwrap(),
+            vec![0, 1, 1, 1]
+        );
+        assert_eq!(
+            run(DType::Bool, ReduceOp::Product, &[a.clone(), b.clone()], 1).unwrap(),
+            vec![0, 0, 0, 1]
+        );
+        assert_eq!(
+            run(DType::Bool, ReduceOp::BitXor, &[a, b], 1).unwrap(),
+            vec![0, 1, 1, 0]
+        );
+    }
+
+    #[test]
+    fn halves_accumulate_in_f32() {
+        let n = BLOCK + 9;
+        let a: Vec<u16> = (0..n).map(|i| half::f32_to_f16(i as f32 * 0.25)).collect();
+        let b: Vec<u16> = (0..n).map(|_| half::f32_to_f16(1.0)).collect();
+        let out = run(DType::F16, ReduceOp::Sum, &[a.clone(), b.clone()], 2).unwrap();
+        for i in 0..n {
+            let expect = half::f32_to_f16((half::f16_to_f32(a[i]) + 1.0) / 2.0);
+            assert_eq!(out[i], expect, "{i}");
+        }
+        let c: Vec<u16> = (0..n).map(|i| half::f32_to_bf16(i as f32)).collect();
+        let out = run(
+            DType::BF16,
+            ReduceOp::Max,
+            &[c.clone(), vec![half::f32_to_bf16(100.0); n]],
+            1,
+        )
+        .unwrap();
+        for i in 0..n {
+            assert_eq!(
+                half::bf16_to_f32(out[i]),
+                half::bf16_to_f32(c[i]).max(100.0)
+            );
+        }
+    }
+
+    #[test]
+    fn destination_may_be_a_source_and_several_destinations_get_the_same() {
+        let n = BLOCK + 1;
+        let mut a: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let b: Vec<f32> = vec![1.0; n];
+        let mut other = vec![0f32; n];
+        let pa = a.as_mut_ptr() as *mut u8;
+        unsafe {
+            reduce(
+                DType::F32,
+                ReduceOp::Sum,
+                &[pa, b.as_ptr() as *const u8],
+                &[pa, other.as_mut_ptr() as *mut u8],
+                n,
+                1,
+            )
+            .unwrap()
+        };
+        for i in 0..n {
+            assert_eq!(a[i], i as f32 + 1.0);
+            assert_eq!(other[i], a[i]);
+        }
+    }
+
+    #[test]
+    fn refusals() {
+        assert_eq!(
+            run::<f32>(DType::F32, ReduceOp::BitAnd, &[vec![1.0]], 1),
+            Err(KernelError::BitwiseOnFloat(DType::F32))
+        );
+        assert_eq!(
+            run::<i32>(DType::I32, ReduceOp::Sum, &[vec![1]], 2),
+            Err(KernelError::DivisorOnInteger(DType::I32))
+        );
+        let err = unsafe { reduce(DType::F32, ReduceOp::Sum, &[], &[], 0, 1) };
+        assert_eq!(err, Err(KernelError::NoSources));
+    }
+}

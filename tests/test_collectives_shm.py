@@ -1,0 +1,88 @@
+"""Shared-memory segments: mapped by several processes, and gone when they are, even when
+they are killed: memfd segments have no name at all, and /dev/shm files are unlinked once every
+rank attached (a creator that crashed before that leaves a file the next creator removes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import collectives_harness as harness
+from elastix.collectives.shm_segment import PREFIX, SHM_DIR, Segment, sweep_stale
+
+
+def ours():
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)}
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("method", ["memfd", "file"])
+def test_a_segment_is_shared_and_its_name_released(method):
+    seg = Segment.create(10_000, method)
+    other = Segment.attach(Segment.decode(seg.encode()))
+    seg.bytes[:5] = [1, 2, 3, 4, 5]
+    assert list(other.bytes[:5]) == [1, 2, 3, 4, 5]
+    assert seg.size % 4096 == 0 and seg.size >= 10_000
+    if method == "file":
+        assert os.path.exists(seg.handle["path"])
+    seg.release_name()
+    if method == "file":
+        assert not os.path.exists(seg.handle["path"])
+    other.bytes[7] = 9
+    assert seg.bytes[7] == 9  # the mapping outlives the name
+    other.close()
+    seg.close()
+
+
+def test_stale_files_of_dead_creators_are_swept(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    stale = tmp_path / f"{PREFIX}{child.pid}-deadbeef"
+    stale.write_bytes(b"x")
+    alive = tmp_path / f"{PREFIX}{os.getpid()}-cafe"
+    alive.write_bytes(b"x")
+    assert sweep_stale(str(tmp_path)) == 1
+    assert not stale.exists() and alive.exists()
+
+
+def hold_group():
+    ec = harness.init()
+    x = np.ones(100_000)
+    ec.all_reduce(x)  # segments exist and every rank attached
+    s, q = ec.isend(x, (ec.get_rank() + 1) % ec.get_world_size()), ec.irecv(np.empty_like(x), (ec.get_rank() - 1) % ec.get_world_size())
+    q.wait()
+    s.wait()
+    print("ready", flush=True)
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("method", ["memfd", "file"])
+def test_killed_workers_leave_no_shared_memory_behind(method):
+    before = ours()
+    workers = harness.start(hold_group, 3, env={"ELASTIX_SHM": method}, timeout=60)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            outs = []
+            for out_f, _ in workers.logs:
+                out_f.seek(0)
+                outs.append(out_f.read())
+            if all("ready" in o for o in outs):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("workers did not get ready: " + "\n".join(r.describe() for r in workers.wait()))
+        assert ours() - before == set(), "names are released once every rank attached"
+        for r in range(3):
+            workers.kill(r, signal.SIGKILL)
+    finally:
+        workers.wait()
+    assert ours() - before == set()
