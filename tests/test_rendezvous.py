@@ -109,12 +109,14 @@ def test_bad_configuration_is_a_value_error():
 
 def test_static_backend():
     port = free_port()
+    # The handlers outlive both joins: rank 0's handler serves the store, and dropping it
+    # early would cut rank 1 off before its wait is answered (agents hold it for the job).
+    handlers = [create_handler("static", f"127.0.0.1:{port}", "fixed", 2, 2, rank=rank, timeout="20s") for rank in range(2)]
     with ThreadPoolExecutor(2) as pool:
-        futures = [
-            pool.submit(lambda rank: create_handler("static", f"127.0.0.1:{port}", "fixed", 2, 2, rank=rank, timeout="20s").next_rendezvous(), rank)
-            for rank in range(2)
-        ]
+        futures = [pool.submit(handler.next_rendezvous) for handler in handlers]
         infos = [future.result(30) for future in futures]
+    for handler in handlers:
+        handler.shutdown()
     assert [info.rank for info in infos] == [0, 1]
     assert {info.bootstrap_store_info.master_port for info in infos} == {port}
 
