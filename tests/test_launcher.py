@@ -99,12 +99,12 @@ def test_launch_config_fields_and_defaults(monkeypatch):
     config = LaunchConfig(1, 2, 4)
     names = [f.name for f in dataclasses.fields(LaunchConfig)]
     assert names[: len(TORCH_FIELDS)] == [name for name, _ in TORCH_FIELDS]  # torch's order
-    assert names[len(TORCH_FIELDS):] == ["exit_barrier_timeout"]
+    assert names[len(TORCH_FIELDS):] == ["exit_barrier_timeout", "standby_workers"]
     for name, default in TORCH_FIELDS[4:]:
         assert getattr(config, name) == default, name
     assert isinstance(config.logs_specs, DefaultLogsSpecs)
     assert config.rdzv_configs == {}  # no timeout=900 injected
-    assert config.exit_barrier_timeout == 300.0
+    assert config.exit_barrier_timeout == 300.0 and config.standby_workers is True
     assert LaunchConfig(1, 1, 1, rdzv_timeout=60).rdzv_configs == {"timeout": 60}
 
 

@@ -151,8 +151,9 @@ def test_a_worker_killed_by_a_signal_is_named(tmp_path, marker):
 
 
 def test_sigterm_to_the_agent_stops_hung_workers_and_leaves_nothing(tmp_path, marker):
+    # a restart budget: idle standby workers are running too, and must go as well
     proc = elastix_run(
-        "--standalone", "--nproc-per-node", 2, "--shutdown-timeout", 1,
+        "--standalone", "--nproc-per-node", 2, "--shutdown-timeout", 1, "--max-restarts", 1,
         os.path.join(WORKERS, "elastic_loop.py"), "--hang", out_dir=tmp_path, marker=marker,
     )
     wait_for(lambda: len(starts(tmp_path)) == 2, what="the workers")
@@ -161,6 +162,43 @@ def test_sigterm_to_the_agent_stops_hung_workers_and_leaves_nothing(tmp_path, ma
     code, out, err = finish(proc, timeout=30)
     assert code == 128 + signal.SIGTERM
     assert_nothing_left(marker)
+
+
+STANDBY_PROBE = r"""
+import json, os, sys
+rank, restart = os.environ["RANK"], int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+with open("/proc/self/cmdline", "rb") as f:
+    from_standby = any(part.endswith(b"_standby.py") for part in f.read().split(b"\0"))
+record = {"world_size": os.environ["WORLD_SIZE"], "argv": sys.argv[1:], "from_standby": from_standby}
+path = os.path.join(os.environ["OUT_DIR"], f"probe_{restart}_{rank}.json")
+with open(path + ".tmp", "w") as f:
+    json.dump(record, f)
+os.replace(path + ".tmp", path)
+if restart == 0 and rank == "1":
+    import time
+    deadline = time.monotonic() + 30
+    while not os.path.exists(os.path.join(os.environ["OUT_DIR"], "probe_0_0.json")) and time.monotonic() < deadline:
+        time.sleep(0.01)  # rank 0 reports before this rank's failure stops it
+    sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("standbys", [True, False])
+def test_restarted_workers_start_from_warm_standbys_unless_turned_off(tmp_path, marker, standbys):
+    script = tmp_path / "probe.py"
+    script.write_text(STANDBY_PROBE)
+    flags = [] if standbys else ["--no-standby-workers"]
+    proc = elastix_run("--standalone", "--nproc-per-node", 2, "--max-restarts", 1, *flags, script, "a",
+                       out_dir=tmp_path, marker=marker)
+    code, out, err = finish(proc)
+    assert code == 0, err
+    probes = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("probe_*.json")}
+    assert sorted(probes) == ["probe_0_0.json", "probe_0_1.json", "probe_1_0.json", "probe_1_1.json"]
+    for name, probe in probes.items():
+        assert probe["world_size"] == "2" and probe["argv"] == ["a"]
+        # the first attempt always starts cold; the restart from the standbys when on
+        assert probe["from_standby"] == (standbys and name.startswith("probe_1_")), name
+    assert_nothing_left(marker)  # idle standbys included
 
 
 def two_node_args(port, nnodes, addr):

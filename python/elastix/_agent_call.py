@@ -11,7 +11,7 @@ AGENT_CONFIG_KEYS = (
     "rdzv_backend", "rdzv_endpoint", "rdzv_conf", "min_nodes", "max_nodes", "node_rank",
     "local_addr", "master_addr", "master_port", "max_restarts", "signals_to_handle",
     "shutdown_timeout", "exit_barrier_timeout", "log_dir", "redirects", "tee",
-    "local_ranks_filter", "line_prefix", "virtual_local_rank", "name",
+    "local_ranks_filter", "line_prefix", "virtual_local_rank", "name", "standby",
 )  # fmt: skip
 
 

@@ -93,8 +93,13 @@ def build(
     line_prefix: Optional[str],
     virtual_local_rank: bool,
     name: Optional[str] = None,
+    python_workers: bool = False,
+    standby_workers: bool = True,
     warn: Callable[[str], None] = warn,
 ) -> Dict[str, Any]:
+    """``python_workers``: the entrypoint is the Python interpreter the launcher chose, run
+    with the arguments it built. ``standby_workers``: keep warm interpreters ready for the
+    next restart when one can happen."""
     check_backend(rdzv_backend)
     check_nodes(int(min_nodes), int(max_nodes))
     if int(local_world_size) < 1:
@@ -151,7 +156,21 @@ def build(
         "virtual_local_rank": bool(virtual_local_rank),
         # what the failure summary calls the job (the agent names the program otherwise)
         "name": name,
+        "standby": _standby(python_workers and standby_workers, entrypoint, args, rdzv_backend,
+                            int(max_nodes), int(max_restarts)),
     }
+
+
+def _standby(wanted: bool, python: str, args: Sequence[str], backend: str, max_nodes: int,
+             max_restarts: int) -> Optional[List[str]]:
+    """The standby command, when one is wanted and a restart can happen at all: after a
+    failure (a restart budget), or after a membership change (an elastic multi-node job)."""
+    can_restart = max_restarts > 0 or (backend != "static" and max_nodes > 1)
+    if not (wanted and can_restart):
+        return None
+    from ._standby import standby_command
+
+    return standby_command(str(python), [str(arg) for arg in args])
 
 
 def shutdown_timeout_from_env(value: Optional[float]) -> float:

@@ -99,6 +99,8 @@ def config_from_args(
         line_prefix=_line_prefix(args),
         virtual_local_rank=args.virtual_local_rank,
         name=args.training_script if args.run_path else None,
+        python_workers=not args.no_python or args.run_path,
+        standby_workers=not args.no_standby_workers,
         warn=warn,
     )
 

@@ -126,6 +126,10 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
                    metavar="N",
                    help="restarts of the worker group after failures, counted for the whole job "
                    "(torchrun: per node) (default: 0)")
+    g.add_argument("--no-standby-workers", action=EnvFlag, pet=False,
+                   help="[elastix] start every worker cold: without this, when a restart can "
+                   "happen, a warm Python interpreter per local rank waits to become the next "
+                   "attempt's worker, which makes restarts several times faster")
     g.add_argument("--monitor-interval", "--monitor_interval", action=EnvOption, type=float,
                    default=0.1, metavar="SECONDS",
                    help="accepted for torchrun compatibility (must be > 0): elastix is told of "

@@ -12,7 +12,8 @@ Differences from torch:
   defaults; ``rdzv_timeout`` or an explicit ``timeout`` is still passed on);
 * ``max_restarts`` is a budget for the whole job, shared by all nodes;
 * ``exit_barrier_timeout`` (seconds, default 300) is configurable;
-* a run ended by a signal raises ``SignalException`` from ``launch`` as well.
+* a run ended by a signal raises ``SignalException`` from ``launch`` as well;
+* ``standby_workers`` (default True): Python workers restart from warm interpreters.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class LaunchConfig:
     virtual_local_rank: bool = False
     shutdown_timeout: Optional[float] = None
     exit_barrier_timeout: Optional[float] = None
+    standby_workers: bool = True
 
     def __post_init__(self) -> None:
         if self.rdzv_timeout != -1:
@@ -210,6 +212,8 @@ def agent_config(config: LaunchConfig, program: str, program_args: Sequence[str]
         local_ranks_filter=parse_ranks_filter(_spec_attr(specs, "local_ranks_filter")),
         line_prefix=translate_torch_prefix(prefix) if prefix else None,
         virtual_local_rank=config.virtual_local_rank,
+        python_workers=program == _python(),
+        standby_workers=config.standby_workers,
     )
 
 
@@ -244,8 +248,12 @@ def _conf_string(confs: Dict[str, Any]) -> str:
     return ",".join(items)
 
 
+def _python() -> str:
+    return os.environ.get("PYTHON_EXEC", sys.executable)
+
+
 def _command(entrypoint: Entrypoint, args: Sequence[Any], workdir: Optional[str]) -> "tuple[str, List[str]]":
-    python = os.environ.get("PYTHON_EXEC", sys.executable)
+    python = _python()
     if callable(entrypoint):
         assert workdir is not None
         payload = os.path.join(workdir, "payload.pkl")

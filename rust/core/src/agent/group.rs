@@ -4,13 +4,12 @@
 
 use std::collections::VecDeque;
 use std::path::Path;
-use std::process::{ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
-use tokio::process::Command;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -19,7 +18,9 @@ use super::env::{worker_args, worker_env, WorkerPlace};
 use super::error::{AgentError, Result};
 use super::failure::Failure;
 use super::logs::{expand_prefix, pump, Console, Sink, DEFAULT_TEE_PREFIX};
+use super::process::supervised_command;
 use super::ranks::Assignment;
+use super::standby::{Standby, StandbyPool};
 use crate::rendezvous::RendezvousInfo;
 
 /// After SIGKILL, how long to wait for the kernel to reap a worker before giving up on it.
@@ -61,11 +62,12 @@ pub struct Launch<'a> {
 }
 
 impl WorkerGroup {
-    pub fn start(launch: &Launch<'_>) -> Result<WorkerGroup> {
+    /// Starts the workers, each from its standby when `standbys` has one ready.
+    pub fn start(launch: &Launch<'_>, standbys: &mut StandbyPool) -> Result<WorkerGroup> {
         let (sender, exits) = mpsc::unbounded_channel();
         let mut group = WorkerGroup { workers: Vec::new(), exits, host: launch.host.to_owned() };
         for local_rank in 0..launch.config.local_world_size {
-            match spawn(launch, local_rank, sender.clone()) {
+            match spawn(launch, local_rank, standbys.take(local_rank), sender.clone()) {
                 Ok(worker) => group.workers.push(worker),
                 Err(err) => {
                     // leave nothing half-started behind
@@ -175,6 +177,7 @@ impl Drop for WorkerGroup {
 fn spawn(
     launch: &Launch<'_>,
     local_rank: u32,
+    standby: Option<Standby>,
     exits: mpsc::UnboundedSender<(usize, std::io::Result<ExitStatus>, SystemTime)>,
 ) -> Result<Worker> {
     let config = launch.config;
@@ -182,29 +185,21 @@ fn spawn(
     let error_file =
         rank_dir.as_ref().map(|dir| dir.join("error.json").to_string_lossy().into_owned()).unwrap_or_default();
     let place = WorkerPlace::new(local_rank, launch.assignment, launch.restart_count, error_file);
-    let mut command = Command::new(&config.entrypoint);
-    command
-        .args(worker_args(&config.args, local_rank))
-        .envs(worker_env(config, launch.info, launch.assignment, &place))
-        .stdin(Stdio::inherit())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    let agent_pid = nix::unistd::getpid();
-    // SAFETY: only async-signal-safe system calls run between fork and exec.
-    unsafe {
-        command.pre_exec(move || {
-            // die with the agent; if it already died, do not start at all
-            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
-            if nix::unistd::getppid() != agent_pid {
-                return Err(std::io::Error::other("the agent exited before the worker started"));
-            }
-            Ok(())
-        });
-    }
-    let mut child = command.spawn().map_err(|err| {
-        AgentError::Spawn(format!("cannot start worker {local_rank} ({} {:?}): {err}", config.entrypoint, config.args))
-    })?;
+    let args = worker_args(&config.args, local_rank);
+    let env = worker_env(config, launch.info, launch.assignment, &place);
+    let activated = standby.and_then(|standby| {
+        let pid = standby.pid();
+        standby
+            .activate(&args, &env)
+            .map_err(|err| eprintln!("[elastix] standby worker {pid} unusable ({err}); starting worker {local_rank} cold"))
+            .ok()
+    });
+    let mut child = match activated {
+        Some(child) => child,
+        None => supervised_command(&config.entrypoint, &args, &env).spawn().map_err(|err| {
+            AgentError::Spawn(format!("cannot start worker {local_rank} ({} {:?}): {err}", config.entrypoint, config.args))
+        })?,
+    };
     let pid = child.id().expect("a just-spawned child has a pid");
     let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
     let sink = |mask: u8, console: Console, name: &str, tail: Option<Arc<Mutex<VecDeque<String>>>>| -> Result<Sink> {

@@ -3,7 +3,8 @@
 //!
 //! * [`run`]: the agent's loop; [`group`]: one attempt's worker processes; [`logs`]: their
 //!   output; [`failure`]: what a failure left behind and the summary.
-//! * [`config`], [`env`], [`ranks`]: what workers are started with; [`signals`], [`result`].
+//! * [`config`], [`env`], [`ranks`]: what workers are started with; [`process`]: how a child
+//!   is started; [`standby`]: warm interpreters that make restarts fast; [`signals`], [`result`].
 
 pub mod config;
 pub mod env;
@@ -11,10 +12,12 @@ pub mod error;
 pub mod failure;
 pub mod group;
 pub mod logs;
+pub mod process;
 pub mod ranks;
 pub mod result;
 pub mod run;
 pub mod signals;
+pub mod standby;
 
 pub use config::AgentConfig;
 pub use error::AgentError;

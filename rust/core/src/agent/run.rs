@@ -25,6 +25,7 @@ use super::logs::LogDirs;
 use super::ranks::{self, RoleInfo};
 use super::result::{AgentErrorInfo, AgentResult, RunState};
 use super::signals::Signals;
+use super::standby::StandbyPool;
 use crate::rendezvous::node::host_name;
 use crate::rendezvous::{MembershipChange, Rendezvous, RendezvousError, RendezvousInfo};
 use crate::store::{TcpStore, TcpStoreOptions};
@@ -113,6 +114,8 @@ struct Agent {
     host: String,
     attempt: u32,
     store: Option<TcpStore>,
+    /// Ready for the next attempt's workers.
+    standbys: StandbyPool,
 }
 
 impl Agent {
@@ -123,7 +126,8 @@ impl Agent {
         report.log_dir = logs.run_dir().map(|dir| dir.to_string_lossy().into_owned());
         let rdzv = Rendezvous::create(config.rendezvous_params()).await?;
         let host = config.local_addr.clone().unwrap_or_else(host_name);
-        Ok(Agent { config, rdzv, signals, logs, host, attempt: 0, store: None })
+        let standbys = StandbyPool::new(config.standby.clone(), config.env.clone(), config.local_world_size);
+        Ok(Agent { config, rdzv, signals, logs, host, attempt: 0, store: None, standbys })
     }
 
     async fn run(&mut self, report: &mut Report) -> Result<End> {
@@ -202,14 +206,18 @@ impl Agent {
         let assignment = ranks::assign(store, &info.store_prefix, info.rank, info.world_size, &me, STORE_TIMEOUT).await?;
         let attempt_dir = self.logs.attempt(self.attempt, self.config.local_world_size)?;
         self.attempt += 1;
-        WorkerGroup::start(&Launch {
+        let launch = Launch {
             config: &self.config,
             info,
             assignment: &assignment,
             restart_count,
             attempt_dir: attempt_dir.as_deref(),
             host: &self.host,
-        })
+        };
+        let group = WorkerGroup::start(&launch, &mut self.standbys)?;
+        // the next attempt's interpreters start while this one runs
+        self.standbys.refill();
+        Ok(group)
     }
 
     /// Spends a restart if this is the round's first failure report; past the budget, closes

@@ -1,0 +1,202 @@
+//! Warm standby workers: one interpreter per local rank, started ahead of a restart, so that a
+//! restart does not pay for a cold interpreter start (tens of milliseconds for Python, more
+//! with site packages that do work at start-up).
+//!
+//! A standby is the configured standby command (the launcher builds it: a Python bootstrap)
+//! started like a worker, with the agent's environment plus the configured variables, and one
+//! more descriptor: the read end of a pipe as fd [`ACTIVATION_FD`]. To make it a worker, the
+//! agent writes one JSON object, `{"args": [...], "env": {...}}` (the worker's arguments and
+//! variables, as a cold start would get them) and closes the pipe; the standby reads to EOF,
+//! applies them and runs the program. EOF with nothing written tells it to exit: dropping a
+//! standby is always safe. A standby that cannot be used (it died, the write failed) is killed
+//! and the worker starts cold: slower, never different.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use nix::fcntl::{fcntl, FcntlArg, OFlag};
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::process::Child;
+
+use super::process::supervised_command;
+
+/// The descriptor a standby reads its activation from.
+pub const ACTIVATION_FD: i32 = 3;
+
+pub struct Standby {
+    pid: u32,
+    /// Both `None` once activated: the process is a worker then, and no longer ours to kill.
+    child: Option<Child>,
+    activation: Option<File>,
+}
+
+impl Standby {
+    pub fn spawn(command: &[String], env: &BTreeMap<String, String>) -> std::io::Result<Standby> {
+        let (program, args) = command.split_first().ok_or_else(|| std::io::Error::other("empty standby command"))?;
+        let (read_end, write_end) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
+        // a full pipe must fail the activation rather than block the agent
+        fcntl(&write_end, FcntlArg::F_SETFL(OFlag::O_NONBLOCK))?;
+        let mut command = supervised_command(program, args, env);
+        let read_fd = read_end.as_raw_fd();
+        // SAFETY: dup2 and fcntl are async-signal-safe.
+        unsafe {
+            command.pre_exec(move || {
+                let fd = if read_fd == ACTIVATION_FD {
+                    // dup2 onto itself would keep close-on-exec
+                    libc::fcntl(read_fd, libc::F_SETFD, 0)
+                } else {
+                    libc::dup2(read_fd, ACTIVATION_FD)
+                };
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = command.spawn()?;
+        drop::<OwnedFd>(read_end);
+        let pid = child.id().expect("a just-spawned child has a pid");
+        Ok(Standby { pid, child: Some(child), activation: Some(File::from(write_end)) })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Hands the standby its worker's arguments and environment; it is that worker from now on.
+    pub fn activate(mut self, args: &[String], env: &BTreeMap<String, String>) -> std::io::Result<Child> {
+        let child = self.child.as_mut().expect("only activated once");
+        if let Some(status) = child.try_wait()? {
+            return Err(std::io::Error::other(format!("the standby exited before it was needed ({status})")));
+        }
+        let message = serde_json::json!({ "args": args, "env": env });
+        let mut pipe = self.activation.take().expect("only activated once");
+        pipe.write_all(message.to_string().as_bytes())?;
+        drop(pipe); // EOF: the message is complete
+        Ok(self.child.take().expect("checked above"))
+    }
+}
+
+impl Drop for Standby {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            // an idle standby exits by itself on EOF; SIGKILL makes sure it is gone now
+            let _ = killpg(Pid::from_raw(self.pid as i32), Signal::SIGKILL);
+        }
+    }
+}
+
+/// One standby slot per local rank.
+pub struct StandbyPool {
+    command: Option<Vec<String>>,
+    env: BTreeMap<String, String>,
+    slots: Vec<Option<Standby>>,
+}
+
+impl StandbyPool {
+    /// `command: None` keeps the pool empty: every worker starts cold.
+    pub fn new(command: Option<Vec<String>>, env: BTreeMap<String, String>, local_world_size: u32) -> StandbyPool {
+        let slots = (0..local_world_size).map(|_| None).collect();
+        StandbyPool { command: command.filter(|c| !c.is_empty()), env, slots }
+    }
+
+    /// Starts a standby in every empty slot. A standby that cannot start turns standbys off
+    /// for the rest of the run, with a warning: workers then start cold, as without them.
+    pub fn refill(&mut self) {
+        let Some(command) = &self.command else { return };
+        for slot in self.slots.iter_mut().filter(|slot| slot.is_none()) {
+            match Standby::spawn(command, &self.env) {
+                Ok(standby) => *slot = Some(standby),
+                Err(err) => {
+                    eprintln!("[elastix] cannot start a standby worker ({command:?}): {err}; restarts start cold");
+                    self.command = None;
+                    return;
+                }
+            }
+        }
+    }
+
+    pub fn take(&mut self, local_rank: u32) -> Option<Standby> {
+        self.slots.get_mut(local_rank as usize).and_then(Option::take)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::AsyncReadExt;
+
+    use super::*;
+
+    /// A standby that echoes its activation message (or nothing) to stdout, then exits.
+    fn echo_command() -> Vec<String> {
+        vec!["/bin/sh".into(), "-c".into(), "cat <&3; exit 7".into()]
+    }
+
+    fn alive(pid: u32) -> bool {
+        // a zombie still answers kill(0); /proc says whether it runs
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|stat| !stat.rsplit(") ").next().unwrap_or("").starts_with('Z'))
+            .unwrap_or(false)
+    }
+
+    #[tokio::test]
+    async fn activation_hands_over_args_and_env_and_the_process_becomes_the_worker() {
+        let standby = Standby::spawn(&echo_command(), &BTreeMap::new()).unwrap();
+        let env = BTreeMap::from([("RANK".to_owned(), "3".to_owned())]);
+        let mut child = standby.activate(&["-u".into(), "train.py".into()], &env).unwrap();
+        let mut out = String::new();
+        child.stdout.take().unwrap().read_to_string(&mut out).await.unwrap();
+        let message: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(message, serde_json::json!({"args": ["-u", "train.py"], "env": {"RANK": "3"}}));
+        assert_eq!(child.wait().await.unwrap().code(), Some(7));
+    }
+
+    #[tokio::test]
+    async fn an_unused_standby_is_gone_when_dropped() {
+        let command = vec!["/bin/sh".into(), "-c".into(), "sleep 30 <&3".into()];
+        let standby = Standby::spawn(&command, &BTreeMap::new()).unwrap();
+        let pid = standby.pid();
+        assert!(alive(pid));
+        drop(standby);
+        for _ in 0..200 {
+            if !alive(pid) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("standby {pid} still runs after being dropped");
+    }
+
+    #[tokio::test]
+    async fn a_standby_that_died_is_refused() {
+        let command = vec!["/bin/sh".into(), "-c".into(), "exit 0".into()];
+        let standby = Standby::spawn(&command, &BTreeMap::new()).unwrap();
+        let pid = standby.pid();
+        for _ in 0..200 {
+            if !alive(pid) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let err = standby.activate(&[], &BTreeMap::new()).unwrap_err();
+        assert!(err.to_string().contains("exited before it was needed"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_pool_without_a_command_stays_empty_and_one_that_cannot_start_turns_off() {
+        let mut pool = StandbyPool::new(None, BTreeMap::new(), 2);
+        pool.refill();
+        assert!(pool.take(0).is_none());
+        let mut pool = StandbyPool::new(Some(vec!["/nonexistent/python".into()]), BTreeMap::new(), 2);
+        pool.refill();
+        assert!(pool.take(0).is_none() && pool.command.is_none());
+        let mut pool = StandbyPool::new(Some(echo_command()), BTreeMap::new(), 2);
+        pool.refill();
+        assert!(pool.take(1).is_some() && pool.take(1).is_none() && pool.take(5).is_none());
+    }
+}

@@ -1,0 +1,128 @@
+"""Warm standby workers: the bootstrap runs a program exactly as a cold start would, the
+launcher asks for standbys only when they can be used, and restarted workers under
+`elastix run` really come from them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from elastix._run_config import config_from_args
+from elastix._run_parser import build_parser
+from elastix._standby import standby_command
+from elastix.launcher import LaunchConfig, agent_config
+
+PROBE = r"""
+import json, os, sys
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__, "file": __file__,
+                  "rank": os.environ.get("RANK"), "main_file": sys.modules["__main__"].__file__}))
+if os.environ.get("FAIL"):
+    raise ValueError("bad input")
+"""
+
+
+def activate(tmp_path, args, env=None, message=True):
+    """Starts a standby, activates it with `args` and `env`, returns (exit code, stdout, stderr)."""
+    command = standby_command(sys.executable, ["-u", "placeholder.py"])
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        close_fds=False, preexec_fn=lambda: os.dup2(read_end, 3),  # as the agent: the pipe as fd 3
+    )
+    os.close(read_end)
+    if message:
+        os.write(write_end, json.dumps({"args": args, "env": env or {}}).encode())
+    os.close(write_end)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err
+
+
+def cold(tmp_path, args, env=None):
+    proc = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=60)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_a_script_runs_as_a_cold_start_would_run_it(tmp_path):
+    (tmp_path / "sub").mkdir()
+    script = tmp_path / "sub" / "probe.py"
+    script.write_text(PROBE)
+    args = ["-u", str(script), "--lr", "0.1"]
+    warm, cold_start = activate(tmp_path, args, {"RANK": "3"}), cold(tmp_path, args, {"RANK": "3"})
+    assert warm[0] == cold_start[0] == 0, warm[2]
+    assert json.loads(warm[1]) == json.loads(cold_start[1])
+    assert json.loads(warm[1])["path0"] == str(tmp_path / "sub")
+
+
+def test_a_module_runs_as_python_m_would_run_it(tmp_path):
+    (tmp_path / "probepkg").mkdir()
+    (tmp_path / "probepkg" / "__init__.py").write_text("")
+    (tmp_path / "probepkg" / "tool.py").write_text(PROBE)
+    args = ["-u", "-m", "probepkg.tool", "x"]
+    warm, cold_start = activate(tmp_path, args, {"RANK": "1"}), cold(tmp_path, args, {"RANK": "1"})
+    assert warm[0] == cold_start[0] == 0, warm[2]
+    assert json.loads(warm[1]) == json.loads(cold_start[1])
+
+
+def test_a_failing_program_exits_1_with_its_own_traceback(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    code, _, err = activate(tmp_path, ["-u", str(script)], {"FAIL": "1"})
+    assert code == 1
+    assert "ValueError: bad input" in err
+    # the first frame is the program's, as in a cold start: no bootstrap or runpy frames
+    assert err.splitlines()[1].startswith(f'  File "{script}"'), err
+    assert "runpy" not in err and "_standby" not in err
+
+
+def test_sys_exit_codes_pass_through(tmp_path):
+    script = tmp_path / "exit.py"
+    script.write_text("import sys\nsys.exit(5)\n")
+    assert activate(tmp_path, ["-u", str(script)])[0] == 5
+
+
+def test_eof_without_a_message_exits_quietly(tmp_path):
+    assert activate(tmp_path, None, message=False) == (0, "", "")
+
+
+@pytest.mark.parametrize(
+    "args, usable",
+    [
+        (["-u", "train.py", "-x"], True),
+        (["-u", "-m", "pkg.train"], True),
+        (["-u", "-m"], False),
+        (["-u", "-O", "train.py"], False),
+        (["train.py"], False),
+        ([], False),
+    ],
+)
+def test_standbys_only_stand_in_for_command_lines_they_reproduce(args, usable):
+    assert (standby_command(sys.executable, args) is not None) == usable
+
+
+def run_config(argv):
+    return config_from_args(build_parser().parse_args(argv), warn=lambda message: None)
+
+
+def test_elastix_run_asks_for_standbys_only_when_a_restart_can_happen(tmp_path):
+    script = str(tmp_path / "train.py")
+    open(script, "w").close()
+    # one node and no restart budget: nothing will ever restart
+    assert run_config(["--standalone", script])["standby"] is None
+    config = run_config(["--standalone", "--max-restarts", "2", script])
+    assert config["standby"][:2] == [sys.executable, "-u"]
+    assert config["standby"][2].endswith("_standby.py")
+    # an elastic multi-node job restarts on membership changes, without a budget
+    assert run_config(["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", script])["standby"]
+    assert run_config(["--standalone", "--max-restarts", "2", "-m", "pkg.train"])["standby"]
+    assert run_config(["--standalone", "--max-restarts", "2", "--no-python", "/bin/true"])["standby"] is None
+    assert run_config(["--standalone", "--max-restarts", "2", "--no-standby-workers", script])["standby"] is None
+
+
+def test_launch_config_can_turn_standbys_off():
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, max_restarts=1)
+    assert agent_config(config, sys.executable, ["-u", "-m", "mod"])["standby"]
+    config.standby_workers = False
+    assert agent_config(config, sys.executable, ["-u", "-m", "mod"])["standby"] is None
