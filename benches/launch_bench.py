@@ -6,7 +6,7 @@ again; `elastix run` against `torchrun` (when torch is installed) in the same ru
 * restart: a worker exits 1; time from that exit to the moment every worker of the next
   attempt is running (its first line), median over several restarts.
 
-    python benches/launch_bench.py [--launches 10] [--restarts 10]
+    python benches/launch_bench.py [--launches 10] [--restarts 10] [--no-standby-workers]
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ time.sleep(0.5 if attempt < int(os.environ["RESTARTS"]) else 0)
 """
 
 
-def launchers() -> dict[str, list[str]]:
-    found = {"elastix": [sys.executable, "-m", "elastix", "run"]}
+def launchers(elastix_flags: list[str]) -> dict[str, list[str]]:
+    found = {"elastix": [sys.executable, "-m", "elastix", "run", *elastix_flags]}
     torchrun = shutil.which("torchrun")
     if torchrun:
         found["torchrun"] = [torchrun]
@@ -82,13 +82,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--launches", type=int, default=10)
     parser.add_argument("--restarts", type=int, default=10)
+    parser.add_argument("--no-standby-workers", action="store_true",
+                        help="restart elastix's workers cold, as torchrun does")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="elastix-launch-bench-")
     noop = os.path.join(work, "noop.py")
     open(noop, "w").write("")
     restart = os.path.join(work, "restart.py")
     open(restart, "w").write(RESTART_WORKER)
-    found = launchers()
+    found = launchers(["--no-standby-workers"] if args.no_standby_workers else [])
     if "torchrun" not in found:
         print("torchrun not found: elastix figures only (pip install -e '.[bench]' for the comparison)")
     print(f"plain `python noop.py`: {time_plain_python(noop, args.launches) * 1000:.1f} ms")
