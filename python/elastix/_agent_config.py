@@ -175,20 +175,23 @@ def _standby(wanted: bool, python: str, args: Sequence[str], backend: str, max_n
 
 def shutdown_timeout_from_env(value: Optional[float]) -> float:
     """An explicit value, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s (torch main's rule)."""
-    if value is not None:
-        return check_seconds("--shutdown-timeout", value)
-    env = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
-    if env:
-        return check_seconds("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", env)
-    return DEFAULT_SHUTDOWN_TIMEOUT
+    return _seconds_or_env("--shutdown-timeout", value, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+                           DEFAULT_SHUTDOWN_TIMEOUT)
 
 
 def exit_barrier_timeout_from_env(value: Optional[float]) -> float:
     """An explicit value, else TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT (the name torch's open PR
     #195543 proposes), else 300 s."""
+    return _seconds_or_env("--exit-barrier-timeout", value, "TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT",
+                           DEFAULT_EXIT_BARRIER_TIMEOUT)
+
+
+def _seconds_or_env(flag: str, value: Optional[float], variable: str, default: float) -> float:
+    """``value`` when given, else the variable when set and not empty, else ``default``; a bad
+    value is an error that names its flag or variable."""
     if value is not None:
-        return check_seconds("--exit-barrier-timeout", value)
-    env = os.environ.get("TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT")
+        return check_seconds(flag, value)
+    env = os.environ.get(variable)
     if env:
-        return check_seconds("TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT", env)
-    return DEFAULT_EXIT_BARRIER_TIMEOUT
+        return check_seconds(variable, env)
+    return default
