@@ -52,6 +52,7 @@ def iterations(nbytes: int, budget: float) -> int:
 
 # -- the worker (one per rank) ------------------------------------------------------------------
 
+
 def worker(impl: str, sizes, budget: float, out: str) -> None:
     import numpy as np
 
@@ -61,8 +62,9 @@ def worker(impl: str, sizes, budget: float, out: str) -> None:
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=os.environ["BENCH_INIT"], rank=rank, world_size=world,
-                                timeout=timedelta(seconds=600))
+        dist.init_process_group(
+            "gloo", init_method=os.environ["BENCH_INIT"], rank=rank, world_size=world, timeout=timedelta(seconds=600)
+        )
         make = lambda n: torch.ones(n, dtype=torch.float32)  # noqa: E731
         reduce_ = dist.all_reduce
         barrier = dist.barrier
@@ -114,6 +116,7 @@ def worker(impl: str, sizes, budget: float, out: str) -> None:
 
 # -- the driver ------------------------------------------------------------------------------------
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -123,8 +126,14 @@ def free_port() -> int:
 def run_impl(impl: str, world: int, sizes, budget: float, timeout: float):
     """Spawns ``world`` ranks of ``impl``; returns {size: seconds} or None (and why)."""
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    env = dict(os.environ, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-               OMP_NUM_THREADS="1", GROUP_RANK="0")
+    env = dict(
+        os.environ,
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        OMP_NUM_THREADS="1",
+        GROUP_RANK="0",
+    )
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
     store = None
     if impl == "gloo":
@@ -134,14 +143,31 @@ def run_impl(impl: str, world: int, sizes, budget: float, timeout: float):
 
         store = elastix.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=600))
         env.update(MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
-    cmd = [sys.executable, __file__, "--worker", impl, "--sizes", ",".join(map(str, sizes)),
-           "--budget", str(budget), "--out", out]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        impl,
+        "--sizes",
+        ",".join(map(str, sizes)),
+        "--budget",
+        str(budget),
+        "--out",
+        out,
+    ]
     procs = []
     try:
         for r in range(world):
-            procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                                          stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                    stdin=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
         deadline = time.monotonic() + timeout
         errors = []
         for p in procs:
@@ -201,8 +227,10 @@ def main() -> int:
     impls = ["elastix"] + (["gloo"] if have_torch else [])
     if gpu_count() >= 2:
         impls.append("nccl")
-    print(f"all_reduce float32, local ranks, {os.cpu_count()} CPUs; load average "
-          f"{os.getloadavg()[0]:.2f}; impls: {', '.join(impls)}" + ("" if have_torch else " (torch not installed)"))
+    print(
+        f"all_reduce float32, local ranks, {os.cpu_count()} CPUs; load average "
+        f"{os.getloadavg()[0]:.2f}; impls: {', '.join(impls)}" + ("" if have_torch else " (torch not installed)")
+    )
     report = {}
     for world in [int(w) for w in args.ranks.split(",")]:
         figures = {}
@@ -242,11 +270,16 @@ def main() -> int:
             if big:
                 worst = min(figures["gloo"][n] / e[n] for n in big)
                 verdict = "meets" if worst >= TARGET_RATIO else "misses"
-                print(f"busbw ratio vs gloo at >= 1 MiB: min {worst:.2f}x ({verdict} the >= {TARGET_RATIO:.0f}x target)")
+                print(
+                    f"busbw ratio vs gloo at >= 1 MiB: min {worst:.2f}x ({verdict} the >= {TARGET_RATIO:.0f}x target)"
+                )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({str(w): {i: {str(n): t for n, t in r.items()} for i, r in fig.items()}
-                       for w, fig in report.items()}, f, indent=1)
+            json.dump(
+                {str(w): {i: {str(n): t for n, t in r.items()} for i, r in fig.items()} for w, fig in report.items()},
+                f,
+                indent=1,
+            )
     return 0
 
 

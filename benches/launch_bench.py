@@ -47,8 +47,12 @@ def time_launch(command: list[str], script: str, runs: int) -> float:
     times = []
     for _ in range(runs):
         start = time.perf_counter()
-        subprocess.run([*command, "--standalone", "--nproc-per-node", "2", script], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [*command, "--standalone", "--nproc-per-node", "2", script],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -66,8 +70,14 @@ def time_restarts(command: list[str], script: str, restarts: int) -> list[float]
     out = tempfile.mkdtemp(prefix="elastix-restart-bench-")
     try:
         env = {**os.environ, "OUT_DIR": out, "RESTARTS": str(restarts)}
-        subprocess.run([*command, "--standalone", "--nproc-per-node", "2", "--max-restarts", str(restarts), script],
-                       check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+        subprocess.run(
+            [*command, "--standalone", "--nproc-per-node", "2", "--max-restarts", str(restarts), script],
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=600,
+        )
         latencies = []
         for attempt in range(restarts):
             failed = float(open(os.path.join(out, f"fail_{attempt}")).read())
@@ -82,8 +92,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--launches", type=int, default=10)
     parser.add_argument("--restarts", type=int, default=10)
-    parser.add_argument("--no-standby-workers", action="store_true",
-                        help="restart elastix's workers cold, as torchrun does")
+    parser.add_argument(
+        "--no-standby-workers", action="store_true", help="restart elastix's workers cold, as torchrun does"
+    )
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="elastix-launch-bench-")
     noop = os.path.join(work, "noop.py")
@@ -100,7 +111,9 @@ def main() -> None:
     for name in found:
         lat = sorted(restarts[name])
         p90 = lat[min(len(lat) - 1, int(0.9 * len(lat)))]
-        print(f"{name:>9} | {launch[name] * 1000:>19.1f} ms | {statistics.median(lat) * 1000:>11.1f} ms | {p90 * 1000:>8.1f} ms")
+        print(
+            f"{name:>9} | {launch[name] * 1000:>19.1f} ms | {statistics.median(lat) * 1000:>11.1f} ms | {p90 * 1000:>8.1f} ms"
+        )
     if "torchrun" in found:
         print(f"launch ratio elastix/torchrun: {launch['elastix'] / launch['torchrun']:.3f}x (target <= 0.1x)")
         speedup = statistics.median(restarts["torchrun"]) / statistics.median(restarts["elastix"])

@@ -61,10 +61,15 @@ def torch_round(nodes: int, use_libuv: bool) -> float:
     where the resolver is unreachable (sandboxes, air-gapped clusters) that stalls it for
     seconds and the rendezvous times out. So the legacy server is the default here."""
     server = subprocess.Popen(
-        [sys.executable, "-c", "import torch.distributed as d, time; from datetime import timedelta; "
-         f"s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, use_libuv={use_libuv}, "
-         "timeout=timedelta(seconds=600)); print(s.port, flush=True); time.sleep(3600)"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import torch.distributed as d, time; from datetime import timedelta; "
+            f"s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, use_libuv={use_libuv}, "
+            "timeout=timedelta(seconds=600)); print(s.port, flush=True); time.sleep(3600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     workers = []
     try:
@@ -72,10 +77,14 @@ def torch_round(nodes: int, use_libuv: bool) -> float:
         start_at = time.time() + 3.0 + nodes / 100  # every handler is built before the start
         run_id = f"bench-{nodes}-{os.getpid()}"
         for local in (nodes - nodes // 2, nodes // 2):
-            workers.append(subprocess.Popen(
-                [sys.executable, "-c", TORCH_WORKER, str(port), str(nodes), str(local), run_id, str(start_at)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            ))
+            workers.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", TORCH_WORKER, str(port), str(nodes), str(local), run_id, str(start_at)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         ends = []
         for worker in workers:
             out, err = worker.communicate(timeout=900)

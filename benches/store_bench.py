@@ -58,8 +58,7 @@ class Children:
 
     def start(self, cmd: list[str]) -> subprocess.Popen:
         log = tempfile.TemporaryFile(mode="w+")  # stderr kept aside, shown if it fails
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=log, text=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
         self.procs.append((proc, log))
         return proc
 
@@ -95,16 +94,31 @@ def first_line(children: Children, proc: subprocess.Popen, what: str, timeout: f
             break
     proc.poll()
     status = "still running" if proc.returncode is None else f"exit status {proc.returncode}"
-    raise RuntimeError(f"{what} printed no port within {timeout:.0f} s ({status}); "
-                       f"its stderr:\n{children.stderr_of(proc)[-2000:]}")
+    raise RuntimeError(
+        f"{what} printed no port within {timeout:.0f} s ({status}); its stderr:\n{children.stderr_of(proc)[-2000:]}"
+    )
 
 
 def load(loadgen: Path, port: int, server_pid: int, connections: int, args) -> dict:
     """One elastix-loadgen run; its JSON line, which includes the server's CPU share."""
-    cmd = [str(loadgen), "--host", "127.0.0.1", "--port", str(port), "--json",
-           "--connections", str(connections), "--duration", str(args.duration),
-           "--warmup", str(args.warmup), "--threads", str(args.loadgen_threads),
-           "--server-pid", str(server_pid)]
+    cmd = [
+        str(loadgen),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--json",
+        "--connections",
+        str(connections),
+        "--duration",
+        str(args.duration),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.loadgen_threads),
+        "--server-pid",
+        str(server_pid),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration + 300)
     if done.returncode != 0:
         raise RuntimeError(f"elastix-loadgen failed ({done.returncode}): {done.stderr.strip()}")
@@ -132,21 +146,26 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def table(rows: list[tuple[int, dict, dict | None]]) -> str:
-    head = (f"{'connections':>11} | {'elastix ops/s':>13} {'p50':>9} {'p99':>9} | "
-            f"{'torch ops/s':>11} {'p50':>9} {'p99':>9} | {'ops/s e/t':>9} | {'p99 e/t':>7}")
+    head = (
+        f"{'connections':>11} | {'elastix ops/s':>13} {'p50':>9} {'p99':>9} | "
+        f"{'torch ops/s':>11} {'p50':>9} {'p99':>9} | {'ops/s e/t':>9} | {'p99 e/t':>7}"
+    )
     lines = [head, "-" * len(head)]
     for conns, e, t in rows:
         lines.append(
             f"{conns:>11} | {fmt_ops(e):>13} {fmt_us(e, 'p50_us')} {fmt_us(e, 'p99_us')} | "
             f"{fmt_ops(t):>11} {fmt_us(t, 'p50_us')} {fmt_us(t, 'p99_us')} | "
             f"{ratio(e['ops_per_s'], t and t['ops_per_s']):>9} | "
-            f"{ratio(e['p99_us'], t and t['p99_us']):>7}")
+            f"{ratio(e['p99_us'], t and t['p99_us']):>7}"
+        )
     lines.append("")
     lines.append("CPU over each measured window, % of one core (server / loadgen):")
     for conns, e, t in rows:
         torch_cpu = f"torch {t['server_cpu_pct']:.0f}% / {t['loadgen_cpu_pct']:.0f}%" if t else ""
-        lines.append(f"  {conns:>4} connections: elastix {e['server_cpu_pct']:.0f}% / "
-                     f"{e['loadgen_cpu_pct']:.0f}%   {torch_cpu}".rstrip())
+        lines.append(
+            f"  {conns:>4} connections: elastix {e['server_cpu_pct']:.0f}% / "
+            f"{e['loadgen_cpu_pct']:.0f}%   {torch_cpu}".rstrip()
+        )
     return "\n".join(lines)
 
 
@@ -156,9 +175,11 @@ def verdict(rows: list[tuple[int, dict, dict | None]]) -> str | None:
         if conns == 256 and t:
             ops, p99 = e["ops_per_s"] / t["ops_per_s"], e["p99_us"] / t["p99_us"]
             met = ops >= TARGET_OPS_RATIO and p99 <= TARGET_P99_RATIO
-            return (f"target at 256 connections (ops/s >= {TARGET_OPS_RATIO}x torch, p99 <= "
-                    f"{TARGET_P99_RATIO}x torch): {'met' if met else 'NOT met'} "
-                    f"({ops:.2f}x ops/s, {p99:.2f}x p99)")
+            return (
+                f"target at 256 connections (ops/s >= {TARGET_OPS_RATIO}x torch, p99 <= "
+                f"{TARGET_P99_RATIO}x torch): {'met' if met else 'NOT met'} "
+                f"({ops:.2f}x ops/s, {p99:.2f}x p99)"
+            )
     return None
 
 
@@ -167,11 +188,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=5.0, help="measured seconds per run (5)")
     ap.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds per run (1)")
     ap.add_argument("--connections", default="1,16,256", help="comma-separated (1,16,256)")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per server and connection "
-                    "count, alternating; the median is shown (1)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per server and connection count, alternating; the median is shown (1)",
+    )
     ap.add_argument("--loadgen-threads", type=int, default=1, help="load generator threads (1)")
-    ap.add_argument("--store-threads", type=int, help="elastix-store worker threads "
-                    "(default: its own default, one per CPU)")
+    ap.add_argument(
+        "--store-threads", type=int, help="elastix-store worker threads (default: its own default, one per CPU)"
+    )
     ap.add_argument("--no-torch", action="store_true", help="measure elastix only")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return ap.parse_args()
@@ -202,19 +228,19 @@ def main() -> int:
         for conns in counts:
             es, ts = [], []
             for rep in range(args.repeat):  # alternate, so background load hits both alike
-                print(f"{conns} connections, run {rep + 1}/{args.repeat}: elastix ...",
-                      file=sys.stderr, flush=True)
+                print(f"{conns} connections, run {rep + 1}/{args.repeat}: elastix ...", file=sys.stderr, flush=True)
                 es.append(load(loadgen, store_port, store.pid, conns, args))
                 if torch_proc:
-                    print(f"{conns} connections, run {rep + 1}/{args.repeat}: torch ...",
-                          file=sys.stderr, flush=True)
+                    print(f"{conns} connections, run {rep + 1}/{args.repeat}: torch ...", file=sys.stderr, flush=True)
                     ts.append(load(loadgen, torch_port, torch_proc.pid, conns, args))
             rows.append((conns, median_run(es), median_run(ts) if ts else None))
             runs.append({"connections": conns, "elastix": es, "torch": ts or None})
 
-        print(f"\nTCPStore server, {args.duration:g} s per run after {args.warmup:g} s warm-up, "
-              f"{os.cpu_count()} CPUs; ops are SET/GET/ADD requests, p50/p99 per round trip"
-              + (f"; median of {args.repeat} runs by ops/s" if args.repeat > 1 else ""))
+        print(
+            f"\nTCPStore server, {args.duration:g} s per run after {args.warmup:g} s warm-up, "
+            f"{os.cpu_count()} CPUs; ops are SET/GET/ADD requests, p50/p99 per round trip"
+            + (f"; median of {args.repeat} runs by ops/s" if args.repeat > 1 else "")
+        )
         if torch_proc:
             print(f"torch {torch_version} libuv server")
         elif args.no_torch:
@@ -229,10 +255,15 @@ def main() -> int:
         if warnings:
             print("\nelastix-store stderr:\n" + "\n".join(warnings.splitlines()[-20:]))
         if args.json:
-            out = {"duration_s": args.duration, "warmup_s": args.warmup, "cpus": os.cpu_count(),
-                   "repeat": args.repeat, "torch_version": torch_version,
-                   "median": [{"connections": c, "elastix": e, "torch": t} for c, e, t in rows],
-                   "runs": runs}
+            out = {
+                "duration_s": args.duration,
+                "warmup_s": args.warmup,
+                "cpus": os.cpu_count(),
+                "repeat": args.repeat,
+                "torch_version": torch_version,
+                "median": [{"connections": c, "elastix": e, "torch": t} for c, e, t in rows],
+                "runs": runs,
+            }
             Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         return 0
     except (RuntimeError, subprocess.SubprocessError, OSError) as err:

@@ -52,7 +52,7 @@ def synthetic_digits(n: int = 3000, seed: int = 0):
         if rng.random() < 0.5:  # thicker strokes
             g = np.maximum(g, np.roll(g, 1, axis=1) * (rng.random() < 0.5))
         dy, dx = rng.integers(0, 2), rng.integers(0, 4)
-        images[i, dy:dy + 7, dx:dx + 5] = g
+        images[i, dy : dy + 7, dx : dx + 5] = g
         images[i] *= rng.uniform(8, 16)
         images[i] += rng.normal(0, 1.2, (8, 8))
         flip = rng.random((8, 8)) < 0.02
@@ -76,6 +76,7 @@ def load_data(which: str):
 
 # -- the model: 64 -> hidden (tanh) -> 10 (softmax), all in one flat parameter vector ---------
 
+
 def shapes(hidden: int):
     return [(64, hidden), (hidden,), (hidden, 10), (10,)]
 
@@ -84,7 +85,7 @@ def unpack(flat: np.ndarray, hidden: int):
     out, i = [], 0
     for shape in shapes(hidden):
         size = int(np.prod(shape))
-        out.append(flat[i:i + size].reshape(shape))
+        out.append(flat[i : i + size].reshape(shape))
         i += size
     return out
 
@@ -130,6 +131,7 @@ def accuracy(params, x, y, hidden) -> float:
 
 
 # -- checkpoints -------------------------------------------------------------------------------
+
 
 def save(path: str, step: int, params: np.ndarray, velocity: np.ndarray, world: int) -> None:
     tmp = f"{path}.tmp-{os.getpid()}.npz"
@@ -180,18 +182,23 @@ def main(argv=None) -> int:
     start = 0
     if args.checkpoint and os.path.exists(args.checkpoint):
         start, params, velocity, old_world = load(args.checkpoint)
-        print(f"[rank {rank}] resumed from step {start} (checkpoint written with {old_world} "
-              f"rank(s), now {world})", flush=True)
+        print(
+            f"[rank {rank}] resumed from step {start} (checkpoint written with {old_world} rank(s), now {world})",
+            flush=True,
+        )
     if rank == 0:
-        print(f"training on {name}: {len(xtr)} train / {len(xte)} test images, {world} rank(s), "
-              f"{total} steps of {args.batch}", flush=True)
+        print(
+            f"training on {name}: {len(xtr)} train / {len(xte)} test images, {world} rank(s), "
+            f"{total} steps of {args.batch}",
+            flush=True,
+        )
 
     grad = np.zeros_like(params)
     stats = np.zeros(2)  # loss sum, samples
     for step in range(start, total):
         epoch, i = divmod(step, steps_per_epoch)
         perm = np.random.default_rng(args.seed * 1_000_003 + epoch).permutation(len(xtr))
-        batch = perm[i * args.batch:(i + 1) * args.batch]
+        batch = perm[i * args.batch : (i + 1) * args.batch]
         mine = batch[rank::world]
         loss = grad_sum(params, xtr[mine], ytr[mine], args.hidden, grad)
         if ec is not None:
@@ -205,8 +212,11 @@ def main(argv=None) -> int:
             if ec is not None:
                 ec.all_reduce(stats)
             if rank == 0:
-                print(f"epoch {epoch + 1}: loss {stats[0] / stats[1]:.4f}, "
-                      f"test accuracy {accuracy(params, xte, yte, args.hidden):.4f}", flush=True)
+                print(
+                    f"epoch {epoch + 1}: loss {stats[0] / stats[1]:.4f}, "
+                    f"test accuracy {accuracy(params, xte, yte, args.hidden):.4f}",
+                    flush=True,
+                )
             stats[:] = 0
         if args.checkpoint and rank == 0 and ((step + 1) % args.checkpoint_every == 0 or step + 1 == total):
             save(args.checkpoint, step + 1, params, velocity, world)

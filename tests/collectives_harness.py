@@ -54,8 +54,10 @@ class Result:
     killed: bool = False
 
     def describe(self) -> str:
-        return (f"--- rank {self.rank}: exit {self.returncode}{' (killed: timeout)' if self.killed else ''}\n"
-                f"stdout:\n{self.stdout[-3000:]}\nstderr:\n{self.stderr[-3000:]}")
+        return (
+            f"--- rank {self.rank}: exit {self.returncode}{' (killed: timeout)' if self.killed else ''}\n"
+            f"stdout:\n{self.stdout[-3000:]}\nstderr:\n{self.stderr[-3000:]}"
+        )
 
 
 @dataclass
@@ -126,23 +128,34 @@ def make_store(timeout: float = 30.0):
     return elastix.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=timeout))
 
 
-def worker_env(rank: int, world_size: int, port: int, *, local_rank: Optional[int] = None,
-               local_world_size: Optional[int] = None, group_rank: int = 0, host: Optional[str] = None,
-               restart: int = 0, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+def worker_env(
+    rank: int,
+    world_size: int,
+    port: int,
+    *,
+    local_rank: Optional[int] = None,
+    local_world_size: Optional[int] = None,
+    group_rank: int = 0,
+    host: Optional[str] = None,
+    restart: int = 0,
+    extra: Optional[Dict[str, str]] = None,
+) -> Dict[str, str]:
     env = dict(os.environ)
-    env.update({
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank if local_rank is None else local_rank),
-        "LOCAL_WORLD_SIZE": str(world_size if local_world_size is None else local_world_size),
-        "GROUP_RANK": str(group_rank),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_RESTART_COUNT": str(restart),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([TESTS, os.path.join(REPO, "python"), env.get("PYTHONPATH", "")]),
-    })
+    env.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+            "LOCAL_WORLD_SIZE": str(world_size if local_world_size is None else local_world_size),
+            "GROUP_RANK": str(group_rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": str(restart),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([TESTS, os.path.join(REPO, "python"), env.get("PYTHONPATH", "")]),
+        }
+    )
     if host is not None:
         env["ELASTIX_COLLECTIVES_HOST_ID"] = host
     if extra:
@@ -150,9 +163,18 @@ def worker_env(rank: int, world_size: int, port: int, *, local_rank: Optional[in
     return env
 
 
-def start(fn: Optional[Callable], world_size: int, *, kwargs: Optional[Dict[str, Any]] = None,
-          timeout: float = 60.0, hosts: Optional[Sequence[str]] = None, env: Optional[Dict[str, str]] = None,
-          argv: Optional[Sequence[str]] = None, store=None, restart: int = 0) -> Workers:
+def start(
+    fn: Optional[Callable],
+    world_size: int,
+    *,
+    kwargs: Optional[Dict[str, Any]] = None,
+    timeout: float = 60.0,
+    hosts: Optional[Sequence[str]] = None,
+    env: Optional[Dict[str, str]] = None,
+    argv: Optional[Sequence[str]] = None,
+    store=None,
+    restart: int = 0,
+) -> Workers:
     """Starts ``fn(**kwargs)`` (or ``python argv...`` when ``argv`` is given) on every rank."""
     store = store if store is not None else make_store()
     tmp = tempfile.TemporaryDirectory(prefix="elastix-cc-test-")
@@ -165,8 +187,17 @@ def start(fn: Optional[Callable], world_size: int, *, kwargs: Optional[Dict[str,
                 lr, lws, gr = local.index(rank), len(local), sorted(set(hosts), key=list(hosts).index).index(host)
             else:
                 lr, lws, gr = rank, world_size, 0
-            e = worker_env(rank, world_size, store.port, local_rank=lr, local_world_size=lws, group_rank=gr,
-                           host=host, restart=restart, extra=env)
+            e = worker_env(
+                rank,
+                world_size,
+                store.port,
+                local_rank=lr,
+                local_world_size=lws,
+                group_rank=gr,
+                host=host,
+                restart=restart,
+                extra=env,
+            )
             out = os.path.join(tmp.name, f"rank{rank}.json")
             if argv is not None:
                 cmd = [sys.executable, *argv]
@@ -174,8 +205,18 @@ def start(fn: Optional[Callable], world_size: int, *, kwargs: Optional[Dict[str,
                 cmd = [sys.executable, "-c", _RUNNER, inspect.getfile(fn), fn.__name__, json.dumps(kwargs or {}), out]
             out_f = tempfile.TemporaryFile(mode="w+")
             err_f = tempfile.TemporaryFile(mode="w+")
-            procs.append(subprocess.Popen(cmd, env=e, stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f,
-                                          start_new_session=True, cwd=REPO, text=True))
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    env=e,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out_f,
+                    stderr=err_f,
+                    start_new_session=True,
+                    cwd=REPO,
+                    text=True,
+                )
+            )
             outs.append(out)
             logs.append((out_f, err_f))
     except BaseException:

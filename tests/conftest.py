@@ -30,6 +30,4 @@ def free_port() -> int:
 
 
 def run_python(code: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, **kwargs
-    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, **kwargs)

@@ -284,9 +284,12 @@ def test_log_dir_is_absolute_and_must_be_a_directory(script, tmp_path, monkeypat
 
 
 def test_line_prefix_sources(script, monkeypatch, capsys):
-    assert parse(["--log-line-prefix-template", "${hostname}:${rank}:$local_rank $$ ${role_name} ${x}", script])[
-        "line_prefix"
-    ] == "{host}:{rank}:{local_rank} $ {role} ${x}"
+    assert (
+        parse(["--log-line-prefix-template", "${hostname}:${rank}:$local_rank $$ ${role_name} ${x}", script])[
+            "line_prefix"
+        ]
+        == "{host}:{rank}:{local_rank} $ {role} ${x}"
+    )
     assert parse(["--line-prefix", "{host}|{rank} ", script])["line_prefix"] == "{host}|{rank} "
     assert parse(["--line-prefix", "", script])["line_prefix"] == ""
     monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${rank}]:")
@@ -521,13 +524,16 @@ def test_main_hands_the_config_to_the_agent_and_exits_with_its_code(script, agen
     # is left as it is
     assert agent.handlers == [signal.default_int_handler]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    for report, expected in [({"state": "FAILED", "exit_code": 1}, 1), ({"state": "INTERRUPTED", "exit_code": 143}, 143)]:
+    for report, expected in [
+        ({"state": "FAILED", "exit_code": 1}, 1),
+        ({"state": "INTERRUPTED", "exit_code": 143}, 143),
+    ]:
         agent.report = {**OK_REPORT, **report}
         assert exit_of([script], capsys)[0] == expected
 
 
 def test_main_reports_agent_errors(script, agent, capsys):
-    agent.report = ValueError("--rdzv-conf: unknown key \"heartbeat\"")
+    agent.report = ValueError('--rdzv-conf: unknown key "heartbeat"')
     code, out = exit_of([script], capsys)
     assert code == 2 and 'unknown key "heartbeat"' in out.err
     agent.report = RuntimeError("boom")
@@ -543,7 +549,9 @@ def test_main_without_an_agent_in_the_extension(script, monkeypatch, capsys):
 
 def test_nested_launcher_passes_the_root_cause_up(script, agent, tmp_path, monkeypatch, capsys):
     child = tmp_path / "child.json"
-    child.write_text(json.dumps({"message": {"message": "ValueError: x", "extraInfo": {"py_callstack": "tb", "timestamp": "1"}}}))
+    child.write_text(
+        json.dumps({"message": {"message": "ValueError: x", "extraInfo": {"py_callstack": "tb", "timestamp": "1"}}})
+    )
     failure = {"global_rank": 1, "local_rank": 1, "host": "h", "pid": 7, "exitcode": 3, "signal": None,
                "timestamp": 5.0, "error_file": str(child), "message": "ValueError: x"}  # fmt: skip
     later = {**failure, "global_rank": 0, "local_rank": 0, "timestamp": 6.0, "error_file": None}

@@ -13,14 +13,33 @@ import pytest
 
 import collectives_harness as harness
 
-DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-          "float16", "float32", "float64", "bfloat16", "complex64"]
+DTYPES = [
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "bfloat16",
+    "complex64",
+]
 SIZES = [0, 1, 5, 1003, 40_000]
-TINY = {"ELASTIX_SHM_SLOT_BYTES": "8192", "ELASTIX_SHM_SMALL_BYTES": "256",
-        "ELASTIX_TCP_SMALL_BYTES": "256", "ELASTIX_TCP_PIECE_BYTES": "4096"}
+TINY = {
+    "ELASTIX_SHM_SLOT_BYTES": "8192",
+    "ELASTIX_SHM_SMALL_BYTES": "256",
+    "ELASTIX_TCP_SMALL_BYTES": "256",
+    "ELASTIX_TCP_PIECE_BYTES": "4096",
+}
 
 
 # -- reference data and arithmetic --------------------------------------------------------------
+
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
@@ -67,8 +86,15 @@ def reference(dtype: str, op: str, inputs):
 def _combine(op, xs, _acc):
     if op == "AVG":
         return functools.reduce(np.add, xs) / len(xs)
-    fn = {"SUM": np.add, "PRODUCT": np.multiply, "MIN": np.minimum, "MAX": np.maximum,
-          "BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}[op]
+    fn = {
+        "SUM": np.add,
+        "PRODUCT": np.multiply,
+        "MIN": np.minimum,
+        "MAX": np.maximum,
+        "BAND": np.bitwise_and,
+        "BOR": np.bitwise_or,
+        "BXOR": np.bitwise_xor,
+    }[op]
     with np.errstate(over="ignore"):
         return functools.reduce(fn, xs)
 
@@ -83,12 +109,18 @@ def close(dtype: str, got: np.ndarray, want: np.ndarray, exact: bool) -> bool:
     if dt.kind in "biu":
         return bool(np.array_equal(got, want))
     tol = {"float16": 2e-3 if exact else 6e-3, "float32": 1e-6, "float64": 1e-12, "complex64": 1e-6}[dtype]
-    return bool(np.allclose(got.astype(np.complex128 if dt.kind == "c" else np.float64),
-                            np.asarray(want).astype(np.complex128 if dt.kind == "c" else np.float64),
-                            rtol=tol, atol=0 if exact else 4 * tol))
+    return bool(
+        np.allclose(
+            got.astype(np.complex128 if dt.kind == "c" else np.float64),
+            np.asarray(want).astype(np.complex128 if dt.kind == "c" else np.float64),
+            rtol=tol,
+            atol=0 if exact else 4 * tol,
+        )
+    )
 
 
 # -- the worker --------------------------------------------------------------------------------
+
 
 def matrix(sizes=SIZES, dtypes=DTYPES, exact=True):
     """Runs every collective on this rank and returns the list of what went wrong."""
@@ -115,14 +147,18 @@ def matrix(sizes=SIZES, dtypes=DTYPES, exact=True):
             for root in range(p):
                 x = ins[r].copy()
                 ec.reduce(x, root, getattr(ec.ReduceOp, op), **kw)
-                check(close(dtype, x, want, exact) if r == root else np.array_equal(x, ins[r]),
-                      f"reduce {dtype} {op} root={root}")
+                check(
+                    close(dtype, x, want, exact) if r == root else np.array_equal(x, ins[r]),
+                    f"reduce {dtype} {op} root={root}",
+                )
             m = max(1, n // p)
             chunks = [[data(dtype, 100 * k + j, m, op) for j in range(p)] for k in range(p)]
             out = np.empty(m, dtype=chunks[0][0].dtype)
             ec.reduce_scatter(out, chunks[r], getattr(ec.ReduceOp, op), **kw)
-            check(close(dtype, out, reference(dtype, op, [chunks[k][r] for k in range(p)]), exact),
-                  f"reduce_scatter {dtype} {op}")
+            check(
+                close(dtype, out, reference(dtype, op, [chunks[k][r] for k in range(p)]), exact),
+                f"reduce_scatter {dtype} {op}",
+            )
     # data movement, a few dtypes and odd sizes
     for dtype in ("uint8", "float32", "complex64", "int64"):
         for n in sizes:
@@ -135,8 +171,10 @@ def matrix(sizes=SIZES, dtypes=DTYPES, exact=True):
             check(all(np.array_equal(outs[k], data(dtype, k, n)) for k in range(p)), f"all_gather {dtype} n={n}")
             flat = np.empty(p * n, data(dtype, 0, 1).dtype)
             ec.all_gather_into_tensor(flat, data(dtype, r, n))
-            check(np.array_equal(flat, np.concatenate([data(dtype, k, n) for k in range(p)])),
-                  f"all_gather_into_tensor {dtype} n={n}")
+            check(
+                np.array_equal(flat, np.concatenate([data(dtype, k, n) for k in range(p)])),
+                f"all_gather_into_tensor {dtype} n={n}",
+            )
             root = (n + 1) % p
             outs = [np.empty(n, data(dtype, 0, 1).dtype) for _ in range(p)] if r == root else None
             ec.gather(data(dtype, r, n), outs, root)
@@ -148,8 +186,9 @@ def matrix(sizes=SIZES, dtypes=DTYPES, exact=True):
             ins = [data(dtype, 10 * r + j, n) for j in range(p)]
             outs = [np.empty(n, ins[0].dtype) for _ in range(p)]
             ec.all_to_all(outs, ins)
-            check(all(np.array_equal(outs[k], data(dtype, 10 * k + r, n)) for k in range(p)),
-                  f"all_to_all {dtype} n={n}")
+            check(
+                all(np.array_equal(outs[k], data(dtype, 10 * k + r, n)) for k in range(p)), f"all_to_all {dtype} n={n}"
+            )
     ec.barrier()
     ec.destroy_process_group()
     return bad
@@ -286,6 +325,7 @@ def async_and_p2p():
 
 # -- tests -------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_collective_matches_numpy(world):
     for bad in harness.run(matrix, world, timeout=120):
@@ -294,8 +334,13 @@ def test_every_collective_matches_numpy(world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_pipelined_paths_with_tiny_slots(world):
-    results = harness.run(matrix, world, timeout=120, env=TINY,
-                          kwargs={"sizes": [0, 7, 3001], "dtypes": ["int32", "float16", "float64", "bfloat16", "uint8"]})
+    results = harness.run(
+        matrix,
+        world,
+        timeout=120,
+        env=TINY,
+        kwargs={"sizes": [0, 7, 3001], "dtypes": ["int32", "float16", "float64", "bfloat16", "uint8"]},
+    )
     for bad in results:
         assert bad == []
 

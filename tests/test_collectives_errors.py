@@ -108,8 +108,15 @@ def test_a_dead_peer_among_three():
 
 @pytest.mark.parametrize("hosts", [None, ["a", "b"]])
 def test_a_hung_peer_times_out_with_its_rank(hosts):
-    results = harness.run(dies_or_waits, 2, hosts=hosts, check=False, timeout=60, env={"CC_TIMEOUT": "1.5"},
-                          kwargs={"how": "sleep", "sleep": 6.0})
+    results = harness.run(
+        dies_or_waits,
+        2,
+        hosts=hosts,
+        check=False,
+        timeout=60,
+        env={"CC_TIMEOUT": "1.5"},
+        kwargs={"how": "sleep", "sleep": 6.0},
+    )
     kind, ranks, message, elapsed = results[0].value
     assert kind == "Timeout", results[0].value
     assert ranks == [1] and "rank" in message and "1" in message
@@ -117,6 +124,7 @@ def test_a_hung_peer_times_out_with_its_rank(hosts):
 
 
 # -- misuse, in this process (a world of one over an in-process store) -------------------------
+
 
 @pytest.fixture
 def world_of_one():

@@ -57,8 +57,7 @@ def test_a_killed_worker_restarts_from_the_checkpoint(tmp_path):
     ckpt = str(tmp_path / "digits.npz")
     extra = ["--checkpoint", ckpt, "--checkpoint-every", "10", "--step-delay", "0.01"]
     store = harness.make_store()  # one store for the job, as `elastix run` keeps; rounds apart
-    first = harness.start(None, 2, argv=[SCRIPT, *ARGS, *extra], timeout=120, store=store,
-                          env={"ELASTIX_ROUND": "1"})
+    first = harness.start(None, 2, argv=[SCRIPT, *ARGS, *extra], timeout=120, store=store, env={"ELASTIX_ROUND": "1"})
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(ckpt):
@@ -132,8 +131,19 @@ def test_killing_a_worker_under_elastix_run_restarts_and_the_run_finishes(tmp_pa
     marker = uuid.uuid4().hex
     ckpt = tmp_path / "digits.npz"
     proc = elastix_run(
-        "--standalone", "--nproc-per-node", 2, "--max-restarts", 1, SCRIPT, *ARGS,
-        "--checkpoint", ckpt, "--checkpoint-every", 10, "--step-delay", 0.01,
+        "--standalone",
+        "--nproc-per-node",
+        2,
+        "--max-restarts",
+        1,
+        SCRIPT,
+        *ARGS,
+        "--checkpoint",
+        ckpt,
+        "--checkpoint-every",
+        10,
+        "--step-delay",
+        0.01,
         env={"ELASTIX_TEST_MARKER": marker},
     )
     try:

@@ -61,8 +61,16 @@ def test_tcp_init_method_with_rank_and_world_size_arguments():
 def test_tcp_init_method_with_query():
     port = free_port()
     results = []
-    workers = [harness.start(sum_ranks, 1, kwargs={"init_method": f"tcp://127.0.0.1:{port}?rank={r}&world_size=2"},
-                             env={"RANK": "", "WORLD_SIZE": ""}, timeout=60) for r in range(2)]
+    workers = [
+        harness.start(
+            sum_ranks,
+            1,
+            kwargs={"init_method": f"tcp://127.0.0.1:{port}?rank={r}&world_size=2"},
+            env={"RANK": "", "WORLD_SIZE": ""},
+            timeout=60,
+        )
+        for r in range(2)
+    ]
     for w in workers:
         results += w.wait()
     assert [r.value for r in results] == [3.0, 3.0], [r.describe() for r in results]

@@ -23,8 +23,9 @@ def test_kernels_match_numpy(dtype, nsrc):
         code, div = kernel_op(ReduceOp[op], kind, nsrc)
         out = np.empty_like(ins[0])
         other = np.empty_like(ins[0])
-        _native.reduce(kind.code, code, [x.view(kind.view) for x in ins],
-                       [out.view(kind.view), other.view(kind.view)], div)
+        _native.reduce(
+            kind.code, code, [x.view(kind.view) for x in ins], [out.view(kind.view), other.view(kind.view)], div
+        )
         assert close(dtype, out, reference(dtype, op, ins), True), (dtype, op)
         assert np.array_equal(out.view(np.uint8), other.view(np.uint8))
 

@@ -57,7 +57,10 @@ def hold_group():
     ec = harness.init()
     x = np.ones(100_000)
     ec.all_reduce(x)  # segments exist and every rank attached
-    s, q = ec.isend(x, (ec.get_rank() + 1) % ec.get_world_size()), ec.irecv(np.empty_like(x), (ec.get_rank() - 1) % ec.get_world_size())
+    s, q = (
+        ec.isend(x, (ec.get_rank() + 1) % ec.get_world_size()),
+        ec.irecv(np.empty_like(x), (ec.get_rank() - 1) % ec.get_world_size()),
+    )
     q.wait()
     s.wait()
     print("ready", flush=True)

@@ -12,9 +12,11 @@ import pytest
 import collectives_harness as harness
 from test_collectives_cpu import TINY, async_and_p2p, layouts, matrix, subgroups
 
-SMALL_MATRIX = {"sizes": [0, 3, 1003, 20_000],
-                "dtypes": ["bool", "int8", "uint64", "int32", "float16", "float32", "float64", "bfloat16", "complex64"],
-                "exact": False}
+SMALL_MATRIX = {
+    "sizes": [0, 3, 1003, 20_000],
+    "dtypes": ["bool", "int8", "uint64", "int32", "float16", "float32", "float64", "bfloat16", "complex64"],
+    "exact": False,
+}
 
 
 def topology():
@@ -27,12 +29,15 @@ def topology():
     return mode
 
 
-@pytest.mark.parametrize("hosts,mode", [
-    (["a", "b"], "tcp"),
-    (["a", "b", "c"], "tcp"),
-    (["a", "a", "b", "b"], "hier"),
-    (["a", "b", "a"], "hier"),
-])
+@pytest.mark.parametrize(
+    "hosts,mode",
+    [
+        (["a", "b"], "tcp"),
+        (["a", "b", "c"], "tcp"),
+        (["a", "a", "b", "b"], "hier"),
+        (["a", "b", "a"], "hier"),
+    ],
+)
 def test_mode_follows_membership(hosts, mode):
     assert harness.run(topology, len(hosts), hosts=hosts, timeout=60) == [mode] * len(hosts)
 

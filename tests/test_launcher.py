@@ -68,7 +68,9 @@ def fake_agent(monkeypatch, tmp_path):
             env = {**os.environ, **config["env"], "RANK": str(lr), "LOCAL_RANK": str(lr),
                    "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "TORCHELASTIC_ERROR_FILE": str(error_file)}  # fmt: skip
             args = [a.replace("${local_rank}", str(lr)) for a in config["args"]]
-            procs.append((lr, error_file, subprocess.Popen([config["entrypoint"], *args], env=env, stderr=subprocess.PIPE)))
+            procs.append(
+                (lr, error_file, subprocess.Popen([config["entrypoint"], *args], env=env, stderr=subprocess.PIPE))
+            )
         failures = []
         for lr, error_file, proc in procs:
             _, err = proc.communicate(timeout=60)
@@ -99,7 +101,7 @@ def test_launch_config_fields_and_defaults(monkeypatch):
     config = LaunchConfig(1, 2, 4)
     names = [f.name for f in dataclasses.fields(LaunchConfig)]
     assert names[: len(TORCH_FIELDS)] == [name for name, _ in TORCH_FIELDS]  # torch's order
-    assert names[len(TORCH_FIELDS):] == ["exit_barrier_timeout", "standby_workers"]
+    assert names[len(TORCH_FIELDS) :] == ["exit_barrier_timeout", "standby_workers"]
     for name, default in TORCH_FIELDS[4:]:
         assert getattr(config, name) == default, name
     assert isinstance(config.logs_specs, DefaultLogsSpecs)
@@ -301,7 +303,15 @@ def test_run_path_mode(tmp_path):
 
 
 def test_worker_state_and_spec():
-    assert [s.value for s in WorkerState] == ["UNKNOWN", "INIT", "HEALTHY", "UNHEALTHY", "STOPPED", "SUCCEEDED", "FAILED"]
+    assert [s.value for s in WorkerState] == [
+        "UNKNOWN",
+        "INIT",
+        "HEALTHY",
+        "UNHEALTHY",
+        "STOPPED",
+        "SUCCEEDED",
+        "FAILED",
+    ]
     assert WorkerState.FAILED == "FAILED"
     assert WorkerState.is_running(WorkerState.HEALTHY) and not WorkerState.is_running(WorkerState.STOPPED)
     spec = WorkerSpec(role="trainer", local_world_size=2, entrypoint="/usr/bin/prog")
@@ -335,7 +345,9 @@ def test_process_failure_torch_style(tmp_path):
     assert failure.error_file == str(tmp_path / "none.json") and "@elastix.record" in failure.message
     assert ProcessFailure(0, 5, 1, "").error_file == "<N/A>"
     error_file = tmp_path / "e.json"
-    error_file.write_text(json.dumps({"message": {"message": "E: m", "extraInfo": {"py_callstack": "tb", "timestamp": "42"}}}))
+    error_file.write_text(
+        json.dumps({"message": {"message": "E: m", "extraInfo": {"py_callstack": "tb", "timestamp": "42"}}})
+    )
     failure = ProcessFailure(0, 5, 1, str(error_file))
     assert failure.timestamp == 42.0 and failure.message["message"] == "E: m"  # torch: the dict
     assert failure.signal_name() == "<N/A>"
@@ -344,8 +356,17 @@ def test_process_failure_torch_style(tmp_path):
 
 def test_child_failed_error_layout(tmp_path):
     error_file = tmp_path / "error.json"
-    callstack = "Traceback (most recent call last):\n  File \"t.py\", line 1\nValueError: bad\n"
-    error_file.write_text(json.dumps({"message": {"message": "ValueError: bad", "extraInfo": {"py_callstack": callstack, "timestamp": "1700000000"}}}))
+    callstack = 'Traceback (most recent call last):\n  File "t.py", line 1\nValueError: bad\n'
+    error_file.write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": "ValueError: bad",
+                    "extraInfo": {"py_callstack": callstack, "timestamp": "1700000000"},
+                }
+            }
+        )
+    )
     root = ProcessFailure(local_rank=1, pid=11, exitcode=1, error_file=str(error_file), message="ValueError: bad",
                           timestamp=1700000000.25, host="node0")  # fmt: skip
     other = ProcessFailure(local_rank=0, pid=10, exitcode=-15, timestamp=1700000001.0, host="node0")

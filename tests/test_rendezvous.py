@@ -17,16 +17,31 @@ import elastix
 from elastix.rendezvous import RendezvousHandler, create_handler
 from conftest import free_port
 
-FAST = {"last_call_timeout": "300ms", "keep_alive_interval": "100ms", "keep_alive_max_attempt": 3, "join_timeout": "30s"}
+FAST = {
+    "last_call_timeout": "300ms",
+    "keep_alive_interval": "100ms",
+    "keep_alive_max_attempt": 3,
+    "join_timeout": "30s",
+}
 
 
 def handlers(n, min_nodes, max_nodes, run_id, port=None, **conf):
     """n handlers of one job; the first hosts the store (port 0 unless given)."""
     conf = {**FAST, **conf}
-    first = RendezvousHandler("c10d", f"127.0.0.1:{port or 0}", run_id, min_nodes, max_nodes, local_addr="127.0.0.1", conf=conf)
+    first = RendezvousHandler(
+        "c10d", f"127.0.0.1:{port or 0}", run_id, min_nodes, max_nodes, local_addr="127.0.0.1", conf=conf
+    )
     port = first.hosted_port
     others = [
-        RendezvousHandler("c10d", f"127.0.0.1:{port}", run_id, min_nodes, max_nodes, local_addr="127.0.0.1", conf={**conf, "is_host": "false"})
+        RendezvousHandler(
+            "c10d",
+            f"127.0.0.1:{port}",
+            run_id,
+            min_nodes,
+            max_nodes,
+            local_addr="127.0.0.1",
+            conf={**conf, "is_host": "false"},
+        )
         for _ in range(n - 1)
     ]
     return [first, *others]
@@ -65,7 +80,15 @@ def test_last_call_and_a_late_node_that_makes_the_job_re_form():
     infos = rendezvous_all(nodes)
     assert time.monotonic() - start >= 0.3, "min < max waits for the last call"
     assert_consistent(infos, 2)
-    late = RendezvousHandler("c10d", f"127.0.0.1:{nodes[0].hosted_port}", "late", 1, 3, local_addr="127.0.0.1", conf={**FAST, "is_host": "false"})
+    late = RendezvousHandler(
+        "c10d",
+        f"127.0.0.1:{nodes[0].hosted_port}",
+        "late",
+        1,
+        3,
+        local_addr="127.0.0.1",
+        conf={**FAST, "is_host": "false"},
+    )
     with ThreadPoolExecutor(1) as pool:
         late_info = pool.submit(late.next_rendezvous)
         assert [node.wait_for_change(10) for node in nodes] == ["nodes_waiting", "nodes_waiting"]
@@ -111,7 +134,9 @@ def test_static_backend():
     port = free_port()
     # The handlers outlive both joins: rank 0's handler serves the store, and dropping it
     # early would cut rank 1 off before its wait is answered (agents hold it for the job).
-    handlers = [create_handler("static", f"127.0.0.1:{port}", "fixed", 2, 2, rank=rank, timeout="20s") for rank in range(2)]
+    handlers = [
+        create_handler("static", f"127.0.0.1:{port}", "fixed", 2, 2, rank=rank, timeout="20s") for rank in range(2)
+    ]
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(handler.next_rendezvous) for handler in handlers]
         infos = [future.result(30) for future in futures]
@@ -217,11 +242,27 @@ def test_over_a_torch_tcpstore_server():
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     nodes = [
-        RendezvousHandler("c10d", f"127.0.0.1:{server.port}", "on-torch", 3, 3, local_addr="127.0.0.1", conf={**FAST, "is_host": "false"})
+        RendezvousHandler(
+            "c10d",
+            f"127.0.0.1:{server.port}",
+            "on-torch",
+            3,
+            3,
+            local_addr="127.0.0.1",
+            conf={**FAST, "is_host": "false"},
+        )
         for _ in range(3)
     ]
     infos = rendezvous_all(nodes)
     assert_consistent(infos, 3)
     # a late node on torch's server, too
-    late = RendezvousHandler("c10d", f"127.0.0.1:{server.port}", "on-torch-late", 1, 2, local_addr="127.0.0.1", conf={**FAST, "is_host": "false"})
+    late = RendezvousHandler(
+        "c10d",
+        f"127.0.0.1:{server.port}",
+        "on-torch-late",
+        1,
+        2,
+        local_addr="127.0.0.1",
+        conf={**FAST, "is_host": "false"},
+    )
     assert late.next_rendezvous().world_size == 1

@@ -95,7 +95,9 @@ def marker():
 
 
 def test_each_rank_gets_the_environment_contract(tmp_path, marker):
-    proc = elastix_run("--standalone", "--nproc-per-node", 3, os.path.join(WORKERS, "report_env.py"), out_dir=tmp_path, marker=marker)
+    proc = elastix_run(
+        "--standalone", "--nproc-per-node", 3, os.path.join(WORKERS, "report_env.py"), out_dir=tmp_path, marker=marker
+    )
     code, out, err = finish(proc)
     assert code == 0, err
     envs = sorted((json.load(open(p)) for p in glob.glob(str(tmp_path / "*.json"))), key=lambda e: int(e["RANK"]))
@@ -116,8 +118,16 @@ def test_each_rank_gets_the_environment_contract(tmp_path, marker):
 
 def test_a_worker_that_fails_once_is_restarted_and_the_job_succeeds(tmp_path, marker):
     proc = elastix_run(
-        "--standalone", "--nproc-per-node", 2, "--max-restarts", 1,
-        os.path.join(WORKERS, "elastic_loop.py"), "--fail-once", 1, out_dir=tmp_path, marker=marker,
+        "--standalone",
+        "--nproc-per-node",
+        2,
+        "--max-restarts",
+        1,
+        os.path.join(WORKERS, "elastic_loop.py"),
+        "--fail-once",
+        1,
+        out_dir=tmp_path,
+        marker=marker,
     )
     wait_for(lambda: len([s for s in starts(tmp_path) if s["restart"] == 1]) == 2, what="the restarted workers")
     (tmp_path / "stop").touch()
@@ -129,8 +139,12 @@ def test_a_worker_that_fails_once_is_restarted_and_the_job_succeeds(tmp_path, ma
 
 def test_no_restarts_left_fails_with_the_root_cause(tmp_path, marker):
     script = tmp_path / "crash.py"
-    script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('the data is corrupt')\nimport time; time.sleep(60)\n")
-    proc = elastix_run("--standalone", "--nproc-per-node", 2, "--max-restarts", 0, script, out_dir=tmp_path, marker=marker)
+    script.write_text(
+        "import os\nif os.environ['RANK'] == '1':\n    raise ValueError('the data is corrupt')\nimport time; time.sleep(60)\n"
+    )
+    proc = elastix_run(
+        "--standalone", "--nproc-per-node", 2, "--max-restarts", 0, script, out_dir=tmp_path, marker=marker
+    )
     code, out, err = finish(proc)
     assert code == 1
     root = err.split("Root Cause (first observed failure):")[1]
@@ -142,7 +156,9 @@ def test_no_restarts_left_fails_with_the_root_cause(tmp_path, marker):
 
 def test_a_worker_killed_by_a_signal_is_named(tmp_path, marker):
     script = tmp_path / "killed.py"
-    script.write_text("import os, signal, time\nif os.environ['RANK'] == '0':\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(60)\n")
+    script.write_text(
+        "import os, signal, time\nif os.environ['RANK'] == '0':\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(60)\n"
+    )
     proc = elastix_run("--standalone", "--nproc-per-node", 2, script, out_dir=tmp_path, marker=marker)
     code, out, err = finish(proc)
     assert code == 1
@@ -153,8 +169,17 @@ def test_a_worker_killed_by_a_signal_is_named(tmp_path, marker):
 def test_sigterm_to_the_agent_stops_hung_workers_and_leaves_nothing(tmp_path, marker):
     # a restart budget: idle standby workers are running too, and must go as well
     proc = elastix_run(
-        "--standalone", "--nproc-per-node", 2, "--shutdown-timeout", 1, "--max-restarts", 1,
-        os.path.join(WORKERS, "elastic_loop.py"), "--hang", out_dir=tmp_path, marker=marker,
+        "--standalone",
+        "--nproc-per-node",
+        2,
+        "--shutdown-timeout",
+        1,
+        "--max-restarts",
+        1,
+        os.path.join(WORKERS, "elastic_loop.py"),
+        "--hang",
+        out_dir=tmp_path,
+        marker=marker,
     )
     wait_for(lambda: len(starts(tmp_path)) == 2, what="the workers")
     time.sleep(0.2)  # let them install their SIGTERM-ignoring handler
@@ -188,8 +213,9 @@ def test_restarted_workers_start_from_warm_standbys_unless_turned_off(tmp_path, 
     script = tmp_path / "probe.py"
     script.write_text(STANDBY_PROBE)
     flags = [] if standbys else ["--no-standby-workers"]
-    proc = elastix_run("--standalone", "--nproc-per-node", 2, "--max-restarts", 1, *flags, script, "a",
-                       out_dir=tmp_path, marker=marker)
+    proc = elastix_run(
+        "--standalone", "--nproc-per-node", 2, "--max-restarts", 1, *flags, script, "a", out_dir=tmp_path, marker=marker
+    )
     code, out, err = finish(proc)
     assert code == 0, err
     probes = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("probe_*.json")}
@@ -203,9 +229,21 @@ def test_restarted_workers_start_from_warm_standbys_unless_turned_off(tmp_path, 
 
 def two_node_args(port, nnodes, addr):
     return [
-        "--nnodes", nnodes, "--nproc-per-node", 1, "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", "--local-addr", addr,
-        "--rdzv-conf", FAST_RDZV, os.path.join(WORKERS, "elastic_loop.py"),
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        1,
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "two-nodes",
+        "--local-addr",
+        addr,
+        "--rdzv-conf",
+        FAST_RDZV,
+        os.path.join(WORKERS, "elastic_loop.py"),
     ]
 
 
@@ -229,10 +267,19 @@ def test_a_node_that_dies_mid_run_is_dropped_and_the_other_re_forms(tmp_path, ma
     wait_for(lambda: marked_processes(marker), what="the first agent")
     time.sleep(0.3)  # the first agent hosts the store
     doomed = elastix_run(*two_node_args(port, "1:2", "127.0.0.2"), out_dir=tmp_path, marker=marker)
-    wait_for(lambda: any(r["world_size"] == 2 for r in starts(tmp_path)) and len([r for r in starts(tmp_path) if r["world_size"] == 2]) == 2, what="a two-node round")
+    wait_for(
+        lambda: (
+            any(r["world_size"] == 2 for r in starts(tmp_path))
+            and len([r for r in starts(tmp_path) if r["world_size"] == 2]) == 2
+        ),
+        what="a two-node round",
+    )
     doomed.kill()  # SIGKILL: no goodbye; its worker dies with it (parent-death signal)
     doomed.communicate()
-    alone = wait_for(lambda: [r for r in starts(tmp_path) if r["world_size"] == 1 and r["round"] > 0], what="the survivor re-forming alone")
+    alone = wait_for(
+        lambda: [r for r in starts(tmp_path) if r["world_size"] == 1 and r["round"] > 0],
+        what="the survivor re-forming alone",
+    )
     assert alone[0]["rank"] == 0
     (tmp_path / "stop").touch()
     code, out, err = finish(survivor)
@@ -249,7 +296,10 @@ def test_a_third_node_joins_a_running_job(tmp_path, marker):
     agents.append(elastix_run(*args("127.0.0.2"), out_dir=tmp_path, marker=marker))
     wait_for(lambda: len([r for r in starts(tmp_path) if r["world_size"] == 2]) == 2, what="the two-node round")
     agents.append(elastix_run(*args("127.0.0.3"), out_dir=tmp_path, marker=marker))
-    three = wait_for(lambda: (lambda rs: rs if len(rs) == 3 else None)([r for r in starts(tmp_path) if r["world_size"] == 3]), what="the three-node round")
+    three = wait_for(
+        lambda: (lambda rs: rs if len(rs) == 3 else None)([r for r in starts(tmp_path) if r["world_size"] == 3]),
+        what="the three-node round",
+    )
     assert sorted(r["rank"] for r in three) == [0, 1, 2]
     assert {r["restart"] for r in three} == {0}, "a membership change does not spend the restart budget"
     (tmp_path / "stop").touch()
@@ -296,5 +346,7 @@ def test_the_agent_handles_signals_on_every_launch_and_gives_the_handlers_back(t
     env = {**os.environ, "ELASTIX_TEST_MARKER": marker}
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[:3] == [f"interrupted {int(signal.SIGTERM)}"] * 2 + ["handlers True True"], result.stdout
+    assert result.stdout.split("\n")[:3] == [f"interrupted {int(signal.SIGTERM)}"] * 2 + ["handlers True True"], (
+        result.stdout
+    )
     assert_nothing_left(marker)

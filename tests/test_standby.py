@@ -28,8 +28,13 @@ def activate(tmp_path, args, env=None, message=True):
     command = standby_command(sys.executable, ["-u", "placeholder.py"])
     read_end, write_end = os.pipe()
     proc = subprocess.Popen(
-        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        close_fds=False, preexec_fn=lambda: os.dup2(read_end, 3),  # as the agent: the pipe as fd 3
+        command,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        close_fds=False,
+        preexec_fn=lambda: os.dup2(read_end, 3),  # as the agent: the pipe as fd 3
     )
     os.close(read_end)
     if message:
@@ -40,8 +45,14 @@ def activate(tmp_path, args, env=None, message=True):
 
 
 def cold(tmp_path, args, env=None):
-    proc = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=60,
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 

@@ -113,5 +113,7 @@ def test_elastix_store_command_reports_a_taken_port(master):
 def test_elastix_store_help_and_the_elastix_store_subcommand():
     result = subprocess.run([store_command(), "--help"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0 and "--port" in result.stdout
-    result = subprocess.run([sys.executable, "-m", "elastix", "store", "--help"], capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-m", "elastix", "store", "--help"], capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 0 and "--max-connections" in result.stdout

@@ -208,9 +208,7 @@ def test_master_waits_for_workers_and_times_out_with_a_count():
 
     thread = threading.Thread(target=run_master)
     thread.start()
-    workers = [
-        elastix.TCPStore("127.0.0.1", port, world_size=3, timeout=timedelta(seconds=10)) for _ in range(2)
-    ]
+    workers = [elastix.TCPStore("127.0.0.1", port, world_size=3, timeout=timedelta(seconds=10)) for _ in range(2)]
     thread.join(10)
     assert results["master"].num_keys() == 1  # init/
     results["master"].set("hello", "workers")
@@ -233,7 +231,9 @@ def test_constructor_argument_errors():
 
 
 def test_address_in_use_multitenancy_and_the_agent_store(master, monkeypatch):
-    with pytest.raises(elastix.DistNetworkError, match=rf"^The server socket has failed to listen on any local .*{master.port}"):
+    with pytest.raises(
+        elastix.DistNetworkError, match=rf"^The server socket has failed to listen on any local .*{master.port}"
+    ):
         elastix.TCPStore("127.0.0.1", master.port, is_master=True)
     a = elastix.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True)
     b = elastix.TCPStore("127.0.0.1", a.port, is_master=True, multi_tenant=True)
@@ -367,6 +367,8 @@ def test_watch_key_is_deprecated(master):
 
 
 def test_the_store_runs_in_a_fresh_interpreter():
-    result = run_python("import elastix; s = elastix.TCPStore('127.0.0.1', 0, is_master=True); s.set('a', 'b'); print(s.get('a'))")
+    result = run_python(
+        "import elastix; s = elastix.TCPStore('127.0.0.1', 0, is_master=True); s.set('a', 'b'); print(s.get('a'))"
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "b'b'"

@@ -57,8 +57,7 @@ def test_torch_client_and_elastix_client_agree_on_an_elastix_server():
 def test_torch_clients_count_into_an_elastix_master_and_see_its_data():
     store = elastix.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=TIMEOUT)
     workers = [
-        torch_dist.TCPStore("127.0.0.1", store.port, world_size=3, is_master=False, timeout=TIMEOUT)
-        for _ in range(2)
+        torch_dist.TCPStore("127.0.0.1", store.port, world_size=3, is_master=False, timeout=TIMEOUT) for _ in range(2)
     ]
     assert store.num_keys() == 1  # only init/, which torch's clients incremented
     store.set("from_elastix", "hi")
@@ -77,7 +76,9 @@ def test_torch_clients_count_into_an_elastix_master_and_see_its_data():
 
 @pytest.mark.parametrize("use_libuv", [True, False])
 def test_elastix_client_against_torch_servers(use_libuv):
-    server = torch_dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=use_libuv, timeout=TIMEOUT)
+    server = torch_dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=use_libuv, timeout=TIMEOUT
+    )
     client = elastix.TCPStore("127.0.0.1", server.port, timeout=TIMEOUT)
     results = exercise(client, queues=use_libuv, barrier=True)
     assert results[0] == b"value0" and results[2:4] == [5, 3]

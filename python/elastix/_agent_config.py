@@ -39,9 +39,7 @@ def parse_nnodes(spec: str) -> "tuple[int, int]":
 
 def check_nodes(min_nodes: int, max_nodes: int) -> None:
     if not 0 < min_nodes <= max_nodes:
-        raise ValueError(
-            f"--nnodes: need 0 < MIN <= MAX, got min_nodes={min_nodes}, max_nodes={max_nodes}"
-        )
+        raise ValueError(f"--nnodes: need 0 < MIN <= MAX, got min_nodes={min_nodes}, max_nodes={max_nodes}")
 
 
 def check_backend(backend: str) -> str:
@@ -156,13 +154,15 @@ def build(
         "virtual_local_rank": bool(virtual_local_rank),
         # what the failure summary calls the job (the agent names the program otherwise)
         "name": name,
-        "standby": _standby(python_workers and standby_workers, entrypoint, args, rdzv_backend,
-                            int(max_nodes), int(max_restarts)),
+        "standby": _standby(
+            python_workers and standby_workers, entrypoint, args, rdzv_backend, int(max_nodes), int(max_restarts)
+        ),
     }
 
 
-def _standby(wanted: bool, python: str, args: Sequence[str], backend: str, max_nodes: int,
-             max_restarts: int) -> Optional[List[str]]:
+def _standby(
+    wanted: bool, python: str, args: Sequence[str], backend: str, max_nodes: int, max_restarts: int
+) -> Optional[List[str]]:
     """The standby command, when one is wanted and a restart can happen at all: after a
     failure (a restart budget), or after a membership change (an elastic multi-node job)."""
     can_restart = max_restarts > 0 or (backend != "static" and max_nodes > 1)
@@ -175,15 +175,15 @@ def _standby(wanted: bool, python: str, args: Sequence[str], backend: str, max_n
 
 def shutdown_timeout_from_env(value: Optional[float]) -> float:
     """An explicit value, else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s (torch main's rule)."""
-    return _seconds_or_env("--shutdown-timeout", value, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
-                           DEFAULT_SHUTDOWN_TIMEOUT)
+    return _seconds_or_env("--shutdown-timeout", value, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT)
 
 
 def exit_barrier_timeout_from_env(value: Optional[float]) -> float:
     """An explicit value, else TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT (the name torch's open PR
     #195543 proposes), else 300 s."""
-    return _seconds_or_env("--exit-barrier-timeout", value, "TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT",
-                           DEFAULT_EXIT_BARRIER_TIMEOUT)
+    return _seconds_or_env(
+        "--exit-barrier-timeout", value, "TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT", DEFAULT_EXIT_BARRIER_TIMEOUT
+    )
 
 
 def _seconds_or_env(flag: str, value: Optional[float], variable: str, default: float) -> float:

@@ -74,8 +74,10 @@ def main(argv: List[str]) -> None:
     elif len(argv) == 2:
         run_payload(argv[0], argv[1])
     else:
-        sys.exit("usage: python -m elastix._function_worker PAYLOAD RESULTS_DIR\n"
-                 "       python -m elastix._function_worker --run-path SCRIPT [ARGS...]")
+        sys.exit(
+            "usage: python -m elastix._function_worker PAYLOAD RESULTS_DIR\n"
+            "       python -m elastix._function_worker --run-path SCRIPT [ARGS...]"
+        )
 
 
 if __name__ == "__main__":

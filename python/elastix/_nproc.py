@@ -51,9 +51,7 @@ def resolve_nproc(value: str, cgroup_root: str = CGROUP_ROOT) -> int:
         return count
     if kind == "auto":
         return gpu_count() or usable_cpu_count(cgroup_root)
-    raise ValueError(
-        f"--nproc-per-node: {value!r} is not a positive integer or one of {', '.join(CHOICES)}"
-    )
+    raise ValueError(f"--nproc-per-node: {value!r} is not a positive integer or one of {', '.join(CHOICES)}")
 
 
 def usable_cpu_count(cgroup_root: str = CGROUP_ROOT) -> int:

@@ -25,9 +25,7 @@ OMP_BANNER = (
 )
 
 
-def config_from_args(
-    args: argparse.Namespace, warn: Callable[[str], None] = _agent_config.warn
-) -> Dict[str, Any]:
+def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = _agent_config.warn) -> Dict[str, Any]:
     """The AgentConfig dict for parsed ``elastix run`` flags; ValueError on bad input."""
     _refuse_unimplemented(args)
     given = lambda dest: source_of(args, dest) != "default"  # noqa: E731
@@ -119,8 +117,7 @@ def _command(args: argparse.Namespace, warn: Callable[[str], None]) -> "tuple[st
         if args.module:
             raise ValueError("--run-path runs a script file; it cannot be combined with -m/--module")
         if args.start_method != "spawn":
-            warn(f"--start-method {args.start_method}: elastix always starts workers as new "
-                 "processes (spawn)")
+            warn(f"--start-method {args.start_method}: elastix always starts workers as new processes (spawn)")
         _check_script(script)
         return python, ["-u", "-m", "elastix._function_worker", "--run-path", script, *rest]
     if args.no_python:

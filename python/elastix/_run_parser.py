@@ -63,136 +63,321 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
     )
 
     g = parser.add_argument_group("nodes and workers")
-    g.add_argument("--nnodes", action=EnvOption, type=str, default="1:1", metavar="N|MIN:MAX",
-                   help="number of nodes, or the range an elastic job may run with (default: 1)")
-    g.add_argument("--nproc-per-node", "--nproc_per_node", action=EnvOption, type=str, default="1",
-                   metavar="N|auto|cpu|gpu|xpu",
-                   help="workers on this node: a number; cpu: the usable CPUs (affinity and "
-                   "cgroup quota); gpu: visible NVIDIA GPUs; xpu: ZE_AFFINITY_MASK entries; auto: "
-                   "GPUs if any, else CPUs (default: 1)")
+    g.add_argument(
+        "--nnodes",
+        action=EnvOption,
+        type=str,
+        default="1:1",
+        metavar="N|MIN:MAX",
+        help="number of nodes, or the range an elastic job may run with (default: 1)",
+    )
+    g.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        action=EnvOption,
+        type=str,
+        default="1",
+        metavar="N|auto|cpu|gpu|xpu",
+        help="workers on this node: a number; cpu: the usable CPUs (affinity and "
+        "cgroup quota); gpu: visible NVIDIA GPUs; xpu: ZE_AFFINITY_MASK entries; auto: "
+        "GPUs if any, else CPUs (default: 1)",
+    )
 
     g = parser.add_argument_group("rendezvous (how the nodes find each other)")
-    g.add_argument("--standalone", action=EnvFlag,
-                   help="single-node job: same as --rdzv-backend c10d --rdzv-endpoint "
-                   "localhost:0 with a random --rdzv-id (explicit values of those are ignored)")
-    g.add_argument("--rdzv-backend", "--rdzv_backend", action=EnvOption, type=str, default="static",
-                   metavar="{c10d,static}",
-                   help="c10d: elastic, the store is served by the agent at the endpoint; "
-                   "static: fixed node ranks from --node-rank (default: static)")
-    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", action=EnvOption, type=str, default="",
-                   metavar="HOST[:PORT]", help="where the rendezvous store is (IPv6 in brackets)")
-    g.add_argument("--rdzv-id", "--rdzv_id", action=EnvOption, type=str, default="none", metavar="ID",
-                   help="job id shared by all nodes of a job (default: none)")
-    g.add_argument("--rdzv-conf", "--rdzv_conf", action=EnvOption, type=str, default="",
-                   metavar="K=V,...",
-                   help="rendezvous settings, e.g. join_timeout=600,last_call_timeout=30s; "
-                   "unknown keys are an error; durations take units (500ms, 2m)")
-    g.add_argument("--local-addr", "--local_addr", action=EnvOption, type=str, default=None,
-                   metavar="ADDR",
-                   help="this node's address for the other nodes (default: its host name)")
+    g.add_argument(
+        "--standalone",
+        action=EnvFlag,
+        help="single-node job: same as --rdzv-backend c10d --rdzv-endpoint "
+        "localhost:0 with a random --rdzv-id (explicit values of those are ignored)",
+    )
+    g.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        action=EnvOption,
+        type=str,
+        default="static",
+        metavar="{c10d,static}",
+        help="c10d: elastic, the store is served by the agent at the endpoint; "
+        "static: fixed node ranks from --node-rank (default: static)",
+    )
+    g.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        action=EnvOption,
+        type=str,
+        default="",
+        metavar="HOST[:PORT]",
+        help="where the rendezvous store is (IPv6 in brackets)",
+    )
+    g.add_argument(
+        "--rdzv-id",
+        "--rdzv_id",
+        action=EnvOption,
+        type=str,
+        default="none",
+        metavar="ID",
+        help="job id shared by all nodes of a job (default: none)",
+    )
+    g.add_argument(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        action=EnvOption,
+        type=str,
+        default="",
+        metavar="K=V,...",
+        help="rendezvous settings, e.g. join_timeout=600,last_call_timeout=30s; "
+        "unknown keys are an error; durations take units (500ms, 2m)",
+    )
+    g.add_argument(
+        "--local-addr",
+        "--local_addr",
+        action=EnvOption,
+        type=str,
+        default=None,
+        metavar="ADDR",
+        help="this node's address for the other nodes (default: its host name)",
+    )
 
     g = parser.add_argument_group("static rendezvous (--rdzv-backend static, no --rdzv-endpoint)")
-    g.add_argument("--node-rank", "--node_rank", action=EnvOption, type=int, default=0, metavar="R",
-                   help="this node's rank, 0 to nnodes-1 (default: 0)")
-    g.add_argument("--master-addr", "--master_addr", action=EnvOption, type=str, default=None,
-                   metavar="ADDR",
-                   help="address of node 0, which serves the store (default: 127.0.0.1; IPv6 as "
-                   "[::1])")
-    g.add_argument("--master-port", "--master_port", action=EnvOption, type=int, default=None,
-                   metavar="PORT",
-                   help="port of node 0's store (default: 29500; when neither it nor an endpoint "
-                   "is given and --nnodes is 1, the job runs as --standalone, as in newer torchrun)")
+    g.add_argument(
+        "--node-rank",
+        "--node_rank",
+        action=EnvOption,
+        type=int,
+        default=0,
+        metavar="R",
+        help="this node's rank, 0 to nnodes-1 (default: 0)",
+    )
+    g.add_argument(
+        "--master-addr",
+        "--master_addr",
+        action=EnvOption,
+        type=str,
+        default=None,
+        metavar="ADDR",
+        help="address of node 0, which serves the store (default: 127.0.0.1; IPv6 as [::1])",
+    )
+    g.add_argument(
+        "--master-port",
+        "--master_port",
+        action=EnvOption,
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="port of node 0's store (default: 29500; when neither it nor an endpoint "
+        "is given and --nnodes is 1, the job runs as --standalone, as in newer torchrun)",
+    )
 
     g = parser.add_argument_group("the program")
-    g.add_argument("--role", action=EnvOption, type=str, default="default",
-                   help="workers' role name: ROLE_NAME and log prefixes (default: default)")
-    g.add_argument("-m", "--module", action=EnvFlag,
-                   help="run the program as a Python module, as `python -m`")
-    g.add_argument("--no-python", "--no_python", action=EnvFlag,
-                   help="execute the program directly instead of with Python")
-    g.add_argument("--run-path", "--run_path", action=EnvFlag,
-                   help="run the script with runpy inside a wrapper that writes its error file "
-                   "(like decorating its main with @elastix.record); wins over --no-python")
-    g.add_argument("--start-method", "--start_method", action=EnvOption, type=str, default="spawn",
-                   choices=["spawn", "fork", "forkserver"],
-                   help="accepted for torchrun compatibility: elastix always starts workers as "
-                   "new processes (spawn)")
-    g.add_argument("--virtual-local-rank", "--virtual_local_rank", action=EnvFlag,
-                   help="every worker gets LOCAL_RANK=0 and sees only its own GPU in "
-                   "CUDA_VISIBLE_DEVICES")
+    g.add_argument(
+        "--role",
+        action=EnvOption,
+        type=str,
+        default="default",
+        help="workers' role name: ROLE_NAME and log prefixes (default: default)",
+    )
+    g.add_argument("-m", "--module", action=EnvFlag, help="run the program as a Python module, as `python -m`")
+    g.add_argument(
+        "--no-python", "--no_python", action=EnvFlag, help="execute the program directly instead of with Python"
+    )
+    g.add_argument(
+        "--run-path",
+        "--run_path",
+        action=EnvFlag,
+        help="run the script with runpy inside a wrapper that writes its error file "
+        "(like decorating its main with @elastix.record); wins over --no-python",
+    )
+    g.add_argument(
+        "--start-method",
+        "--start_method",
+        action=EnvOption,
+        type=str,
+        default="spawn",
+        choices=["spawn", "fork", "forkserver"],
+        help="accepted for torchrun compatibility: elastix always starts workers as new processes (spawn)",
+    )
+    g.add_argument(
+        "--virtual-local-rank",
+        "--virtual_local_rank",
+        action=EnvFlag,
+        help="every worker gets LOCAL_RANK=0 and sees only its own GPU in CUDA_VISIBLE_DEVICES",
+    )
 
     g = parser.add_argument_group("failures, restarts and signals")
-    g.add_argument("--max-restarts", "--max_restarts", action=EnvOption, type=int, default=0,
-                   metavar="N",
-                   help="restarts of the worker group after failures, counted for the whole job "
-                   "(torchrun: per node) (default: 0)")
-    g.add_argument("--no-standby-workers", action=EnvFlag, pet=False,
-                   help="[elastix] start every worker cold: without this, when a restart can "
-                   "happen, a warm Python interpreter per local rank waits to become the next "
-                   "attempt's worker, which makes restarts several times faster")
-    g.add_argument("--monitor-interval", "--monitor_interval", action=EnvOption, type=float,
-                   default=0.1, metavar="SECONDS",
-                   help="accepted for torchrun compatibility (must be > 0): elastix is told of "
-                   "worker exits at once instead of polling (default: 0.1)")
-    g.add_argument("--signals-to-handle", "--signals_to_handle", action=EnvOption, type=str,
-                   default=DEFAULT_SIGNALS, metavar="SIG,...",
-                   help=f"signals forwarded to the workers, e.g. add SIGUSR1 for Slurm "
-                   f"preemption (default: {DEFAULT_SIGNALS})")
-    g.add_argument("--shutdown-timeout", "--shutdown_timeout", action=EnvOption, type=float,
-                   default=None, metavar="SECONDS",
-                   help="grace between the stop signal and SIGKILL (default: "
-                   "TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)")
-    g.add_argument("--exit-barrier-timeout", "--exit_barrier_timeout", action=EnvOption, type=float,
-                   default=None, metavar="SECONDS",
-                   help="[elastix] how long a finished node waits for the others (default: "
-                   "TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT or 300)")
+    g.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        action=EnvOption,
+        type=int,
+        default=0,
+        metavar="N",
+        help="restarts of the worker group after failures, counted for the whole job (torchrun: per node) (default: 0)",
+    )
+    g.add_argument(
+        "--no-standby-workers",
+        action=EnvFlag,
+        pet=False,
+        help="[elastix] start every worker cold: without this, when a restart can "
+        "happen, a warm Python interpreter per local rank waits to become the next "
+        "attempt's worker, which makes restarts several times faster",
+    )
+    g.add_argument(
+        "--monitor-interval",
+        "--monitor_interval",
+        action=EnvOption,
+        type=float,
+        default=0.1,
+        metavar="SECONDS",
+        help="accepted for torchrun compatibility (must be > 0): elastix is told of "
+        "worker exits at once instead of polling (default: 0.1)",
+    )
+    g.add_argument(
+        "--signals-to-handle",
+        "--signals_to_handle",
+        action=EnvOption,
+        type=str,
+        default=DEFAULT_SIGNALS,
+        metavar="SIG,...",
+        help=f"signals forwarded to the workers, e.g. add SIGUSR1 for Slurm preemption (default: {DEFAULT_SIGNALS})",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        "--shutdown_timeout",
+        action=EnvOption,
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="grace between the stop signal and SIGKILL (default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)",
+    )
+    g.add_argument(
+        "--exit-barrier-timeout",
+        "--exit_barrier_timeout",
+        action=EnvOption,
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="[elastix] how long a finished node waits for the others (default: "
+        "TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT or 300)",
+    )
 
     g = parser.add_argument_group("logs")
-    g.add_argument("--log-dir", "--log_dir", action=EnvOption, type=str, default=None, metavar="DIR",
-                   help="base directory for log files; each run gets its own subdirectory (default: "
-                   "a temporary one, made only if some output goes to files)")
-    g.add_argument("-r", "--redirects", action=EnvOption, type=str, default="0", metavar="MASK|MAP",
-                   help="send workers' streams to files instead of the console: 0 none, 1 stdout, "
-                   "2 stderr, 3 both; or per local rank, e.g. 0:1,1:2 (default: 0)")
-    g.add_argument("-t", "--tee", action=EnvOption, type=str, default="0", metavar="MASK|MAP",
-                   help="write streams to files and to the console, with a prefix (same syntax as "
-                   "-r) (default: 0)")
-    g.add_argument("--local-ranks-filter", "--local_ranks_filter", action=EnvOption, type=str,
-                   default="", metavar="R,...",
-                   help="only these local ranks reach the console (the others still go to their "
-                   "log files)")
-    g.add_argument("--log-line-prefix-template", "--log_line_prefix_template", action=EnvOption,
-                   type=str, default="", metavar="TEMPLATE",
-                   help="prefix of tee'd console lines in torchrun's syntax: ${role_name}, "
-                   "${rank}, ${local_rank}, ${hostname} (default: [${role_name}${local_rank}]:)")
-    g.add_argument("--line-prefix", "--line_prefix", action=EnvOption, type=str, default=None,
-                   pet=False, metavar="TEMPLATE",
-                   help="[elastix] the same in elastix's syntax: {role}, {rank}, {local_rank}, "
-                   "{host}; e.g. '{host}:{rank}| '")
+    g.add_argument(
+        "--log-dir",
+        "--log_dir",
+        action=EnvOption,
+        type=str,
+        default=None,
+        metavar="DIR",
+        help="base directory for log files; each run gets its own subdirectory (default: "
+        "a temporary one, made only if some output goes to files)",
+    )
+    g.add_argument(
+        "-r",
+        "--redirects",
+        action=EnvOption,
+        type=str,
+        default="0",
+        metavar="MASK|MAP",
+        help="send workers' streams to files instead of the console: 0 none, 1 stdout, "
+        "2 stderr, 3 both; or per local rank, e.g. 0:1,1:2 (default: 0)",
+    )
+    g.add_argument(
+        "-t",
+        "--tee",
+        action=EnvOption,
+        type=str,
+        default="0",
+        metavar="MASK|MAP",
+        help="write streams to files and to the console, with a prefix (same syntax as -r) (default: 0)",
+    )
+    g.add_argument(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        action=EnvOption,
+        type=str,
+        default="",
+        metavar="R,...",
+        help="only these local ranks reach the console (the others still go to their log files)",
+    )
+    g.add_argument(
+        "--log-line-prefix-template",
+        "--log_line_prefix_template",
+        action=EnvOption,
+        type=str,
+        default="",
+        metavar="TEMPLATE",
+        help="prefix of tee'd console lines in torchrun's syntax: ${role_name}, "
+        "${rank}, ${local_rank}, ${hostname} (default: [${role_name}${local_rank}]:)",
+    )
+    g.add_argument(
+        "--line-prefix",
+        "--line_prefix",
+        action=EnvOption,
+        type=str,
+        default=None,
+        pet=False,
+        metavar="TEMPLATE",
+        help="[elastix] the same in elastix's syntax: {role}, {rank}, {local_rank}, {host}; e.g. '{host}:{rank}| '",
+    )
 
     g = parser.add_argument_group(
         "torchrun options elastix does not implement (only their default values are accepted)"
     )
-    g.add_argument("--event-log-handler", "--event_log_handler", action=EnvOption, type=str,
-                   default="null", metavar="NAME", help="events destination (default: null)")
-    g.add_argument("--logs-specs", "--logs_specs", type=str, default=None, metavar="NAME",
-                   help="torchrun.logs_specs entry point replacing the log layout")
-    g.add_argument("--numa-binding", "--numa_binding", type=str, default=None,
-                   choices=["node", "socket", "exclusive", "core-complex"],
-                   help="bind workers to CPUs near their GPU")
-    g.add_argument("--duplicate-stdout-filters", "--duplicate_stdout_filters", action=EnvOption,
-                   type=_comma_list, default=[], metavar="S,...",
-                   help="copy tee'd stdout lines containing these to filtered_stdout.log")
-    g.add_argument("--duplicate-stderr-filters", "--duplicate_stderr_filters", action=EnvOption,
-                   type=_comma_list, default=[], metavar="S,...",
-                   help="the same for stderr")
+    g.add_argument(
+        "--event-log-handler",
+        "--event_log_handler",
+        action=EnvOption,
+        type=str,
+        default="null",
+        metavar="NAME",
+        help="events destination (default: null)",
+    )
+    g.add_argument(
+        "--logs-specs",
+        "--logs_specs",
+        type=str,
+        default=None,
+        metavar="NAME",
+        help="torchrun.logs_specs entry point replacing the log layout",
+    )
+    g.add_argument(
+        "--numa-binding",
+        "--numa_binding",
+        type=str,
+        default=None,
+        choices=["node", "socket", "exclusive", "core-complex"],
+        help="bind workers to CPUs near their GPU",
+    )
+    g.add_argument(
+        "--duplicate-stdout-filters",
+        "--duplicate_stdout_filters",
+        action=EnvOption,
+        type=_comma_list,
+        default=[],
+        metavar="S,...",
+        help="copy tee'd stdout lines containing these to filtered_stdout.log",
+    )
+    g.add_argument(
+        "--duplicate-stderr-filters",
+        "--duplicate_stderr_filters",
+        action=EnvOption,
+        type=_comma_list,
+        default=[],
+        metavar="S,...",
+        help="the same for stderr",
+    )
 
-    parser.add_argument("training_script", metavar="program",
-                        help="a Python script; a module name with -m; an executable with "
-                        "--no-python")
-    parser.add_argument("training_script_args", nargs=argparse.REMAINDER, metavar="args",
-                        help="arguments of the program; ${local_rank} becomes each worker's "
-                        "local rank")
+    parser.add_argument(
+        "training_script",
+        metavar="program",
+        help="a Python script; a module name with -m; an executable with --no-python",
+    )
+    parser.add_argument(
+        "training_script_args",
+        nargs=argparse.REMAINDER,
+        metavar="args",
+        help="arguments of the program; ${local_rank} becomes each worker's local rank",
+    )
     return parser
 
 

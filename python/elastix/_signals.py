@@ -24,9 +24,7 @@ def parse_signals(spec: Union[str, Sequence[str]]) -> List[str]:
             name = "SIG" + name
         value = getattr(signal.Signals, name, None) if name.isidentifier() else None
         if not isinstance(value, signal.Signals):
-            raise ValueError(
-                f"--signals-to-handle: unknown signal {text!r} (use names such as SIGTERM, SIGUSR1)"
-            )
+            raise ValueError(f"--signals-to-handle: unknown signal {text!r} (use names such as SIGTERM, SIGUSR1)")
         name = value.name  # the canonical name of an alias (SIGIOT -> SIGABRT)
         if name in _UNHANDLEABLE:
             raise ValueError(f"--signals-to-handle: {name} cannot be handled")

@@ -92,9 +92,7 @@ class RunResult:
         return self.state == WorkerState.FAILED
 
     @classmethod
-    def from_report(
-        cls, report: Mapping[str, Any], return_values: Optional[Dict[int, Any]] = None
-    ) -> "RunResult":
+    def from_report(cls, report: Mapping[str, Any], return_values: Optional[Dict[int, Any]] = None) -> "RunResult":
         """From the agent's result (state SUCCEEDED or FAILED; INTERRUPTED is for the caller
         to turn into a SignalException)."""
         failures: Dict[int, ProcessFailure] = {}

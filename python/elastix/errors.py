@@ -89,4 +89,3 @@ __all__ = [
     "RendezvousGracefulExitError",
     "SignalException",
 ]
-

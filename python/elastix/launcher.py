@@ -141,8 +141,10 @@ def _agent_error(result: RunResult) -> Exception:
     from . import errors
 
     kind = (result.error or {}).get("kind")
-    message = (result.error or {}).get("message") or result.summary or (
-        f"the elastix agent failed (exit code {result.exit_code})"
+    message = (
+        (result.error or {}).get("message")
+        or result.summary
+        or (f"the elastix agent failed (exit code {result.exit_code})")
     )
     error_type = {
         "config": ValueError,
@@ -177,9 +179,7 @@ def agent_config(config: LaunchConfig, program: str, program_args: Sequence[str]
         # torch's API reads the master's address from the endpoint, and the rank from the confs
         host, _, port = config.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(
-                f"static rendezvous needs rdzv_endpoint HOST:PORT, got {config.rdzv_endpoint!r}"
-            )
+            raise ValueError(f"static rendezvous needs rdzv_endpoint HOST:PORT, got {config.rdzv_endpoint!r}")
         master_addr, master_port = host, int(port)
         if rank is None and config.max_nodes > 1:
             raise ValueError("static rendezvous over several nodes: set rdzv_configs['rank']")
@@ -229,8 +229,7 @@ def _spec_attr(specs: Any, name: str) -> Any:
         if attr and hasattr(specs, attr):
             return getattr(specs, attr)
     raise TypeError(
-        f"logs_specs of type {type(specs).__name__} is not supported; "
-        "use elastix.logs_specs.DefaultLogsSpecs"
+        f"logs_specs of type {type(specs).__name__} is not supported; use elastix.logs_specs.DefaultLogsSpecs"
     )
 
 
@@ -275,8 +274,7 @@ def write_payload(path: str, fn: Callable[..., Any], args: tuple) -> None:
         blob = pickle.dumps((fn, args))
     except Exception as err:
         raise TypeError(
-            f"the entrypoint function and its arguments must be picklable (a function defined at "
-            f"module level): {err}"
+            f"the entrypoint function and its arguments must be picklable (a function defined at module level): {err}"
         ) from err
     main = sys.modules.get("__main__")
     main_name = main_path = None

@@ -84,8 +84,7 @@ def parse_ranks_filter(spec: Union[str, Iterable[int], None]) -> Optional[List[i
             ranks = {int(item) for item in spec.split(",")}
         except ValueError:
             raise ValueError(
-                f"--local-ranks-filter: {spec!r} is not a comma-separated list of local ranks "
-                "such as 0,1,2"
+                f"--local-ranks-filter: {spec!r} is not a comma-separated list of local ranks such as 0,1,2"
             ) from None
     else:
         ranks = {int(rank) for rank in spec}

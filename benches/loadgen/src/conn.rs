@@ -29,7 +29,10 @@ struct Slot {
 enum Pending {
     Idle,
     /// A GET of this slot's value; `ops` counts the requests in the transaction.
-    Value { slot: usize, ops: u32 },
+    Value {
+        slot: usize,
+        ops: u32,
+    },
     Add,
 }
 

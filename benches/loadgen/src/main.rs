@@ -121,13 +121,8 @@ fn run(args: &Args) -> Result<(), String> {
         })
         .collect();
 
-    let mut total = Outcome {
-        histogram: Histogram::new(),
-        ops: 0,
-        seconds: 0.0,
-        cpu_seconds: 0.0,
-        server_cpu_seconds: None,
-    };
+    let mut total =
+        Outcome { histogram: Histogram::new(), ops: 0, seconds: 0.0, cpu_seconds: 0.0, server_cpu_seconds: None };
     for worker in workers {
         let outcome = worker.join().map_err(|_| "a worker thread panicked".to_string())??;
         total.histogram.merge(&outcome.histogram);

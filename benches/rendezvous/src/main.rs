@@ -38,11 +38,8 @@ fn main() {
         (None, Some(server)) => ("127.0.0.1".to_owned(), server.port()),
         (None, None) => unreachable!(),
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(args.threads)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(args.threads).enable_all().build().expect("runtime");
     let run_id = format!("bench-{}-{}", args.nodes, std::process::id());
     let seconds = runtime.block_on(async {
         let mut settings = RendezvousSettings::new(&run_id, args.nodes, args.nodes).expect("settings");

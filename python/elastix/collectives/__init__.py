@@ -50,9 +50,16 @@ from .reduce_op import ReduceOp
 from .work import Work
 
 
-def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None, timeout=None,
-                       world_size: int = -1, rank: int = -1, store=None, group_name: str = "",
-                       device_id=None) -> None:
+def init_process_group(
+    backend: Optional[str] = None,
+    init_method: Optional[str] = None,
+    timeout=None,
+    world_size: int = -1,
+    rank: int = -1,
+    store=None,
+    group_name: str = "",
+    device_id=None,
+) -> None:
     """Joins this process to the job's default group.
 
     Without arguments it reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (set by
@@ -96,8 +103,14 @@ def _world() -> World:
     return _group_mod.world()
 
 
-def new_group(ranks: Optional[List[int]] = None, timeout=None, backend: Optional[str] = None,
-              pg_options=None, use_local_synchronization: bool = False, group_desc=None) -> ProcessGroup:
+def new_group(
+    ranks: Optional[List[int]] = None,
+    timeout=None,
+    backend: Optional[str] = None,
+    pg_options=None,
+    use_local_synchronization: bool = False,
+    group_desc=None,
+) -> ProcessGroup:
     """A group of the given global ranks (all ranks when None). Every rank of the world must
     call new_group, in the same order, members or not (as with torch); on a non-member the
     group's ``rank()`` is -1 and collectives on it raise ``GroupError``."""
@@ -155,11 +168,40 @@ def destroy_process_group(group: Optional[ProcessGroup] = None) -> None:
 
 
 __all__ = [
-    "init_process_group", "is_initialized", "new_group", "get_rank", "get_world_size", "get_backend",
-    "get_group_rank", "get_global_rank", "destroy_process_group", "ProcessGroup", "ReduceOp", "Work",
-    "all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "all_gather",
-    "all_gather_into_tensor", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier",
-    "send", "recv", "isend", "irecv",
-    "CollectiveError", "MismatchError", "PeerError", "CollectiveTimeoutError", "NotInitializedError",
-    "GroupError", "BackendUnavailableError", "DEFAULT_TIMEOUT",
+    "init_process_group",
+    "is_initialized",
+    "new_group",
+    "get_rank",
+    "get_world_size",
+    "get_backend",
+    "get_group_rank",
+    "get_global_rank",
+    "destroy_process_group",
+    "ProcessGroup",
+    "ReduceOp",
+    "Work",
+    "all_reduce",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "CollectiveError",
+    "MismatchError",
+    "PeerError",
+    "CollectiveTimeoutError",
+    "NotInitializedError",
+    "GroupError",
+    "BackendUnavailableError",
+    "DEFAULT_TIMEOUT",
 ]

@@ -54,8 +54,9 @@ class _Host:
 
 def _same(a, b, what: str) -> None:
     if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
-        raise ValueError(f"{what} must match the input's shape {tuple(b.shape)} and dtype {b.dtype}, "
-                         f"got {tuple(a.shape)} {a.dtype}")
+        raise ValueError(
+            f"{what} must match the input's shape {tuple(b.shape)} and dtype {b.dtype}, got {tuple(a.shape)} {a.dtype}"
+        )
 
 
 def _reduction(g, x, op, dtype, what):
@@ -67,8 +68,15 @@ def _reduction(g, x, op, dtype, what):
 
 # -- reductions ----------------------------------------------------------------------------------
 
-def all_reduce(tensor, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
-               *, dtype: Optional[str] = None):
+
+def all_reduce(
+    tensor,
+    op=ReduceOp.SUM,
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+    *,
+    dtype: Optional[str] = None,
+):
     """Reduces ``tensor`` over the group, in place on every rank. ``dtype="bfloat16"`` reads
     16-bit integer arrays as bfloat16."""
     g = resolve(group)
@@ -93,8 +101,15 @@ def all_reduce(tensor, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, as
     return _run(g, fn, async_op)
 
 
-def reduce(tensor, dst: int, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
-           *, dtype: Optional[str] = None):
+def reduce(
+    tensor,
+    dst: int,
+    op=ReduceOp.SUM,
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+    *,
+    dtype: Optional[str] = None,
+):
     """Reduces ``tensor`` over the group into rank ``dst``'s ``tensor`` (others unchanged)."""
     g = resolve(group)
     x = check_array(tensor)
@@ -117,8 +132,15 @@ def reduce(tensor, dst: int, op=ReduceOp.SUM, group: Optional[ProcessGroup] = No
     return _run(g, fn, async_op)
 
 
-def reduce_scatter(output, input_list: Sequence, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None,
-                   async_op: bool = False, *, dtype: Optional[str] = None):
+def reduce_scatter(
+    output,
+    input_list: Sequence,
+    op=ReduceOp.SUM,
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+    *,
+    dtype: Optional[str] = None,
+):
     """``output`` on rank i gets the reduction over ranks of their ``input_list[i]``."""
     g = resolve(group)
     out = check_array(output, "output")
@@ -144,20 +166,29 @@ def reduce_scatter(output, input_list: Sequence, op=ReduceOp.SUM, group: Optiona
     return _run(g, fn, async_op)
 
 
-def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None,
-                          async_op: bool = False, *, dtype: Optional[str] = None):
+def reduce_scatter_tensor(
+    output,
+    input,
+    op=ReduceOp.SUM,
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+    *,
+    dtype: Optional[str] = None,
+):
     """``input`` holds size() consecutive blocks the shape of ``output``; rank i gets block i reduced."""
     g = resolve(group)
     out, inp = check_array(output, "output"), check_array(input, "input")
     if inp.size != out.size * g.size() or inp.dtype != out.dtype:
-        raise ValueError(f"input must hold {g.size()} x output.size elements of {out.dtype}, "
-                         f"got {inp.size} of {inp.dtype}")
+        raise ValueError(
+            f"input must hold {g.size()} x output.size elements of {out.dtype}, got {inp.size} of {inp.dtype}"
+        )
     src = inp if is_cupy(inp) else flat_in(inp)
     blocks = [b.reshape(out.shape) for b in src.reshape(g.size(), -1)]
     return reduce_scatter(out, blocks, op, group, async_op, dtype=dtype)
 
 
 # -- data movement -------------------------------------------------------------------------------
+
 
 def broadcast(tensor, src: int, group: Optional[ProcessGroup] = None, async_op: bool = False):
     """Copies rank ``src``'s ``tensor`` into every rank's ``tensor``."""
@@ -208,15 +239,17 @@ def all_gather(tensor_list: List, tensor, group: Optional[ProcessGroup] = None, 
     return _run(g, fn, async_op)
 
 
-def all_gather_into_tensor(output_tensor, input_tensor, group: Optional[ProcessGroup] = None,
-                           async_op: bool = False):
+def all_gather_into_tensor(output_tensor, input_tensor, group: Optional[ProcessGroup] = None, async_op: bool = False):
     """``output_tensor`` (size() x input size elements) gets every rank's input, in rank order."""
     g = resolve(group)
     out, inp = check_array(output_tensor, "output_tensor"), check_array(input_tensor, "input_tensor")
     if out.size != inp.size * g.size() or out.dtype != inp.dtype:
-        raise ValueError(f"output_tensor must hold {g.size()} x input size elements of {inp.dtype}, "
-                         f"got {out.size} of {out.dtype}")
-    blocks = [b.reshape(inp.shape) for b in out.reshape(g.size(), -1)] if out.flags.c_contiguous or is_cupy(out) else None
+        raise ValueError(
+            f"output_tensor must hold {g.size()} x input size elements of {inp.dtype}, got {out.size} of {out.dtype}"
+        )
+    blocks = (
+        [b.reshape(inp.shape) for b in out.reshape(g.size(), -1)] if out.flags.c_contiguous or is_cupy(out) else None
+    )
     if blocks is None:
         staged = np.empty((g.size(),) + tuple(inp.shape), inp.dtype)
         work = all_gather(list(staged), inp, group, async_op)
@@ -231,8 +264,13 @@ def all_gather_into_tensor(output_tensor, input_tensor, group: Optional[ProcessG
     return all_gather(blocks, inp, group, async_op)
 
 
-def gather(tensor, gather_list: Optional[List] = None, dst: int = 0, group: Optional[ProcessGroup] = None,
-           async_op: bool = False):
+def gather(
+    tensor,
+    gather_list: Optional[List] = None,
+    dst: int = 0,
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+):
     """Rank ``dst``'s ``gather_list[i]`` gets rank i's ``tensor``."""
     g = resolve(group)
     x = check_array(tensor)
@@ -263,8 +301,13 @@ def gather(tensor, gather_list: Optional[List] = None, dst: int = 0, group: Opti
     return _run(g, fn, async_op)
 
 
-def scatter(tensor, scatter_list: Optional[List] = None, src: int = 0, group: Optional[ProcessGroup] = None,
-            async_op: bool = False):
+def scatter(
+    tensor,
+    scatter_list: Optional[List] = None,
+    src: int = 0,
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+):
     """Rank i's ``tensor`` gets rank ``src``'s ``scatter_list[i]``."""
     g = resolve(group)
     x = check_array(tensor)
@@ -294,8 +337,9 @@ def scatter(tensor, scatter_list: Optional[List] = None, src: int = 0, group: Op
     return _run(g, fn, async_op)
 
 
-def all_to_all(output_tensor_list: List, input_tensor_list: List, group: Optional[ProcessGroup] = None,
-               async_op: bool = False):
+def all_to_all(
+    output_tensor_list: List, input_tensor_list: List, group: Optional[ProcessGroup] = None, async_op: bool = False
+):
     """Rank i's ``output_tensor_list[j]`` gets rank j's ``input_tensor_list[i]`` (all arrays
     of one shape and dtype)."""
     g = resolve(group)
@@ -321,8 +365,14 @@ def all_to_all(output_tensor_list: List, input_tensor_list: List, group: Optiona
     return _run(g, fn, async_op)
 
 
-def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
-                      group: Optional[ProcessGroup] = None, async_op: bool = False):
+def all_to_all_single(
+    output,
+    input,
+    output_split_sizes=None,
+    input_split_sizes=None,
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+):
     """Equal splits of the first dimension: block j of ``input`` goes to rank j, block i of
     ``output`` comes from rank i."""
     g = resolve(group)
@@ -347,6 +397,7 @@ def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False, device
 
 
 # -- point to point -------------------------------------------------------------------------------
+
 
 def _p2p_desc(x, tag: int):
     return descriptor.make("send/recv", x.dtype, x.shape, -1, -1, int(tag))
@@ -397,7 +448,20 @@ def irecv(tensor, src: Optional[int] = None, group: Optional[ProcessGroup] = Non
 
 
 __all__ = [
-    "all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "all_gather",
-    "all_gather_into_tensor", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier",
-    "send", "recv", "isend", "irecv",
+    "all_reduce",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
 ]

@@ -72,7 +72,7 @@ def flat_list_out(xs: Sequence[np.ndarray], what: str) -> List[Flat]:
 def split_flat(x: np.ndarray, parts: int) -> List[np.ndarray]:
     """``parts`` equal consecutive views of a flat array (its size must divide)."""
     n = x.size // parts
-    return [x[i * n:(i + 1) * n] for i in range(parts)]
+    return [x[i * n : (i + 1) * n] for i in range(parts)]
 
 
 __all__ = ["is_cupy", "check_array", "Flat", "flat_in", "flat_out", "flat_list_out", "split_flat"]

@@ -45,8 +45,11 @@ class CpuBackend:
         self.p2p: Optional[ShmP2P] = None
         self.segment: Optional[Segment] = None
         store.set(f"info/{rank}", json.dumps({"host": host_id(), "pid": os.getpid()}))
-        infos = [json.loads(v) for v in store.multi_get([f"info/{r}" for r in range(size)])] if size > 1 \
+        infos = (
+            [json.loads(v) for v in store.multi_get([f"info/{r}" for r in range(size)])]
+            if size > 1
             else [json.loads(store.get("info/0"))]
+        )
         self.pids = [int(i["pid"]) for i in infos]
         self.topo = Topology.from_ids([i["host"] for i in infos])
         self.mode = self.topo.mode
@@ -75,8 +78,9 @@ class CpuBackend:
             self.store.wait([f"{key}/all"])
             seg.release_name()
         self.segment = seg
-        self.shm = ShmComm(seg, len(local), me, [self.ranks[r] for r in local],
-                           [self.pids[r] for r in local], self.timeout, slot)
+        self.shm = ShmComm(
+            seg, len(local), me, [self.ranks[r] for r in local], [self.pids[r] for r in local], self.timeout, slot
+        )
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -162,7 +166,7 @@ class CpuBackend:
         local = self.local
         # 1. gather the host's blocks on its leader
         host_block = np.empty(len(local) * nb, np.uint8)
-        parts = [host_block[i * nb:(i + 1) * nb] for i in range(len(local))]
+        parts = [host_block[i * nb : (i + 1) * nb] for i in range(len(local))]
         if len(local) > 1:
             shm_algos.all_gather(self.shm, parts if self.is_leader else None, x, desc, root=0, what="all_gather (host)")
         else:
@@ -174,12 +178,12 @@ class CpuBackend:
             tcp_algos.all_gather(self.tcp, self.leaders, blocks, host_block, desc, what="all_gather (hosts)")
             for h, ranks in enumerate(self.topo.hosts):
                 for i, r in enumerate(ranks):
-                    everything[r * nb:(r + 1) * nb] = blocks[h][i * nb:(i + 1) * nb]
+                    everything[r * nb : (r + 1) * nb] = blocks[h][i * nb : (i + 1) * nb]
         # 3. the leader hands the whole result to its host
         if len(local) > 1:
             shm_algos.broadcast(self.shm, everything, 0, desc)
         for r in range(self.size):
-            np.copyto(outs[r].view(_U8), everything[r * nb:(r + 1) * nb])
+            np.copyto(outs[r].view(_U8), everything[r * nb : (r + 1) * nb])
 
     def gather(self, outs, x, root, desc):
         if self.mode == "single":
@@ -207,9 +211,9 @@ class CpuBackend:
             everything = np.empty(self.size * nb, np.uint8)
             if self.rank == root:
                 for r in range(self.size):
-                    everything[r * nb:(r + 1) * nb] = ins[r].view(_U8)
+                    everything[r * nb : (r + 1) * nb] = ins[r].view(_U8)
             self.broadcast(everything, root, desc)
-            np.copyto(x.view(_U8), everything[self.rank * nb:(self.rank + 1) * nb])
+            np.copyto(x.view(_U8), everything[self.rank * nb : (self.rank + 1) * nb])
 
     def reduce_scatter(self, out, ins, code, op, div, desc):
         if self.mode == "single":
@@ -221,7 +225,7 @@ class CpuBackend:
         else:
             work = np.concatenate(ins) if out.size else np.empty(0, out.dtype)
             self._hier_all_reduce(work, code, op, div, desc)
-            np.copyto(out, work[self.rank * out.size:(self.rank + 1) * out.size])
+            np.copyto(out, work[self.rank * out.size : (self.rank + 1) * out.size])
 
     def all_to_all(self, outs, ins, desc):
         if self.mode == "single":
@@ -236,7 +240,7 @@ class CpuBackend:
             rows = [np.empty(self.size * nb, np.uint8) for _ in range(self.size)]
             self._hier_all_gather(rows, mine, desc)
             for j in range(self.size):
-                np.copyto(outs[j].view(_U8), rows[j][self.rank * nb:(self.rank + 1) * nb])
+                np.copyto(outs[j].view(_U8), rows[j][self.rank * nb : (self.rank + 1) * nb])
 
     def barrier(self, desc):
         if self.mode == "single":

@@ -11,21 +11,45 @@ import numpy as np
 
 from .dtypes import dtype_id
 
-KINDS = ["?", "all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
-         "reduce_scatter", "all_to_all", "barrier", "send/recv"]
+KINDS = [
+    "?",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+    "barrier",
+    "send/recv",
+]
 KIND = {name: i for i, name in enumerate(KINDS)}
 OPS = ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG"]
 MAX_DIMS = 7
 WORDS = 6 + MAX_DIMS + 1
 
 _names = {}
-for _t in (np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
-           np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128):
+for _t in (
+    np.bool_,
+    np.int8,
+    np.uint8,
+    np.int16,
+    np.uint16,
+    np.int32,
+    np.uint32,
+    np.int64,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
+):
     _names[dtype_id(np.dtype(_t))] = np.dtype(_t).name
 
 
-def make(kind: str, dtype: np.dtype, shape: Sequence[int], op: int = -1, root: int = -1,
-         extra: int = 0) -> List[int]:
+def make(kind: str, dtype: np.dtype, shape: Sequence[int], op: int = -1, root: int = -1, extra: int = 0) -> List[int]:
     """[kind, dtype, op, root, nbytes, ndim, dims..., extra] (14 words)."""
     return _make(kind, dtype, tuple(shape), op, root, extra)
 
@@ -50,7 +74,7 @@ def describe(desc: Optional[Sequence[int]]) -> str:
     if kind == "barrier":
         return "barrier()"
     ndim = int(desc[5])
-    dims = list(desc[6:6 + min(ndim, MAX_DIMS)])
+    dims = list(desc[6 : 6 + min(ndim, MAX_DIMS)])
     shape = "(" + ", ".join(map(str, dims)) + ("," if ndim == 1 else "") + (", ..." if ndim > MAX_DIMS else "") + ")"
     parts = [f"shape {shape}", _names.get(int(desc[1]), f"dtype #{desc[1]}")]
     if 0 <= desc[2] < len(OPS):

@@ -35,8 +35,9 @@ class ProcessGroup:
     group (-1 if it is not a member), ``size()`` the number of members; ``ranks`` lists the
     members' global ranks in group-rank order."""
 
-    def __init__(self, name: str, ranks: Sequence[int], global_rank: int, backend_name: str,
-                 timeout: Optional[float], store) -> None:
+    def __init__(
+        self, name: str, ranks: Sequence[int], global_rank: int, backend_name: str, timeout: Optional[float], store
+    ) -> None:
         self.name = name
         self.ranks: List[int] = list(ranks)
         self._rank = self.ranks.index(global_rank) if global_rank in self.ranks else -1
@@ -60,8 +61,9 @@ class ProcessGroup:
         try:
             return self.ranks.index(int(global_rank))
         except ValueError:
-            raise GroupError(f"{what} {global_rank} is not a member of group {self.name} "
-                             f"(ranks {self.ranks})") from None
+            raise GroupError(
+                f"{what} {global_rank} is not a member of group {self.name} (ranks {self.ranks})"
+            ) from None
 
     def __repr__(self) -> str:
         return f"ProcessGroup(name={self.name!r}, ranks={self.ranks}, rank={self._rank}, backend={self.backend_name!r})"
@@ -88,8 +90,9 @@ def _make_backend(name: str, store, rank: int, ranks: List[int], timeout: Option
 
 
 class World:
-    def __init__(self, store, rank: int, size: int, backend: str, timeout: Optional[float],
-                 namespace: str = "") -> None:
+    def __init__(
+        self, store, rank: int, size: int, backend: str, timeout: Optional[float], namespace: str = ""
+    ) -> None:
         # `elastix run` keeps one store for the whole job and exports the rendezvous round
         # (ELASTIX_ROUND): each round's groups get their own keys, so stale keys of an earlier
         # attempt are never read
@@ -117,8 +120,9 @@ _lock = threading.RLock()
 
 def world() -> World:
     if _world is None:
-        raise NotInitializedError("the default process group has not been initialized; call "
-                                  "elastix.collectives.init_process_group() first")
+        raise NotInitializedError(
+            "the default process group has not been initialized; call elastix.collectives.init_process_group() first"
+        )
     return _world
 
 
@@ -144,5 +148,13 @@ def timeout_seconds(timeout) -> Optional[float]:
     return to_seconds(DEFAULT_TIMEOUT if timeout is None else timeout)
 
 
-__all__ = ["ProcessGroup", "World", "world", "set_world", "resolve", "normalize_backend",
-           "DEFAULT_TIMEOUT", "timeout_seconds"]
+__all__ = [
+    "ProcessGroup",
+    "World",
+    "world",
+    "set_world",
+    "resolve",
+    "normalize_backend",
+    "DEFAULT_TIMEOUT",
+    "timeout_seconds",
+]

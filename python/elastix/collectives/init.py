@@ -29,14 +29,19 @@ def _env_int(name: str) -> Optional[int]:
 
 def _need(value: Optional[int], what: str, source: str) -> int:
     if value is None or value < 0:
-        raise ValueError(f"{source}: {what} is not known: pass {what}= or set the environment "
-                         f"variable {what.upper()} (elastix run and torchrun set it)")
+        raise ValueError(
+            f"{source}: {what} is not known: pass {what}= or set the environment "
+            f"variable {what.upper()} (elastix run and torchrun set it)"
+        )
     return value
 
 
 def _agent_serves(host: str, port: int) -> bool:
-    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("true", "1")
-            and os.environ.get("MASTER_ADDR") == host and os.environ.get("MASTER_PORT") == str(port))
+    return (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("true", "1")
+        and os.environ.get("MASTER_ADDR") == host
+        and os.environ.get("MASTER_PORT") == str(port)
+    )
 
 
 def _tcp_store(host: str, port: int, rank: int, world_size: int, timeout: Optional[float]):
@@ -45,12 +50,14 @@ def _tcp_store(host: str, port: int, rank: int, world_size: int, timeout: Option
     td = to_timedelta(timeout)
     if _agent_serves(host, port):
         return TCPStore(host, port, is_master=False, timeout=td)
-    return TCPStore(host, port, world_size=None, is_master=(rank == 0), timeout=td,
-                    wait_for_workers=False, multi_tenant=True)
+    return TCPStore(
+        host, port, world_size=None, is_master=(rank == 0), timeout=td, wait_for_workers=False, multi_tenant=True
+    )
 
 
-def rendezvous(init_method: str, rank: Optional[int], world_size: Optional[int],
-               timeout: Optional[float]) -> Tuple[object, int, int]:
+def rendezvous(
+    init_method: str, rank: Optional[int], world_size: Optional[int], timeout: Optional[float]
+) -> Tuple[object, int, int]:
     """(store, rank, world size) for ``init_method``."""
     url = urlparse(init_method)
     query = {k: v[-1] for k, v in parse_qs(url.query).items()}

@@ -25,8 +25,10 @@ from .errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutE
 from .reduce_op import ReduceOp
 from .work import CompletedWork, Work
 
-INSTALL_HINT = ("the nccl backend needs CuPy built with NCCL: pip install 'elastix[cuda]' "
-                "(which installs cupy-cuda12x; use cupy-cuda11x for CUDA 11)")
+INSTALL_HINT = (
+    "the nccl backend needs CuPy built with NCCL: pip install 'elastix[cuda]' "
+    "(which installs cupy-cuda12x; use cupy-cuda11x for CUDA 11)"
+)
 
 # NCCL's numbering (nccl.h): datatypes and reduction ops
 _NCCL_DTYPE = {1: 0, 2: 1, 5: 2, 6: 3, 7: 4, 8: 5, 9: 6, 11: 7, 12: 8, 10: 9}  # kernel code -> ncclDataType_t
@@ -67,8 +69,9 @@ class NcclWork(Work):
         while not self._event.done:
             if time.monotonic() > deadline:
                 self._backend.abort("timed out")
-                raise CollectiveTimeoutError(f"NCCL collective did not finish within {timeout:.1f} s; "
-                                             "the communicator was aborted")
+                raise CollectiveTimeoutError(
+                    f"NCCL collective did not finish within {timeout:.1f} s; the communicator was aborted"
+                )
             time.sleep(1e-4)
         return True
 
@@ -116,8 +119,10 @@ class NcclBackend:
 
     def _device(self, x, what: str):
         if not type(x).__module__.startswith("cupy"):
-            raise TypeError(f"the nccl backend works on cupy arrays; {what} is a {type(x).__name__} "
-                            "(use the cpu backend for numpy arrays)")
+            raise TypeError(
+                f"the nccl backend works on cupy arrays; {what} is a {type(x).__name__} "
+                "(use the cpu backend for numpy arrays)"
+            )
         return x
 
     def _contig(self, x):
@@ -143,8 +148,10 @@ class NcclBackend:
             if list(row) != list(desc):
                 from .descriptor import describe
 
-                raise MismatchError(f"rank {self.ranks[self.rank]} called {describe(desc)} but rank "
-                                    f"{self.ranks[r]} called {describe(list(row))}")
+                raise MismatchError(
+                    f"rank {self.ranks[self.rank]} called {describe(desc)} but rank "
+                    f"{self.ranks[r]} called {describe(list(row))}"
+                )
 
     def _red(self, op: ReduceOp, kind):
         if kind.code == 0:  # bool: logical ops as uint8 max/min
@@ -198,7 +205,7 @@ class NcclBackend:
         flat = self.cupy.empty(self.size * src.nbytes, dtype=self.cupy.uint8)
         self.comm.allGather(src.data.ptr, flat.data.ptr, src.nbytes, _UINT8, self._stream())
         for i, o in enumerate(outs):
-            o[...] = flat[i * src.nbytes:(i + 1) * src.nbytes].view(o.dtype).reshape(o.shape)
+            o[...] = flat[i * src.nbytes : (i + 1) * src.nbytes].view(o.dtype).reshape(o.shape)
 
     def reduce_scatter(self, out, ins, op, kind, desc):
         self._device(out, "output")
@@ -254,8 +261,10 @@ class NcclBackend:
         self._verify(desc)
         srcs = [self.cupy.ascontiguousarray(self._device(t, "input")) for t in ins]
         bufs = [self._contig(self._device(o, "output")) for o in outs]
-        self._p2p_group([(r, s) for r, s in enumerate(srcs) if r != self.rank],
-                        [(r, b) for r, (b, _) in enumerate(bufs) if r != self.rank])
+        self._p2p_group(
+            [(r, s) for r, s in enumerate(srcs) if r != self.rank],
+            [(r, b) for r, (b, _) in enumerate(bufs) if r != self.rank],
+        )
         bufs[self.rank][0][...] = srcs[self.rank]
         for b, back in bufs:
             if back:

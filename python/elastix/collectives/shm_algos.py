@@ -46,8 +46,16 @@ def _segments(nbytes: int, size: int) -> range:
     return range(max(1, -(-nbytes // size)))
 
 
-def all_reduce(comm: ShmComm, x: np.ndarray, code: int, op: int, div: int, desc: List[int],
-               root: Optional[int] = None, what: str = "all_reduce") -> None:
+def all_reduce(
+    comm: ShmComm,
+    x: np.ndarray,
+    code: int,
+    op: int,
+    div: int,
+    desc: List[int],
+    root: Optional[int] = None,
+    what: str = "all_reduce",
+) -> None:
     """In place; with ``root`` it is a reduce: only the root's array changes."""
     p, me, dt, n = comm.n, comm.me, x.dtype, x.size
     if x.nbytes <= small_limit(comm):
@@ -105,8 +113,14 @@ def broadcast(comm: ShmComm, x: np.ndarray, root: int, desc: List[int]) -> None:
             np.copyto(data[a:e], comm.slot(root, b, _U8, 0, e - a))
 
 
-def all_gather(comm: ShmComm, outs: Optional[Sequence[np.ndarray]], x: np.ndarray, desc: List[int],
-               root: Optional[int] = None, what: str = "all_gather") -> None:
+def all_gather(
+    comm: ShmComm,
+    outs: Optional[Sequence[np.ndarray]],
+    x: np.ndarray,
+    desc: List[int],
+    root: Optional[int] = None,
+    what: str = "all_gather",
+) -> None:
     """``outs[j]`` gets rank j's ``x`` (bytes); with ``root``, only there (gather)."""
     data = x.view(_U8)
     targets = [o.view(_U8) for o in outs] if outs is not None else None
@@ -146,8 +160,9 @@ def scatter(comm: ShmComm, x: np.ndarray, ins: Optional[Sequence[np.ndarray]], r
             np.copyto(data[a:e], comm.slot(root, b, _U8, me * region, e - a))
 
 
-def reduce_scatter(comm: ShmComm, out: np.ndarray, ins: Sequence[np.ndarray], code: int, op: int,
-                   div: int, desc: List[int]) -> None:
+def reduce_scatter(
+    comm: ShmComm, out: np.ndarray, ins: Sequence[np.ndarray], code: int, op: int, div: int, desc: List[int]
+) -> None:
     """``out`` gets the reduction over ranks of their ``ins[me]`` (all viewed as the kernel's dtype)."""
     p, me, dt, n = comm.n, comm.me, out.dtype, out.size
     region = _region(comm)

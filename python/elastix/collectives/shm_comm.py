@@ -79,8 +79,16 @@ def spin_policy(nlocal: int) -> Tuple[int, int, int]:
 class ShmComm:
     """The lock-step engine of one host's ranks of a group (``me`` is this rank's index)."""
 
-    def __init__(self, segment: Segment, nranks: int, me: int, ranks: Sequence[int],
-                 pids: Sequence[int], timeout: Optional[float], slot_bytes: int):
+    def __init__(
+        self,
+        segment: Segment,
+        nranks: int,
+        me: int,
+        ranks: Sequence[int],
+        pids: Sequence[int],
+        timeout: Optional[float],
+        slot_bytes: int,
+    ):
         self.segment = segment
         self.n = nranks
         self.me = me
@@ -125,9 +133,13 @@ class ShmComm:
             desc_offsets=DESC_BYTES,
         )
         mm = segment.mmap
-        self._slots = [[np.frombuffer(mm, dtype=np.uint8, count=slot_bytes,
-                                      offset=self._data_base + (j * 2 + b) * slot_bytes)
-                        for b in range(2)] for j in range(nranks)]
+        self._slots = [
+            [
+                np.frombuffer(mm, dtype=np.uint8, count=slot_bytes, offset=self._data_base + (j * 2 + b) * slot_bytes)
+                for b in range(2)
+            ]
+            for j in range(nranks)
+        ]
         self._typed: Dict[tuple, np.ndarray] = {}
 
     def _ctrl(self, j: int) -> int:
@@ -157,8 +169,9 @@ class ShmComm:
 
     def check_usable(self) -> None:
         if self.broken is not None:
-            raise CollectiveError(f"this group is unusable after an earlier failure ({self.broken}); "
-                                  "destroy it and create a new one")
+            raise CollectiveError(
+                f"this group is unusable after an earlier failure ({self.broken}); destroy it and create a new one"
+            )
 
     def step(self, desc: Optional[List[int]] = None, what: str = "collective") -> int:
         """Publishes the next step and waits for every peer; returns the buffer it used."""
@@ -174,12 +187,15 @@ class ShmComm:
             j = self._peers[int(args[0])]
             mine = self._describe(desc)
             theirs = self._describe(self._peer_desc(j, len(desc), self.seq & 1))
-            raise MismatchError(f"{what}: rank {self.ranks[self.me]} called {mine} but rank "
-                                f"{self.ranks[j]} called {theirs}")
+            raise MismatchError(
+                f"{what}: rank {self.ranks[self.me]} called {mine} but rank {self.ranks[j]} called {theirs}"
+            )
         if kind == "timeout":
             late = [self.ranks[self._peers[int(i)]] for i in args]
-            message = (f"{what}: timed out after {self.timeout:.1f} s waiting for rank(s) "
-                       f"{', '.join(map(str, late))} (they did not reach the same collective)")
+            message = (
+                f"{what}: timed out after {self.timeout:.1f} s waiting for rank(s) "
+                f"{', '.join(map(str, late))} (they did not reach the same collective)"
+            )
             self.abort(ABORT_ERROR, message)
             raise CollectiveTimeoutError(message, late)
         j = self._peers[int(args[0])]
@@ -201,8 +217,9 @@ class ShmComm:
             pass
 
     def _peer_desc(self, j: int, count: int, parity: int) -> List[int]:
-        words = np.frombuffer(self.segment.mmap, dtype=np.int64, count=count,
-                              offset=PAGE + j * CTRL_BYTES + DESC_BYTES[parity])
+        words = np.frombuffer(
+            self.segment.mmap, dtype=np.int64, count=count, offset=PAGE + j * CTRL_BYTES + DESC_BYTES[parity]
+        )
         return [int(v) for v in words]
 
     @staticmethod

@@ -58,12 +58,22 @@ class _End:
         self.my_pos_addr = base + mine
         self.my_waiters_addr = base + my_waiters
         self.my_abort_addr = base + (W_ABORT if sender else R_ABORT)
-        self.waiter = _native.Waiter([base + theirs], [base + their_abort], [base + their_waiters],
-                                     [self.pidfd], [pid], own_flag=base + mine,
-                                     own_waiters=base + my_waiters, own_abort=self.my_abort_addr,
-                                     spin_iters=spin, yield_us=yield_us, check_ms=check_ms)
-        self.attached_waiter = _native.Waiter([base + ATTACHED], [base + their_abort], [None],
-                                              [self.pidfd], [pid], spin_iters=0, yield_us=0, check_ms=2)
+        self.waiter = _native.Waiter(
+            [base + theirs],
+            [base + their_abort],
+            [base + their_waiters],
+            [self.pidfd],
+            [pid],
+            own_flag=base + mine,
+            own_waiters=base + my_waiters,
+            own_abort=self.my_abort_addr,
+            spin_iters=spin,
+            yield_us=yield_us,
+            check_ms=check_ms,
+        )
+        self.attached_waiter = _native.Waiter(
+            [base + ATTACHED], [base + their_abort], [None], [self.pidfd], [pid], spin_iters=0, yield_us=0, check_ms=2
+        )
         self.pos = _native.load(self.my_pos_addr)
         self.broken: Optional[str] = None
 
@@ -100,9 +110,9 @@ class _End:
             self._wait(self.pos + want - self.cap)  # the reader freed enough room
             start = self.pos % self.cap
             k = min(want, self.cap - start)
-            self.data[start:start + k] = src[done:done + k]
+            self.data[start : start + k] = src[done : done + k]
             if k < want:
-                self.data[:want - k] = src[done + k:done + want]
+                self.data[: want - k] = src[done + k : done + want]
             self.pos += want
             done += want
             _native.publish(self.my_pos_addr, self.my_waiters_addr, self.pos)
@@ -115,9 +125,9 @@ class _End:
             self._wait(self.pos + want)  # the writer wrote that much
             start = self.pos % self.cap
             k = min(want, self.cap - start)
-            dst[done:done + k] = self.data[start:start + k]
+            dst[done : done + k] = self.data[start : start + k]
             if k < want:
-                dst[done + k:done + want] = self.data[:want - k]
+                dst[done + k : done + want] = self.data[: want - k]
             self.pos += want
             done += want
             _native.publish(self.my_pos_addr, self.my_waiters_addr, self.pos)
@@ -185,8 +195,10 @@ class ShmP2P:
         if fields[0] != MAGIC or theirs != list(desc):
             from .descriptor import describe
 
-            message = (f"{what}: rank {self.ranks[self.me]} expected {describe(desc)} from rank "
-                       f"{end.peer_rank}, which sent {describe(theirs)}")
+            message = (
+                f"{what}: rank {self.ranks[self.me]} expected {describe(desc)} from rank "
+                f"{end.peer_rank}, which sent {describe(theirs)}"
+            )
             end.fail(message)
             raise MismatchError(message)
         end.read_into(payload)

@@ -57,7 +57,7 @@ def sweep_stale(directory: str = SHM_DIR) -> int:
         if not name.startswith(PREFIX):
             continue
         try:
-            pid = int(name[len(PREFIX):].split("-")[0])
+            pid = int(name[len(PREFIX) :].split("-")[0])
             path = os.path.join(directory, name)
             if os.stat(path).st_uid == uid and not _pid_alive(pid):
                 os.unlink(path)
@@ -100,8 +100,11 @@ class Segment:
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as err:
-                raise OSError(err.errno, f"cannot reserve {size} bytes in {SHM_DIR} ({err.strerror}); "
-                              "make /dev/shm larger, or lower ELASTIX_SHM_SLOT_BYTES") from None
+                raise OSError(
+                    err.errno,
+                    f"cannot reserve {size} bytes in {SHM_DIR} ({err.strerror}); "
+                    "make /dev/shm larger, or lower ELASTIX_SHM_SLOT_BYTES",
+                ) from None
             mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
@@ -118,9 +121,12 @@ class Segment:
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
             except OSError as err:
-                raise OSError(err.errno, f"cannot open the shared memory of process {handle['pid']} "
-                              f"through {path} ({err.strerror}); set ELASTIX_SHM=file to use "
-                              f"{SHM_DIR} instead") from None
+                raise OSError(
+                    err.errno,
+                    f"cannot open the shared memory of process {handle['pid']} "
+                    f"through {path} ({err.strerror}); set ELASTIX_SHM=file to use "
+                    f"{SHM_DIR} instead",
+                ) from None
         else:
             fd = os.open(handle["path"], os.O_RDWR | os.O_CLOEXEC)
         try:

@@ -41,8 +41,9 @@ def _bytes(x: np.ndarray) -> memoryview:
     return memoryview(x.view(_U8)) if x.size else memoryview(b"")
 
 
-def exchange_direct(comm: TcpComm, members: Sequence[int], x: np.ndarray, outs: List[Optional[np.ndarray]],
-                    desc: List[int], what: str) -> None:
+def exchange_direct(
+    comm: TcpComm, members: Sequence[int], x: np.ndarray, outs: List[Optional[np.ndarray]], desc: List[int], what: str
+) -> None:
     """Sends ``x`` to every other member and receives each one's into ``outs[j]`` (member
     index); small messages are sent inline, larger ones through the sender thread."""
     q, i = len(members), members.index(comm.me)
@@ -58,8 +59,16 @@ def exchange_direct(comm: TcpComm, members: Sequence[int], x: np.ndarray, outs: 
         comm.wait(ticket, members[(i + 1) % q])
 
 
-def all_reduce(comm: TcpComm, members: Sequence[int], x: np.ndarray, code: int, op: int, div: int,
-               desc: List[int], what: str = "all_reduce") -> None:
+def all_reduce(
+    comm: TcpComm,
+    members: Sequence[int],
+    x: np.ndarray,
+    code: int,
+    op: int,
+    div: int,
+    desc: List[int],
+    what: str = "all_reduce",
+) -> None:
     q = len(members)
     if q == 1:
         if div > 1:
@@ -90,7 +99,7 @@ def all_reduce(comm: TcpComm, members: Sequence[int], x: np.ndarray, code: int, 
         c = (i - s - 1) % q
         last_step = s == q - 2
         for a, e in _pieces(*bounds[c], per):
-            buf = scratch[:e - a]
+            buf = scratch[: e - a]
             comm.recv_into(left, buf.view(_U8))
             _native.reduce(code, op, [x[a:e], buf], [x[a:e]], div if last_step else 1)
             queue_send(a, e)  # next step's chunk, or (last step) the first all-gather chunk
@@ -137,8 +146,14 @@ def broadcast(comm: TcpComm, members: Sequence[int], x: np.ndarray, root: int, d
         comm.wait(ticket, nxt)
 
 
-def all_gather(comm: TcpComm, members: Sequence[int], outs: Sequence[np.ndarray], x: np.ndarray,
-               desc: List[int], what: str = "all_gather") -> None:
+def all_gather(
+    comm: TcpComm,
+    members: Sequence[int],
+    outs: Sequence[np.ndarray],
+    x: np.ndarray,
+    desc: List[int],
+    what: str = "all_gather",
+) -> None:
     """``outs[j]`` (member index; sizes may differ: all_gatherv) gets member j's ``x``."""
     q, i = len(members), members.index(comm.me)
     np.copyto(outs[i].view(_U8), x.view(_U8))
@@ -188,33 +203,52 @@ def _rounds(comm: TcpComm, members: Sequence[int], send_to, recv_from, desc: Lis
     comm.wait(ticket, members[(i + 1) % q])
 
 
-def gather(comm: TcpComm, members: Sequence[int], outs: Optional[Sequence[np.ndarray]], x: np.ndarray,
-           root: int, desc: List[int]) -> None:
+def gather(
+    comm: TcpComm,
+    members: Sequence[int],
+    outs: Optional[Sequence[np.ndarray]],
+    x: np.ndarray,
+    root: int,
+    desc: List[int],
+) -> None:
     i, r = members.index(comm.me), members.index(root)
     if i == r:
         np.copyto(outs[r].view(_U8), x.view(_U8))
-    _rounds(comm, members, lambda j: x if j == r else None,
-            lambda j: outs[j] if i == r else None, desc, "gather")
+    _rounds(comm, members, lambda j: x if j == r else None, lambda j: outs[j] if i == r else None, desc, "gather")
 
 
-def scatter(comm: TcpComm, members: Sequence[int], x: np.ndarray, ins: Optional[Sequence[np.ndarray]],
-            root: int, desc: List[int]) -> None:
+def scatter(
+    comm: TcpComm,
+    members: Sequence[int],
+    x: np.ndarray,
+    ins: Optional[Sequence[np.ndarray]],
+    root: int,
+    desc: List[int],
+) -> None:
     i, r = members.index(comm.me), members.index(root)
     if i == r:
         np.copyto(x.view(_U8), ins[r].view(_U8))
-    _rounds(comm, members, lambda j: ins[j] if i == r else None,
-            lambda j: x if j == r else None, desc, "scatter")
+    _rounds(comm, members, lambda j: ins[j] if i == r else None, lambda j: x if j == r else None, desc, "scatter")
 
 
-def all_to_all(comm: TcpComm, members: Sequence[int], outs: Sequence[np.ndarray], ins: Sequence[np.ndarray],
-               desc: List[int]) -> None:
+def all_to_all(
+    comm: TcpComm, members: Sequence[int], outs: Sequence[np.ndarray], ins: Sequence[np.ndarray], desc: List[int]
+) -> None:
     i = members.index(comm.me)
     np.copyto(outs[i].view(_U8), ins[i].view(_U8))
     _rounds(comm, members, lambda j: ins[j], lambda j: outs[j], desc, "all_to_all")
 
 
-def reduce_scatter(comm: TcpComm, members: Sequence[int], out: np.ndarray, ins: Sequence[np.ndarray],
-                   code: int, op: int, div: int, desc: List[int]) -> None:
+def reduce_scatter(
+    comm: TcpComm,
+    members: Sequence[int],
+    out: np.ndarray,
+    ins: Sequence[np.ndarray],
+    code: int,
+    op: int,
+    div: int,
+    desc: List[int],
+) -> None:
     """Ring reduce-scatter on a working copy of the inputs; member i ends with chunk i."""
     q, i = len(members), members.index(comm.me)
     if q == 1:
@@ -233,7 +267,7 @@ def reduce_scatter(comm: TcpComm, members: Sequence[int], out: np.ndarray, ins: 
         c = (i - s - 2) % q
         final = s == q - 2
         for a, e in _pieces(0, out.size, per):
-            buf = scratch[:e - a]
+            buf = scratch[: e - a]
             comm.recv_into(left, buf.view(_U8))
             if final:
                 _native.reduce(code, op, [work[c][a:e], buf], [out[a:e]], div)
@@ -252,5 +286,14 @@ def barrier(comm: TcpComm, members: Sequence[int], desc: List[int]) -> None:
         exchange_direct(comm, members, token, outs, desc, "barrier")
 
 
-__all__ = ["all_reduce", "broadcast", "all_gather", "gather", "scatter", "all_to_all",
-           "reduce_scatter", "barrier", "exchange_direct"]
+__all__ = [
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "reduce_scatter",
+    "barrier",
+    "exchange_direct",
+]

@@ -124,7 +124,8 @@ class TcpComm:
             except OSError as err:
                 if deadline is not None and time.monotonic() > deadline:
                     raise CollectiveTimeoutError(
-                        f"cannot connect to rank {self.ranks[peer]} at {host}:{port}: {err}", [self.ranks[peer]]) from None
+                        f"cannot connect to rank {self.ranks[peer]} at {host}:{port}: {err}", [self.ranks[peer]]
+                    ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
@@ -134,7 +135,8 @@ class TcpComm:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise CollectiveTimeoutError(
-                    f"rank {self.ranks[peer]} did not connect within {self.timeout:.1f} s", [self.ranks[peer]])
+                    f"rank {self.ranks[peer]} did not connect within {self.timeout:.1f} s", [self.ranks[peer]]
+                )
             self.listener.settimeout(left)
             try:
                 sock, _ = self.listener.accept()
@@ -191,7 +193,9 @@ class TcpComm:
         while not ticket._event.wait(0.05):
             if deadline is not None and time.monotonic() > deadline:
                 self.abort("send timed out")
-                raise CollectiveTimeoutError("timed out sending", [self.ranks[peer_hint]] if peer_hint is not None else [])
+                raise CollectiveTimeoutError(
+                    "timed out sending", [self.ranks[peer_hint]] if peer_hint is not None else []
+                )
         if ticket.error is not None:
             self._raise_io(peer_hint, ticket.error, "sending to")
 
@@ -242,8 +246,10 @@ class TcpComm:
         if theirs != list(desc):
             from .descriptor import describe
 
-            message = (f"{what}: rank {self.ranks[self.me]} called {describe(desc)} but rank "
-                       f"{self.ranks[peer]} called {describe(theirs)}")
+            message = (
+                f"{what}: rank {self.ranks[self.me]} called {describe(desc)} but rank "
+                f"{self.ranks[peer]} called {describe(theirs)}"
+            )
             self.abort(message)
             raise MismatchError(message)
 
@@ -263,8 +269,9 @@ class TcpComm:
 
     def check_usable(self) -> None:
         if self.broken is not None:
-            raise CollectiveError(f"this group is unusable after an earlier failure ({self.broken}); "
-                                  "destroy it and create a new one")
+            raise CollectiveError(
+                f"this group is unusable after an earlier failure ({self.broken}); destroy it and create a new one"
+            )
 
     def abort(self, reason: str) -> None:
         if self.broken is None:

@@ -74,7 +74,9 @@ class _BlockingStore(Store):
         if len(keys) != len(values):
             from ..errors import DistStoreError
 
-            raise DistStoreError(f"multi_set got {len(keys)} keys but {len(values)} values; they must be of the same length")
+            raise DistStoreError(
+                f"multi_set got {len(keys)} keys but {len(values)} values; they must be of the same length"
+            )
         self._core.multi_set(keys, values)
 
     def queue_push(self, key: Key, value: Value) -> None:

@@ -44,7 +44,21 @@ async fn workers_get_the_torch_environment_contract() {
         let fields: Vec<&str> = line.split_whitespace().collect();
         assert_eq!(
             &fields[..13],
-            &[&rank.to_string(), &rank.to_string(), "2", "0", "1", "trainer", &rank.to_string(), "2", "2", "0", "True", "yes", &rank.to_string()],
+            &[
+                &rank.to_string(),
+                &rank.to_string(),
+                "2",
+                "0",
+                "1",
+                "trainer",
+                &rank.to_string(),
+                "2",
+                "2",
+                "0",
+                "True",
+                "yes",
+                &rank.to_string()
+            ],
             "{line}"
         );
         assert!(fields[13].parse::<u16>().unwrap() > 0, "MASTER_PORT is a real port: {line}");
@@ -77,7 +91,10 @@ async fn past_the_budget_the_job_fails_with_the_root_cause() {
     assert_eq!(failure.signal.as_deref(), Some("SIGSEGV"));
     assert_eq!(failure.message, "disk on fire");
     let summary = result.summary.unwrap();
-    assert!(summary.contains("Root Cause") && summary.contains("SIGSEGV") && summary.contains("disk on fire"), "{summary}");
+    assert!(
+        summary.contains("Root Cause") && summary.contains("SIGSEGV") && summary.contains("disk on fire"),
+        "{summary}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

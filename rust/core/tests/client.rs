@@ -74,9 +74,7 @@ async fn a_timed_out_wait_names_its_keys_and_leaves_the_connection_usable() {
 async fn a_wait_released_by_another_client() {
     let (server, mut waiter) = server_and_client().await;
     let mut setter = Client::connect(&options(server.port())).await.unwrap();
-    let wait = tokio::spawn(async move {
-        waiter.get(b"late", Some(Duration::from_secs(5))).await.unwrap()
-    });
+    let wait = tokio::spawn(async move { waiter.get(b"late", Some(Duration::from_secs(5))).await.unwrap() });
     tokio::time::sleep(Duration::from_millis(50)).await;
     setter.set(b"late", b"here").await.unwrap();
     assert_eq!(wait.await.unwrap(), "here");
@@ -127,10 +125,8 @@ async fn connecting_to_a_closed_port_retries_then_names_what_it_tried() {
         listener.local_addr().unwrap().port()
     };
     let start = Instant::now();
-    let err = Client::connect(&ConnectOptions::new("127.0.0.1", port, Some(Duration::from_millis(300))))
-        .await
-        .err()
-        .unwrap();
+    let err =
+        Client::connect(&ConnectOptions::new("127.0.0.1", port, Some(Duration::from_millis(300)))).await.err().unwrap();
     let elapsed = start.elapsed();
     assert!(elapsed >= Duration::from_millis(300) && elapsed < Duration::from_secs(2), "{elapsed:?}");
     assert!(err.is_timeout());
@@ -187,10 +183,8 @@ async fn fake_server(answer_ping: Option<u32>) -> u16 {
 #[tokio::test]
 async fn a_wrong_ping_echo_is_refused() {
     let port = fake_server(Some(0xbad)).await;
-    let err = Client::connect(&ConnectOptions::new("127.0.0.1", port, Some(Duration::from_millis(200))))
-        .await
-        .err()
-        .unwrap();
+    let err =
+        Client::connect(&ConnectOptions::new("127.0.0.1", port, Some(Duration::from_millis(200)))).await.err().unwrap();
     assert!(err.to_string().contains("ping failed"), "{err}");
 }
 
@@ -198,10 +192,8 @@ async fn a_wrong_ping_echo_is_refused() {
 async fn a_silent_server_cannot_hang_the_handshake() {
     let port = fake_server(None).await;
     let start = Instant::now();
-    let err = Client::connect(&ConnectOptions::new("127.0.0.1", port, Some(Duration::from_millis(300))))
-        .await
-        .err()
-        .unwrap();
+    let err =
+        Client::connect(&ConnectOptions::new("127.0.0.1", port, Some(Duration::from_millis(300)))).await.err().unwrap();
     assert!(start.elapsed() < Duration::from_secs(2));
     assert!(err.to_string().contains("no PING reply"), "{err}");
 }
@@ -243,9 +235,8 @@ async fn a_thousand_concurrent_clients() {
     let mut tasks = Vec::new();
     for i in 0..1200u32 {
         tasks.push(tokio::spawn(async move {
-            let mut c = Client::connect(&ConnectOptions::new("127.0.0.1", port, Some(Duration::from_secs(30))))
-                .await
-                .unwrap();
+            let mut c =
+                Client::connect(&ConnectOptions::new("127.0.0.1", port, Some(Duration::from_secs(30)))).await.unwrap();
             c.add(b"count", 1).await.unwrap();
             c.set(format!("k{i}").as_bytes(), b"v").await.unwrap();
             // everyone waits until the last one has arrived: all 1200 are connected at once

@@ -162,10 +162,7 @@ async fn spares_wait_quietly_and_fill_a_freed_place() {
     let (dead, _) = joined.pop().unwrap();
     drop(dead);
     let (survivor, _) = joined.pop().unwrap();
-    assert!(matches!(
-        next_change(&survivor, Duration::from_secs(5)).await,
-        Some(MembershipChange::NodeLost { .. })
-    ));
+    assert!(matches!(next_change(&survivor, Duration::from_secs(5)).await, Some(MembershipChange::NodeLost { .. })));
     let rejoined = join_all(vec![survivor]).await;
     let (_, spare_info) = spare.await.unwrap();
     assert_consistent(&[&rejoined[0].1, &spare_info.unwrap()], 2);

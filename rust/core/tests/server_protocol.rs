@@ -58,7 +58,8 @@ impl Raw {
     fn silent(&mut self) -> bool {
         self.0.set_read_timeout(Some(Duration::from_millis(150))).unwrap();
         let mut byte = [0u8; 1];
-        let silent = matches!(self.0.read(&mut byte), Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut));
+        let silent =
+            matches!(self.0.read(&mut byte), Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut));
         self.0.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         silent
     }

@@ -63,8 +63,7 @@ async fn a_master_without_its_workers_times_out_with_a_count() {
 async fn multi_tenant_masters_share_one_server() {
     let first = TcpStore::open(TcpStoreOptions { multi_tenant: true, ..master(None) }).await.unwrap();
     let port = first.port();
-    let mut second =
-        TcpStore::open(TcpStoreOptions { multi_tenant: true, port, ..master(None) }).await.unwrap();
+    let mut second = TcpStore::open(TcpStoreOptions { multi_tenant: true, port, ..master(None) }).await.unwrap();
     second.set(b"shared", b"yes").await.unwrap();
     let mut first = first;
     assert_eq!(first.get(b"shared").await.unwrap(), "yes");
@@ -73,9 +72,8 @@ async fn multi_tenant_masters_share_one_server() {
     assert!(matches!(err, StoreError::Listen(_)), "{err}");
     assert!(err.to_string().contains(&port.to_string()), "{err}");
 
-    let mut fallback = TcpStore::open(TcpStoreOptions { port, client_if_port_taken: true, ..master(None) })
-        .await
-        .unwrap();
+    let mut fallback =
+        TcpStore::open(TcpStoreOptions { port, client_if_port_taken: true, ..master(None) }).await.unwrap();
     assert!(!fallback.is_server());
     assert_eq!(fallback.get(b"shared").await.unwrap(), "yes");
 }

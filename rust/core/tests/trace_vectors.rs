@@ -161,9 +161,10 @@ fn replay(backend_prefix: &str) -> usize {
                 }
                 "s2c" => {
                     let mut reply = vec![0u8; bytes.len()];
-                    replay.connection(*conn).read_exact(&mut reply).unwrap_or_else(|e| {
-                        panic!("{} ({}): no reply: {e}", trace.op, trace.notes)
-                    });
+                    replay
+                        .connection(*conn)
+                        .read_exact(&mut reply)
+                        .unwrap_or_else(|e| panic!("{} ({}): no reply: {e}", trace.op, trace.notes));
                     if trace.op.ends_with("list_keys") {
                         // keys come in hash order: compare them as a set
                         assert_eq!(key_set(&reply), key_set(&bytes), "{}", trace.op);

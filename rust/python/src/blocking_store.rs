@@ -28,8 +28,7 @@ impl BlockingStoreCore {
         op: impl FnOnce(&dyn BlockingStore, &mut dyn FnMut() -> bool) -> StoreResult<T> + Send,
     ) -> PyResult<T> {
         let pending = &self.pending;
-        py.detach(|| op(self.store.as_ref(), &mut || pending.raised()))
-            .map_err(|err| to_py(err, &self.pending))
+        py.detach(|| op(self.store.as_ref(), &mut || pending.raised())).map_err(|err| to_py(err, &self.pending))
     }
 }
 
@@ -121,8 +120,7 @@ impl BlockingStoreCore {
     }
 
     fn multi_set(&self, py: Python<'_>, keys: Vec<Vec<u8>>, values: Vec<Vec<u8>>) -> PyResult<()> {
-        let pairs: Vec<(&[u8], &[u8])> =
-            keys.iter().map(Vec::as_slice).zip(values.iter().map(Vec::as_slice)).collect();
+        let pairs: Vec<(&[u8], &[u8])> = keys.iter().map(Vec::as_slice).zip(values.iter().map(Vec::as_slice)).collect();
         self.call(py, |store, _| store.multi_set(&pairs))
     }
 

@@ -7,9 +7,7 @@
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use elastix_core::collectives::{
-    self as core, DType, Liveness, Peer, ReduceOp, SpinPolicy, WaitError,
-};
+use elastix_core::collectives::{self as core, DType, Liveness, Peer, ReduceOp, SpinPolicy, WaitError};
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::{ffi, types::PyList};
@@ -28,15 +26,9 @@ struct RawBuf {
 impl RawBuf {
     fn get(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<Self> {
         let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
-        let flags = if writable {
-            ffi::PyBUF_WRITABLE
-        } else {
-            ffi::PyBUF_SIMPLE
-        };
+        let flags = if writable { ffi::PyBUF_WRITABLE } else { ffi::PyBUF_SIMPLE };
         if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) } != 0 {
-            return Err(
-                PyErr::take(obj.py()).unwrap_or_else(|| PyBufferError::new_err("no buffer"))
-            );
+            return Err(PyErr::take(obj.py()).unwrap_or_else(|| PyBufferError::new_err("no buffer")));
         }
         Ok(RawBuf { view })
     }
@@ -69,31 +61,19 @@ fn reduce(
     dsts: &Bound<'_, PyList>,
     divisor: u32,
 ) -> PyResult<()> {
-    let dtype = DType::from_code(dtype)
-        .ok_or_else(|| PyValueError::new_err(format!("unknown dtype code {dtype}")))?;
-    let op = ReduceOp::from_code(op)
-        .ok_or_else(|| PyValueError::new_err(format!("unknown op code {op}")))?;
-    let src_bufs = srcs
-        .iter()
-        .map(|s| RawBuf::get(&s, false))
-        .collect::<PyResult<Vec<_>>>()?;
-    let dst_bufs = dsts
-        .iter()
-        .map(|d| RawBuf::get(&d, true))
-        .collect::<PyResult<Vec<_>>>()?;
+    let dtype = DType::from_code(dtype).ok_or_else(|| PyValueError::new_err(format!("unknown dtype code {dtype}")))?;
+    let op = ReduceOp::from_code(op).ok_or_else(|| PyValueError::new_err(format!("unknown op code {op}")))?;
+    let src_bufs = srcs.iter().map(|s| RawBuf::get(&s, false)).collect::<PyResult<Vec<_>>>()?;
+    let dst_bufs = dsts.iter().map(|d| RawBuf::get(&d, true)).collect::<PyResult<Vec<_>>>()?;
     let Some(first) = src_bufs.first() else {
         return Err(PyValueError::new_err("reduce needs at least one source"));
     };
     let nbytes = first.len();
     if src_bufs.iter().chain(&dst_bufs).any(|b| b.len() != nbytes) {
-        return Err(PyValueError::new_err(
-            "reduce: every buffer must have the same length",
-        ));
+        return Err(PyValueError::new_err("reduce: every buffer must have the same length"));
     }
     if nbytes % dtype.size() != 0 {
-        return Err(PyValueError::new_err(format!(
-            "reduce: {nbytes} bytes is not a whole number of {dtype:?}"
-        )));
+        return Err(PyValueError::new_err(format!("reduce: {nbytes} bytes is not a whole number of {dtype:?}")));
     }
     let srcs: Vec<usize> = src_bufs.iter().map(RawBuf::addr).collect();
     let dsts: Vec<usize> = dst_bufs.iter().map(RawBuf::addr).collect();
@@ -104,11 +84,7 @@ fn reduce(
         // SAFETY: the buffers are held (and so alive and of these lengths) until we return.
         unsafe { core::reduce(dtype, op, &srcs, &dsts, n, divisor) }
     };
-    let result = if nbytes >= DETACH_BYTES {
-        py.detach(run)
-    } else {
-        run()
-    };
+    let result = if nbytes >= DETACH_BYTES { py.detach(run) } else { run() };
     result.map_err(|err| PyValueError::new_err(err.to_string()))
 }
 
@@ -160,10 +136,7 @@ type Outcome = Option<(&'static str, Vec<u64>)>;
 
 impl Waiter {
     fn wait_inner(&self, py: Python<'_>, target: u64, timeout: Option<f64>) -> PyResult<Outcome> {
-        let ready = self
-            .peers
-            .iter()
-            .all(|p| unsafe { word(p.flag) }.load(Ordering::Acquire) >= target);
+        let ready = self.peers.iter().all(|p| unsafe { word(p.flag) }.load(Ordering::Acquire) >= target);
         if ready {
             return Ok(None);
         }
@@ -187,18 +160,12 @@ impl Waiter {
         });
         match result {
             Ok(()) => Ok(None),
-            Err(WaitError::Aborted { peer, code }) => {
-                Ok(Some(("aborted", vec![peer as u64, code])))
-            }
+            Err(WaitError::Aborted { peer, code }) => Ok(Some(("aborted", vec![peer as u64, code]))),
             Err(WaitError::Dead { peer }) => Ok(Some(("dead", vec![peer as u64]))),
-            Err(WaitError::Timeout { pending }) => Ok(Some((
-                "timeout",
-                pending.into_iter().map(|i| i as u64).collect(),
-            ))),
-            Err(WaitError::Interrupted) => Err(self
-                .pending
-                .take()
-                .expect("an interrupt keeps its exception")),
+            Err(WaitError::Timeout { pending }) => {
+                Ok(Some(("timeout", pending.into_iter().map(|i| i as u64).collect())))
+            }
+            Err(WaitError::Interrupted) => Err(self.pending.take().expect("an interrupt keeps its exception")),
         }
     }
 }
@@ -226,30 +193,17 @@ impl Waiter {
         desc_offsets: (usize, usize),
     ) -> PyResult<Self> {
         if desc_offsets.0 % 8 != 0 || desc_offsets.1 % 8 != 0 {
-            return Err(PyValueError::new_err(
-                "Waiter: descriptor offsets must be multiples of 8",
-            ));
+            return Err(PyValueError::new_err("Waiter: descriptor offsets must be multiples of 8"));
         }
         let n = flags.len();
         if aborts.len() != n || waiters.len() != n || pidfds.len() != n || pids.len() != n {
-            return Err(PyValueError::new_err(
-                "Waiter: one entry per peer in every list",
-            ));
+            return Err(PyValueError::new_err("Waiter: one entry per peer in every list"));
         }
         let all = [&flags[..], &own_flag.into_iter().collect::<Vec<_>>()[..]].concat();
-        if all
-            .iter()
-            .chain(aborts.iter().flatten())
-            .any(|a| *a == 0 || a % 8 != 0)
-            || waiters
-                .iter()
-                .flatten()
-                .chain(own_waiters.iter())
-                .any(|a| *a == 0 || a % 4 != 0)
+        if all.iter().chain(aborts.iter().flatten()).any(|a| *a == 0 || a % 8 != 0)
+            || waiters.iter().flatten().chain(own_waiters.iter()).any(|a| *a == 0 || a % 4 != 0)
         {
-            return Err(PyValueError::new_err(
-                "Waiter: addresses must be non-null and aligned",
-            ));
+            return Err(PyValueError::new_err("Waiter: addresses must be non-null and aligned"));
         }
         let peers = (0..n)
             .map(|i| PeerAddrs {
@@ -271,15 +225,7 @@ impl Waiter {
             check_every: Duration::from_millis(check_ms.max(1)),
         };
         let desc_offsets = [desc_offsets.0, desc_offsets.1];
-        Ok(Waiter {
-            peers,
-            own_flag,
-            own_waiters,
-            own_abort,
-            desc_offsets,
-            policy,
-            pending: PendingSignal::default(),
-        })
+        Ok(Waiter { peers, own_flag, own_waiters, own_abort, desc_offsets, policy, pending: PendingSignal::default() })
     }
 
     /// Waits until every peer's counter is >= `target`. None when they are; else
@@ -295,37 +241,22 @@ impl Waiter {
     /// then compares their descriptors with ours: `("mismatch", [peer])` names the first that
     /// differs.
     #[pyo3(signature = (seq, desc=None, timeout=None))]
-    fn step(
-        &self,
-        py: Python<'_>,
-        seq: u64,
-        desc: Option<Vec<i64>>,
-        timeout: Option<f64>,
-    ) -> PyResult<Outcome> {
-        let own = self
-            .own_flag
-            .ok_or_else(|| PyValueError::new_err("step needs own_flag"))?;
+    fn step(&self, py: Python<'_>, seq: u64, desc: Option<Vec<i64>>, timeout: Option<f64>) -> PyResult<Outcome> {
+        let own = self.own_flag.ok_or_else(|| PyValueError::new_err("step needs own_flag"))?;
         let offset = self.desc_offsets[(seq & 1) as usize];
         if let Some(desc) = &desc {
             for (i, v) in desc.iter().enumerate() {
-                unsafe { &*((own + offset + 8 * i) as *const AtomicI64) }
-                    .store(*v, Ordering::Relaxed);
+                unsafe { &*((own + offset + 8 * i) as *const AtomicI64) }.store(*v, Ordering::Relaxed);
             }
         }
-        core::publish(
-            unsafe { word(own) },
-            self.own_waiters.map(|w| unsafe { counter(w) }),
-            seq,
-        );
+        core::publish(unsafe { word(own) }, self.own_waiters.map(|w| unsafe { counter(w) }), seq);
         if let Some(outcome) = self.wait_inner(py, seq, timeout)? {
             return Ok(Some(outcome));
         }
         if let Some(desc) = &desc {
             for (i, p) in self.peers.iter().enumerate() {
                 let differs = desc.iter().enumerate().any(|(j, v)| {
-                    unsafe { &*((p.flag + offset + 8 * j) as *const AtomicI64) }
-                        .load(Ordering::Relaxed)
-                        != *v
+                    unsafe { &*((p.flag + offset + 8 * j) as *const AtomicI64) }.load(Ordering::Relaxed) != *v
                 });
                 if differs {
                     return Ok(Some(("mismatch", vec![i as u64])));

@@ -17,12 +17,10 @@ import_exception!(elastix.errors, NetworkTimeoutError);
 pub fn to_py(err: StoreError, pending: &PendingSignal) -> PyErr {
     let message = err.to_string();
     match err {
-        StoreError::WaitTimeout { .. }
-        | StoreError::BarrierTimeout { .. }
-        | StoreError::WorkersTimeout { .. } => StoreTimeoutError::new_err(message),
-        StoreError::ConnectTimeout { .. } | StoreError::ReplyTimeout { .. } => {
-            NetworkTimeoutError::new_err(message)
+        StoreError::WaitTimeout { .. } | StoreError::BarrierTimeout { .. } | StoreError::WorkersTimeout { .. } => {
+            StoreTimeoutError::new_err(message)
         }
+        StoreError::ConnectTimeout { .. } | StoreError::ReplyTimeout { .. } => NetworkTimeoutError::new_err(message),
         StoreError::ConnectionLost { .. } | StoreError::Listen(_) => DistNetworkError::new_err(message),
         StoreError::Protocol { .. } | StoreError::InvalidArgument(_) | StoreError::File { .. } => {
             DistStoreError::new_err(message)

@@ -114,9 +114,7 @@ impl TcpStoreCore {
         };
         let runtime = new_runtime()?;
         let pending = PendingSignal::default();
-        let store = py
-            .detach(|| runtime.block_on(TcpStore::open(options)))
-            .map_err(|err| to_py(err, &pending))?;
+        let store = py.detach(|| runtime.block_on(TcpStore::open(options))).map_err(|err| to_py(err, &pending))?;
         Ok(TcpStoreCore::wrap(runtime, store, pending))
     }
 

@@ -79,10 +79,7 @@ fn stops_cleanly_on_sigint_while_a_client_waits() {
 fn a_taken_port_is_reported_with_a_failing_exit_code() {
     let taken = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
     let port = taken.local_addr().unwrap().port().to_string();
-    let output = Command::new(env!("CARGO_BIN_EXE_elastix-store"))
-        .args(["--port", &port])
-        .output()
-        .unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_elastix-store")).args(["--port", &port]).output().unwrap();
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains(&port) && stderr.contains("in use"), "{stderr}");

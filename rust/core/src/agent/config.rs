@@ -59,8 +59,8 @@ pub struct AgentConfig {
 
 impl AgentConfig {
     pub fn from_json(text: &str) -> Result<AgentConfig> {
-        let config: AgentConfig =
-            serde_json::from_str(text).map_err(|err| AgentError::Config(format!("invalid agent configuration: {err}")))?;
+        let config: AgentConfig = serde_json::from_str(text)
+            .map_err(|err| AgentError::Config(format!("invalid agent configuration: {err}")))?;
         config.validate()?;
         Ok(config)
     }
@@ -77,9 +77,13 @@ impl AgentConfig {
                 )));
             }
         }
-        for (name, seconds) in [("shutdown_timeout", self.shutdown_timeout), ("exit_barrier_timeout", self.exit_barrier_timeout)] {
+        for (name, seconds) in
+            [("shutdown_timeout", self.shutdown_timeout), ("exit_barrier_timeout", self.exit_barrier_timeout)]
+        {
             if !(seconds.is_finite() && seconds >= 0.0) {
-                return Err(AgentError::Config(format!("{name} must be a non-negative number of seconds, got {seconds}")));
+                return Err(AgentError::Config(format!(
+                    "{name} must be a non-negative number of seconds, got {seconds}"
+                )));
             }
         }
         Ok(())

@@ -121,7 +121,8 @@ pub fn summary(name: &str, failures: &[Failure]) -> String {
         .unwrap_or(0)
         .min(MAX_RULE);
     let (heavy, light) = ("=".repeat(width), "-".repeat(width));
-    let others_text = if other_blocks.is_empty() { "  <NO_OTHER_FAILURES>".to_owned() } else { other_blocks.join("\n") };
+    let others_text =
+        if other_blocks.is_empty() { "  <NO_OTHER_FAILURES>".to_owned() } else { other_blocks.join("\n") };
     format!(
         "{heavy}\n{title}\n{light}\nFailures:\n{others_text}\n{light}\nRoot Cause (first observed failure):\n{root_block}\n{heavy}"
     )
@@ -159,14 +160,20 @@ mod tests {
     #[test]
     fn the_summary_puts_the_first_failure_last_as_root_cause() {
         let t = SystemTime::now();
-        let later = Failure::new(1, 1, "host-a", 11, 1, t + std::time::Duration::from_millis(5), "/none", &["late".into()]);
+        let later =
+            Failure::new(1, 1, "host-a", 11, 1, t + std::time::Duration::from_millis(5), "/none", &["late".into()]);
         let first = Failure::new(0, 0, "host-a", 10, -11, t, "/none", &["segfault here".into()]);
         let text = summary("train.py", &[later, first]);
         let rule = text.lines().next().unwrap();
         let longest = text.lines().map(str::len).max().unwrap();
         assert!(rule.chars().all(|c| c == '=') && rule.len() == longest.min(MAX_RULE), "{text}");
         let root = text.split("Root Cause (first observed failure):").nth(1).unwrap();
-        assert!(root.contains("rank      : 0 (local_rank: 0)") && root.contains("-11 (SIGSEGV)") && root.contains("segfault here"), "{text}");
+        assert!(
+            root.contains("rank      : 0 (local_rank: 0)")
+                && root.contains("-11 (SIGSEGV)")
+                && root.contains("segfault here"),
+            "{text}"
+        );
         assert!(text.contains("late"));
         assert!(summary("x", &[first_only()]).contains("<NO_OTHER_FAILURES>"));
     }

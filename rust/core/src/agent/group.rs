@@ -107,7 +107,8 @@ impl WorkerGroup {
         // the exit can overtake the last lines of stderr (often the traceback): drain first
         worker.pumps = drain(std::mem::take(&mut worker.pumps)).await;
         let (status, at) = worker.exit.expect("recorded before");
-        let tail: Vec<String> = worker.stderr_tail.lock().unwrap_or_else(PoisonError::into_inner).iter().cloned().collect();
+        let tail: Vec<String> =
+            worker.stderr_tail.lock().unwrap_or_else(PoisonError::into_inner).iter().cloned().collect();
         Failure::new(
             worker.place.global_rank,
             worker.place.local_rank,
@@ -191,13 +192,18 @@ fn spawn(
         let pid = standby.pid();
         standby
             .activate(&args, &env)
-            .map_err(|err| eprintln!("[elastix] standby worker {pid} unusable ({err}); starting worker {local_rank} cold"))
+            .map_err(|err| {
+                eprintln!("[elastix] standby worker {pid} unusable ({err}); starting worker {local_rank} cold")
+            })
             .ok()
     });
     let mut child = match activated {
         Some(child) => child,
         None => supervised_command(&config.entrypoint, &args, &env).spawn().map_err(|err| {
-            AgentError::Spawn(format!("cannot start worker {local_rank} ({} {:?}): {err}", config.entrypoint, config.args))
+            AgentError::Spawn(format!(
+                "cannot start worker {local_rank} ({} {:?}): {err}",
+                config.entrypoint, config.args
+            ))
         })?,
     };
     let pid = child.id().expect("a just-spawned child has a pid");
@@ -218,7 +224,10 @@ fn spawn(
     };
     let pumps = vec![
         pump(child.stdout.take().expect("piped"), sink(STD_OUT, Console::Stdout, "stdout.log", None)?),
-        pump(child.stderr.take().expect("piped"), sink(STD_ERR, Console::Stderr, "stderr.log", Some(stderr_tail.clone()))?),
+        pump(
+            child.stderr.take().expect("piped"),
+            sink(STD_ERR, Console::Stderr, "stderr.log", Some(stderr_tail.clone()))?,
+        ),
     ];
     let index = local_rank as usize;
     tokio::spawn(async move {

@@ -36,8 +36,9 @@ impl LogDirs {
             Some(base) => (PathBuf::from(base), false),
             None => (std::env::temp_dir(), true),
         };
-        std::fs::create_dir_all(&base)
-            .map_err(|err| io::Error::new(err.kind(), format!("cannot create log directory {}: {err}", base.display())))?;
+        std::fs::create_dir_all(&base).map_err(|err| {
+            io::Error::new(err.kind(), format!("cannot create log directory {}: {err}", base.display()))
+        })?;
         let stem = if temporary { format!("elastix_{run_id}") } else { run_id.to_owned() };
         for n in 0..10_000u32 {
             let candidate = base.join(format!("{stem}_{}_{n}", std::process::id()));
@@ -194,7 +195,8 @@ mod tests {
     async fn lines_reach_file_and_tail() {
         let path = std::env::temp_dir().join(format!("elastix-pump-{}", std::process::id()));
         let tail = Arc::new(Mutex::new(VecDeque::new()));
-        let sink = Sink { file: Some(File::create(&path).unwrap()), console: None, prefix: vec![], tail: Some(tail.clone()) };
+        let sink =
+            Sink { file: Some(File::create(&path).unwrap()), console: None, prefix: vec![], tail: Some(tail.clone()) };
         let lines: Vec<u8> = (0..30).map(|i| format!("line {i}\n")).collect::<String>().into_bytes();
         let mut input = lines.clone();
         input.extend_from_slice(b"no newline at the end");

@@ -10,13 +10,7 @@ use tokio::process::Command;
 
 pub fn supervised_command(program: &str, args: &[String], env: &BTreeMap<String, String>) -> Command {
     let mut command = Command::new(program);
-    command
-        .args(args)
-        .envs(env)
-        .stdin(Stdio::inherit())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
+    command.args(args).envs(env).stdin(Stdio::inherit()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
     let agent_pid = nix::unistd::getpid();
     // SAFETY: only async-signal-safe system calls run between fork and exec.
     unsafe {

@@ -69,8 +69,7 @@ pub async fn assign(
             .map(|bytes| serde_json::from_slice(bytes))
             .collect::<std::result::Result<Vec<RoleInfo>, _>>()
             .map_err(|err| AgentError::Config(format!("unreadable role info from another agent: {err}")))?;
-        let values: Vec<Vec<u8>> =
-            compute(&infos).iter().map(|a| serde_json::to_vec(a).expect("serializes")).collect();
+        let values: Vec<Vec<u8>> = compute(&infos).iter().map(|a| serde_json::to_vec(a).expect("serializes")).collect();
         let keys: Vec<String> = (0..group_world_size).map(assigned_key).collect();
         let key_slices: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
         let value_slices: Vec<&[u8]> = values.iter().map(Vec::as_slice).collect();

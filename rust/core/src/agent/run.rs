@@ -203,7 +203,8 @@ impl Agent {
     async fn start_workers(&mut self, info: &RendezvousInfo, restart_count: i64) -> Result<WorkerGroup> {
         let store = connect_store(&mut self.store, info).await?;
         let me = RoleInfo { role: self.config.role.clone(), local_world_size: self.config.local_world_size };
-        let assignment = ranks::assign(store, &info.store_prefix, info.rank, info.world_size, &me, STORE_TIMEOUT).await?;
+        let assignment =
+            ranks::assign(store, &info.store_prefix, info.rank, info.world_size, &me, STORE_TIMEOUT).await?;
         let attempt_dir = self.logs.attempt(self.attempt, self.config.local_world_size)?;
         self.attempt += 1;
         let launch = Launch {
@@ -303,8 +304,10 @@ async fn connect_store<'a>(slot: &'a mut Option<TcpStore>, info: &RendezvousInfo
         store.client().is_usable() && store.host() == info.store_host && store.port() == info.store_port
     });
     if !reusable {
-        let options =
-            TcpStoreOptions { timeout: Some(STORE_TIMEOUT), ..TcpStoreOptions::new(info.store_host.clone(), info.store_port) };
+        let options = TcpStoreOptions {
+            timeout: Some(STORE_TIMEOUT),
+            ..TcpStoreOptions::new(info.store_host.clone(), info.store_port)
+        };
         *slot = Some(TcpStore::open(options).await?);
     }
     Ok(slot.as_mut().expect("opened above"))

@@ -74,7 +74,9 @@ impl Signals {
         let reader = pipe::Receiver::from_owned_fd(read_end)?;
         let slot = PIPES
             .iter()
-            .position(|slot| slot.compare_exchange(-1, write_end.as_raw_fd(), Ordering::AcqRel, Ordering::Relaxed).is_ok())
+            .position(|slot| {
+                slot.compare_exchange(-1, write_end.as_raw_fd(), Ordering::AcqRel, Ordering::Relaxed).is_ok()
+            })
             .ok_or_else(|| AgentError::Config(format!("more than {SLOTS} agents in one process")))?;
         let signals = Signals { reader, _writer: write_end, slot, handled, forwarded };
         let mut installed = INSTALLED.lock().unwrap_or_else(PoisonError::into_inner);
@@ -136,7 +138,10 @@ mod tests {
         assert_eq!(signals.recv().await, (Signal::SIGUSR2, true));
         drop(signals);
         // SAFETY: reads the action back without changing it (set to itself).
-        let current = unsafe { sigaction(Signal::SIGUSR2, &SigAction::new(SigHandler::SigDfl, SaFlags::empty(), SigSet::empty())) }.unwrap();
+        let current = unsafe {
+            sigaction(Signal::SIGUSR2, &SigAction::new(SigHandler::SigDfl, SaFlags::empty(), SigSet::empty()))
+        }
+        .unwrap();
         assert!(matches!(current.handler(), SigHandler::SigDfl), "the default action is back");
     }
 

@@ -25,11 +25,7 @@ pub fn f32_to_f16(value: f32) -> u16 {
     let exp = ((x >> 23) & 0xff) as i32;
     let man = x & 0x7f_ffff;
     if exp == 0xff {
-        let nan = if man != 0 {
-            0x200 | (man >> 13) as u16
-        } else {
-            0
-        };
+        let nan = if man != 0 { 0x200 | (man >> 13) as u16 } else { 0 };
         return sign | 0x7c00 | nan;
     }
     let e = exp - 127 + 15;
@@ -236,9 +232,7 @@ mod tests {
     #[test]
     fn block_paths_agree_with_scalar_ones() {
         let mut rng = fastrand::Rng::with_seed(7);
-        let values: Vec<f32> = (0..1003)
-            .map(|_| (rng.f32() - 0.5) * 2f32.powi(rng.i32(-30..20)))
-            .collect();
+        let values: Vec<f32> = (0..1003).map(|_| (rng.f32() - 0.5) * 2f32.powi(rng.i32(-30..20))).collect();
         for kind in [Half::F16, Half::BF16] {
             let mut bytes = vec![0u8; 2 * values.len() + 1];
             unsafe { store_block(kind, &values, bytes.as_mut_ptr().add(1)) }; // unaligned on purpose

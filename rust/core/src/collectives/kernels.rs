@@ -87,18 +87,12 @@ unsafe fn drive<T: Copy + Default>(
         let d0 = dsts[0] as *mut T;
         if dsts.len() == 1 {
             for i in 0..n {
-                d0.add(i).write_unaligned(post(combine(
-                    a.add(i).read_unaligned(),
-                    b.add(i).read_unaligned(),
-                )));
+                d0.add(i).write_unaligned(post(combine(a.add(i).read_unaligned(), b.add(i).read_unaligned())));
             }
         } else {
             let d1 = dsts[1] as *mut T;
             for i in 0..n {
-                let v = post(combine(
-                    a.add(i).read_unaligned(),
-                    b.add(i).read_unaligned(),
-                ));
+                let v = post(combine(a.add(i).read_unaligned(), b.add(i).read_unaligned()));
                 d0.add(i).write_unaligned(v);
                 d1.add(i).write_unaligned(v);
             }
@@ -112,10 +106,7 @@ unsafe fn drive<T: Copy + Default>(
         let acc = &mut block[..len];
         let offset = done * size;
         if srcs.len() >= 2 {
-            let (a, b) = (
-                srcs[0].add(offset) as *const T,
-                srcs[1].add(offset) as *const T,
-            );
+            let (a, b) = (srcs[0].add(offset) as *const T, srcs[1].add(offset) as *const T);
             for (i, x) in acc.iter_mut().enumerate() {
                 *x = combine(a.add(i).read_unaligned(), b.add(i).read_unaligned());
             }
@@ -190,23 +181,14 @@ unsafe fn int_kernel<T: Int>(op: ReduceOp, srcs: &[*const u8], dsts: &[*mut u8],
 unsafe fn bool_kernel(op: ReduceOp, srcs: &[*const u8], dsts: &[*mut u8], n: usize) {
     // NumPy bools are bytes holding 0 or 1, so logical ops are the bitwise ones on u8.
     match op {
-        ReduceOp::Sum | ReduceOp::Max | ReduceOp::BitOr => {
-            drive::<u8>(srcs, dsts, n, |a, b| a | b, keep::<u8>)
-        }
-        ReduceOp::Product | ReduceOp::Min | ReduceOp::BitAnd => {
-            drive::<u8>(srcs, dsts, n, |a, b| a & b, keep::<u8>)
-        }
+        ReduceOp::Sum | ReduceOp::Max | ReduceOp::BitOr => drive::<u8>(srcs, dsts, n, |a, b| a | b, keep::<u8>),
+        ReduceOp::Product | ReduceOp::Min | ReduceOp::BitAnd => drive::<u8>(srcs, dsts, n, |a, b| a & b, keep::<u8>),
         ReduceOp::BitXor => drive::<u8>(srcs, dsts, n, |a, b| a ^ b, keep::<u8>),
     }
 }
 
 trait Float:
-    Copy
-    + Default
-    + PartialOrd
-    + std::ops::Add<Output = Self>
-    + std::ops::Mul<Output = Self>
-    + std::ops::Div<Output = Self>
+    Copy + Default + PartialOrd + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self> + std::ops::Div<Output = Self>
 {
     fn from_u32(v: u32) -> Self;
     fn nan(self) -> bool;
@@ -264,13 +246,7 @@ fn combiner<T: Float>(op: ReduceOp) -> fn(T, T) -> T {
     }
 }
 
-unsafe fn float_kernel<T: Float>(
-    op: ReduceOp,
-    srcs: &[*const u8],
-    dsts: &[*mut u8],
-    n: usize,
-    divisor: u32,
-) {
+unsafe fn float_kernel<T: Float>(op: ReduceOp, srcs: &[*const u8], dsts: &[*mut u8], n: usize, divisor: u32) {
     let d = T::from_u32(divisor.max(1));
     let divide = move |x: T| x / d;
     // Each arm is its own monomorphised loop, so the compiler can vectorise it.
@@ -284,14 +260,7 @@ unsafe fn float_kernel<T: Float>(
     }
 }
 
-unsafe fn half_kernel(
-    kind: Half,
-    op: ReduceOp,
-    srcs: &[*const u8],
-    dsts: &[*mut u8],
-    n: usize,
-    divisor: u32,
-) {
+unsafe fn half_kernel(kind: Half, op: ReduceOp, srcs: &[*const u8], dsts: &[*mut u8], n: usize, divisor: u32) {
     let combine = combiner::<f32>(op);
     let d = divisor.max(1) as f32;
     let mut acc = [0f32; BLOCK];
@@ -304,14 +273,8 @@ unsafe fn half_kernel(
         for src in &srcs[1..] {
             half::load_block(kind, src.add(offset), &mut tmp[..len]);
             match op {
-                ReduceOp::Sum => acc[..len]
-                    .iter_mut()
-                    .zip(&tmp[..len])
-                    .for_each(|(a, b)| *a += *b),
-                _ => acc[..len]
-                    .iter_mut()
-                    .zip(&tmp[..len])
-                    .for_each(|(a, b)| *a = combine(*a, *b)),
+                ReduceOp::Sum => acc[..len].iter_mut().zip(&tmp[..len]).for_each(|(a, b)| *a += *b),
+                _ => acc[..len].iter_mut().zip(&tmp[..len]).for_each(|(a, b)| *a = combine(*a, *b)),
             }
         }
         if divisor > 1 {
@@ -345,43 +308,20 @@ mod tests {
     fn integer_ops_wrap_like_numpy() {
         let a: Vec<i8> = vec![100, -128, 3, 0, 7];
         let b: Vec<i8> = vec![100, -1, -5, 0, 12];
-        assert_eq!(
-            run(DType::I8, ReduceOp::Sum, &[a.clone(), b.clone()], 1).unwrap(),
-            vec![-56, 127, -2, 0, 19]
-        );
-        assert_eq!(
-            run(DType::I8, ReduceOp::Product, &[a.clone(), b.clone()], 1).unwrap(),
-            vec![16, -128, -15, 0, 84]
-        );
-        assert_eq!(
-            run(DType::I8, ReduceOp::Min, &[a.clone(), b.clone()], 1).unwrap(),
-            vec![100, -128, -5, 0, 7]
-        );
-        assert_eq!(
-            run(DType::I8, ReduceOp::Max, &[a.clone(), b.clone()], 1).unwrap(),
-            vec![100, -1, 3, 0, 12]
-        );
-        assert_eq!(
-            run(DType::I8, ReduceOp::BitXor, &[a, b], 1).unwrap(),
-            vec![0, 127, -8, 0, 11]
-        );
+        assert_eq!(run(DType::I8, ReduceOp::Sum, &[a.clone(), b.clone()], 1).unwrap(), vec![-56, 127, -2, 0, 19]);
+        assert_eq!(run(DType::I8, ReduceOp::Product, &[a.clone(), b.clone()], 1).unwrap(), vec![16, -128, -15, 0, 84]);
+        assert_eq!(run(DType::I8, ReduceOp::Min, &[a.clone(), b.clone()], 1).unwrap(), vec![100, -128, -5, 0, 7]);
+        assert_eq!(run(DType::I8, ReduceOp::Max, &[a.clone(), b.clone()], 1).unwrap(), vec![100, -1, 3, 0, 12]);
+        assert_eq!(run(DType::I8, ReduceOp::BitXor, &[a, b], 1).unwrap(), vec![0, 127, -8, 0, 11]);
         let u: Vec<u64> = vec![u64::MAX, 5];
-        assert_eq!(
-            run(DType::U64, ReduceOp::Sum, &[u.clone(), vec![2, 6]], 1).unwrap(),
-            vec![1, 11]
-        );
-        assert_eq!(
-            run(DType::U64, ReduceOp::BitAnd, &[u, vec![2, 6]], 1).unwrap(),
-            vec![2, 4]
-        );
+        assert_eq!(run(DType::U64, ReduceOp::Sum, &[u.clone(), vec![2, 6]], 1).unwrap(), vec![1, 11]);
+        assert_eq!(run(DType::U64, ReduceOp::BitAnd, &[u, vec![2, 6]], 1).unwrap(), vec![2, 4]);
     }
 
     #[test]
     fn many_sources_and_long_inputs_cross_blocks() {
         let n = BLOCK * 3 + 17;
-        let inputs: Vec<Vec<i32>> = (0..5)
-            .map(|r| (0..n as i32).map(|i| i * (r + 1)).collect())
-            .collect();
+        let inputs: Vec<Vec<i32>> = (0..5).map(|r| (0..n as i32).map(|i| i * (r + 1)).collect()).collect();
         let out = run(DType::I32, ReduceOp::Sum, &inputs, 1).unwrap();
         for (i, v) in out.iter().enumerate() {
             assert_eq!(*v, i as i32 * 15);
@@ -399,22 +339,10 @@ mod tests {
         let mn = run(DType::F64, ReduceOp::Min, &[b.clone(), a.clone()], 1).unwrap();
         assert_eq!(mn[0], 1.0);
         assert!(mn[1].is_nan(), "NaN propagates as in numpy.minimum");
-        let mx = run(
-            DType::F32,
-            ReduceOp::Max,
-            &[vec![1.0f32, 5.0], vec![f32::NAN, 2.0]],
-            1,
-        )
-        .unwrap();
+        let mx = run(DType::F32, ReduceOp::Max, &[vec![1.0f32, 5.0], vec![f32::NAN, 2.0]], 1).unwrap();
         assert!(mx[0].is_nan());
         assert_eq!(mx[1], 5.0);
-        let p = run(
-            DType::F32,
-            ReduceOp::Product,
-            &[vec![1.5f32], vec![4.0], vec![0.5]],
-            1,
-        )
-        .unwrap();
+        let p = run(DType::F32, ReduceOp::Product, &[vec![1.5f32], vec![4.0], vec![0.5]], 1).unwrap();
         assert_eq!(p, vec![3.0]);
     }
 
@@ -422,18 +350,9 @@ mod tests {
     fn bool_is_logical() {
         let a = vec![0u8, 0, 1, 1];
         let b = vec![0u8, 1, 0, 1];
-        assert_eq!(
-            run(DType::Bool, ReduceOp::Sum, &[a.clone(), b.clone()], 1).unwrap(),
-            vec![0, 1, 1, 1]
-        );
-        assert_eq!(
-            run(DType::Bool, ReduceOp::Product, &[a.clone(), b.clone()], 1).unwrap(),
-            vec![0, 0, 0, 1]
-        );
-        assert_eq!(
-            run(DType::Bool, ReduceOp::BitXor, &[a, b], 1).unwrap(),
-            vec![0, 1, 1, 0]
-        );
+        assert_eq!(run(DType::Bool, ReduceOp::Sum, &[a.clone(), b.clone()], 1).unwrap(), vec![0, 1, 1, 1]);
+        assert_eq!(run(DType::Bool, ReduceOp::Product, &[a.clone(), b.clone()], 1).unwrap(), vec![0, 0, 0, 1]);
+        assert_eq!(run(DType::Bool, ReduceOp::BitXor, &[a, b], 1).unwrap(), vec![0, 1, 1, 0]);
     }
 
     #[test]
@@ -447,18 +366,9 @@ mod tests {
             assert_eq!(out[i], expect, "{i}");
         }
         let c: Vec<u16> = (0..n).map(|i| half::f32_to_bf16(i as f32)).collect();
-        let out = run(
-            DType::BF16,
-            ReduceOp::Max,
-            &[c.clone(), vec![half::f32_to_bf16(100.0); n]],
-            1,
-        )
-        .unwrap();
+        let out = run(DType::BF16, ReduceOp::Max, &[c.clone(), vec![half::f32_to_bf16(100.0); n]], 1).unwrap();
         for i in 0..n {
-            assert_eq!(
-                half::bf16_to_f32(out[i]),
-                half::bf16_to_f32(c[i]).max(100.0)
-            );
+            assert_eq!(half::bf16_to_f32(out[i]), half::bf16_to_f32(c[i]).max(100.0));
         }
     }
 

@@ -28,11 +28,7 @@ pub struct SpinPolicy {
 
 impl Default for SpinPolicy {
     fn default() -> Self {
-        SpinPolicy {
-            spin_iters: 20_000,
-            yield_for: Duration::from_micros(200),
-            check_every: Duration::from_millis(2),
-        }
+        SpinPolicy { spin_iters: 20_000, yield_for: Duration::from_micros(200), check_every: Duration::from_millis(2) }
     }
 }
 
@@ -52,11 +48,7 @@ impl Liveness {
         match *self {
             Liveness::Unknown => false,
             Liveness::Pidfd(fd) => {
-                let mut pfd = libc::pollfd {
-                    fd,
-                    events: libc::POLLIN,
-                    revents: 0,
-                };
+                let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
                 let ready = unsafe { libc::poll(&mut pfd, 1, 0) };
                 ready > 0 && pfd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
             }
@@ -66,18 +58,12 @@ impl Liveness {
 }
 
 fn pid_is_dead(pid: i32) -> bool {
-    if unsafe { libc::kill(pid, 0) } != 0
-        && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
-    {
+    if unsafe { libc::kill(pid, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
         return true;
     }
     // A zombie still answers kill(pid, 0): look at its state in /proc.
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => {
-            stat.rfind(')')
-                .and_then(|i| stat[i + 1..].split_whitespace().next())
-                == Some("Z")
-        }
+        Ok(stat) => stat.rfind(')').and_then(|i| stat[i + 1..].split_whitespace().next()) == Some("Z"),
         Err(_) => false,
     }
 }
@@ -124,8 +110,7 @@ pub fn wait_all(
     deadline: Option<Instant>,
     interrupted: &mut dyn FnMut() -> bool,
 ) -> Result<(), WaitError> {
-    let pending_from =
-        |from: usize| (from..peers.len()).find(|&i| peers[i].flag.load(Ordering::Acquire) < target);
+    let pending_from = |from: usize| (from..peers.len()).find(|&i| peers[i].flag.load(Ordering::Acquire) < target);
     let aborted = |i: usize| -> Result<(), WaitError> {
         match peers[i].abort.map(|a| a.load(Ordering::Acquire)) {
             Some(code) if code != 0 => Err(WaitError::Aborted { peer: i, code }),
@@ -151,9 +136,8 @@ pub fn wait_all(
         let sleeping = now.duration_since(start) >= policy.yield_for;
         if sleeping || now.duration_since(last_check) >= policy.check_every {
             last_check = now;
-            let pending: Vec<usize> = (idx..peers.len())
-                .filter(|&i| peers[i].flag.load(Ordering::Acquire) < target)
-                .collect();
+            let pending: Vec<usize> =
+                (idx..peers.len()).filter(|&i| peers[i].flag.load(Ordering::Acquire) < target).collect();
             for &i in &pending {
                 aborted(i)?;
                 if peers[i].liveness.is_dead() {
@@ -176,9 +160,7 @@ pub fn wait_all(
         if sleeping {
             let mut slice = policy.check_every;
             if let Some(d) = deadline {
-                slice = slice
-                    .min(d.saturating_duration_since(now))
-                    .max(Duration::from_micros(50));
+                slice = slice.min(d.saturating_duration_since(now)).max(Duration::from_micros(50));
             }
             sleep_on(&peers[idx], target, slice);
         } else {
@@ -218,10 +200,8 @@ fn low_half(word: &AtomicU64) -> *const u32 {
 }
 
 fn futex_wait(word: &AtomicU64, expected: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
+    let ts =
+        libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
     // Shared (not PRIVATE): the word lives in memory mapped by several processes.
     unsafe {
         libc::syscall(
@@ -281,11 +261,7 @@ mod tests {
     }
 
     fn quick() -> SpinPolicy {
-        SpinPolicy {
-            spin_iters: 10,
-            yield_for: Duration::from_micros(10),
-            check_every: Duration::from_millis(1),
-        }
+        SpinPolicy { spin_iters: 10, yield_for: Duration::from_micros(10), check_every: Duration::from_millis(1) }
     }
 
     fn later(d: u64) -> Option<Instant> {
@@ -298,10 +274,7 @@ mod tests {
         for f in &b.flags {
             f.store(5, Ordering::SeqCst);
         }
-        assert_eq!(
-            wait_all(&peers(&b, &[]), 5, &quick(), later(10), &mut || false),
-            Ok(())
-        );
+        assert_eq!(wait_all(&peers(&b, &[]), 5, &quick(), later(10), &mut || false), Ok(()));
     }
 
     #[test]
@@ -316,19 +289,10 @@ mod tests {
                 publish(&b.flags[1], Some(&b.waiters[1]), 1);
             })
         };
-        let policy = SpinPolicy {
-            check_every: Duration::from_secs(5),
-            ..quick()
-        };
+        let policy = SpinPolicy { check_every: Duration::from_secs(5), ..quick() };
         let start = Instant::now();
-        assert_eq!(
-            wait_all(&peers(&b, &[]), 1, &policy, later(10_000), &mut || false),
-            Ok(())
-        );
-        assert!(
-            start.elapsed() < Duration::from_secs(4),
-            "woken by the futex, not by the slice"
-        );
+        assert_eq!(wait_all(&peers(&b, &[]), 1, &policy, later(10_000), &mut || false), Ok(()));
+        assert!(start.elapsed() < Duration::from_secs(4), "woken by the futex, not by the slice");
         writer.join().unwrap();
     }
 
@@ -337,12 +301,7 @@ mod tests {
         let b = block(3);
         b.flags[1].store(2, Ordering::SeqCst);
         let err = wait_all(&peers(&b, &[]), 2, &quick(), later(20), &mut || false).unwrap_err();
-        assert_eq!(
-            err,
-            WaitError::Timeout {
-                pending: vec![0, 2]
-            }
-        );
+        assert_eq!(err, WaitError::Timeout { pending: vec![0, 2] });
     }
 
     #[test]
@@ -382,10 +341,7 @@ mod tests {
         child.wait().unwrap();
         assert!(Liveness::Pid(pid).is_dead());
         // zombie: exited, not reaped yet; and its pidfd is readable
-        let mut child = std::process::Command::new("sleep")
-            .arg("0.05")
-            .spawn()
-            .unwrap();
+        let mut child = std::process::Command::new("sleep").arg("0.05").spawn().unwrap();
         let pid = child.id() as i32;
         let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as i32;
         assert!(!Liveness::Pid(pid).is_dead());
@@ -395,15 +351,8 @@ mod tests {
         std::thread::sleep(Duration::from_millis(300));
         assert!(Liveness::Pid(pid).is_dead(), "a zombie counts as dead");
         let b = block(1);
-        let live = if pidfd >= 0 {
-            Liveness::Pidfd(pidfd)
-        } else {
-            Liveness::Pid(pid)
-        };
-        let err = wait_all(&peers(&b, &[live]), 1, &quick(), later(5_000), &mut || {
-            false
-        })
-        .unwrap_err();
+        let live = if pidfd >= 0 { Liveness::Pidfd(pidfd) } else { Liveness::Pid(pid) };
+        let err = wait_all(&peers(&b, &[live]), 1, &quick(), later(5_000), &mut || false).unwrap_err();
         assert_eq!(err, WaitError::Dead { peer: 0 });
         child.wait().unwrap();
         if pidfd >= 0 {

@@ -91,11 +91,9 @@ impl RendezvousConf {
     pub fn positive_int(&self, key: &str, default: u32) -> Result<u32> {
         match self.get(key) {
             None => Ok(default),
-            Some(text) => text
-                .parse::<u32>()
-                .ok()
-                .filter(|n| *n > 0)
-                .ok_or_else(|| RendezvousError::Config(format!("--rdzv-conf {key}={text}: expected a positive integer"))),
+            Some(text) => text.parse::<u32>().ok().filter(|n| *n > 0).ok_or_else(|| {
+                RendezvousError::Config(format!("--rdzv-conf {key}={text}: expected a positive integer"))
+            }),
         }
     }
 
@@ -151,7 +149,8 @@ mod tests {
 
     #[test]
     fn parses_torch_style_pairs() {
-        let conf = RendezvousConf::parse(" join_timeout = 60 , is_host=yes,last_call_timeout=500ms", DYNAMIC_KEYS).unwrap();
+        let conf =
+            RendezvousConf::parse(" join_timeout = 60 , is_host=yes,last_call_timeout=500ms", DYNAMIC_KEYS).unwrap();
         assert_eq!(conf.duration("join_timeout", Duration::ZERO).unwrap(), Duration::from_secs(60));
         assert_eq!(conf.duration("last_call_timeout", Duration::ZERO).unwrap(), Duration::from_millis(500));
         assert_eq!(conf.boolean("is_host").unwrap(), Some(true));
@@ -173,7 +172,8 @@ mod tests {
         assert!(RendezvousConf::parse("join_timeout", DYNAMIC_KEYS).is_err());
         assert!(RendezvousConf::parse("=5", DYNAMIC_KEYS).is_err());
         assert!(RendezvousConf::parse("join_timeout=", DYNAMIC_KEYS).is_err());
-        let conf = RendezvousConf::parse("join_timeout=soon,keep_alive_max_attempt=0,is_host=maybe", DYNAMIC_KEYS).unwrap();
+        let conf =
+            RendezvousConf::parse("join_timeout=soon,keep_alive_max_attempt=0,is_host=maybe", DYNAMIC_KEYS).unwrap();
         assert!(conf.duration("join_timeout", Duration::ZERO).is_err());
         assert!(conf.positive_int("keep_alive_max_attempt", 3).is_err());
         assert!(conf.boolean("is_host").is_err());

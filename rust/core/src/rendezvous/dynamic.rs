@@ -90,7 +90,12 @@ pub struct DynamicRendezvous<S: RendezvousStore> {
 
 impl<S: RendezvousStore> DynamicRendezvous<S> {
     /// `store_addr` and `store_prefix` say where the store is, for the [`RendezvousInfo`].
-    pub fn new(store: S, settings: RendezvousSettings, store_addr: (String, u16), store_prefix: String) -> Result<Self> {
+    pub fn new(
+        store: S,
+        settings: RendezvousSettings,
+        store_addr: (String, u16),
+        store_prefix: String,
+    ) -> Result<Self> {
         settings.validate()?;
         let node = NodeDesc::this_process(settings.local_addr.as_deref());
         Ok(DynamicRendezvous {
@@ -213,7 +218,8 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
                     conn.compare_set(&Keys::expected(round + 1), b"", expected.to_string().as_bytes()).await?;
                 }
             }
-            let now = conn.compare_set(Keys::ROUND, round.to_string().as_bytes(), (round + 1).to_string().as_bytes()).await?;
+            let now =
+                conn.compare_set(Keys::ROUND, round.to_string().as_bytes(), (round + 1).to_string().as_bytes()).await?;
             if now.as_ref() == (round + 1).to_string().as_bytes() {
                 events::publish(conn, &Event::Opened { v: FORMAT_VERSION, round: round + 1 }).await?;
             }
@@ -239,7 +245,11 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             loop {
                 let seen = events::count(conn).await?;
                 if conn.check(&[Keys::CLOSED.to_owned()]).await? {
-                    return Err(if spare { RendezvousError::GracefulExit { run_id } } else { RendezvousError::Closed { run_id } });
+                    return Err(if spare {
+                        RendezvousError::GracefulExit { run_id }
+                    } else {
+                        RendezvousError::Closed { run_id }
+                    });
                 }
                 if current_round(conn).await? > round {
                     return Ok(());
@@ -269,15 +279,18 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     ) -> Result<RendezvousInfo> {
         let member = Arrival { v: FORMAT_VERSION, node: Some(self.node.clone()) };
         let master_server = if rank == 0 {
-            Some(StoreServer::start(&ServerConfig::default()).map_err(|err| {
-                RendezvousError::Config(format!("cannot start the workers' store: {err}"))
-            })?)
+            Some(
+                StoreServer::start(&ServerConfig::default())
+                    .map_err(|err| RendezvousError::Config(format!("cannot start the workers' store: {err}")))?,
+            )
         } else {
             None
         };
-        let published = master_server
-            .as_ref()
-            .map(|server| Master { v: FORMAT_VERSION, addr: self.node.addr.clone(), port: server.port() });
+        let published = master_server.as_ref().map(|server| Master {
+            v: FORMAT_VERSION,
+            addr: self.node.addr.clone(),
+            port: server.port(),
+        });
         let run_id = self.settings.run_id.clone();
         let master: Master = self
             .with_conn(async |conn| {
@@ -447,7 +460,9 @@ fn spawn_change_watcher<S: RendezvousStore>(
 
 fn relevance(event: &Event, round: u64) -> Option<MembershipChange> {
     match event {
-        Event::Opened { round: opened, .. } if *opened > round => Some(MembershipChange::RoundSuperseded { round: *opened }),
+        Event::Opened { round: opened, .. } if *opened > round => {
+            Some(MembershipChange::RoundSuperseded { round: *opened })
+        }
         Event::Waiting { round: r, .. } if *r == round => Some(MembershipChange::NodesWaiting),
         Event::Lost { round: r, rank, node, .. } if *r == round => {
             Some(MembershipChange::NodeLost { rank: *rank, node: node.clone() })

@@ -187,9 +187,7 @@ async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
             // another agent on this machine got there first: use its store
             Err(err) if explicit.is_none() && err.kind() == io::ErrorKind::AddrInUse => None,
             Err(err) => {
-                return Err(RendezvousError::Config(format!(
-                    "cannot host the rendezvous store on port {port}: {err}"
-                )))
+                return Err(RendezvousError::Config(format!("cannot host the rendezvous store on port {port}: {err}")))
             }
         }
     } else {

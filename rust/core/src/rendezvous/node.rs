@@ -32,10 +32,7 @@ impl NodeDesc {
 
     pub fn from_json(bytes: &[u8]) -> Result<NodeDesc> {
         serde_json::from_slice(bytes).map_err(|err| {
-            RendezvousError::State(format!(
-                "unreadable node description {:?}: {err}",
-                String::from_utf8_lossy(bytes)
-            ))
+            RendezvousError::State(format!("unreadable node description {:?}: {err}", String::from_utf8_lossy(bytes)))
         })
     }
 }

@@ -67,10 +67,7 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T> {
         v: u32,
     }
     let bad = |err: serde_json::Error| {
-        RendezvousError::State(format!(
-            "unreadable rendezvous {what} {:?}: {err}",
-            String::from_utf8_lossy(bytes)
-        ))
+        RendezvousError::State(format!("unreadable rendezvous {what} {:?}: {err}", String::from_utf8_lossy(bytes)))
     };
     let version: Versioned = serde_json::from_slice(bytes).map_err(bad)?;
     if version.v != FORMAT_VERSION {

@@ -30,9 +30,14 @@ const NAMED_IN_ERRORS: u64 = 32;
 
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum JoinOutcome {
-    Member { rank: u32, world_size: u32 },
+    Member {
+        rank: u32,
+        world_size: u32,
+    },
     /// Arrived after the membership was fixed; `world_size` is the sealed round's.
-    Late { world_size: u32 },
+    Late {
+        world_size: u32,
+    },
     /// The round could not form; the next one must be tried.
     Aborted,
 }

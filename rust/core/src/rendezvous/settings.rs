@@ -102,7 +102,9 @@ mod tests {
 
     #[test]
     fn conf_overrides_and_validation() {
-        let conf = RendezvousConf::parse("join_timeout=2m,keep_alive_interval=1s,keep_alive_max_attempt=2", DYNAMIC_KEYS).unwrap();
+        let conf =
+            RendezvousConf::parse("join_timeout=2m,keep_alive_interval=1s,keep_alive_max_attempt=2", DYNAMIC_KEYS)
+                .unwrap();
         let settings = RendezvousSettings::new("job", 2, 2).unwrap().with_conf(&conf).unwrap();
         assert_eq!(settings.join_timeout, Duration::from_secs(120));
         assert_eq!(settings.node_lost_after(), Duration::from_secs(2));

@@ -74,14 +74,8 @@ mod tests {
         for bad in [&b"abc"[..], b"", b" ", b"-", b"+-1", b"x1"] {
             assert!(matches!(parse_counter(bad), Err(CounterError::NotAnInteger(_))), "{bad:?}");
         }
-        assert!(matches!(
-            parse_counter(b"99999999999999999999"),
-            Err(CounterError::OutOfRange(_))
-        ));
-        assert!(matches!(
-            parse_counter(b"-9223372036854775809"),
-            Err(CounterError::OutOfRange(_))
-        ));
+        assert!(matches!(parse_counter(b"99999999999999999999"), Err(CounterError::OutOfRange(_))));
+        assert!(matches!(parse_counter(b"-9223372036854775809"), Err(CounterError::OutOfRange(_))));
     }
 
     #[test]

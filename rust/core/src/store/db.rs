@@ -133,8 +133,7 @@ impl Db {
 
     /// Returns true if every key is ready now; otherwise registers `id` on the missing ones.
     pub fn wait(&mut self, id: WaiterId, keys: &[&[u8]], waker: &Waker) -> Result<bool, AlreadyWaiting> {
-        let missing: Vec<&[u8]> =
-            keys.iter().copied().filter(|key| !self.state.is_ready(key)).collect();
+        let missing: Vec<&[u8]> = keys.iter().copied().filter(|key| !self.state.is_ready(key)).collect();
         if missing.is_empty() {
             return Ok(true);
         }

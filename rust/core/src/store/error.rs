@@ -12,14 +12,7 @@ pub enum StoreError {
         "could not connect to the store at {host}:{port} within {:.1}s ({attempts} attempts; last error: {last_error}; addresses tried: {tried})",
         elapsed.as_secs_f64()
     )]
-    ConnectTimeout {
-        host: String,
-        port: u16,
-        elapsed: Duration,
-        attempts: u32,
-        tried: String,
-        last_error: String,
-    },
+    ConnectTimeout { host: String, port: u16, elapsed: Duration, attempts: u32, tried: String, last_error: String },
 
     /// A WAIT (or a `get` waiting for its key) passed its deadline and was cancelled; the
     /// connection is still usable.

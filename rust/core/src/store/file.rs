@@ -196,13 +196,8 @@ impl FileStore {
         let path = path.as_ref();
         loop {
             let file = open_file(path)?;
-            let mut store = FileStore {
-                path: path.to_path_buf(),
-                world_size,
-                file,
-                replica: Mutex::default(),
-                joined_by: None,
-            };
+            let mut store =
+                FileStore { path: path.to_path_buf(), world_size, file, replica: Mutex::default(), joined_by: None };
             // false: the last user of a finished store deleted the file between our open and
             // our lock; start over on a new file
             if store.join()? {
@@ -235,8 +230,7 @@ impl FileStore {
         let finished = self.world_size.is_some_and(|size| txn.replica.left >= u64::from(size));
         if finished && txn.replica.users() == 0 && self.names_our_file()? {
             // still locked: an opener waiting for the lock will see the file gone and start over
-            std::fs::remove_file(&self.path)
-                .map_err(|err| self.error("cannot delete the finished store", err))?;
+            std::fs::remove_file(&self.path).map_err(|err| self.error("cannot delete the finished store", err))?;
         }
         Ok(())
     }
@@ -403,8 +397,7 @@ impl Txn<'_> {
         }
         let version = u32::from_le_bytes(found[MAGIC.len()..].try_into().expect("4 bytes"));
         if version != VERSION {
-            let reason =
-                format!("the file is in store format version {version}; this build reads version {VERSION}");
+            let reason = format!("the file is in store format version {version}; this build reads version {VERSION}");
             return Err(file_error(&store.path, reason));
         }
         self.replica.applied = HEADER_LEN;
@@ -477,9 +470,11 @@ impl BlockingStore for FileStore {
 
     fn add(&self, key: &[u8], delta: i64) -> Result<i64> {
         self.write(|txn| {
-            let total = txn.replica.state.add(key, delta).map_err(|err| {
-                StoreError::InvalidArgument(format!("cannot add to key {:?}: {err}", lossy(key)))
-            })?;
+            let total = txn
+                .replica
+                .state
+                .add(key, delta)
+                .map_err(|err| StoreError::InvalidArgument(format!("cannot add to key {:?}: {err}", lossy(key))))?;
             let stored = txn.replica.state.get(key).cloned().unwrap_or_default();
             txn.log(Kind::Set, key, &stored);
             Ok(total)

@@ -44,8 +44,9 @@ impl BlockingStore for LocalStore {
     }
 
     fn add(&self, key: &[u8], delta: i64) -> Result<i64> {
-        self.write(|state| state.add(key, delta))
-            .map_err(|err| StoreError::InvalidArgument(format!("cannot add to key {:?}: {err}", String::from_utf8_lossy(key))))
+        self.write(|state| state.add(key, delta)).map_err(|err| {
+            StoreError::InvalidArgument(format!("cannot add to key {:?}: {err}", String::from_utf8_lossy(key)))
+        })
     }
 
     fn compare_set(&self, key: &[u8], expected: &[u8], desired: &[u8]) -> Result<Bytes> {

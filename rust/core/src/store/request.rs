@@ -90,9 +90,7 @@ impl<'a> Request<'a> {
             Validate { magic } => out.put_u32_le(*magic),
             Ping { nonce } => out.put_u32_le(*nonce),
             GetNumKeys | CancelWait | ListKeys => {}
-            Get { key } | DeleteKey { key } | QueuePop { key } | QueueLen { key } => {
-                put_bytes(out, key)
-            }
+            Get { key } | DeleteKey { key } | QueuePop { key } | QueueLen { key } => put_bytes(out, key),
             Set { key, value } | Append { key, value } | QueuePush { key, value } => {
                 put_bytes(out, key);
                 put_bytes(out, value);
@@ -180,11 +178,7 @@ impl<'a> Reader<'a, '_> {
             Op::Set => Request::Set { key: self.key()?, value: self.value()? },
             Op::Append => Request::Append { key: self.key()?, value: self.value()? },
             Op::QueuePush => Request::QueuePush { key: self.key()?, value: self.value()? },
-            Op::CompareSet => Request::CompareSet {
-                key: self.key()?,
-                expected: self.value()?,
-                desired: self.value()?,
-            },
+            Op::CompareSet => Request::CompareSet { key: self.key()?, expected: self.value()?, desired: self.value()? },
             Op::Add => Request::Add { key: self.key()?, delta: self.i64()? },
             Op::Barrier => Request::Barrier { key: self.key()?, world_size: self.i64()? },
             Op::Check => Request::Check { keys: self.keys()? },
@@ -286,17 +280,7 @@ mod tests {
     fn set_matches_the_recorded_bytes() {
         let request = Request::Set { key: b"/key0", value: b"value0" };
         let wire = encoded(&request);
-        assert_eq!(
-            wire,
-            [
-                &[1u8][..],
-                &5u64.to_le_bytes(),
-                b"/key0",
-                &6u64.to_le_bytes(),
-                b"value0"
-            ]
-            .concat()
-        );
+        assert_eq!(wire, [&[1u8][..], &5u64.to_le_bytes(), b"/key0", &6u64.to_le_bytes(), b"value0"].concat());
         assert_eq!(decode_all(&wire), request);
     }
 
@@ -323,8 +307,7 @@ mod tests {
     fn pipelined_requests_decode_one_at_a_time() {
         let mut wire = encoded(&Request::Ping { nonce: 7 });
         wire.extend(encoded(&Request::GetNumKeys));
-        let Decoded::Request(first, used) = Request::decode(&wire, &Limits::default()).unwrap()
-        else {
+        let Decoded::Request(first, used) = Request::decode(&wire, &Limits::default()).unwrap() else {
             panic!("first request incomplete")
         };
         assert_eq!(first, Request::Ping { nonce: 7 });
@@ -336,45 +319,27 @@ mod tests {
         let limits = Limits { max_key_len: 4, max_value_len: 8, max_keys_per_request: 2 };
         let mut wire = vec![Opcode::Set as u8];
         wire.extend(5u64.to_le_bytes());
-        assert_eq!(
-            Request::decode(&wire, &limits),
-            Err(FrameError::KeyTooLong { len: 5, max: 4 })
-        );
+        assert_eq!(Request::decode(&wire, &limits), Err(FrameError::KeyTooLong { len: 5, max: 4 }));
 
         let mut wire = vec![Opcode::Set as u8];
         wire.extend(1u64.to_le_bytes());
         wire.push(b'k');
         wire.extend(u64::MAX.to_le_bytes());
-        assert_eq!(
-            Request::decode(&wire, &limits),
-            Err(FrameError::ValueTooLong { len: u64::MAX, max: 8 })
-        );
+        assert_eq!(Request::decode(&wire, &limits), Err(FrameError::ValueTooLong { len: u64::MAX, max: 8 }));
 
         let mut wire = vec![Opcode::Wait as u8];
         wire.extend(3u64.to_le_bytes());
-        assert_eq!(
-            Request::decode(&wire, &limits),
-            Err(FrameError::TooManyKeys { count: 3, max: 2 })
-        );
+        assert_eq!(Request::decode(&wire, &limits), Err(FrameError::TooManyKeys { count: 3, max: 2 }));
 
         let mut wire = vec![Opcode::MultiSet as u8];
         wire.extend((-1i64).to_le_bytes());
-        assert!(matches!(
-            Request::decode(&wire, &limits),
-            Err(FrameError::TooManyKeys { .. })
-        ));
+        assert!(matches!(Request::decode(&wire, &limits), Err(FrameError::TooManyKeys { .. })));
     }
 
     #[test]
     fn unknown_opcodes_are_rejected() {
-        assert_eq!(
-            Request::decode(&[0x63, 0, 0], &Limits::default()),
-            Err(FrameError::UnknownOpcode(0x63))
-        );
-        assert_eq!(
-            Request::decode(b"GET / HTTP/1.1\r\n", &Limits::default()),
-            Err(FrameError::UnknownOpcode(b'G'))
-        );
+        assert_eq!(Request::decode(&[0x63, 0, 0], &Limits::default()), Err(FrameError::UnknownOpcode(0x63)));
+        assert_eq!(Request::decode(b"GET / HTTP/1.1\r\n", &Limits::default()), Err(FrameError::UnknownOpcode(b'G')));
     }
 
     #[test]

@@ -146,10 +146,10 @@ mod tests {
         // missing key, empty expected: creates it
         assert_eq!(state.compare_set(b"k", b"", b"v1").value, "v1");
         // wrong expected: current value, unchanged
-        assert_eq!(state.compare_set(b"k", b"wrong", b"v2"), CompareSetOutcome {
-            value: Bytes::from_static(b"v1"),
-            stored: false
-        });
+        assert_eq!(
+            state.compare_set(b"k", b"wrong", b"v2"),
+            CompareSetOutcome { value: Bytes::from_static(b"v1"), stored: false }
+        );
         // right expected: swapped
         assert_eq!(state.compare_set(b"k", b"v1", b"v2").value, "v2");
         assert_eq!(state.get(b"k").unwrap(), "v2");

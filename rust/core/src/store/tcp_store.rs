@@ -77,13 +77,9 @@ impl TcpStore {
             if let Some(server) = &store.server {
                 if options.is_master {
                     let target = i64::from(world_size);
-                    server.server().wait_for_counter(INIT_KEY, target, options.timeout).await.map_err(
-                        |joined| StoreError::WorkersTimeout {
-                            timeout: options.timeout.unwrap_or_default(),
-                            joined,
-                            world_size,
-                        },
-                    )?;
+                    server.server().wait_for_counter(INIT_KEY, target, options.timeout).await.map_err(|joined| {
+                        StoreError::WorkersTimeout { timeout: options.timeout.unwrap_or_default(), joined, world_size }
+                    })?;
                 }
             }
         }
@@ -198,8 +194,7 @@ impl TcpStore {
             )));
         }
         let keys = wire_keys(keys);
-        let pairs: Vec<(&[u8], &[u8])> =
-            keys.iter().map(Vec::as_slice).zip(values.iter().copied()).collect();
+        let pairs: Vec<(&[u8], &[u8])> = keys.iter().map(Vec::as_slice).zip(values.iter().copied()).collect();
         self.client.multi_set(&pairs).await
     }
 

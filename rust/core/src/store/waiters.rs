@@ -38,12 +38,7 @@ pub struct AlreadyWaiting;
 impl Waiters {
     /// Registers `id` as waiting until each key in `missing` has been written (duplicates
     /// count once per occurrence). `missing` must not be empty.
-    pub fn register(
-        &mut self,
-        id: WaiterId,
-        missing: &[&[u8]],
-        waker: Waker,
-    ) -> Result<(), AlreadyWaiting> {
+    pub fn register(&mut self, id: WaiterId, missing: &[&[u8]], waker: Waker) -> Result<(), AlreadyWaiting> {
         debug_assert!(!missing.is_empty());
         if self.pending.contains_key(&id) {
             return Err(AlreadyWaiting);

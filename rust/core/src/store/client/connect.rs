@@ -80,9 +80,8 @@ async fn attempt(
     deadline: Option<Instant>,
     tried: &mut Vec<String>,
 ) -> Result<(TcpStream, SocketAddr), AttemptFailure> {
-    let addrs = within(deadline, lookup_host((options.host.as_str(), options.port)))
-        .await
-        .map_err(|err| AttemptFailure {
+    let addrs =
+        within(deadline, lookup_host((options.host.as_str(), options.port))).await.map_err(|err| AttemptFailure {
             message: format!("cannot resolve {:?}: {err}", options.host),
             deadline_hit: err.kind() == io::ErrorKind::TimedOut,
         })?;
@@ -126,18 +125,12 @@ async fn handshake(mut stream: TcpStream, deadline: Option<Instant>) -> io::Resu
         .map_err(|err| io::Error::new(err.kind(), format!("no PING reply: {err}")))?;
     let echoed = u32::from_le_bytes(echo);
     if echoed != nonce {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("ping failed: expected {nonce}, got {echoed}"),
-        ));
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("ping failed: expected {nonce}, got {echoed}")));
     }
     Ok(stream)
 }
 
-async fn within<T>(
-    deadline: Option<Instant>,
-    operation: impl Future<Output = io::Result<T>>,
-) -> io::Result<T> {
+async fn within<T>(deadline: Option<Instant>, operation: impl Future<Output = io::Result<T>>) -> io::Result<T> {
     match deadline {
         None => operation.await,
         Some(deadline) => tokio::time::timeout_at(deadline, operation)

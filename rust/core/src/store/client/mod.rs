@@ -283,10 +283,12 @@ impl Client {
                 self.state = State::Busy;
                 Ok(())
             }
-            State::Busy => Err(self.lost(
-                "an earlier operation was abandoned before its reply arrived; open a new connection",
-            )),
-            State::Broken(reason) => Err(StoreError::ConnectionLost { peer: self.peer.clone(), reason: reason.clone() }),
+            State::Busy => {
+                Err(self.lost("an earlier operation was abandoned before its reply arrived; open a new connection"))
+            }
+            State::Broken(reason) => {
+                Err(StoreError::ConnectionLost { peer: self.peer.clone(), reason: reason.clone() })
+            }
         }
     }
 

@@ -158,7 +158,6 @@ impl Connection {
         }
         Ok(())
     }
-
 }
 
 impl Session {

@@ -24,13 +24,13 @@ pub fn host_backlog() -> i32 {
 /// error names every address tried and why each failed.
 pub fn bind(host: Option<&str>, port: u16) -> io::Result<TcpListener> {
     let candidates: Vec<SocketAddr> = match host {
-        None | Some("") => vec![
-            SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)),
-            SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)),
-        ],
-        Some(host) => (host, port).to_socket_addrs().map_err(|err| {
-            io::Error::new(err.kind(), format!("cannot resolve listen host {host:?}: {err}"))
-        })?.collect(),
+        None | Some("") => {
+            vec![SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)), SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))]
+        }
+        Some(host) => (host, port)
+            .to_socket_addrs()
+            .map_err(|err| io::Error::new(err.kind(), format!("cannot resolve listen host {host:?}: {err}")))?
+            .collect(),
     };
     let mut failures = Vec::new();
     let mut last_kind = io::ErrorKind::AddrNotAvailable;

@@ -114,13 +114,7 @@ impl StoreServer {
         let connection_slots = Arc::new(Semaphore::new(config.max_connections.max(1)));
         let (stop, stop_signal) = watch::channel(false);
         let (task_done, finished) = mpsc::channel(1);
-        tokio::spawn(accept_loop(
-            listener,
-            shared.clone(),
-            connection_slots,
-            Shutdown::new(stop_signal),
-            task_done,
-        ));
+        tokio::spawn(accept_loop(listener, shared.clone(), connection_slots, Shutdown::new(stop_signal), task_done));
         tracing::info!(%local_addr, "store server listening");
         Ok(StoreServer { local_addr, shared, stop, finished })
     }
@@ -146,20 +140,14 @@ impl StoreServer {
     /// Waits, in-process and without polling, until the counter under `key` reaches `target`.
     /// Returns the counter's value: `Ok` when reached, `Err` with the last value on timeout.
     /// (A torch master uses this to wait for its workers' `init/` increments.)
-    pub async fn wait_for_counter(
-        &self,
-        key: &[u8],
-        target: i64,
-        timeout: Option<Duration>,
-    ) -> Result<i64, i64> {
+    pub async fn wait_for_counter(&self, key: &[u8], target: i64, timeout: Option<Duration>) -> Result<i64, i64> {
         let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
         let (waker, mut woken) = mpsc::unbounded_channel();
         let id = self.shared.next_waiter_id();
         loop {
             let current = {
                 let mut db = self.shared.db();
-                let current =
-                    db.state().get(key).and_then(|v| parse_counter(v).ok()).unwrap_or(0);
+                let current = db.state().get(key).and_then(|v| parse_counter(v).ok()).unwrap_or(0);
                 if current >= target {
                     return Ok(current);
                 }
