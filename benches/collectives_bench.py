@@ -198,7 +198,7 @@ def gpu_count() -> int:
         import cupy
 
         return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return 0
 
 

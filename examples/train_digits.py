@@ -112,7 +112,7 @@ def grad_sum(params, x, y, hidden, out):
     out[:] = 0
     if len(x) == 0:
         return 0.0
-    w1, b1, w2, b2 = unpack(params, hidden)
+    _w1, _b1, w2, _b2 = unpack(params, hidden)
     gw1, gb1, gw2, gb2 = unpack(out, hidden)
     h, p = forward(params, x, hidden)
     loss = -np.log(p[np.arange(len(y)), y] + 1e-12).sum()

@@ -89,9 +89,10 @@ def agent(monkeypatch):
     """A fake run_agent that records the configs it gets and returns `agent.report`."""
 
     class Fake:
-        configs = []
-        report = dict(OK_REPORT)
-        handlers = []
+        def __init__(self):
+            self.configs = []
+            self.report = dict(OK_REPORT)
+            self.handlers = []
 
         def __call__(self, text):
             self.configs.append(json.loads(text))

@@ -18,7 +18,7 @@ def _gpu() -> bool:
         import cupy
 
         return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001 - no cupy, no driver, no device
+    except Exception:
         return False
 
 

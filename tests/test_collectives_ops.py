@@ -4,8 +4,6 @@ ReduceOp parsing, and which dtypes each op accepts."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 

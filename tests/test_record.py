@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-import elastix
 from elastix.failures import ChildFailedError, ProcessFailure
 from elastix.record import ErrorHandler, record
 
@@ -138,6 +137,6 @@ def test_child_failed_error_copies_the_root_cause_to_the_parent_file(tmp_path, m
 
 
 def test_elastix_record_is_the_decorator_even_after_importing_the_module():
-    import elastix.record  # noqa: F401  (the submodule shares the name)
+    import elastix.record
 
     assert elastix.record is record and callable(elastix.record)

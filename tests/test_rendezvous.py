@@ -2,20 +2,18 @@
 threads and as separate processes on 127.0.0.x addresses."""
 
 import json
-import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 import elastix
-from elastix.rendezvous import RendezvousHandler, create_handler
 from conftest import free_port
+from elastix.rendezvous import RendezvousHandler, create_handler
 
 FAST = {
     "last_call_timeout": "300ms",
@@ -126,7 +124,7 @@ def test_bad_configuration_is_a_value_error():
         RendezvousHandler("c10d", "127.0.0.1:0", "bad", 3, 2)
     with pytest.raises(ValueError, match="unknown"):
         RendezvousHandler("zookeeper", "127.0.0.1:0", "bad", 1, 1)
-    with pytest.raises(ValueError, match="not a duration|is not a duration"):
+    with pytest.raises(ValueError, match=r"(is )?not a duration"):
         RendezvousHandler("c10d", "127.0.0.1:0", "bad", 1, 1, conf={"join_timeout": "soon"})
 
 

@@ -38,7 +38,7 @@ def finish(proc, timeout=90):
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        raise AssertionError(f"elastix run did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+        raise AssertionError(f"elastix run did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}") from None
     return proc.returncode, out, err
 
 
@@ -98,7 +98,7 @@ def test_each_rank_gets_the_environment_contract(tmp_path, marker):
     proc = elastix_run(
         "--standalone", "--nproc-per-node", 3, os.path.join(WORKERS, "report_env.py"), out_dir=tmp_path, marker=marker
     )
-    code, out, err = finish(proc)
+    code, _out, err = finish(proc)
     assert code == 0, err
     envs = sorted((json.load(open(p)) for p in glob.glob(str(tmp_path / "*.json"))), key=lambda e: int(e["RANK"]))
     assert [e["RANK"] for e in envs] == ["0", "1", "2"]
@@ -131,7 +131,7 @@ def test_a_worker_that_fails_once_is_restarted_and_the_job_succeeds(tmp_path, ma
     )
     wait_for(lambda: len([s for s in starts(tmp_path) if s["restart"] == 1]) == 2, what="the restarted workers")
     (tmp_path / "stop").touch()
-    code, out, err = finish(proc)
+    code, _out, err = finish(proc)
     assert code == 0, err
     assert sorted((s["restart"], s["rank"]) for s in starts(tmp_path)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert_nothing_left(marker)
@@ -145,7 +145,7 @@ def test_no_restarts_left_fails_with_the_root_cause(tmp_path, marker):
     proc = elastix_run(
         "--standalone", "--nproc-per-node", 2, "--max-restarts", 0, script, out_dir=tmp_path, marker=marker
     )
-    code, out, err = finish(proc)
+    code, _out, err = finish(proc)
     assert code == 1
     root = err.split("Root Cause (first observed failure):")[1]
     assert "rank      : 1 (local_rank: 1)" in root
@@ -160,7 +160,7 @@ def test_a_worker_killed_by_a_signal_is_named(tmp_path, marker):
         "import os, signal, time\nif os.environ['RANK'] == '0':\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(60)\n"
     )
     proc = elastix_run("--standalone", "--nproc-per-node", 2, script, out_dir=tmp_path, marker=marker)
-    code, out, err = finish(proc)
+    code, _out, err = finish(proc)
     assert code == 1
     assert "-9 (SIGKILL)" in err
     assert_nothing_left(marker)
@@ -184,7 +184,7 @@ def test_sigterm_to_the_agent_stops_hung_workers_and_leaves_nothing(tmp_path, ma
     wait_for(lambda: len(starts(tmp_path)) == 2, what="the workers")
     time.sleep(0.2)  # let them install their SIGTERM-ignoring handler
     proc.send_signal(signal.SIGTERM)
-    code, out, err = finish(proc, timeout=30)
+    code, _out, _err = finish(proc, timeout=30)
     assert code == 128 + signal.SIGTERM
     assert_nothing_left(marker)
 
@@ -216,7 +216,7 @@ def test_restarted_workers_start_from_warm_standbys_unless_turned_off(tmp_path, 
     proc = elastix_run(
         "--standalone", "--nproc-per-node", 2, "--max-restarts", 1, *flags, script, "a", out_dir=tmp_path, marker=marker
     )
-    code, out, err = finish(proc)
+    code, _out, err = finish(proc)
     assert code == 0, err
     probes = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("probe_*.json")}
     assert sorted(probes) == ["probe_0_0.json", "probe_0_1.json", "probe_1_0.json", "probe_1_1.json"]
@@ -256,7 +256,7 @@ def test_two_agents_on_one_machine_form_one_job(tmp_path, marker):
     assert sorted(r["group_rank"] for r in records) == [0, 1]
     (tmp_path / "stop").touch()
     for agent in agents:
-        code, out, err = finish(agent)
+        code, _out, err = finish(agent)
         assert code == 0, err
     assert_nothing_left(marker)
 
@@ -282,7 +282,7 @@ def test_a_node_that_dies_mid_run_is_dropped_and_the_other_re_forms(tmp_path, ma
     )
     assert alone[0]["rank"] == 0
     (tmp_path / "stop").touch()
-    code, out, err = finish(survivor)
+    code, _out, err = finish(survivor)
     assert code == 0, err
     assert_nothing_left(marker)
 
@@ -304,7 +304,7 @@ def test_a_third_node_joins_a_running_job(tmp_path, marker):
     assert {r["restart"] for r in three} == {0}, "a membership change does not spend the restart budget"
     (tmp_path / "stop").touch()
     for agent in agents:
-        code, out, err = finish(agent)
+        code, _out, err = finish(agent)
         assert code == 0, err
     assert_nothing_left(marker)
 
@@ -321,7 +321,7 @@ def test_torch_init_process_group_gloo_under_elastix_run(tmp_path, marker):
         "dist.destroy_process_group()\n"
     )
     proc = elastix_run("--standalone", "--nproc-per-node", 2, script, out_dir=tmp_path, marker=marker)
-    code, out, err = finish(proc, timeout=180)
+    code, _out, err = finish(proc, timeout=180)
     assert code == 0, err
     assert [open(tmp_path / f"sum_{r}").read() for r in (0, 1)] == ["3.0", "3.0"]
     assert_nothing_left(marker)

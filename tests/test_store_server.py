@@ -1,6 +1,5 @@
 """The store server under bad input, and the elastix-store command."""
 
-import os
 import random
 import shutil
 import signal

@@ -47,7 +47,7 @@ class EnvOption(_EnvMixin, argparse.Action):
         self.pet = pet
         super().__init__(option_strings, dest, **kwargs)
 
-    def __call__(self, parser, namespace, values, option_string=None):  # noqa: D102
+    def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values)
         _mark(namespace, self.dest, "cli")
 
@@ -60,7 +60,7 @@ class EnvFlag(_EnvMixin, argparse.Action):
         kwargs.setdefault("default", False)
         super().__init__(option_strings, dest, nargs=0, const=True, **kwargs)
 
-    def __call__(self, parser, namespace, values, option_string=None):  # noqa: D102
+    def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, True)
         _mark(namespace, self.dest, "cli")
 
@@ -85,7 +85,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
     ``--nproc`` ambiguous just because ``--nproc-per-node`` and ``--nproc_per_node`` both match
     it (they are one option; Python 3.11's argparse refuses such abbreviations)."""
 
-    def parse_known_args(self, args=None, namespace=None):  # noqa: D102
+    def parse_known_args(self, args=None, namespace=None):
         namespace, extras = super().parse_known_args(args, namespace)
         self._apply_env(namespace)
         return namespace, extras

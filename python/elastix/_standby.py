@@ -22,7 +22,7 @@ ACTIVATION_FD = 3
 def standby_command(python: str, args: "list[str]") -> "list[str] | None":
     """The standby command for workers started as ``python *args``, or None when a standby
     cannot reproduce that command line (other interpreter options than ``-u``)."""
-    if len(args) >= 2 and args[0] == "-u" and (args[1] == "-m" and len(args) >= 3 or not args[1].startswith("-")):
+    if len(args) >= 2 and args[0] == "-u" and ((args[1] == "-m" and len(args) >= 3) or not args[1].startswith("-")):
         return [python, "-u", os.path.abspath(__file__)]
     return None
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
+from . import group as _group_mod
 from .api import (
     all_gather,
     all_gather_into_tensor,
@@ -43,9 +44,7 @@ from .errors import (
     NotInitializedError,
     PeerError,
 )
-from .group import DEFAULT_TIMEOUT, ProcessGroup, World, normalize_backend, resolve, set_world, timeout_seconds
-from .group import _lock
-from . import group as _group_mod
+from .group import DEFAULT_TIMEOUT, ProcessGroup, World, _lock, normalize_backend, set_world, timeout_seconds
 from .reduce_op import ReduceOp
 from .work import Work
 

@@ -251,7 +251,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group: Optional[ProcessG
         [b.reshape(inp.shape) for b in out.reshape(g.size(), -1)] if out.flags.c_contiguous or is_cupy(out) else None
     )
     if blocks is None:
-        staged = np.empty((g.size(),) + tuple(inp.shape), inp.dtype)
+        staged = np.empty((g.size(), *tuple(inp.shape)), inp.dtype)
         work = all_gather(list(staged), inp, group, async_op)
 
         def copy_back():
@@ -347,7 +347,7 @@ def all_to_all(
     ins = [check_array(t, f"input_tensor_list[{i}]") for i, t in enumerate(input_tensor_list)]
     if len(outs) != g.size() or len(ins) != g.size():
         raise ValueError(f"all_to_all needs {g.size()} input and output arrays (one per rank)")
-    for i, t in enumerate(ins + outs):
+    for t in ins + outs:
         _same(t, ins[0], "every all_to_all array")
     desc = descriptor.make("all_to_all", ins[0].dtype, ins[0].shape)
     if _nccl(g):
@@ -382,8 +382,8 @@ def all_to_all_single(
     p = g.size()
     if out.shape != inp.shape or out.dtype != inp.dtype or (inp.shape[0] if inp.ndim else 0) % p:
         raise ValueError(f"input and output must have one shape and dtype whose first dimension divides by {p}")
-    outs = list(out.reshape((p, -1) + tuple(out.shape[1:])) if out.flags.c_contiguous else np.array_split(out, p))
-    ins = list(inp.reshape((p, -1) + tuple(inp.shape[1:]))) if inp.flags.c_contiguous else np.array_split(inp, p)
+    outs = list(out.reshape((p, -1, *tuple(out.shape[1:]))) if out.flags.c_contiguous else np.array_split(out, p))
+    ins = list(inp.reshape((p, -1, *tuple(inp.shape[1:])))) if inp.flags.c_contiguous else np.array_split(inp, p)
     return all_to_all(outs, ins, group, async_op)
 
 

@@ -32,7 +32,7 @@ def check_array(x, what: str = "tensor"):
 class Flat:
     """A C-contiguous 1-D NumPy view of an array; ``finish()`` writes back a staged copy."""
 
-    __slots__ = ("array", "flat", "_writeback")
+    __slots__ = ("_writeback", "array", "flat")
 
     def __init__(self, array: np.ndarray, flat: np.ndarray, writeback: Optional[Callable[[], None]]):
         self.array = array

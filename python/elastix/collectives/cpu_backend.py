@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
-from . import _native, descriptor, shm_algos, tcp_algos
-from .errors import CollectiveError
+from . import _native, shm_algos, tcp_algos
 from .shm_comm import ABORT_DESTROYED, ShmComm, default_slot_bytes, segment_bytes
-from .shm_p2p import HEADER as P2P_HEADER, MAGIC as P2P_MAGIC, ShmP2P
+from .shm_p2p import HEADER as P2P_HEADER
+from .shm_p2p import MAGIC as P2P_MAGIC
+from .shm_p2p import ShmP2P
 from .shm_segment import Segment
 from .tcp_comm import TcpComm
 from .topology import Topology, host_id

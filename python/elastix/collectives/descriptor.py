@@ -64,7 +64,7 @@ def _make(kind: str, dtype: np.dtype, shape: tuple, op: int, root: int, extra: i
     dims = list(shape[:MAX_DIMS]) + [0] * (MAX_DIMS - min(len(shape), MAX_DIMS))
     if len(shape) > MAX_DIMS:
         extra ^= zlib.crc32(repr(shape).encode())
-    return [KIND[kind], did, int(op), int(root), nbytes, len(shape)] + dims + [int(extra)]
+    return [KIND[kind], did, int(op), int(root), nbytes, len(shape), *dims, int(extra)]
 
 
 def describe(desc: Optional[Sequence[int]]) -> str:

@@ -23,7 +23,7 @@ import numpy as np
 
 from .errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError, MismatchError
 from .reduce_op import ReduceOp
-from .work import CompletedWork, Work
+from .work import Work
 
 INSTALL_HINT = (
     "the nccl backend needs CuPy built with NCCL: pip install 'elastix[cuda]' "
@@ -238,7 +238,7 @@ class NcclBackend:
             bufs = [self._contig(o) for o in outs]
             self._p2p_group([], [(r, b) for r, (b, _) in enumerate(bufs) if r != root])
             bufs[root][0][...] = src
-            for b, back in bufs:
+            for _, back in bufs:
                 if back:
                     back()
         else:
@@ -266,7 +266,7 @@ class NcclBackend:
             [(r, b) for r, (b, _) in enumerate(bufs) if r != self.rank],
         )
         bufs[self.rank][0][...] = srcs[self.rank]
-        for b, back in bufs:
+        for _, back in bufs:
             if back:
                 back()
 
@@ -292,14 +292,14 @@ class NcclBackend:
         self.broken = reason
         try:
             self.comm.abort()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
     def close(self) -> None:
         if self.broken is None:
             try:
                 self.comm.destroy()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
 

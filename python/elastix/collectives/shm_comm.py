@@ -113,7 +113,7 @@ class ShmComm:
                     fd = os.pidfd_open(int(pids[j]))
                     self._pidfds.append(fd)
                 except ProcessLookupError:
-                    raise PeerError(f"rank {self.ranks[j]} (pid {pids[j]}) is already gone", self.ranks[j])
+                    raise PeerError(f"rank {self.ranks[j]} (pid {pids[j]}) is already gone", self.ranks[j]) from None
                 except OSError:
                     fd = -1
             pidfds.append(fd)
@@ -213,7 +213,7 @@ class ShmComm:
             self.broken = reason
         try:
             self.waiter.abort(code)
-        except Exception:  # noqa: BLE001 - best effort while failing
+        except Exception:
             pass
 
     def _peer_desc(self, j: int, count: int, parity: int) -> List[int]:

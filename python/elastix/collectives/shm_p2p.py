@@ -83,7 +83,7 @@ class _End:
         outcome = (waiter or self.waiter).wait(target, self.timeout)
         if outcome is None:
             return
-        kind, args = outcome
+        kind, _args = outcome
         if kind == "timeout":
             message = f"timed out after {self.timeout:.1f} s waiting for rank {self.peer_rank}"
             self.fail(message)
@@ -99,7 +99,7 @@ class _End:
         self.broken = reason
         try:
             self.waiter.abort(1)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
     def write(self, view: memoryview) -> None:

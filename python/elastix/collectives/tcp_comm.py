@@ -23,8 +23,6 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
-import numpy as np
-
 from .errors import CollectiveError, CollectiveTimeoutError, MismatchError, PeerError
 
 MAGIC = 0x454C4153_54495843  # "ELASTIXC"
@@ -167,7 +165,7 @@ class TcpComm:
                     sock = self.conns[peer]
                     for view in views:
                         sock.sendall(view)
-                except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+                except BaseException as err:
                     ticket.error = err
             if last:
                 ticket._event.set()

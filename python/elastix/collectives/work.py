@@ -80,7 +80,7 @@ class Executor:
                 with self.inline_lock:
                     result = fn()
                 work._finish(result)
-            except BaseException as err:  # noqa: BLE001 - handed to whoever waits
+            except BaseException as err:
                 work._finish(error=err)
             with self._lock:
                 self._pending -= 1

@@ -89,7 +89,7 @@ class TCPStore(Store):
         return self._core.port
 
     @property
-    def libuvBackend(self) -> bool:  # noqa: N802 (torch's name)
+    def libuvBackend(self) -> bool:
         return self._use_libuv
 
     @property
