@@ -1,11 +1,12 @@
 //! `TcpStoreCore`: one TCPStore connection (and, for a master, its in-process server), driven
 //! by a current-thread tokio runtime of its own on the calling thread, with the GIL released.
 
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use elastix_core::store::client::InterruptCheck;
 use elastix_core::store::error::Result as StoreResult;
+use elastix_core::store::server::listener::duplicate_socket_fd;
 use elastix_core::store::{TcpStore, TcpStoreOptions};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -102,6 +103,12 @@ impl TcpStoreCore {
         listen_fd: Option<i32>,
         client_if_port_taken: bool,
     ) -> PyResult<Self> {
+        // A descriptor of our own: the caller's stays theirs to close.
+        let listen_fd = listen_fd
+            .map(duplicate_socket_fd)
+            .transpose()
+            .map_err(|err| pyo3::exceptions::PyValueError::new_err(format!("master_listen_fd: {err}")))?
+            .map(Arc::new);
         let options = TcpStoreOptions {
             world_size,
             is_master,

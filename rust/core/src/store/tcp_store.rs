@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::Duration;
 
@@ -33,7 +33,7 @@ pub struct TcpStoreOptions {
     /// A second master on the same port in this process shares the first one's server.
     pub multi_tenant: bool,
     /// Serve on this already bound socket instead of binding one.
-    pub listen_fd: Option<RawFd>,
+    pub listen_fd: Option<Arc<OwnedFd>>,
     /// If the port is taken, connect as a client instead of failing (torch does this for a
     /// worker whose agent already hosts the store on `MASTER_PORT`).
     pub client_if_port_taken: bool,
@@ -257,7 +257,7 @@ fn start_or_share_server(options: &TcpStoreOptions) -> Result<Option<Arc<Backgro
             return Ok(Some(server));
         }
     }
-    let config = ServerConfig { port: options.port, listen_fd: options.listen_fd, ..options.server.clone() };
+    let config = ServerConfig { port: options.port, listen_fd: options.listen_fd.clone(), ..options.server.clone() };
     match BackgroundServer::start(&config, IN_PROCESS_SERVER_THREADS) {
         Ok(server) => {
             let server = Arc::new(server);

@@ -3,7 +3,7 @@
 
 use std::io;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
-use std::os::fd::{FromRawFd, RawFd};
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
@@ -67,11 +67,31 @@ fn bind_one(addr: SocketAddr) -> io::Result<TcpListener> {
     Ok(socket.into())
 }
 
+/// A descriptor of our own for the socket behind `fd` (torch's `master_listen_fd`, a bare
+/// number from Python): a close-on-exec duplicate, so whoever owns `fd` may close it at any
+/// time and no descriptor is ever closed twice. A number that is not an open socket is an
+/// error, never undefined behaviour.
+pub fn duplicate_socket_fd(fd: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: fcntl on an arbitrary number touches no memory; a closed one fails with EBADF.
+    let copy = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if copy < 0 {
+        let err = io::Error::last_os_error();
+        return Err(io::Error::new(err.kind(), format!("listen fd {fd} is not an open descriptor: {err}")));
+    }
+    // SAFETY: `copy` was just returned by fcntl; nothing else owns it.
+    let owned = unsafe { OwnedFd::from_raw_fd(copy) };
+    let socket = Socket::from(owned);
+    match socket.r#type() {
+        Ok(kind) if kind == Type::STREAM => Ok(socket.into()),
+        Ok(_) => Err(io::Error::new(io::ErrorKind::InvalidInput, format!("listen fd {fd} is not a stream socket"))),
+        Err(err) => Err(io::Error::new(err.kind(), format!("listen fd {fd} is not a socket: {err}"))),
+    }
+}
+
 /// Takes over a socket the caller already bound (torch's `master_listen_fd`) and listens on
 /// it. Its bound port must be `expected_port` unless that is 0.
-pub fn adopt(fd: RawFd, expected_port: u16) -> io::Result<TcpListener> {
-    // SAFETY: the caller hands over ownership of an open socket descriptor.
-    let socket = unsafe { Socket::from_raw_fd(fd) };
+pub fn adopt(fd: OwnedFd, expected_port: u16) -> io::Result<TcpListener> {
+    let socket = Socket::from(fd);
     let bound = socket
         .local_addr()?
         .as_socket()
@@ -120,8 +140,22 @@ mod tests {
         let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
         socket.bind(&SockAddr::from(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))).unwrap();
         let port = socket.local_addr().unwrap().as_socket().unwrap().port();
-        let fd = std::os::fd::IntoRawFd::into_raw_fd(socket);
+        let fd = duplicate_socket_fd(std::os::fd::AsRawFd::as_raw_fd(&socket)).unwrap();
+        drop(socket); // the original may go: the listener has a descriptor of its own
         let listener = adopt(fd, port).unwrap();
         assert_eq!(listener.local_addr().unwrap().port(), port);
+        let wrong = duplicate_socket_fd(std::os::fd::AsRawFd::as_raw_fd(&listener)).unwrap();
+        assert!(adopt(wrong, port.wrapping_add(1).max(1)).unwrap_err().to_string().contains("bound to port"));
+    }
+
+    #[test]
+    fn a_bad_listen_fd_is_an_error() {
+        assert!(duplicate_socket_fd(-1).unwrap_err().to_string().contains("not an open descriptor"));
+        let file = std::fs::File::open("/proc/self/stat").unwrap();
+        let err = duplicate_socket_fd(std::os::fd::AsRawFd::as_raw_fd(&file)).unwrap_err();
+        assert!(err.to_string().contains("not a socket"), "{err}");
+        let udp = Socket::new(Domain::IPV4, Type::DGRAM, None).unwrap();
+        let err = duplicate_socket_fd(std::os::fd::AsRawFd::as_raw_fd(&udp)).unwrap_err();
+        assert!(err.to_string().contains("not a stream socket"), "{err}");
     }
 }

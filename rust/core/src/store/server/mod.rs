@@ -8,7 +8,7 @@ mod shutdown;
 
 use std::io;
 use std::net::SocketAddr;
-use std::os::fd::RawFd;
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -30,8 +30,9 @@ pub struct ServerConfig {
     pub host: Option<String>,
     /// Port to listen on; 0 lets the kernel pick a free one (read it back with `port()`).
     pub port: u16,
-    /// An already bound socket to listen on instead (torch's `master_listen_fd`).
-    pub listen_fd: Option<RawFd>,
+    /// An already bound socket to listen on instead (torch's `master_listen_fd`); see
+    /// [`listener::duplicate_socket_fd`]. Shared, because configurations are cloned.
+    pub listen_fd: Option<Arc<OwnedFd>>,
     pub limits: Limits,
     /// Connections served at once; further clients wait in the accept backlog.
     pub max_connections: usize,
@@ -92,8 +93,8 @@ impl StoreServer {
 
     /// The listening socket `config` asks for.
     pub fn listen(config: &ServerConfig) -> io::Result<std::net::TcpListener> {
-        match config.listen_fd {
-            Some(fd) => listener::adopt(fd, config.port),
+        match &config.listen_fd {
+            Some(fd) => listener::adopt(fd.try_clone()?, config.port),
             None => listener::bind(config.host.as_deref(), config.port),
         }
     }
