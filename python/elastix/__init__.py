@@ -30,7 +30,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'elastix' has no attribute {name!r}")
@@ -41,7 +41,7 @@ def __getattr__(name: str):
     return value
 
 
-def __dir__():
+def __dir__() -> "list[str]":
     return sorted(set(globals()) | set(_LAZY))
 
 

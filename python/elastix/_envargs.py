@@ -107,7 +107,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
         try:
             if isinstance(action, EnvFlag):
                 return parse_env_bool(name, raw)
-            value = action.type(raw) if action.type is not None else raw  # type: ignore[misc]
+            value = action.type(raw) if callable(action.type) else raw
         except (ValueError, TypeError, argparse.ArgumentTypeError) as err:
             reason = str(err) or "invalid value"
             self.error(f"{name}={raw!r} (the environment's value for {flag}): {reason}")

@@ -52,8 +52,8 @@ def run_payload(payload: str, results: str) -> None:
     value = record(call)()
     rank = os.environ.get("RANK", "0")
     tmp = os.path.join(results, f".{rank}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(value, f)
+    with open(tmp, "wb") as out:
+        pickle.dump(value, out)
     os.replace(tmp, os.path.join(results, f"{rank}.pkl"))
 
 

@@ -32,23 +32,23 @@ def resolve_nproc(value: str, cgroup_root: str = CGROUP_ROOT) -> int:
     if kind == "cpu":
         return usable_cpu_count(cgroup_root)
     if kind == "gpu":
-        count = gpu_count()
-        if not count:
+        gpus = gpu_count()
+        if not gpus:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             seen = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible!r}"
             raise ValueError(
                 f"--nproc-per-node gpu: no NVIDIA GPU found (`nvidia-smi -L` listed none{seen}); "
                 "give a number of workers instead"
             )
-        return count
+        return gpus
     if kind == "xpu":
-        count = xpu_count()
-        if not count:
+        xpus = xpu_count()
+        if not xpus:
             raise ValueError(
                 "--nproc-per-node xpu: elastix counts Intel GPUs from ZE_AFFINITY_MASK only "
                 "(it does not import torch), and it is not set; give a number of workers instead"
             )
-        return count
+        return xpus
     if kind == "auto":
         return gpu_count() or usable_cpu_count(cgroup_root)
     raise ValueError(f"--nproc-per-node: {value!r} is not a positive integer or one of {', '.join(CHOICES)}")

@@ -24,7 +24,7 @@ class ReduceOp(enum.IntEnum):
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
-def as_op(op) -> ReduceOp:
+def as_op(op: object) -> ReduceOp:
     if isinstance(op, ReduceOp):
         return op
     if isinstance(op, str):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from datetime import timedelta
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Callable, Iterable, List, Optional, Sequence, Union
 
 Key = Union[str, bytes]
 Value = Union[str, bytes, bytearray, memoryview]
@@ -138,5 +138,5 @@ class Store(abc.ABC):
     def has_extended_api(self) -> bool:
         return True
 
-    def watch_key(self, key: Key, callback) -> None:
+    def watch_key(self, key: Key, callback: Callable[..., None]) -> None:
         raise NotImplementedError("watchKey is deprecated, no implementation supports it.")

@@ -70,14 +70,14 @@ class _BlockingStore(Store):
         return self._core.multi_get(encode_keys(keys), self._timeout)
 
     def multi_set(self, keys: Sequence[Key], values: Sequence[Value]) -> None:
-        keys, values = encode_keys(keys), [encode_value(value) for value in values]
-        if len(keys) != len(values):
+        encoded_keys, encoded_values = encode_keys(keys), [encode_value(value) for value in values]
+        if len(encoded_keys) != len(encoded_values):
             from ..errors import DistStoreError
 
             raise DistStoreError(
                 f"multi_set got {len(keys)} keys but {len(values)} values; they must be of the same length"
             )
-        self._core.multi_set(keys, values)
+        self._core.multi_set(encoded_keys, encoded_values)
 
     def queue_push(self, key: Key, value: Value) -> None:
         self._core.queue_push(encode_key(key), encode_value(value))
