@@ -76,8 +76,9 @@ pub fn wait_writable(fd: RawFd) -> io::Result<()> {
 
 /// CPU seconds (user + system) the calling thread has used.
 pub fn thread_cpu_seconds() -> f64 {
-    // SAFETY: getrusage fills the zeroed struct.
+    // SAFETY: rusage is plain old data, for which all-zero bytes are a valid value.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes only into the struct it is given, which outlives the call.
     unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) };
     let secs = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
     secs(usage.ru_utime) + secs(usage.ru_stime)
