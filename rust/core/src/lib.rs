@@ -7,6 +7,8 @@
 //! * [`collectives`]: the reduction kernels and shared-memory waits of the CPU collectives
 //!   (the algorithms themselves are in the Python package).
 
+#![warn(clippy::undocumented_unsafe_blocks, unsafe_op_in_unsafe_fn)]
+
 pub mod agent;
 pub mod collectives;
 pub mod rendezvous;
