@@ -2,11 +2,14 @@
 //! releases the GIL around every blocking call and maps errors to Python exceptions; the
 //! Python package (`python/elastix`) builds the user-facing API on top.
 
+#![warn(clippy::undocumented_unsafe_blocks, unsafe_op_in_unsafe_fn)]
+
 mod agent;
 mod blocking_store;
 mod collectives;
 mod errors;
 mod interrupt;
+mod listen_fd;
 mod rendezvous;
 mod store_cli;
 mod tcp_store;

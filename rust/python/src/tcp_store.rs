@@ -1,6 +1,7 @@
 //! `TcpStoreCore`: one TCPStore connection (and, for a master, its in-process server), driven
 //! by a current-thread tokio runtime of its own on the calling thread, with the GIL released.
 
+use std::os::fd::IntoRawFd;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -102,6 +103,9 @@ impl TcpStoreCore {
         listen_fd: Option<i32>,
         client_if_port_taken: bool,
     ) -> PyResult<Self> {
+        // Owned from here on; only a master's server uses it (a client drops, so closes, it).
+        let listen_fd = listen_fd.map(crate::listen_fd::take).transpose()?;
+        let listen_fd = if is_master { listen_fd.map(IntoRawFd::into_raw_fd) } else { None };
         let options = TcpStoreOptions {
             world_size,
             is_master,
