@@ -11,6 +11,7 @@ mod errors;
 mod interrupt;
 mod listen_fd;
 mod rendezvous;
+mod shm;
 mod store_cli;
 mod tcp_store;
 mod timeout;
