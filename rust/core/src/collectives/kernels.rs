@@ -398,7 +398,8 @@ where
     }
     if (src as usize) % align_of::<H>() == 0 {
         // SAFETY: readable for out.len() halves (the caller's contract) and aligned; H (f16 or
-        // bf16) is valid for every bit pattern; the slice is dropped before anything writes.
+        // bf16) is valid for every bit pattern, so a peer writing meanwhile only changes values;
+        // the slice is dropped before this kernel writes anything (a destination may be it).
         let halves = unsafe { std::slice::from_raw_parts(src as *const H, out.len()) };
         halves.convert_to_f32_slice(out);
     } else {
@@ -426,7 +427,8 @@ where
         return unsafe { f16c::store(values, dst) };
     }
     if (dst as usize) % align_of::<H>() == 0 {
-        // SAFETY: writable for values.len() halves (the caller's contract) and aligned.
+        // SAFETY: writable for values.len() halves (the caller's contract) and aligned; no
+        // other reference into them exists while this one lives (sources were read already).
         let halves = unsafe { std::slice::from_raw_parts_mut(dst as *mut H, values.len()) };
         halves.convert_from_f32_slice(values);
     } else {

@@ -203,8 +203,9 @@ impl SharedMemory {
     pub fn u64_at(&self, offset: usize) -> Result<&AtomicU64, OffsetError> {
         self.check(offset, 8, 8)?;
         // SAFETY: the 8 bytes are inside the mapping, which lives as long as `&self`, and
-        // aligned (page-aligned base, 8-aligned offset); every bit pattern is a valid u64, and
-        // the words reached this way are only ever accessed atomically, in every process.
+        // aligned (page-aligned base, 8-aligned offset). Every bit pattern is a valid u64, so
+        // whatever other processes (or views of this one) write there only changes the value
+        // an atomic access sees; the protocol's counters are written atomically everywhere.
         Ok(unsafe { &*(self.as_ptr().add(offset) as *const AtomicU64) })
     }
 
