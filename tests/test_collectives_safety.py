@@ -180,14 +180,47 @@ def pending_all_reduce_then_destroy():
     return [work.is_completed(), type(err).__name__, str(err), isinstance(err, ec.CollectiveError)]
 
 
-def test_destroy_with_a_pending_all_reduce_fails_it_and_exits_cleanly():
-    results = harness.start(pending_all_reduce_then_destroy, 2, timeout=90).wait()
+@pytest.mark.parametrize("method", ["memfd", "file"])
+def test_destroy_with_a_pending_all_reduce_fails_it_and_exits_cleanly(method):
+    results = harness.start(pending_all_reduce_then_destroy, 2, timeout=90, env={"ELASTIX_SHM": method}).wait()
     for r in results:
         assert r.returncode == 0, r.describe()
     completed, _kind, message, is_collective_error = results[0].value
     assert completed and is_collective_error, results[0].value
     assert "destroyed" in message and "rank(s) 1" in message, message
     assert results[1].value == "waited"
+
+
+def pending_irecv_then_destroy():
+    """Rank 0 waits in an irecv for a second message rank 1 never sends, then destroys."""
+    import numpy as np
+
+    ec = harness.init(timeout=timedelta(seconds=120))
+    side = elastix.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=timedelta(seconds=60))
+    x = np.zeros(256)
+    if ec.get_rank() == 1:
+        ec.send(np.ones(256), 0)  # the channel exists from here on
+        side.wait(["safety/rank0-done"])
+        return "waited"
+    ec.recv(x, 1)
+    work = ec.irecv(x, 1)
+    channel = ec._world().default.backend.p2p.inc[1]
+    deadline = time.monotonic() + 60
+    while channel.segment.load(128) == 0:  # W_WAITERS: rank 0 sleeps on rank 1's write position
+        assert time.monotonic() < deadline, "the irecv never started waiting"
+        time.sleep(0.001)
+    ec.destroy_process_group()
+    err = work.exception()
+    side.set("safety/rank0-done", "1")
+    return [work.is_completed(), str(err), isinstance(err, ec.CollectiveError)]
+
+
+def test_destroy_with_a_pending_irecv_fails_it_and_exits_cleanly():
+    results = harness.start(pending_irecv_then_destroy, 2, timeout=90).wait()
+    for r in results:
+        assert r.returncode == 0, r.describe()
+    completed, message, is_collective_error = results[0].value
+    assert completed and is_collective_error and "destroyed" in message, results[0].value
 
 
 def test_master_listen_fd_is_checked_then_owned():

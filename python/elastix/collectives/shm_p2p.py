@@ -75,7 +75,12 @@ class _End:
     def _wait(self, target: int, waiter=None) -> None:
         if target <= 0:
             return
-        outcome = (waiter or self.waiter).wait(target, self.timeout)
+        try:
+            outcome = (waiter or self.waiter).wait(target, self.timeout)
+        except ValueError:
+            if self.segment.closed:  # destroyed by another thread
+                raise CollectiveError(f"the channel with rank {self.peer_rank} was closed (group destroyed)") from None
+            raise
         if outcome is None:
             return
         kind, _args = outcome
@@ -133,6 +138,7 @@ class _End:
 
     def close(self) -> None:
         """Ends the waits on this channel (they fail), then lets go of the memory."""
+        self.broken = self.broken or "the group was destroyed"
         self.segment.close()
         self.data = None
 
