@@ -4,6 +4,7 @@ rank attached (a creator that crashed before that leaves a file the next creator
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 
 import collectives_harness as harness
-from elastix.collectives.shm_segment import PREFIX, SHM_DIR, Segment, sweep_stale
+from elastix.collectives import shm_segment
+from elastix.collectives.shm_segment import PREFIX, SHM_DIR, sweep_stale
 
 
 def ours():
@@ -26,18 +28,20 @@ def ours():
 
 @pytest.mark.parametrize("method", ["memfd", "file"])
 def test_a_segment_is_shared_and_its_name_released(method):
-    seg = Segment.create(10_000, method)
-    other = Segment.attach(Segment.decode(seg.encode()))
-    seg.bytes[:5] = [1, 2, 3, 4, 5]
-    assert list(other.bytes[:5]) == [1, 2, 3, 4, 5]
-    assert seg.size % 4096 == 0 and seg.size >= 10_000
+    seg = shm_segment.create(10_000, method)
+    other = shm_segment.attach(seg.encode().encode())  # as read back from the store
+    mine, theirs = np.frombuffer(seg, np.uint8), np.frombuffer(other, np.uint8)
+    mine[:5] = [1, 2, 3, 4, 5]
+    assert list(theirs[:5]) == [1, 2, 3, 4, 5]
+    assert seg.size % 4096 == 0 and seg.size >= 10_000 and seg.kind == method
+    path = json.loads(seg.encode()).get("path")
     if method == "file":
-        assert os.path.exists(seg.handle["path"])
+        assert os.path.exists(path)
     seg.release_name()
     if method == "file":
-        assert not os.path.exists(seg.handle["path"])
-    other.bytes[7] = 9
-    assert seg.bytes[7] == 9  # the mapping outlives the name
+        assert not os.path.exists(path)
+    theirs[7] = 9
+    assert mine[7] == 9  # the mapping outlives the name
     other.close()
     seg.close()
 

@@ -28,6 +28,7 @@ def test_serves_on_the_given_socket_and_keeps_its_own_descriptor():
         (lambda: (None, 2**20), "not an open descriptor"),
         (lambda: (f := open(__file__), f.fileno()), "not a socket"),
         (lambda: (s := socket.socket(type=socket.SOCK_DGRAM), s.fileno()), "not a stream socket"),
+        (lambda: (s := socket.socket(), s.fileno()), "not bound to a port"),
     ],
 )
 def test_a_bad_descriptor_is_a_value_error(make, message):

@@ -1,13 +1,12 @@
-"""The Rust helpers (``elastix._core.collectives``): reduction kernels and shared-memory
-waits."""
+"""The Rust helpers (``elastix._core.collectives``): reduction kernels, shared-memory segments
+(reached by offsets, never addresses) and the waits on their counters."""
 
 from __future__ import annotations
 
 from .._core import collectives as _mod
 
 reduce = _mod.reduce
-publish = _mod.publish
-load = _mod.load
+Segment = _mod.Segment
 Waiter = _mod.Waiter
 
-__all__ = ["reduce", "publish", "load", "Waiter"]
+__all__ = ["reduce", "Segment", "Waiter"]

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import _native, shm_algos, tcp_algos
+from . import _native, shm_algos, shm_segment, tcp_algos
 from .shm_comm import ABORT_DESTROYED, ShmComm, default_slot_bytes, segment_bytes
 from .shm_p2p import HEADER as P2P_HEADER
 from .shm_p2p import MAGIC as P2P_MAGIC
@@ -69,10 +69,10 @@ class CpuBackend:
         slot = default_slot_bytes(len(local))
         key = f"shm/{host}"
         if me == 0:
-            seg = Segment.create(segment_bytes(len(local), slot))
+            seg = shm_segment.create(segment_bytes(len(local), slot))
             self.store.set(key, seg.encode())
         else:
-            seg = Segment.attach(Segment.decode(self.store.get(key)))
+            seg = shm_segment.attach(self.store.get(key))
         if self.store.add(f"{key}/attached", 1) == len(local):
             self.store.set(f"{key}/all", "1")
         if me == 0:
@@ -282,25 +282,29 @@ class CpuBackend:
     # -- teardown -------------------------------------------------------------------------------
 
     def abort(self, reason: str) -> None:
+        """Makes every collective in progress fail promptly, here and on the peers: the peers
+        see this rank's abort word, the waits of this process end because the segments close
+        (after which every access to them fails), TCP connections are shut."""
         if self.shm is not None:
             self.shm.abort(ABORT_DESTROYED, reason)
+        if self.segment is not None:
+            self.segment.close()
+        if self.p2p is not None:
+            self.p2p.close()
         if self.tcp is not None:
             self.tcp.abort(reason)
 
     def close(self) -> None:
+        """Frees what is left once no collective runs any more (after ``abort``)."""
+        self.abort("destroyed")
         if self.shm is not None:
-            self.shm.abort(ABORT_DESTROYED, "destroyed")
             self.shm.close()
             self.shm = None
-        if self.p2p is not None:
-            self.p2p.close()
-            self.p2p = None
+        self.p2p = None
         if self.tcp is not None:
             self.tcp.close()
             self.tcp = None
-        if self.segment is not None:
-            self.segment.close()
-            self.segment = None
+        self.segment = None
 
 
 __all__ = ["CpuBackend"]

@@ -72,10 +72,14 @@ class ProcessGroup:
         if self.destroyed:
             return
         self.destroyed = True
+        backend = self.backend
+        if backend is not None and (self.executor.busy() or self.send_executor.busy()):
+            # what runs or waits must fail now rather than wait for its peers: abort first
+            backend.abort(f"group {self.name} was destroyed")
         self.executor.close()
         self.send_executor.close()
-        if self.backend is not None:
-            self.backend.close()
+        if backend is not None:
+            backend.close()
             self.backend = None
 
 

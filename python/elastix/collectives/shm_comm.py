@@ -97,53 +97,40 @@ class ShmComm:
         self.slot_bytes = slot_bytes
         self.seq = 0
         self.broken: Optional[str] = None
-        base = segment.addr
-        self._ctrl_base = base + PAGE
         self._data_base = PAGE + (-(-nranks * CTRL_BYTES // PAGE) * PAGE)
-        ctrl = np.frombuffer(segment.mmap, dtype=np.int64, count=nranks * CTRL_BYTES // 8, offset=PAGE)
+        ctrl = np.frombuffer(segment, dtype=np.int64, count=nranks * CTRL_BYTES // 8, offset=PAGE)
         ctrl[me * CTRL_BYTES // 8 + W_PID] = os.getpid()
-        self._pidfds: List[int] = []
+        del ctrl
         peers = [j for j in range(nranks) if j != me]
         self._peers = peers
-        pidfds = []
-        for j in peers:
-            fd = -1
-            if hasattr(os, "pidfd_open"):
-                try:
-                    fd = os.pidfd_open(int(pids[j]))
-                    self._pidfds.append(fd)
-                except ProcessLookupError:
-                    raise PeerError(f"rank {self.ranks[j]} (pid {pids[j]}) is already gone", self.ranks[j]) from None
-                except OSError:
-                    fd = -1
-            pidfds.append(fd)
         spin, yield_us, check_ms = spin_policy(nranks)
-        self.waiter = _native.Waiter(
-            [self._ctrl(j) for j in peers],
-            [self._ctrl(j) + 8 * W_ABORT for j in peers],
-            [self._ctrl(j) + W_WAITERS_BYTE for j in peers],
-            pidfds,
-            [int(pids[j]) for j in peers],
-            own_flag=self._ctrl(me),
-            own_waiters=self._ctrl(me) + W_WAITERS_BYTE,
-            own_abort=self._ctrl(me) + 8 * W_ABORT,
-            spin_iters=spin,
-            yield_us=yield_us,
-            check_ms=check_ms,
-            desc_offsets=DESC_BYTES,
-        )
-        mm = segment.mmap
-        self._slots = [
-            [
-                np.frombuffer(mm, dtype=np.uint8, count=slot_bytes, offset=self._data_base + (j * 2 + b) * slot_bytes)
-                for b in range(2)
-            ]
-            for j in range(nranks)
-        ]
+        try:
+            self.waiter = _native.Waiter(
+                segment,
+                [self._ctrl(j) for j in peers],
+                [self._ctrl(j) + 8 * W_ABORT for j in peers],
+                [self._ctrl(j) + W_WAITERS_BYTE for j in peers],
+                [int(pids[j]) for j in peers],
+                own_flag=self._ctrl(me),
+                own_waiters=self._ctrl(me) + W_WAITERS_BYTE,
+                own_abort=self._ctrl(me) + 8 * W_ABORT,
+                spin_iters=spin,
+                yield_us=yield_us,
+                check_ms=check_ms,
+                desc_offsets=DESC_BYTES,
+            )
+        except ProcessLookupError as err:
+            gone = [j for j in peers if str(pids[j]) in str(err)] or peers
+            j = gone[0]
+            raise PeerError(f"rank {self.ranks[j]} (pid {pids[j]}) is already gone", self.ranks[j]) from None
+        slots = np.frombuffer(segment, dtype=np.uint8, count=2 * nranks * slot_bytes, offset=self._data_base)
+        self._slots = [[slots[(j * 2 + b) * slot_bytes :][:slot_bytes] for b in range(2)] for j in range(nranks)]
         self._typed: Dict[tuple, np.ndarray] = {}
 
-    def _ctrl(self, j: int) -> int:
-        return self._ctrl_base + j * CTRL_BYTES
+    @staticmethod
+    def _ctrl(j: int) -> int:
+        """The byte offset of rank j's control block in the segment."""
+        return PAGE + j * CTRL_BYTES
 
     # -- slots ------------------------------------------------------------------------------
 
@@ -176,7 +163,12 @@ class ShmComm:
     def step(self, desc: Optional[List[int]] = None, what: str = "collective") -> int:
         """Publishes the next step and waits for every peer; returns the buffer it used."""
         self.seq += 1
-        outcome = self.waiter.step(self.seq, desc, self.timeout)
+        try:
+            outcome = self.waiter.step(self.seq, desc, self.timeout)
+        except ValueError:
+            if self.segment.closed:  # destroyed by another thread before this step began
+                raise CollectiveError(f"{what}: the group was destroyed before this collective ran") from None
+            raise
         if outcome is not None:
             self._fail(outcome, desc, what)
         return self.seq & 1
@@ -198,6 +190,12 @@ class ShmComm:
             )
             self.abort(ABORT_ERROR, message)
             raise CollectiveTimeoutError(message, late)
+        if kind == "closed":
+            late = [self.ranks[self._peers[int(i)]] for i in args]
+            waited = f" while waiting for rank(s) {', '.join(map(str, late))}" if late else ""
+            message = f"{what}: the group was destroyed{waited}"
+            self.broken = self.broken or message
+            raise CollectiveError(message)
         j = self._peers[int(args[0])]
         rank = self.ranks[j]
         if kind == "dead":
@@ -217,9 +215,7 @@ class ShmComm:
             pass
 
     def _peer_desc(self, j: int, count: int, parity: int) -> List[int]:
-        words = np.frombuffer(
-            self.segment.mmap, dtype=np.int64, count=count, offset=PAGE + j * CTRL_BYTES + DESC_BYTES[parity]
-        )
+        words = np.frombuffer(self.segment, dtype=np.int64, count=count, offset=self._ctrl(j) + DESC_BYTES[parity])
         return [int(v) for v in words]
 
     @staticmethod
@@ -229,12 +225,7 @@ class ShmComm:
         return describe(desc)
 
     def close(self) -> None:
-        for fd in self._pidfds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._pidfds = []
+        """Drops this engine's views of the segment (the segment itself is closed by its owner)."""
         self._typed.clear()
         self._slots = []
 

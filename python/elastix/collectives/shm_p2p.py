@@ -17,7 +17,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from . import _native
+from . import _native, shm_segment
 from .errors import CollectiveError, CollectiveTimeoutError, MismatchError, PeerError
 from .shm_comm import spin_policy
 from .shm_segment import PAGE, Segment
@@ -42,45 +42,45 @@ class _End:
         self.peer_rank = peer_rank
         self.timeout = timeout
         self.cap = segment.size - PAGE
-        self.data = segment.bytes[PAGE:]
-        base = segment.addr
-        self.base = base
-        self.pidfd = -1
-        try:
-            self.pidfd = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            pass
+        self.data = np.frombuffer(segment, dtype=np.uint8, offset=PAGE)
         spin, yield_us, check_ms = spin_policy(2)
         mine, theirs = (W_POS, R_POS) if sender else (R_POS, W_POS)
         their_waiters = R_WAITERS if sender else W_WAITERS
         my_waiters = W_WAITERS if sender else R_WAITERS
         their_abort = R_ABORT if sender else W_ABORT
-        self.my_pos_addr = base + mine
-        self.my_waiters_addr = base + my_waiters
-        self.my_abort_addr = base + (W_ABORT if sender else R_ABORT)
-        self.waiter = _native.Waiter(
-            [base + theirs],
-            [base + their_abort],
-            [base + their_waiters],
-            [self.pidfd],
-            [pid],
-            own_flag=base + mine,
-            own_waiters=base + my_waiters,
-            own_abort=self.my_abort_addr,
-            spin_iters=spin,
-            yield_us=yield_us,
-            check_ms=check_ms,
-        )
-        self.attached_waiter = _native.Waiter(
-            [base + ATTACHED], [base + their_abort], [None], [self.pidfd], [pid], spin_iters=0, yield_us=0, check_ms=2
-        )
-        self.pos = _native.load(self.my_pos_addr)
+        self.my_pos = mine
+        self.my_waiters = my_waiters
+        try:
+            self.waiter = _native.Waiter(
+                segment,
+                [theirs],
+                [their_abort],
+                [their_waiters],
+                [pid],
+                own_flag=mine,
+                own_waiters=my_waiters,
+                own_abort=W_ABORT if sender else R_ABORT,
+                spin_iters=spin,
+                yield_us=yield_us,
+                check_ms=check_ms,
+            )
+            self.attached_waiter = _native.Waiter(
+                segment, [ATTACHED], [their_abort], [None], [pid], spin_iters=0, yield_us=0, check_ms=2
+            )
+        except ProcessLookupError:
+            raise PeerError(f"rank {peer_rank} (pid {pid}) is already gone", peer_rank) from None
+        self.pos = segment.load(mine)
         self.broken: Optional[str] = None
 
     def _wait(self, target: int, waiter=None) -> None:
         if target <= 0:
             return
-        outcome = (waiter or self.waiter).wait(target, self.timeout)
+        try:
+            outcome = (waiter or self.waiter).wait(target, self.timeout)
+        except ValueError:
+            if self.segment.closed:  # destroyed by another thread
+                raise CollectiveError(f"the channel with rank {self.peer_rank} was closed (group destroyed)") from None
+            raise
         if outcome is None:
             return
         kind, _args = outcome
@@ -88,6 +88,10 @@ class _End:
             message = f"timed out after {self.timeout:.1f} s waiting for rank {self.peer_rank}"
             self.fail(message)
             raise CollectiveTimeoutError(message, [self.peer_rank])
+        if kind == "closed":
+            message = f"the group was destroyed while waiting for rank {self.peer_rank} in send/recv"
+            self.broken = message
+            raise CollectiveError(message)
         if kind == "dead":
             message = f"rank {self.peer_rank} died (its process exited) during send/recv"
         else:
@@ -115,7 +119,7 @@ class _End:
                 self.data[: want - k] = src[done + k : done + want]
             self.pos += want
             done += want
-            _native.publish(self.my_pos_addr, self.my_waiters_addr, self.pos)
+            self.segment.publish(self.my_pos, self.my_waiters, self.pos)
 
     def read_into(self, view: memoryview) -> None:
         n, done = len(view), 0
@@ -130,13 +134,13 @@ class _End:
                 dst[done + k : done + want] = self.data[: want - k]
             self.pos += want
             done += want
-            _native.publish(self.my_pos_addr, self.my_waiters_addr, self.pos)
+            self.segment.publish(self.my_pos, self.my_waiters, self.pos)
 
     def close(self) -> None:
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
+        """Ends the waits on this channel (they fail), then lets go of the memory."""
+        self.broken = self.broken or "the group was destroyed"
         self.segment.close()
+        self.data = None
 
 
 class ShmP2P:
@@ -157,7 +161,7 @@ class ShmP2P:
     def _out(self, peer: int) -> _End:
         end = self.out.get(peer)
         if end is None:
-            seg = Segment.create(PAGE + capacity())
+            seg = shm_segment.create(PAGE + capacity())
             end = _End(seg, True, self.ranks[peer], self.pids[peer], self.timeout)
             self.send_store.set(f"p2p/{self.me}/{peer}", seg.encode())
             end.first = True
@@ -167,9 +171,9 @@ class ShmP2P:
     def _in(self, peer: int) -> _End:
         end = self.inc.get(peer)
         if end is None:
-            seg = Segment.attach(Segment.decode(self.recv_store.get(f"p2p/{peer}/{self.me}")))
+            seg = shm_segment.attach(self.recv_store.get(f"p2p/{peer}/{self.me}"))
             end = _End(seg, False, self.ranks[peer], self.pids[peer], self.timeout)
-            _native.publish(seg.addr + ATTACHED, None, 1)
+            seg.publish(ATTACHED, None, 1)
             self.inc[peer] = end
         return end
 

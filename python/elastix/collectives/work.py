@@ -3,51 +3,58 @@
 A group runs its collectives one at a time, in the order they were issued, on a worker thread
 created at the first asynchronous call; a blocking call issued while asynchronous ones are
 pending is queued behind them (so every rank sees the same order) and waited for.
+
+Results travel in ``concurrent.futures.Future``s. The thread itself is not a
+``ThreadPoolExecutor``: the interpreter joins those at exit, so a process that ends (say, on an
+exception) with a collective still waiting for a peer would hang there until the collective's
+timeout instead of exiting and letting its peers see it gone. Ours is a daemon thread, and
+``ProcessGroup.close`` makes the work in progress fail promptly before it joins it.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
+
+log = logging.getLogger(__name__)
 
 
 class Work:
     """torch.distributed's Work: ``wait()``, ``is_completed()``, ``is_success()``,
-    ``exception()``, ``result()``."""
+    ``exception()``, ``result()``, ``get_future()``."""
 
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._error: Optional[BaseException] = None
-        self._result: Any = None
-
-    def _finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
-        self._result, self._error = result, error
-        self._done.set()
+    def __init__(self, future: Optional[Future] = None) -> None:
+        self._future: Future = future if future is not None else Future()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Blocks until the collective finished (raising its error); False on ``timeout``
         (seconds or a timedelta)."""
         if timeout is not None and hasattr(timeout, "total_seconds"):
             timeout = timeout.total_seconds()
-        if not self._done.wait(timeout):
+        try:
+            error = self._future.exception(timeout)
+        except FutureTimeout:  # not finished (an error of the collective is returned, not raised)
             return False
-        if self._error is not None:
-            raise self._error
+        if error is not None:
+            raise error
         return True
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._future.done()
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self._future.done() and self._future.exception() is None
 
     def exception(self) -> Optional[BaseException]:
-        return self._error
+        return self._future.exception() if self._future.done() else None
 
     def result(self) -> Any:
         self.wait()
-        return self._result
+        return self._future.result()
 
     def get_future(self) -> "Work":
         return self
@@ -56,11 +63,11 @@ class Work:
 class CompletedWork(Work):
     def __init__(self, result: Any = None) -> None:
         super().__init__()
-        self._finish(result)
+        self._future.set_result(result)
 
 
 class Executor:
-    """Runs a group's collectives in issue order."""
+    """Runs a group's collectives in issue order on one daemon thread."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -75,25 +82,31 @@ class Executor:
             item = self._queue.get()
             if item is None:
                 return
-            fn, work = item
-            try:
-                with self.inline_lock:
-                    result = fn()
-                work._finish(result)
-            except BaseException as err:
-                work._finish(error=err)
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    with self.inline_lock:
+                        result = fn()
+                    future.set_result(result)
+                except BaseException as err:
+                    future.set_exception(err)
             with self._lock:
                 self._pending -= 1
 
     def submit(self, fn: Callable[[], Any]) -> Work:
-        work = Work()
+        future: Future = Future()
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"elastix-{self._name}", daemon=True)
                 self._thread.start()
             self._pending += 1
-        self._queue.put((fn, work))
-        return work
+        self._queue.put((fn, future))
+        return Work(future)
+
+    def busy(self) -> bool:
+        """True while submitted work has not finished."""
+        with self._lock:
+            return self._pending > 0
 
     def run(self, fn: Callable[[], Any]) -> Any:
         """Runs ``fn`` now, or behind the pending asynchronous work."""
@@ -104,15 +117,18 @@ class Executor:
 
     def drain(self) -> None:
         """Waits for the pending work (errors stay with their handles)."""
-        with self._lock:
-            pending = self._pending
-        if pending:
+        if self.busy():
             self.submit(lambda: None).wait()
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 60.0) -> None:
+        """Lets the queued work run (the group was aborted first if any was pending, so it fails
+        fast) and joins the thread. Work that outlives ``timeout`` (it cannot reach freed memory:
+        the segments stay mapped while anything uses them) is left to end on its own."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("%s: a collective still runs %.0f s after its group was destroyed", self._name, timeout)
             self._thread = None
 
 

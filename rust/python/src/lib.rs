@@ -8,6 +8,7 @@ mod collectives;
 mod errors;
 mod interrupt;
 mod rendezvous;
+mod shm;
 mod store_cli;
 mod tcp_store;
 mod timeout;

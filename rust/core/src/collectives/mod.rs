@@ -1,17 +1,27 @@
 //! Building blocks of the CPU collectives (`elastix.collectives`), with no Python in sight.
 //!
 //! The algorithms live in Python; these are the pieces measurements showed Python could not do
-//! well: the reduction kernels ([`kernels`]: one pass over any number of sources into one or two
-//! destinations, for every dtype including float16 and bfloat16, which NumPy adds 30x slower
-//! than float32), and the waits on sequence counters in shared memory ([`wait`]: spin, then
-//! yield, then a futex, checking the peers' liveness and abort words, with acquire/release
-//! ordering that Python cannot express).
+//! well, and the ones that must be memory-safe whatever Python does:
+//! * [`kernels`]: reductions in one pass over any number of sources into one or two
+//!   destinations, for every dtype including float16 and bfloat16 (via the `half` crate), which
+//!   NumPy adds 30x slower than float32;
+//! * [`shm`]: shared memory mapped and owned by Rust, its words reached by checked offsets;
+//! * [`segment`]: a mapping that can be closed while other threads use it, without ever being
+//!   unmapped under them;
+//! * [`wait`] and [`waiter`]: waits on sequence counters in shared memory (spin, then yield,
+//!   then a futex, checking the peers' liveness and abort words, with acquire/release ordering
+//!   that Python cannot express).
 
 pub mod dtype;
-pub mod half;
 pub mod kernels;
+pub mod segment;
+pub mod shm;
 pub mod wait;
+pub mod waiter;
 
 pub use dtype::{DType, ReduceOp};
 pub use kernels::{reduce, KernelError};
+pub use segment::{Segment, SegmentError};
+pub use shm::{Backing, Handle, OffsetError, SharedMemory};
 pub use wait::{publish, wait_all, wake, Liveness, Peer, SpinPolicy, WaitError};
+pub use waiter::{Descriptors, Waiter, Words};

@@ -49,6 +49,7 @@ impl Liveness {
             Liveness::Unknown => false,
             Liveness::Pidfd(fd) => {
                 let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+                // SAFETY: one valid pollfd and a zero timeout; a stale fd only gives POLLNVAL.
                 let ready = unsafe { libc::poll(&mut pfd, 1, 0) };
                 ready > 0 && pfd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
             }
@@ -58,6 +59,7 @@ impl Liveness {
 }
 
 fn pid_is_dead(pid: i32) -> bool {
+    // SAFETY: kill with signal 0 only checks that the process exists.
     if unsafe { libc::kill(pid, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
         return true;
     }
@@ -81,10 +83,21 @@ pub struct Peer<'a> {
 /// given to [`wait_all`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum WaitError {
-    Aborted { peer: usize, code: u64 },
-    Dead { peer: usize },
-    Timeout { pending: Vec<usize> },
+    Aborted {
+        peer: usize,
+        code: u64,
+    },
+    Dead {
+        peer: usize,
+    },
+    Timeout {
+        pending: Vec<usize>,
+    },
     Interrupted,
+    /// The segment was closed while waiting (see [`super::waiter::Waiter::wait`]).
+    Closed {
+        pending: Vec<usize>,
+    },
 }
 
 /// Stores `value` in `flag` and wakes whoever sleeps on it.
@@ -164,6 +177,7 @@ pub fn wait_all(
             }
             sleep_on(&peers[idx], target, slice);
         } else {
+            // SAFETY: sched_yield takes no arguments and cannot fail.
             unsafe { libc::sched_yield() };
         }
         idx = match pending_from(idx) {
@@ -195,6 +209,7 @@ fn low_half(word: &AtomicU64) -> *const u32 {
     if cfg!(target_endian = "little") {
         base
     } else {
+        // SAFETY: the second u32 of the u64 is inside the same word.
         unsafe { base.add(1) }
     }
 }
@@ -203,6 +218,8 @@ fn futex_wait(word: &AtomicU64, expected: u32, timeout: Duration) {
     let ts =
         libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
     // Shared (not PRIVATE): the word lives in memory mapped by several processes.
+    // SAFETY: the futex word is an aligned u32 inside `word`, which outlives the call; the
+    // timespec lives on this stack frame; the kernel only reads them.
     unsafe {
         libc::syscall(
             libc::SYS_futex,
@@ -217,6 +234,7 @@ fn futex_wait(word: &AtomicU64, expected: u32, timeout: Duration) {
 }
 
 fn futex_wake(word: &AtomicU64) {
+    // SAFETY: the futex word is an aligned u32 inside `word`; FUTEX_WAKE only reads its address.
     unsafe {
         libc::syscall(
             libc::SYS_futex,
@@ -343,6 +361,7 @@ mod tests {
         // zombie: exited, not reaped yet; and its pidfd is readable
         let mut child = std::process::Command::new("sleep").arg("0.05").spawn().unwrap();
         let pid = child.id() as i32;
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
         let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as i32;
         assert!(!Liveness::Pid(pid).is_dead());
         if pidfd >= 0 {
@@ -356,6 +375,7 @@ mod tests {
         assert_eq!(err, WaitError::Dead { peer: 0 });
         child.wait().unwrap();
         if pidfd >= 0 {
+            // SAFETY: this test opened `pidfd` and closes it once.
             unsafe { libc::close(pidfd) };
         }
         assert!(!Liveness::Pid(std::process::id() as i32).is_dead());

@@ -81,10 +81,16 @@ pub fn duplicate_socket_fd(fd: RawFd) -> io::Result<OwnedFd> {
     // SAFETY: `copy` was just returned by fcntl; nothing else owns it.
     let owned = unsafe { OwnedFd::from_raw_fd(copy) };
     let socket = Socket::from(owned);
+    let invalid = |why: &str| io::Error::new(io::ErrorKind::InvalidInput, format!("listen fd {fd} {why}"));
     match socket.r#type() {
-        Ok(kind) if kind == Type::STREAM => Ok(socket.into()),
-        Ok(_) => Err(io::Error::new(io::ErrorKind::InvalidInput, format!("listen fd {fd} is not a stream socket"))),
-        Err(err) => Err(io::Error::new(err.kind(), format!("listen fd {fd} is not a socket: {err}"))),
+        Ok(kind) if kind == Type::STREAM => {}
+        Ok(_) => return Err(invalid("is not a stream socket")),
+        Err(err) => return Err(invalid(&format!("is not a socket: {err}"))),
+    }
+    match socket.local_addr()?.as_socket() {
+        None => Err(invalid("is not an IP socket")),
+        Some(addr) if addr.port() == 0 => Err(invalid("is not bound to a port (bind it first)")),
+        Some(_) => Ok(socket.into()),
     }
 }
 
