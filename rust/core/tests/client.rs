@@ -205,7 +205,8 @@ async fn a_wrong_ping_echo_is_refused() {
 async fn a_silent_server_cannot_hang_the_handshake() {
     let port = fake_server(None).await;
     let options = ConnectOptions::new("127.0.0.1", port, Some(Duration::from_millis(300)));
-    let err = tokio::time::timeout(PATIENCE, Client::connect(&options)).await.expect("the handshake hung").err().unwrap();
+    let err =
+        tokio::time::timeout(PATIENCE, Client::connect(&options)).await.expect("the handshake hung").err().unwrap();
     assert!(err.to_string().contains("no PING reply"), "{err}");
 }
 
