@@ -117,10 +117,14 @@ def worker(impl: str, sizes, budget: float, out: str) -> None:
 # -- the driver ------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def reserved_port() -> socket.socket:
+    """A port for gloo's tcp:// rendezvous, held by a bound, non-listening SO_REUSEADDR socket
+    until the run ends: rank 0's store (which binds with SO_REUSEADDR) can take it, nobody
+    else can, so there is no race between choosing the port and binding it."""
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", 0))
+    return holder
 
 
 def run_impl(impl: str, world: int, sizes, budget: float, timeout: float):
@@ -135,9 +139,10 @@ def run_impl(impl: str, world: int, sizes, budget: float, timeout: float):
         GROUP_RANK="0",
     )
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
-    store = None
+    store = port_holder = None
     if impl == "gloo":
-        env["BENCH_INIT"] = f"tcp://127.0.0.1:{free_port()}"
+        port_holder = reserved_port()
+        env["BENCH_INIT"] = f"tcp://127.0.0.1:{port_holder.getsockname()[1]}"
     else:
         import elastix
 
@@ -187,6 +192,8 @@ def run_impl(impl: str, world: int, sizes, budget: float, timeout: float):
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         os.unlink(out)
+        if port_holder is not None:
+            port_holder.close()
 
 
 def busbw(nbytes: int, seconds: float, world: int) -> float:

@@ -1,3 +1,4 @@
+import contextlib
 import os
 import socket
 import subprocess
@@ -23,10 +24,24 @@ def client(master):
     return elastix.TCPStore("127.0.0.1", master.port, timeout=timedelta(seconds=10))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def reserved_port():
+    """A port for a server that must be told its port up front (MASTER_PORT, tcp:// init,
+    torch's TCPStore): held by a bound, non-listening socket until the block ends. Servers
+    that bind with SO_REUSEADDR (elastix's and torch's) can take it meanwhile; nobody else can,
+    and the kernel hands it to no one, so there is no race between choosing and binding."""
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", 0))
+        yield holder.getsockname()[1]
+
+
+def closed_port():
+    """A bound socket that never listens: connecting to its port is refused, and no one else
+    can take the port while the socket is open."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 def run_python(code: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:

@@ -120,7 +120,7 @@ def test_a_hung_peer_times_out_with_its_rank(hosts):
     kind, ranks, message, elapsed = results[0].value
     assert kind == "Timeout", results[0].value
     assert ranks == [1] and "rank" in message and "1" in message
-    assert isinstance(elapsed, float)
+    assert elapsed >= 1.4, f"the 1.5 s timeout must run its course, not end after {elapsed:.2f} s"
 
 
 # -- misuse, in this process (a world of one over an in-process store) -------------------------

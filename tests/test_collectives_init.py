@@ -5,7 +5,6 @@ many groups share one store under their own prefixes."""
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import numpy as np
@@ -13,12 +12,7 @@ import pytest
 
 import collectives_harness as harness
 import elastix
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import reserved_port
 
 
 def sum_ranks(init_method=None, pass_store=False, use_args=False):
@@ -49,30 +43,32 @@ def test_env_with_the_agent_store():
 
 
 def test_env_where_rank0_hosts_the_store():
-    env = {"TORCHELASTIC_USE_AGENT_STORE": "False", "MASTER_PORT": str(free_port())}
-    assert harness.run(sum_ranks, 2, timeout=60, env=env) == [3.0] * 2
+    with reserved_port() as port:  # rank 0 binds MASTER_PORT itself, as under torchrun
+        env = {"TORCHELASTIC_USE_AGENT_STORE": "False", "MASTER_PORT": str(port)}
+        assert harness.run(sum_ranks, 2, timeout=60, env=env) == [3.0] * 2
 
 
 def test_tcp_init_method_with_rank_and_world_size_arguments():
-    url = f"tcp://127.0.0.1:{free_port()}"
-    assert harness.run(sum_ranks, 2, timeout=60, kwargs={"init_method": url, "use_args": True}) == [3.0] * 2
+    with reserved_port() as port:
+        url = f"tcp://127.0.0.1:{port}"
+        assert harness.run(sum_ranks, 2, timeout=60, kwargs={"init_method": url, "use_args": True}) == [3.0] * 2
 
 
 def test_tcp_init_method_with_query():
-    port = free_port()
     results = []
-    workers = [
-        harness.start(
-            sum_ranks,
-            1,
-            kwargs={"init_method": f"tcp://127.0.0.1:{port}?rank={r}&world_size=2"},
-            env={"RANK": "", "WORLD_SIZE": ""},
-            timeout=60,
-        )
-        for r in range(2)
-    ]
-    for w in workers:
-        results += w.wait()
+    with reserved_port() as port:
+        workers = [
+            harness.start(
+                sum_ranks,
+                1,
+                kwargs={"init_method": f"tcp://127.0.0.1:{port}?rank={r}&world_size=2"},
+                env={"RANK": "", "WORLD_SIZE": ""},
+                timeout=60,
+            )
+            for r in range(2)
+        ]
+        for w in workers:
+            results += w.wait()
     assert [r.value for r in results] == [3.0, 3.0], [r.describe() for r in results]
 
 

@@ -3,24 +3,41 @@ threads and as separate processes on 127.0.0.x addresses."""
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import pytest
 
 import elastix
-from conftest import free_port
 from elastix.rendezvous import RendezvousHandler, create_handler
 
+# A live node is lost only after 2 s without a heartbeat, which a loaded machine does not
+# reach; every wait is bounded by 60 s, which only a broken rendezvous runs into.
 FAST = {
     "last_call_timeout": "300ms",
-    "keep_alive_interval": "100ms",
-    "keep_alive_max_attempt": 3,
-    "join_timeout": "30s",
+    "keep_alive_interval": "250ms",
+    "keep_alive_max_attempt": 8,
+    "join_timeout": "60s",
 }
+# A last call that outlasts any test: a round that forms all the same did not wait for it.
+ENDLESS_LAST_CALL = {"last_call_timeout": "3600s"}
+
+
+def joiner(port, run_id, min_nodes, max_nodes, **conf):
+    """A node that uses the rendezvous store at `port` (it does not host one)."""
+    conf = {**FAST, **conf, "is_host": "false"}
+    return RendezvousHandler(
+        "c10d", f"127.0.0.1:{port}", run_id, min_nodes, max_nodes, local_addr="127.0.0.1", conf=conf
+    )
+
+
+def wait_for_key(port, run_id, key):
+    """Waits until a node has written the rendezvous key `key` (e.g. "r0/arrival/1")."""
+    observer = elastix.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=60))
+    observer.wait([f"elastix/rdzv/{run_id}/{key}"])
 
 
 def handlers(n, min_nodes, max_nodes, run_id, port=None, **conf):
@@ -73,26 +90,31 @@ def test_formation_gives_distinct_ranks_and_a_shared_round_store():
 
 
 def test_last_call_and_a_late_node_that_makes_the_job_re_form():
-    nodes = handlers(2, 1, 3, "late")
-    start = time.monotonic()
-    infos = rendezvous_all(nodes)
-    assert time.monotonic() - start >= 0.3, "min < max waits for the last call"
-    assert_consistent(infos, 2)
-    late = RendezvousHandler(
-        "c10d",
-        f"127.0.0.1:{nodes[0].hosted_port}",
-        "late",
-        1,
-        3,
-        local_addr="127.0.0.1",
-        conf={**FAST, "is_host": "false"},
+    # the first node's last call never ends; the second's ends the round (min 1 < max 3)
+    first = RendezvousHandler(
+        "c10d", "127.0.0.1:0", "late", 1, 3, local_addr="127.0.0.1", conf={**FAST, **ENDLESS_LAST_CALL}
     )
-    with ThreadPoolExecutor(1) as pool:
+    port = first.hosted_port
+    second = joiner(port, "late", 1, 3)
+    with ThreadPoolExecutor(3) as pool:
+        first_info = pool.submit(first.next_rendezvous)
+        wait_for_key(port, "late", "r0/arrival/0")
+        start = time.monotonic()
+        second_info = second.next_rendezvous()
+        assert time.monotonic() - start >= 0.3, "min < max waits for the last call"
+        infos = [first_info.result(60), second_info]
+        assert_consistent(infos, 2)
+        round_ = infos[0].round
+        late = joiner(port, "late", 1, 3, **ENDLESS_LAST_CALL)
         late_info = pool.submit(late.next_rendezvous)
-        assert [node.wait_for_change(10) for node in nodes] == ["nodes_waiting", "nodes_waiting"]
-        assert nodes[0].num_nodes_waiting() == 1
-        again = rendezvous_all(nodes)
-        assert_consistent([*again, late_info.result(30)], 3)
+        assert [node.wait_for_change(60) for node in (first, second)] == ["nodes_waiting", "nodes_waiting"]
+        assert first.num_nodes_waiting() == 1
+        # the first member and the late node come back and wait (no last call of their own);
+        # the second member's arrival completes the round of three
+        first_again = pool.submit(first.next_rendezvous)
+        wait_for_key(port, "late", f"r{round_ + 1}/arrival/1")
+        second_again = second.next_rendezvous()
+        assert_consistent([first_again.result(60), second_again, late_info.result(60)], 3)
 
 
 def test_close_refuses_joins_and_is_seen_by_members():
@@ -105,16 +127,30 @@ def test_close_refuses_joins_and_is_seen_by_members():
         nodes[0].next_rendezvous()
 
 
+PATIENT_NODE = r"""
+import sys, elastix.rendezvous as r
+conf = {"join_timeout": "60s", "is_host": "false"}
+h = r.RendezvousHandler("c10d", f"127.0.0.1:{sys.argv[1]}", "short", 3, 3, local_addr="127.0.0.1", conf=conf)
+h.next_rendezvous()
+"""
+
+
 def test_a_timeout_says_who_joined_and_what_is_missing():
-    nodes = handlers(2, 3, 3, "short", join_timeout="500ms")
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(node.next_rendezvous) for node in nodes]
-        for future in futures:
-            with pytest.raises(TimeoutError) as info:
-                future.result(30)
-            assert isinstance(info.value, elastix.errors.RendezvousTimeoutError)
-            message = str(info.value)
-            assert "2 node(s) joined" in message and "1 more node(s) missing" in message and "127.0.0.1_" in message
+    store = elastix.TCPStore("127.0.0.1", 0, is_master=True)
+    # a patient node in a process of its own (killed at the end), then one that gives up soon
+    patient = subprocess.Popen([sys.executable, "-c", PATIENT_NODE, str(store.port)])
+    try:
+        wait_for_key(store.port, "short", "r0/arrival/0")
+        hasty = joiner(store.port, "short", 3, 3, join_timeout="1s")
+        with pytest.raises(TimeoutError) as info:
+            hasty.next_rendezvous()
+    finally:
+        patient.kill()
+        patient.wait(30)
+    assert isinstance(info.value, elastix.errors.RendezvousTimeoutError)
+    message = str(info.value)
+    assert "2 node(s) joined" in message and "1 more node(s) missing" in message, message
+    assert f"127.0.0.1_{patient.pid}_" in message, "the node that joined is named"
 
 
 def test_bad_configuration_is_a_value_error():
@@ -129,15 +165,15 @@ def test_bad_configuration_is_a_value_error():
 
 
 def test_static_backend():
-    port = free_port()
     # The handlers outlive both joins: rank 0's handler serves the store, and dropping it
     # early would cut rank 1 off before its wait is answered (agents hold it for the job).
-    handlers = [
-        create_handler("static", f"127.0.0.1:{port}", "fixed", 2, 2, rank=rank, timeout="20s") for rank in range(2)
-    ]
+    # Rank 0 given port 0 serves at once, on a port the kernel picked.
+    first = create_handler("static", "127.0.0.1:0", "fixed", 2, 2, rank=0, timeout="60s")
+    port = first.hosted_port
+    handlers = [first, create_handler("static", f"127.0.0.1:{port}", "fixed", 2, 2, rank=1, timeout="60s")]
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(handler.next_rendezvous) for handler in handlers]
-        infos = [future.result(30) for future in futures]
+        infos = [future.result(60) for future in futures]
     for handler in handlers:
         handler.shutdown()
     assert [info.rank for info in infos] == [0, 1]
@@ -147,8 +183,10 @@ def test_static_backend():
 NODE_SCRIPT = r"""
 import json, sys, elastix.rendezvous as r
 addr, port, run_id, min_nodes, max_nodes = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-conf = {"last_call_timeout": "300ms", "keep_alive_interval": "100ms", "keep_alive_max_attempt": 3, "join_timeout": "30s"}
+# rounds form when full (no last call); a live node is lost only after 2 s of silence
+conf = {"last_call_timeout": "3600s", "keep_alive_interval": "250ms", "keep_alive_max_attempt": 8, "join_timeout": "60s"}
 h = r.RendezvousHandler("c10d", f"127.0.0.1:{port}", run_id, min_nodes, max_nodes, local_addr=addr, conf=conf)
+print(json.dumps({"hosted_port": h.hosted_port}), flush=True)
 while True:
     info = h.next_rendezvous()
     print(json.dumps({"round": info.round, "rank": info.rank, "world_size": info.world_size}), flush=True)
@@ -173,23 +211,15 @@ def read_json(proc):
     return json.loads(line)
 
 
-def wait_listening(port, timeout=20):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.02)
-    raise AssertionError(f"nothing listens on port {port}")
-
-
 def test_processes_on_several_addresses_form_and_survive_a_killed_node():
-    port = free_port()
-    procs = [start_node("127.0.0.2", port, "procs", 2, 3)]
+    # the first node hosts the store on a port the kernel picks and says which; the others
+    # are pointed at it and find it taken on this machine, so they use it
+    procs = [start_node("127.0.0.2", 0, "procs", 2, 3)]
     try:
-        wait_listening(port)  # the first node hosts the store; the others find it taken
+        port = read_json(procs[0])["hosted_port"]
+        assert port
         procs += [start_node(f"127.0.0.{i}", port, "procs", 2, 3) for i in (3, 4)]
+        assert [read_json(proc)["hosted_port"] for proc in procs[1:]] == [None, None]
         first = [read_json(proc) for proc in procs]
         assert sorted(info["rank"] for info in first) == [0, 1, 2]
         assert {info["world_size"] for info in first} == {3}
@@ -214,9 +244,9 @@ def test_ctrl_c_interrupts_a_blocked_rendezvous():
     script = """
 import sys, time, elastix.rendezvous as r
 h = r.RendezvousHandler("c10d", "127.0.0.1:0", "alone", 2, 2)
-print("ready", flush=True)
 start = time.monotonic()
 try:
+    print("ready", flush=True)  # in the try: a signal that comes early is caught too
     h.next_rendezvous()
 except KeyboardInterrupt:
     print("interrupted", round(time.monotonic() - start, 1), flush=True)
@@ -226,9 +256,9 @@ sys.exit(3)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(0.5)
+        time.sleep(0.5)  # most likely blocked in the rendezvous by now; earlier is caught too
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=10)
+        out, _ = proc.communicate(timeout=45)
     finally:
         proc.kill()
     assert proc.returncode == 0 and out.startswith("interrupted"), out

@@ -10,14 +10,19 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import timedelta
 
 import pytest
 
-from conftest import REPO, free_port
+import elastix
+from conftest import REPO
 
 WORKERS = os.path.join(REPO, "tests", "workers")
-# short heartbeats and last calls so that membership changes happen within a test's time
-FAST_RDZV = "keep_alive_interval=200ms,keep_alive_max_attempt=3,last_call_timeout=500ms,join_timeout=60s"
+# Short last calls so that membership changes happen within a test's time; a live node is
+# lost only after 2 s without a heartbeat, which a loaded machine does not reach. The agents
+# use the test's own rendezvous store (is_host=false), as torchrun users do with a standalone
+# store: it listens before any agent starts, on a port the kernel picked.
+FAST_RDZV = "keep_alive_interval=250ms,keep_alive_max_attempt=8,last_call_timeout=500ms,join_timeout=60s,is_host=false"
 
 
 def elastix_run(*args, out_dir, marker, **popen):
@@ -81,6 +86,12 @@ def wait_for(predicate, timeout=60, what="condition"):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def rdzv_port():
+    store = elastix.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    yield store.port
 
 
 @pytest.fixture
@@ -247,8 +258,8 @@ def two_node_args(port, nnodes, addr):
     ]
 
 
-def test_two_agents_on_one_machine_form_one_job(tmp_path, marker):
-    port = free_port()
+def test_two_agents_on_one_machine_form_one_job(tmp_path, marker, rdzv_port):
+    port = rdzv_port
     agents = [elastix_run(*two_node_args(port, 2, f"127.0.0.{i}"), out_dir=tmp_path, marker=marker) for i in (1, 2)]
     records = wait_for(lambda: starts(tmp_path) if len(starts(tmp_path)) == 2 else None, what="both nodes' workers")
     assert sorted(r["rank"] for r in records) == [0, 1]
@@ -261,11 +272,9 @@ def test_two_agents_on_one_machine_form_one_job(tmp_path, marker):
     assert_nothing_left(marker)
 
 
-def test_a_node_that_dies_mid_run_is_dropped_and_the_other_re_forms(tmp_path, marker):
-    port = free_port()
+def test_a_node_that_dies_mid_run_is_dropped_and_the_other_re_forms(tmp_path, marker, rdzv_port):
+    port = rdzv_port
     survivor = elastix_run(*two_node_args(port, "1:2", "127.0.0.1"), out_dir=tmp_path, marker=marker)
-    wait_for(lambda: marked_processes(marker), what="the first agent")
-    time.sleep(0.3)  # the first agent hosts the store
     doomed = elastix_run(*two_node_args(port, "1:2", "127.0.0.2"), out_dir=tmp_path, marker=marker)
     wait_for(
         lambda: (
@@ -287,12 +296,9 @@ def test_a_node_that_dies_mid_run_is_dropped_and_the_other_re_forms(tmp_path, ma
     assert_nothing_left(marker)
 
 
-def test_a_third_node_joins_a_running_job(tmp_path, marker):
-    port = free_port()
-    args = lambda addr: two_node_args(port, "2:3", addr)  # noqa: E731
+def test_a_third_node_joins_a_running_job(tmp_path, marker, rdzv_port):
+    args = lambda addr: two_node_args(rdzv_port, "2:3", addr)  # noqa: E731
     agents = [elastix_run(*args("127.0.0.1"), out_dir=tmp_path, marker=marker)]
-    wait_for(lambda: marked_processes(marker), what="the first agent")
-    time.sleep(0.3)
     agents.append(elastix_run(*args("127.0.0.2"), out_dir=tmp_path, marker=marker))
     wait_for(lambda: len([r for r in starts(tmp_path) if r["world_size"] == 2]) == 2, what="the two-node round")
     agents.append(elastix_run(*args("127.0.0.3"), out_dir=tmp_path, marker=marker))

@@ -3,12 +3,12 @@ elastix client against torch's servers. Skipped where torch is not installed (it
 optional benchmark extra, never a CI requirement)."""
 
 import threading
-import time
 from datetime import timedelta
 
 import pytest
 
 import elastix
+from conftest import reserved_port
 
 torch_dist = pytest.importorskip("torch.distributed")
 
@@ -96,16 +96,11 @@ def test_torch_master_waits_for_an_elastix_worker():
     def master():
         holder["m"] = torch_dist.TCPStore("127.0.0.1", port, world_size=2, is_master=True, timeout=TIMEOUT)
 
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    thread = threading.Thread(target=master)
-    thread.start()
-    time.sleep(0.2)
-    worker = elastix.TCPStore("127.0.0.1", port, world_size=2, timeout=TIMEOUT)
-    thread.join(10)
+    with reserved_port() as port:  # torch's server binds it; the worker retries until it does
+        thread = threading.Thread(target=master)
+        thread.start()
+        worker = elastix.TCPStore("127.0.0.1", port, world_size=2, timeout=TIMEOUT)
+        thread.join(30)
     assert "m" in holder
     holder["m"].set("k", "v")
     assert worker.get("k") == b"v"

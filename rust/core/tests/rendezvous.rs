@@ -1,9 +1,14 @@
 //! The dynamic rendezvous end to end: several handlers (nodes) against one store server.
+//!
+//! Orderings come from waiting for the store keys the nodes write (an arrival, a spare's
+//! registration), never from sleeping. Deadlines only keep a broken test from hanging: they
+//! are long enough for a loaded machine, and a round that needs a last call is shown by a
+//! last call that never ends, not by measuring how long a join took.
 
 use std::time::{Duration, Instant};
 
-use elastix_core::rendezvous::keys::run_prefix;
-use elastix_core::rendezvous::store::TcpRendezvousStore;
+use elastix_core::rendezvous::keys::{run_prefix, Keys};
+use elastix_core::rendezvous::store::{RendezvousStore, StoreConn, TcpRendezvousStore};
 use elastix_core::rendezvous::{
     DynamicRendezvous, MembershipChange, Rendezvous, RendezvousError, RendezvousInfo, RendezvousParams,
     RendezvousSettings,
@@ -13,21 +18,50 @@ use tokio::task::JoinHandle;
 
 type Node = DynamicRendezvous<TcpRendezvousStore>;
 
+/// Bounds every wait: generous, so that only a broken rendezvous runs into it.
+const PATIENCE: Duration = Duration::from_secs(60);
+/// A last call that outlasts any test: a round that forms all the same did not wait for it.
+const ENDLESS: Duration = Duration::from_secs(3600);
+
 fn settings(run_id: &str, min: u32, max: u32) -> RendezvousSettings {
     let mut settings = RendezvousSettings::new(run_id, min, max).unwrap();
-    settings.join_timeout = Duration::from_secs(20);
+    settings.join_timeout = PATIENCE;
     settings.last_call_timeout = Duration::from_millis(300);
-    settings.keep_alive_interval = Duration::from_millis(100);
-    settings.keep_alive_max_attempt = 3;
+    // a live node is lost only after 2 s without a beat, which a loaded machine does not reach
+    settings.keep_alive_interval = Duration::from_millis(250);
+    settings.keep_alive_max_attempt = 8;
     settings.local_addr = Some("127.0.0.1".into());
     settings
 }
 
+fn endless_last_call(run_id: &str, min: u32, max: u32) -> RendezvousSettings {
+    RendezvousSettings { last_call_timeout: ENDLESS, ..settings(run_id, min, max) }
+}
+
 fn node(server: &StoreServer, settings: &RendezvousSettings) -> Node {
-    let options = ConnectOptions::new("127.0.0.1", server.port(), Some(Duration::from_secs(10)));
     let prefix = run_prefix(&settings.run_id);
-    let store = TcpRendezvousStore::new(options, prefix.clone(), Duration::from_secs(10));
-    DynamicRendezvous::new(store, settings.clone(), ("127.0.0.1".into(), server.port()), prefix).unwrap()
+    DynamicRendezvous::new(
+        store(server, &settings.run_id),
+        settings.clone(),
+        ("127.0.0.1".into(), server.port()),
+        prefix,
+    )
+    .unwrap()
+}
+
+fn store(server: &StoreServer, run_id: &str) -> TcpRendezvousStore {
+    let options = ConnectOptions::new("127.0.0.1", server.port(), Some(Duration::from_secs(10)));
+    TcpRendezvousStore::new(options, run_prefix(run_id), PATIENCE)
+}
+
+/// Waits until the rendezvous key `key` of `run_id` exists (a node has reached that step).
+async fn wait_for_key(server: &StoreServer, run_id: &str, key: String) {
+    let mut conn = store(server, run_id).connect().await.unwrap();
+    assert!(conn.wait(std::slice::from_ref(&key), Some(PATIENCE)).await.unwrap(), "{key} never appeared");
+}
+
+async fn key_exists(server: &StoreServer, run_id: &str, key: String) -> bool {
+    store(server, run_id).connect().await.unwrap().check(&[key]).await.unwrap()
 }
 
 fn join(mut node: Node) -> JoinHandle<(Node, Result<RendezvousInfo, RendezvousError>)> {
@@ -37,14 +71,18 @@ fn join(mut node: Node) -> JoinHandle<(Node, Result<RendezvousInfo, RendezvousEr
     })
 }
 
+async fn formed(task: JoinHandle<(Node, Result<RendezvousInfo, RendezvousError>)>) -> (Node, RendezvousInfo) {
+    let (node, info) = tokio::time::timeout(PATIENCE, task).await.expect("the join never ended").unwrap();
+    (node, info.unwrap())
+}
+
 async fn join_all(nodes: Vec<Node>) -> Vec<(Node, RendezvousInfo)> {
     let tasks: Vec<_> = nodes.into_iter().map(join).collect();
-    let mut joined = Vec::new();
+    let mut all = Vec::new();
     for task in tasks {
-        let (node, info) = task.await.unwrap();
-        joined.push((node, info.unwrap()));
+        all.push(formed(task).await);
     }
-    joined
+    all
 }
 
 /// Ranks are 0..n, world sizes and master agree across the nodes.
@@ -76,10 +114,9 @@ async fn next_change(node: &Node, within: Duration) -> Option<MembershipChange> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn min_equals_max_forms_as_soon_as_everyone_is_there() {
     let server = StoreServer::start(&ServerConfig::default()).unwrap();
-    let settings = settings("exact", 3, 3);
-    let start = Instant::now();
+    // no last call when min == max: with one that never ends, the round forms all the same
+    let settings = endless_last_call("exact", 3, 3);
     let joined = join_all((0..3).map(|_| node(&server, &settings)).collect()).await;
-    assert!(start.elapsed() < settings.last_call_timeout, "no last call when min == max");
     let infos: Vec<&RendezvousInfo> = joined.iter().map(|(_, info)| info).collect();
     assert_consistent(&infos, 3);
     // ranks follow (address, pid, local id): here the local id, i.e. creation order
@@ -89,7 +126,7 @@ async fn min_equals_max_forms_as_soon_as_everyone_is_there() {
     let mut client = elastix_core::store::Client::connect(&ConnectOptions::new(
         "127.0.0.1",
         infos[0].master_port,
-        Some(Duration::from_secs(2)),
+        Some(Duration::from_secs(10)),
     ))
     .await
     .unwrap();
@@ -99,35 +136,46 @@ async fn min_equals_max_forms_as_soon_as_everyone_is_there() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn min_below_max_waits_for_the_last_call() {
     let server = StoreServer::start(&ServerConfig::default()).unwrap();
-    let settings = settings("last-call", 2, 4);
+    let run = "last-call";
+    // two nodes reach min_nodes, but their last call never ends: the round stays open
+    let first = join(node(&server, &endless_last_call(run, 2, 4)));
+    wait_for_key(&server, run, Keys::arrival(0, 0)).await;
+    let second = join(node(&server, &endless_last_call(run, 2, 4)));
+    wait_for_key(&server, run, Keys::arrival(0, 1)).await;
+    assert!(!key_exists(&server, run, Keys::claim(0)).await, "min_nodes alone must not fix the round");
+    // a third node's last call ends it, with everyone who arrived meanwhile
     let start = Instant::now();
-    let joined = join_all((0..2).map(|_| node(&server, &settings)).collect()).await;
-    assert!(start.elapsed() >= settings.last_call_timeout);
-    assert_consistent(&joined.iter().map(|(_, i)| i).collect::<Vec<_>>(), 2);
+    let third = formed(join(node(&server, &settings(run, 2, 4)))).await;
+    assert!(start.elapsed() >= settings(run, 2, 4).last_call_timeout, "the third node ran its last call");
+    let (first, second) = (formed(first).await, formed(second).await);
+    assert_consistent(&[&first.1, &second.1, &third.1], 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_node_waits_and_the_members_re_form_with_it() {
     let server = StoreServer::start(&ServerConfig::default()).unwrap();
-    let settings = settings("late", 1, 3);
-    let joined = join_all((0..2).map(|_| node(&server, &settings)).collect()).await;
-    let first_round = joined[0].1.round;
-    let late = join(node(&server, &settings));
-    for (member, _) in &joined {
-        assert_eq!(next_change(member, Duration::from_secs(5)).await, Some(MembershipChange::NodesWaiting));
+    let run = "late";
+    // round 0 forms when the second node's last call ends: nobody else is there yet
+    let first = join(node(&server, &endless_last_call(run, 1, 3)));
+    wait_for_key(&server, run, Keys::arrival(0, 0)).await;
+    let second = join(node(&server, &settings(run, 1, 3)));
+    let (first, second) = (formed(first).await, formed(second).await);
+    assert_consistent(&[&first.1, &second.1], 2);
+    let round = first.1.round;
+    let late = join(node(&server, &endless_last_call(run, 1, 3)));
+    for member in [&first.0, &second.0] {
+        assert_eq!(next_change(member, PATIENCE).await, Some(MembershipChange::NodesWaiting));
     }
-    let mut members: Vec<Node> = joined.into_iter().map(|(node, _)| node).collect();
-    assert_eq!(members[0].num_nodes_waiting().await.unwrap(), 1);
-    // the members come back: the round re-forms with three at once (no last call needed)
-    let start = Instant::now();
-    let rejoined = join_all(members).await;
-    let (_, late_info) = late.await.unwrap();
-    let late_info = late_info.unwrap();
-    assert!(start.elapsed() < settings.last_call_timeout);
-    let mut infos: Vec<&RendezvousInfo> = rejoined.iter().map(|(_, i)| i).collect();
-    infos.push(&late_info);
-    assert_consistent(&infos, 3);
-    assert!(late_info.round > first_round);
+    let (mut first, second) = (first.0, second.0);
+    assert_eq!(first.num_nodes_waiting().await.unwrap(), 1);
+    // the members come back: the first and the late node wait without a last call of their
+    // own, and the second member's arrival completes the round of three at once
+    let first = join(first);
+    wait_for_key(&server, run, Keys::arrival(round + 1, 1)).await;
+    let second = formed(join(second)).await;
+    let (first, late) = (formed(first).await, formed(late).await);
+    assert_consistent(&[&first.1, &second.1, &late.1], 3);
+    assert_eq!(late.1.round, round + 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -138,7 +186,7 @@ async fn a_node_whose_heartbeats_stop_is_dropped_and_the_rest_re_form() {
     let (dead, dead_info) = joined.pop().unwrap();
     drop(dead); // its heartbeats stop
     for (survivor, _) in &joined {
-        match next_change(survivor, Duration::from_secs(5)).await {
+        match next_change(survivor, PATIENCE).await {
             Some(MembershipChange::NodeLost { rank, node }) => {
                 assert_eq!(rank, dead_info.rank);
                 assert!(node.is_some(), "the lost node is named");
@@ -155,17 +203,19 @@ async fn spares_wait_quietly_and_fill_a_freed_place() {
     let server = StoreServer::start(&ServerConfig::default()).unwrap();
     let settings = settings("spares", 2, 2);
     let mut joined = join_all((0..2).map(|_| node(&server, &settings)).collect()).await;
+    let round = joined[0].1.round;
     let spare = join(node(&server, &settings));
-    // a spare does not disturb a full round
-    assert_eq!(next_change(&joined[0].0, Duration::from_millis(400)).await, None);
+    wait_for_key(&server, "spares", Keys::spares(round)).await;
+    // a registered spare does not disturb a full round
+    assert_eq!(*joined[0].0.changes().unwrap().borrow(), None);
     assert_eq!(joined[0].0.num_nodes_waiting().await.unwrap(), 0);
     let (dead, _) = joined.pop().unwrap();
     drop(dead);
     let (survivor, _) = joined.pop().unwrap();
-    assert!(matches!(next_change(&survivor, Duration::from_secs(5)).await, Some(MembershipChange::NodeLost { .. })));
+    assert!(matches!(next_change(&survivor, PATIENCE).await, Some(MembershipChange::NodeLost { .. })));
     let rejoined = join_all(vec![survivor]).await;
-    let (_, spare_info) = spare.await.unwrap();
-    assert_consistent(&[&rejoined[0].1, &spare_info.unwrap()], 2);
+    let (_, spare_info) = formed(spare).await;
+    assert_consistent(&[&rejoined[0].1, &spare_info], 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -174,12 +224,12 @@ async fn a_closed_rendezvous_refuses_joins_and_tells_everyone() {
     let settings = settings("closing", 1, 1);
     let mut joined = join_all(vec![node(&server, &settings)]).await;
     let spare = join(node(&server, &settings));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    wait_for_key(&server, "closing", Keys::spares(joined[0].1.round)).await;
     let (member, _) = &mut joined[0];
     member.set_closed().await.unwrap();
     assert!(member.is_closed().await.unwrap());
-    assert_eq!(next_change(member, Duration::from_secs(5)).await, Some(MembershipChange::Closed));
-    let (_, spare_result) = spare.await.unwrap();
+    assert_eq!(next_change(member, PATIENCE).await, Some(MembershipChange::Closed));
+    let (_, spare_result) = tokio::time::timeout(PATIENCE, spare).await.expect("the spare never ended").unwrap();
     assert!(matches!(spare_result, Err(RendezvousError::GracefulExit { .. })), "{spare_result:?}");
     let err = node(&server, &settings).next_rendezvous().await.unwrap_err();
     assert!(matches!(err, RendezvousError::Closed { .. }));
@@ -189,17 +239,19 @@ async fn a_closed_rendezvous_refuses_joins_and_tells_everyone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timeout_names_who_joined_and_how_many_are_missing() {
     let server = StoreServer::start(&ServerConfig::default()).unwrap();
-    let mut settings = settings("short", 3, 3);
-    settings.join_timeout = Duration::from_millis(400);
-    let tasks: Vec<_> = (0..2).map(|_| join(node(&server, &settings))).collect();
-    for task in tasks {
-        let (node, result) = task.await.unwrap();
-        let err = result.unwrap_err().to_string();
-        assert!(err.contains("timed out"), "{err}");
-        assert!(err.contains("2 node(s) joined"), "{err}");
-        assert!(err.contains(&node.node().to_string()), "{err}");
-        assert!(err.contains("1 more node(s) missing"), "{err}");
-    }
+    let patient = node(&server, &settings("short", 3, 3));
+    let patient_name = patient.node().to_string();
+    let patient = join(patient);
+    wait_for_key(&server, "short", Keys::arrival(0, 0)).await;
+    // the second node arrives after the first, so its timeout sees both
+    let hasty = node(&server, &RendezvousSettings { join_timeout: Duration::from_secs(1), ..settings("short", 3, 3) });
+    let (hasty, result) = tokio::time::timeout(PATIENCE, join(hasty)).await.expect("no timeout").unwrap();
+    let err = result.unwrap_err().to_string();
+    assert!(err.contains("timed out"), "{err}");
+    assert!(err.contains("2 node(s) joined"), "{err}");
+    assert!(err.contains(&hasty.node().to_string()) && err.contains(&patient_name), "{err}");
+    assert!(err.contains("1 more node(s) missing"), "{err}");
+    patient.abort();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -227,13 +279,10 @@ async fn a_member_that_comes_back_opens_a_new_round_for_everyone() {
     assert_eq!(restarting.record_restart().await.unwrap(), 1);
     let again = join(restarting);
     let (other, _) = joined.pop().unwrap();
-    assert_eq!(
-        next_change(&other, Duration::from_secs(5)).await,
-        Some(MembershipChange::RoundSuperseded { round: info.round + 1 })
-    );
+    assert_eq!(next_change(&other, PATIENCE).await, Some(MembershipChange::RoundSuperseded { round: info.round + 1 }));
     let rejoined = join_all(vec![other]).await;
-    let (mut restarted, again) = again.await.unwrap();
-    assert_consistent(&[&rejoined[0].1, &again.unwrap()], 2);
+    let (mut restarted, again) = formed(again).await;
+    assert_consistent(&[&rejoined[0].1, &again], 2);
     assert_eq!(restarted.restart_count().await.unwrap(), 1, "the restart count is job-wide");
 }
 
@@ -261,9 +310,7 @@ async fn c10d_params_host_the_store_when_the_endpoint_is_this_machine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn static_rendezvous_uses_fixed_ranks_and_names_missing_ones() {
-    let free_port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let port = free_port();
-    let params = move |rank: u32, conf: &str, port: u16| RendezvousParams {
+    let params = |rank: u32, conf: &str, port: u16| RendezvousParams {
         backend: "static".into(),
         endpoint: format!("127.0.0.1:{port}"),
         run_id: "fixed".into(),
@@ -273,23 +320,30 @@ async fn static_rendezvous_uses_fixed_ranks_and_names_missing_ones() {
         conf: conf.into(),
         node_rank: Some(rank),
     };
-    let mut nodes = Vec::new();
-    for rank in 0..2 {
-        nodes.push(tokio::spawn(async move {
-            let mut rdzv = Rendezvous::create(params(rank, "timeout=10s", port)).await.unwrap();
-            let info = rdzv.next_rendezvous().await.unwrap();
-            (rdzv, info)
-        }));
-    }
+    // rank 0 given port 0 serves the store at once, on a port the kernel picked
+    let first = Rendezvous::create(params(0, "timeout=60s", 0)).await.unwrap();
+    let port = first.hosted_port().expect("rank 0 serves the store");
+    let second = Rendezvous::create(params(1, "timeout=60s", port)).await.unwrap();
+    let nodes: Vec<_> = [first, second]
+        .into_iter()
+        .map(|mut rdzv| {
+            tokio::spawn(async move {
+                let info = rdzv.next_rendezvous().await.unwrap();
+                (rdzv, info)
+            })
+        })
+        .collect();
     let mut held = Vec::new();
     for (rank, task) in nodes.into_iter().enumerate() {
-        let (rdzv, info) = task.await.unwrap();
+        let (rdzv, info) = tokio::time::timeout(PATIENCE, task).await.expect("static rendezvous never ended").unwrap();
         assert_eq!((info.rank, info.world_size, info.master_port), (rank as u32, 2, port));
         held.push(rdzv);
     }
     drop(held);
-    let lonely = params(0, "timeout=300ms", free_port());
-    let err = Rendezvous::create(lonely).await.unwrap().next_rendezvous().await.unwrap_err().to_string();
+    let mut lonely = Rendezvous::create(params(0, "timeout=300ms", 0)).await.unwrap();
+    let err = lonely.next_rendezvous().await.unwrap_err().to_string();
     assert!(err.contains("node rank(s) [1] of 2"), "{err}");
     assert!(Rendezvous::create(params(2, "", port)).await.is_err(), "rank 2 of 2 is out of range");
+    let err = Rendezvous::create(params(1, "", 0)).await.err().expect("only rank 0 can let the kernel pick");
+    assert!(err.to_string().contains("master port"), "{err}");
 }

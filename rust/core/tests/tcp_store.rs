@@ -8,13 +8,13 @@ fn master(world_size: Option<u32>) -> TcpStoreOptions {
     TcpStoreOptions {
         world_size,
         is_master: true,
-        timeout: Some(Duration::from_secs(5)),
+        timeout: Some(Duration::from_secs(30)),
         ..TcpStoreOptions::new("127.0.0.1", 0)
     }
 }
 
 fn worker(port: u16, world_size: Option<u32>) -> TcpStoreOptions {
-    TcpStoreOptions { world_size, timeout: Some(Duration::from_secs(5)), ..TcpStoreOptions::new("127.0.0.1", port) }
+    TcpStoreOptions { world_size, timeout: Some(Duration::from_secs(30)), ..TcpStoreOptions::new("127.0.0.1", port) }
 }
 
 #[tokio::test]
@@ -37,14 +37,17 @@ async fn user_keys_are_prefixed_and_init_is_counted_but_hidden() {
 
 #[tokio::test]
 async fn a_master_waits_for_its_workers() {
-    let options = master(Some(3));
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let master = tokio::spawn(TcpStore::open(TcpStoreOptions { port, ..options }));
+    // the master serves on a socket bound here, so that the workers know its port up front
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = socket.local_addr().unwrap().port();
+    let listen_fd = Some(std::os::fd::IntoRawFd::into_raw_fd(socket));
+    let mut master = tokio::spawn(TcpStore::open(TcpStoreOptions { port, listen_fd, ..master(Some(3)) }));
     let _first = TcpStore::open(worker(port, Some(3))).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(!master.is_finished(), "the master must wait for the second worker");
+    let early = tokio::time::timeout(Duration::from_millis(100), &mut master).await;
+    assert!(early.is_err(), "the master must wait for the second worker");
     let _second = TcpStore::open(worker(port, Some(3))).await.unwrap();
-    let mut master = tokio::time::timeout(Duration::from_secs(2), master).await.unwrap().unwrap().unwrap();
+    let mut master = tokio::time::timeout(Duration::from_secs(30), master).await.unwrap().unwrap().unwrap();
     assert_eq!(master.num_keys().await.unwrap(), 1, "only init/");
     assert_eq!(master.client().remote_addr().port(), port);
 }

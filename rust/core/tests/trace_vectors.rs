@@ -134,6 +134,15 @@ impl Replay {
     }
 }
 
+/// Waits until `n` clients are blocked in the server (a bounded poll of its own count).
+fn until_waiting(server: &BackgroundServer, n: usize) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while server.server().waiting() != n {
+        assert!(std::time::Instant::now() < deadline, "the WAIT never reached the server");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Replays one backend's recording, in order, on a fresh elastix server, and checks that
 /// every reply is byte-for-byte the recorded one (the PING nonce is the recorded one too,
 /// since the server echoes what the replay sends).
@@ -154,8 +163,9 @@ fn replay(backend_prefix: &str) -> usize {
                 "c2s" => {
                     replay.connection(*conn).write_all(&bytes).unwrap();
                     if trace.op == "wait_woken" {
-                        // the recording's master set the key from its own connection
-                        std::thread::sleep(Duration::from_millis(50));
+                        // the recording's master set the key from its own connection, once
+                        // the WAIT was registered
+                        until_waiting(&server, 1);
                         replay.set_from_another_client(b"/late");
                     }
                 }

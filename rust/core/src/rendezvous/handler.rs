@@ -82,7 +82,7 @@ impl Rendezvous {
     pub fn hosted_port(&self) -> Option<u16> {
         match self {
             Rendezvous::Dynamic { server, .. } => server.as_ref().map(StoreServer::port),
-            Rendezvous::Static(_) => None,
+            Rendezvous::Static(handler) => handler.hosted_port(),
         }
     }
 

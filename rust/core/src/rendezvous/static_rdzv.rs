@@ -43,9 +43,13 @@ impl StaticRendezvous {
                 "static rendezvous: node rank {rank} is not in 0..{world_size} (--node-rank must be below --nnodes)"
             )));
         }
-        if master.1 == 0 {
+        // Rank 0 given port 0 serves at once on a port the kernel picks ([`Self::hosted_port`]),
+        // so that the other ranks can be pointed at it without probing for a free port.
+        let server = if master.1 == 0 && rank == 0 { Some(serve(0)?) } else { None };
+        if master.1 == 0 && server.is_none() {
             return Err(RendezvousError::Config("static rendezvous needs a master port (--master-port)".into()));
         }
+        let master = (master.0, server.as_ref().map_or(master.1, StoreServer::port));
         let options = ConnectOptions::new(master.0.clone(), master.1, Some(timeout));
         let store = TcpRendezvousStore::new(options, format!("/elastix/static/{run_id}/"), timeout);
         Ok(StaticRendezvous {
@@ -56,7 +60,7 @@ impl StaticRendezvous {
             master_port: master.1,
             timeout,
             node: NodeDesc::this_process(local_addr),
-            server: None,
+            server,
             store,
             rounds: 0,
             restarts: 0,
@@ -65,6 +69,11 @@ impl StaticRendezvous {
 
     pub fn run_id(&self) -> &str {
         &self.run_id
+    }
+
+    /// The store's port, once rank 0 serves it.
+    pub fn hosted_port(&self) -> Option<u16> {
+        self.server.as_ref().map(StoreServer::port)
     }
 
     pub fn report_failure(&mut self) -> i64 {
@@ -79,10 +88,7 @@ impl StaticRendezvous {
     /// Waits until every rank has checked in (the first time), then returns the fixed layout.
     pub async fn next_rendezvous(&mut self) -> Result<RendezvousInfo> {
         if self.rank == 0 && self.server.is_none() {
-            let config = ServerConfig { port: self.master_port, ..ServerConfig::default() };
-            self.server = Some(StoreServer::start(&config).map_err(|err| {
-                RendezvousError::Config(format!("static rendezvous: rank 0 cannot serve the store: {err}"))
-            })?);
+            self.server = Some(serve(self.master_port)?);
         }
         if self.rounds == 0 {
             self.check_in().await?;
@@ -127,4 +133,10 @@ impl StaticRendezvous {
             self.master_port
         )))
     }
+}
+
+/// Rank 0's store, which the whole job shares. Must run inside a tokio runtime.
+fn serve(port: u16) -> Result<StoreServer> {
+    StoreServer::start(&ServerConfig { port, ..ServerConfig::default() })
+        .map_err(|err| RendezvousError::Config(format!("static rendezvous: rank 0 cannot serve the store: {err}")))
 }
