@@ -208,3 +208,12 @@ def test_the_outcome_carries_dropped_lines_and_write_errors(tmp_path, marker, sp
     assert len(report["output_errors"]) == 1, report["output_errors"]
     assert report["output_errors"][0].endswith("stdout.log: No space left on device (os error 28)")
     assert_nothing_left(marker)
+
+
+def test_run_results_carry_the_output_fields():
+    from elastix.agent import RunResult
+
+    report = {"state": "SUCCEEDED", "exit_code": 3, "dropped_output_lines": 7, "output_errors": ["a.log: full"]}
+    result = RunResult.from_report(report)
+    assert (result.exit_code, result.dropped_output_lines, result.output_errors) == (3, 7, ["a.log: full"])
+    assert RunResult.from_report({"state": "SUCCEEDED"}).output_errors == []
