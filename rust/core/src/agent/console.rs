@@ -12,7 +12,7 @@
 //! subscriber's writer) that never blocks either.
 
 use std::io::{self, Write};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -21,6 +21,8 @@ use tokio::sync::oneshot;
 
 /// Lines a stream holds while its reader is slow; past that, lines are dropped.
 pub const CONSOLE_QUEUE_LINES: usize = 8192;
+/// Bytes a stream holds while its reader is slow (long lines fill it before the line count).
+pub const CONSOLE_QUEUE_BYTES: usize = 16 << 20;
 
 enum Message {
     Line(Vec<u8>),
@@ -38,6 +40,9 @@ pub struct ConsoleStream {
     unreported: AtomicU64,
     /// The first write error, set by the writer thread.
     error: Arc<OnceLock<String>>,
+    /// Bytes queued and not yet written.
+    queued: Arc<AtomicUsize>,
+    max_queued: usize,
 }
 
 /// Counts of a stream at one moment, to tell what happened during one run.
@@ -50,25 +55,38 @@ pub struct StreamMark {
 impl ConsoleStream {
     /// A stream written by a thread of its own to what `open` returns (called on the thread).
     /// `on_error` is told of the first write error, on the writer thread.
-    pub fn start<W, F>(name: &'static str, capacity: usize, open: F, on_error: fn(&str)) -> io::Result<ConsoleStream>
+    pub fn start<W, F>(name: &'static str, capacity: Capacity, open: F, on_error: fn(&str)) -> io::Result<ConsoleStream>
     where
         W: Write,
         F: FnOnce() -> W + Send + 'static,
     {
-        let (sender, receiver) = sync_channel(capacity);
+        let (sender, receiver) = sync_channel(capacity.lines);
         let error = Arc::new(OnceLock::new());
-        let thread_error = error.clone();
-        std::thread::Builder::new()
-            .name(format!("elastix-{name}"))
-            .spawn(move || write_lines(name, receiver, open(), &thread_error, on_error))?;
-        Ok(ConsoleStream { name, sender, dropped: AtomicU64::new(0), unreported: AtomicU64::new(0), error })
+        let queued = Arc::new(AtomicUsize::new(0));
+        let writer = Writer { name, error: error.clone(), queued: queued.clone(), on_error };
+        std::thread::Builder::new().name(format!("elastix-{name}")).spawn(move || writer.run(receiver, open()))?;
+        Ok(ConsoleStream {
+            name,
+            sender,
+            dropped: AtomicU64::new(0),
+            unreported: AtomicU64::new(0),
+            error,
+            queued,
+            max_queued: capacity.bytes,
+        })
     }
 
     /// Queues one complete line (written with one write, so lines from different workers
     /// never interleave mid-line). Never blocks: with the queue full, the line is dropped and
     /// counted (false).
     pub fn line(&self, line: Vec<u8>) -> bool {
-        match self.sender.try_send(Message::Line(line)) {
+        let size = line.len();
+        let sent = if self.queued.fetch_add(size, Ordering::Relaxed) + size > self.max_queued {
+            Err(TrySendError::Full(()))
+        } else {
+            self.sender.try_send(Message::Line(line)).map_err(|_| TrySendError::Full(()))
+        };
+        match sent {
             Ok(()) => {
                 let missed = self.unreported.swap(0, Ordering::Relaxed);
                 if missed > 0 {
@@ -76,7 +94,8 @@ impl ConsoleStream {
                 }
                 true
             }
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+            Err(_) => {
+                self.queued.fetch_sub(size, Ordering::Relaxed);
                 self.dropped.fetch_add(1, Ordering::Relaxed);
                 self.unreported.fetch_add(1, Ordering::Relaxed);
                 false
@@ -112,24 +131,42 @@ impl ConsoleStream {
     }
 }
 
-fn write_lines<W: Write>(
-    name: &str,
-    receiver: Receiver<Message>,
-    mut out: W,
-    error: &OnceLock<String>,
+/// How much a stream queues before it drops lines.
+#[derive(Clone, Copy, Debug)]
+pub struct Capacity {
+    pub lines: usize,
+    pub bytes: usize,
+}
+
+const CONSOLE_CAPACITY: Capacity = Capacity { lines: CONSOLE_QUEUE_LINES, bytes: CONSOLE_QUEUE_BYTES };
+
+/// The writer thread's side of a stream.
+struct Writer {
+    name: &'static str,
+    error: Arc<OnceLock<String>>,
+    queued: Arc<AtomicUsize>,
     on_error: fn(&str),
-) {
-    while let Ok(message) = receiver.recv() {
-        match message {
-            Message::Line(line) if error.get().is_none() => {
-                if let Err(err) = out.write_all(&line).and_then(|()| out.flush()) {
-                    let _ = error.set(err.to_string());
-                    on_error(&format!("[elastix] cannot write to {name} ({err}); further output to it is discarded\n"));
+}
+
+impl Writer {
+    fn run<W: Write>(self, receiver: Receiver<Message>, mut out: W) {
+        while let Ok(message) = receiver.recv() {
+            match message {
+                Message::Line(line) => {
+                    if self.error.get().is_none() {
+                        if let Err(err) = out.write_all(&line).and_then(|()| out.flush()) {
+                            let _ = self.error.set(err.to_string());
+                            let name = self.name;
+                            (self.on_error)(&format!(
+                                "[elastix] cannot write to {name} ({err}); further output to it is discarded\n"
+                            ));
+                        }
+                    }
+                    self.queued.fetch_sub(line.len(), Ordering::Relaxed);
                 }
-            }
-            Message::Line(_) => {}
-            Message::Flush(done) => {
-                let _ = done.send(());
+                Message::Flush(done) => {
+                    let _ = done.send(());
+                }
             }
         }
     }
@@ -156,7 +193,7 @@ fn ignore(_: &str) {}
 pub fn stdout() -> &'static ConsoleStream {
     static STDOUT: OnceLock<ConsoleStream> = OnceLock::new();
     STDOUT.get_or_init(|| {
-        ConsoleStream::start("stdout", CONSOLE_QUEUE_LINES, io::stdout, to_stderr)
+        ConsoleStream::start("stdout", CONSOLE_CAPACITY, io::stdout, to_stderr)
             .unwrap_or_else(|err| unwritable("stdout", &err))
     })
 }
@@ -165,7 +202,7 @@ pub fn stdout() -> &'static ConsoleStream {
 pub fn stderr() -> &'static ConsoleStream {
     static STDERR: OnceLock<ConsoleStream> = OnceLock::new();
     STDERR.get_or_init(|| {
-        ConsoleStream::start("stderr", CONSOLE_QUEUE_LINES, io::stderr, ignore)
+        ConsoleStream::start("stderr", CONSOLE_CAPACITY, io::stderr, ignore)
             .unwrap_or_else(|err| unwritable("stderr", &err))
     })
 }
@@ -176,7 +213,15 @@ fn unwritable(name: &'static str, err: &io::Error) -> ConsoleStream {
     let (sender, _) = sync_channel(0);
     let error = Arc::new(OnceLock::new());
     let _ = error.set(format!("cannot start the writer thread: {err}"));
-    ConsoleStream { name, sender, dropped: AtomicU64::new(0), unreported: AtomicU64::new(0), error }
+    ConsoleStream {
+        name,
+        sender,
+        dropped: AtomicU64::new(0),
+        unreported: AtomicU64::new(0),
+        error,
+        queued: Arc::new(AtomicUsize::new(0)),
+        max_queued: 0,
+    }
 }
 
 /// An `io::Write` for agent messages to stderr that never blocks: complete lines are queued
@@ -245,6 +290,14 @@ mod tests {
         }
     }
 
+    impl Stalled {
+        fn release(&self) {
+            let (lock, wake) = &*self.released;
+            *lock.lock().unwrap() = true;
+            wake.notify_all();
+        }
+    }
+
     struct Broken;
 
     impl Write for Broken {
@@ -260,15 +313,14 @@ mod tests {
     async fn a_stalled_reader_drops_and_counts_lines_without_blocking() {
         let stalled = Stalled::default();
         let writer = stalled.clone();
-        let stream = ConsoleStream::start("test-out", 4, move || writer, ignore).unwrap();
+        let stream =
+            ConsoleStream::start("test-out", Capacity { lines: 4, bytes: 1 << 20 }, move || writer, ignore).unwrap();
         // the thread holds one line in its write; the queue holds 4 more; the rest are dropped
         let accepted = (0..100).filter(|i| stream.line(format!("line {i}\n").into_bytes())).count();
         assert!((4..=5).contains(&accepted), "{accepted} lines accepted");
         assert_eq!(stream.mark(), StreamMark { dropped: 100 - accepted as u64, failed: false });
         assert!(!stream.flush(Duration::from_millis(50)).await, "a stalled stream does not flush");
-        let (lock, wake) = &*stalled.released;
-        *lock.lock().unwrap() = true;
-        wake.notify_all();
+        stalled.release();
         // the queue empties once the reader reads again (bounded wait for the thread)
         let mut caught_up = false;
         for _ in 0..3000 {
@@ -285,6 +337,19 @@ mod tests {
         assert!(written.starts_with("line 0\n") && written.ends_with("after\n"), "{written}");
     }
 
+    #[test]
+    fn long_lines_are_dropped_past_the_byte_budget() {
+        let stalled = Stalled::default();
+        let writer = stalled.clone();
+        let capacity = Capacity { lines: 1000, bytes: 100 };
+        let stream = ConsoleStream::start("test-bytes", capacity, move || writer, ignore).unwrap();
+        assert!(stream.line(vec![b'a'; 60]));
+        assert!(!stream.line(vec![b'b'; 60]), "past the byte budget");
+        assert!(stream.line(vec![b'c'; 40]));
+        assert_eq!(stream.mark().dropped, 1);
+        stalled.release();
+    }
+
     #[tokio::test]
     async fn a_write_error_is_reported_once_and_kept() {
         static REPORTS: AtomicU64 = AtomicU64::new(0);
@@ -292,7 +357,7 @@ mod tests {
             assert!(text.contains("cannot write to test-err"), "{text}");
             REPORTS.fetch_add(1, Ordering::Relaxed);
         }
-        let stream = ConsoleStream::start("test-err", 16, || Broken, count).unwrap();
+        let stream = ConsoleStream::start("test-err", CONSOLE_CAPACITY, || Broken, count).unwrap();
         for _ in 0..5 {
             stream.line(b"x\n".to_vec());
         }

@@ -59,9 +59,12 @@ pub async fn run_agent(config: AgentConfig) -> AgentResult {
         }
     };
     if let Some(agent) = &agent {
-        report.output_errors = agent.log_writer.finish(LOG_FLUSH_WAIT).await;
+        // a signal asks for a prompt exit: a hung disk gets less time then
+        let within = if matches!(end, End::Interrupted(_)) { CONSOLE_FLUSH_WAIT } else { LOG_FLUSH_WAIT };
+        report.output_errors = agent.log_writer.finish(within).await;
         report.logs_incomplete = !report.output_errors.is_empty();
     }
+    let end = report.logs_verdict(end);
     console.finish(&mut report).await;
     report.finish(end)
 }
@@ -101,6 +104,8 @@ impl ConsoleMarks {
 /// How the agent's run ended.
 enum End {
     Succeeded,
+    /// The workers succeeded, but the log files the run keeps are incomplete.
+    LogsIncomplete,
     Failed,
     Interrupted(Signal),
 }
@@ -125,17 +130,24 @@ struct Report {
 }
 
 impl Report {
+    /// A success whose kept log files are incomplete is not a plain success: it says so
+    /// (through the console, so a stalled stderr does not hold the agent) and exits non-zero.
+    fn logs_verdict(&self, end: End) -> End {
+        if !(matches!(end, End::Succeeded) && self.logs_incomplete && self.logs_kept) {
+            return end;
+        }
+        let text = format!(
+            "[elastix] the workers succeeded, but their log files are incomplete ({}); exiting with {LOGS_INCOMPLETE}\n",
+            self.output_errors.join("; ")
+        );
+        console::stderr().line(text.into_bytes());
+        End::LogsIncomplete
+    }
+
     fn finish(self, end: End) -> AgentResult {
         let (state, exit_code) = match end {
-            End::Succeeded if self.logs_incomplete && self.logs_kept => {
-                eprintln!(
-                    "[elastix] the workers succeeded, but their log files are incomplete ({}); exiting with \
-                     {LOGS_INCOMPLETE}",
-                    self.output_errors.join("; ")
-                );
-                (RunState::Succeeded, LOGS_INCOMPLETE)
-            }
             End::Succeeded => (RunState::Succeeded, 0),
+            End::LogsIncomplete => (RunState::Succeeded, LOGS_INCOMPLETE),
             End::Failed => (RunState::Failed, 1),
             End::Interrupted(signal) => (RunState::Interrupted, 128 + signal as i32),
         };
