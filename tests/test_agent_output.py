@@ -17,8 +17,8 @@ from test_run import FAST_RDZV, assert_nothing_left, finish, marked_processes, w
 
 LOGS_INCOMPLETE = 3
 
-# Each attempt records its start, writes far more to stdout than a pipe and the agent's queue
-# hold (4 MB), records that, then behaves as $SPAM_THEN says: "fail-first" exits 1 in the first
+# Each attempt records its start, writes more to stdout than a pipe and the agent's queue
+# hold (10 MB), records that, then behaves as $SPAM_THEN says: "fail-first" exits 1 in the first
 # attempt and hangs in later ones; "work" works for a few seconds (several heartbeat timeouts)
 # and succeeds; "exit" succeeds at once.
 SPAM = r"""
@@ -31,7 +31,7 @@ def record(name):
         f.write(str(os.getpid()))
 record("start")
 line = "x" * 199 + "\n"
-for _ in range(20000):
+for _ in range(50000):
     sys.stdout.write(line)
 sys.stdout.flush()
 record("spammed")
@@ -102,14 +102,12 @@ def test_a_stalled_stdout_does_not_stop_restarts_or_sigterm(tmp_path, marker, sp
     )
     # the first attempt fails after filling stdout; the restarted one fills it again
     wait_for(lambda: recorded(tmp_path, "spammed") == ["spammed_0_0_0", "spammed_1_0_1"], what="the restarted worker")
-    worker = int((tmp_path / "start_1_0_1").read_text())
     proc.send_signal(signal.SIGTERM)
     code, _out, err = finish(proc, timeout=60)
     assert code == 128 + signal.SIGTERM, err
     assert "restart 1 of 1" in err
     assert "lines of worker output were dropped because stdout was not being read" in err
-    assert not os.path.exists(f"/proc/{worker}") or worker not in marked_processes(marker)
-    assert_nothing_left(marker)
+    assert_nothing_left(marker)  # the process table: the workers (and standbys) are gone
 
 
 def test_a_stalled_stdout_does_not_stop_heartbeats(tmp_path, marker, spam, stalled_stdout):

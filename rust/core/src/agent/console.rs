@@ -1,8 +1,13 @@
 //! The agent's console: worker lines and agent messages reach stdout and stderr through one
-//! writer thread per stream, fed by a bounded channel, so a reader that stops reading (a
-//! stalled pipe, a full terminal buffer) never blocks the agent's runtime: heartbeats,
-//! restarts and signal handling go on. When a stream's channel is full, lines are dropped and
-//! counted, and a notice says how many once the stream takes lines again.
+//! writer thread per stream, fed by a queue bounded in bytes, so a reader that stops reading
+//! (a stalled pipe, a suspended terminal) never blocks the agent's runtime: heartbeats,
+//! restarts and signal handling go on.
+//!
+//! A reader that is merely slow (a terminal that scrolls, a pipe whose reader paused) holds
+//! the workers back, as a direct write would: a worker's pump waits (asynchronously) up to
+//! [`STALL_WAIT`] for room. Past that the stream counts as stalled and lines are dropped at
+//! once, and counted, until the writer gets a line through again; a notice on stderr then
+//! says how many were dropped (or at the end of the run).
 //!
 //! A write error (a closed pipe) is reported once on stderr (or nowhere, when stderr itself
 //! failed) and kept for the run's outcome; later lines to that stream are discarded.
@@ -12,20 +17,33 @@
 //! subscriber's writer) that never blocks either.
 
 use std::io::{self, Write};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot, Semaphore};
 
-/// Lines a stream holds while its reader is slow; past that, lines are dropped.
-pub const CONSOLE_QUEUE_LINES: usize = 8192;
-/// Bytes a stream holds while its reader is slow (long lines fill it before the line count).
-pub const CONSOLE_QUEUE_BYTES: usize = 16 << 20;
+/// Bytes a stream holds while its reader is slow.
+pub const CONSOLE_QUEUE_BYTES: usize = 8 << 20;
+/// What a queued line costs beyond its bytes, so that short lines are bounded in number too.
+const LINE_OVERHEAD: usize = 64;
+/// How long a worker's pump waits for room before the stream counts as stalled.
+pub const STALL_WAIT: Duration = Duration::from_secs(1);
+/// Bytes the writer thread gathers into one write.
+const WRITE_BATCH: usize = 64 << 10;
+
+/// How much a stream queues, and how long a pump waits for room.
+#[derive(Clone, Copy, Debug)]
+pub struct Capacity {
+    pub bytes: usize,
+    pub stall_wait: Duration,
+}
+
+const CONSOLE_CAPACITY: Capacity = Capacity { bytes: CONSOLE_QUEUE_BYTES, stall_wait: STALL_WAIT };
 
 enum Message {
-    Line(Vec<u8>),
+    /// A complete line and what it cost of the budget.
+    Line(Vec<u8>, u32),
     /// Answered once every line sent before it was written (or discarded after an error).
     Flush(oneshot::Sender<()>),
 }
@@ -33,16 +51,18 @@ enum Message {
 /// One console stream (stdout or stderr) and the thread that writes it.
 pub struct ConsoleStream {
     name: &'static str,
-    sender: SyncSender<Message>,
-    /// Lines dropped because the queue was full, since the process started.
+    sender: mpsc::UnboundedSender<Message>,
+    /// Bytes (plus overhead) that may still be queued.
+    room: Arc<Semaphore>,
+    capacity: Capacity,
+    /// Set when a pump gave up waiting for room; cleared when the writer writes again.
+    stalled: Arc<AtomicBool>,
+    /// Lines dropped since the process started.
     dropped: AtomicU64,
     /// Dropped lines not yet mentioned in a notice.
     unreported: AtomicU64,
     /// The first write error, set by the writer thread.
     error: Arc<OnceLock<String>>,
-    /// Bytes queued and not yet written.
-    queued: Arc<AtomicUsize>,
-    max_queued: usize,
 }
 
 /// Counts of a stream at one moment, to tell what happened during one run.
@@ -60,54 +80,89 @@ impl ConsoleStream {
         W: Write,
         F: FnOnce() -> W + Send + 'static,
     {
-        let (sender, receiver) = sync_channel(capacity.lines);
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let room = Arc::new(Semaphore::new(capacity.bytes.min(Semaphore::MAX_PERMITS)));
+        let stalled = Arc::new(AtomicBool::new(false));
         let error = Arc::new(OnceLock::new());
-        let queued = Arc::new(AtomicUsize::new(0));
-        let writer = Writer { name, error: error.clone(), queued: queued.clone(), on_error };
+        let writer = Writer { name, room: room.clone(), stalled: stalled.clone(), error: error.clone(), on_error };
         std::thread::Builder::new().name(format!("elastix-{name}")).spawn(move || writer.run(receiver, open()))?;
         Ok(ConsoleStream {
             name,
             sender,
+            room,
+            capacity,
+            stalled,
             dropped: AtomicU64::new(0),
             unreported: AtomicU64::new(0),
             error,
-            queued,
-            max_queued: capacity.bytes,
         })
     }
 
-    /// Queues one complete line (written with one write, so lines from different workers
-    /// never interleave mid-line). Never blocks: with the queue full, the line is dropped and
-    /// counted (false).
+    /// Queues one complete line (written whole, so lines from different workers never
+    /// interleave mid-line). Never blocks: without room, the line is dropped and counted
+    /// (false). For agent messages and callers outside the runtime.
     pub fn line(&self, line: Vec<u8>) -> bool {
-        let size = line.len();
-        let sent = if self.queued.fetch_add(size, Ordering::Relaxed) + size > self.max_queued {
-            Err(TrySendError::Full(()))
-        } else {
-            self.sender.try_send(Message::Line(line)).map_err(|_| TrySendError::Full(()))
-        };
-        match sent {
-            Ok(()) => {
-                let missed = self.unreported.swap(0, Ordering::Relaxed);
-                if missed > 0 {
-                    report_drops(self.name, missed);
-                }
-                true
+        let cost = self.cost(&line);
+        match self.room.try_acquire_many(cost) {
+            Ok(permit) => {
+                permit.forget();
+                self.queue(line, cost)
             }
-            Err(_) => {
-                self.queued.fetch_sub(size, Ordering::Relaxed);
-                self.dropped.fetch_add(1, Ordering::Relaxed);
-                self.unreported.fetch_add(1, Ordering::Relaxed);
-                false
-            }
+            Err(_) => self.drop_line(),
         }
+    }
+
+    /// Queues one complete line from a worker's pump: waits (without blocking the runtime) up
+    /// to the stall wait for room, unless the stream already counts as stalled; then drops it.
+    pub async fn send(&self, line: Vec<u8>) -> bool {
+        let cost = self.cost(&line);
+        let permit = match self.room.try_acquire_many(cost) {
+            Ok(permit) => Some(permit),
+            Err(_) if self.stalled.load(Ordering::Relaxed) => None,
+            Err(_) => match tokio::time::timeout(self.capacity.stall_wait, self.room.acquire_many(cost)).await {
+                Ok(Ok(permit)) => Some(permit),
+                _ => {
+                    self.stalled.store(true, Ordering::Relaxed);
+                    None
+                }
+            },
+        };
+        match permit {
+            Some(permit) => {
+                permit.forget();
+                self.queue(line, cost)
+            }
+            None => self.drop_line(),
+        }
+    }
+
+    fn cost(&self, line: &[u8]) -> u32 {
+        let budget = self.capacity.bytes.min(u32::MAX as usize);
+        (line.len() + LINE_OVERHEAD).min(budget) as u32
+    }
+
+    fn queue(&self, line: Vec<u8>, cost: u32) -> bool {
+        if self.sender.send(Message::Line(line, cost)).is_err() {
+            return self.drop_line(); // no writer thread
+        }
+        let missed = self.unreported.swap(0, Ordering::Relaxed);
+        if missed > 0 {
+            report_drops(self.name, missed);
+        }
+        true
+    }
+
+    fn drop_line(&self) -> bool {
+        self.dropped.fetch_add(1, Ordering::Relaxed);
+        self.unreported.fetch_add(1, Ordering::Relaxed);
+        false
     }
 
     /// Waits up to `within` for every line queued so far to be written; false if it was not
     /// (the reader is stalled).
     pub async fn flush(&self, within: Duration) -> bool {
         let (done, written) = oneshot::channel();
-        if self.sender.try_send(Message::Flush(done)).is_err() {
+        if self.sender.send(Message::Flush(done)).is_err() {
             return false;
         }
         matches!(tokio::time::timeout(within, written).await, Ok(Ok(())))
@@ -131,42 +186,57 @@ impl ConsoleStream {
     }
 }
 
-/// How much a stream queues before it drops lines.
-#[derive(Clone, Copy, Debug)]
-pub struct Capacity {
-    pub lines: usize,
-    pub bytes: usize,
-}
-
-const CONSOLE_CAPACITY: Capacity = Capacity { lines: CONSOLE_QUEUE_LINES, bytes: CONSOLE_QUEUE_BYTES };
-
 /// The writer thread's side of a stream.
 struct Writer {
     name: &'static str,
+    room: Arc<Semaphore>,
+    stalled: Arc<AtomicBool>,
     error: Arc<OnceLock<String>>,
-    queued: Arc<AtomicUsize>,
     on_error: fn(&str),
 }
 
 impl Writer {
-    fn run<W: Write>(self, receiver: Receiver<Message>, mut out: W) {
-        while let Ok(message) = receiver.recv() {
-            match message {
-                Message::Line(line) => {
-                    if self.error.get().is_none() {
-                        if let Err(err) = out.write_all(&line).and_then(|()| out.flush()) {
-                            let _ = self.error.set(err.to_string());
-                            let name = self.name;
-                            (self.on_error)(&format!(
-                                "[elastix] cannot write to {name} ({err}); further output to it is discarded\n"
-                            ));
-                        }
+    /// Writes the queued lines, several at once when they pile up, until every sender is gone.
+    fn run<W: Write>(self, mut receiver: mpsc::UnboundedReceiver<Message>, mut out: W) {
+        let mut batch = Vec::with_capacity(WRITE_BATCH);
+        let mut flushes = Vec::new();
+        while let Some(first) = receiver.blocking_recv() {
+            let mut cost = 0usize;
+            let mut next = Some(first);
+            while let Some(message) = next.take() {
+                match message {
+                    Message::Line(line, line_cost) => {
+                        batch.extend_from_slice(&line);
+                        cost += line_cost as usize;
                     }
-                    self.queued.fetch_sub(line.len(), Ordering::Relaxed);
+                    Message::Flush(done) => flushes.push(done),
                 }
-                Message::Flush(done) => {
-                    let _ = done.send(());
+                if batch.len() < WRITE_BATCH {
+                    next = receiver.try_recv().ok();
                 }
+            }
+            self.write(&mut out, &batch);
+            batch.clear();
+            self.room.add_permits(cost);
+            for done in flushes.drain(..) {
+                let _ = done.send(());
+            }
+        }
+    }
+
+    fn write<W: Write>(&self, out: &mut W, bytes: &[u8]) {
+        if bytes.is_empty() || self.error.get().is_some() {
+            return;
+        }
+        match out.write_all(bytes).and_then(|()| out.flush()) {
+            // the reader reads again: pumps may wait for room again before dropping
+            Ok(()) => self.stalled.store(false, Ordering::Relaxed),
+            Err(err) => {
+                let _ = self.error.set(err.to_string());
+                let name = self.name;
+                (self.on_error)(&format!(
+                    "[elastix] cannot write to {name} ({err}); further output to it is discarded\n"
+                ));
             }
         }
     }
@@ -210,17 +280,18 @@ pub fn stderr() -> &'static ConsoleStream {
 /// Without a writer thread (the system refused one), a stream that counts every line as
 /// dropped: the agent still never blocks, and the outcome says what happened.
 fn unwritable(name: &'static str, err: &io::Error) -> ConsoleStream {
-    let (sender, _) = sync_channel(0);
+    let (sender, _) = mpsc::unbounded_channel();
     let error = Arc::new(OnceLock::new());
     let _ = error.set(format!("cannot start the writer thread: {err}"));
     ConsoleStream {
         name,
         sender,
+        room: Arc::new(Semaphore::new(0)),
+        capacity: Capacity { bytes: 0, stall_wait: Duration::ZERO },
+        stalled: Arc::new(AtomicBool::new(true)),
         dropped: AtomicU64::new(0),
         unreported: AtomicU64::new(0),
         error,
-        queued: Arc::new(AtomicUsize::new(0)),
-        max_queued: 0,
     }
 }
 
@@ -275,6 +346,14 @@ mod tests {
         written: Arc<Mutex<Vec<u8>>>,
     }
 
+    impl Stalled {
+        fn release(&self) {
+            let (lock, wake) = &*self.released;
+            *lock.lock().unwrap() = true;
+            wake.notify_all();
+        }
+    }
+
     impl Write for Stalled {
         fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
             let (lock, wake) = &*self.released;
@@ -290,11 +369,20 @@ mod tests {
         }
     }
 
-    impl Stalled {
-        fn release(&self) {
-            let (lock, wake) = &*self.released;
-            *lock.lock().unwrap() = true;
-            wake.notify_all();
+    /// A reader that is slow but keeps reading.
+    #[derive(Clone, Default)]
+    struct Slow {
+        written: Arc<Mutex<Vec<u8>>>,
+    }
+
+    impl Write for Slow {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            std::thread::sleep(Duration::from_micros(200));
+            self.written.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
         }
     }
 
@@ -309,45 +397,62 @@ mod tests {
         }
     }
 
+    /// Room for exactly `lines` lines of 8 bytes.
+    fn room_for(lines: usize, stall_wait: Duration) -> Capacity {
+        Capacity { bytes: lines * (8 + LINE_OVERHEAD), stall_wait }
+    }
+
     #[tokio::test]
     async fn a_stalled_reader_drops_and_counts_lines_without_blocking() {
         let stalled = Stalled::default();
         let writer = stalled.clone();
         let stream =
-            ConsoleStream::start("test-out", Capacity { lines: 4, bytes: 1 << 20 }, move || writer, ignore).unwrap();
-        // the thread holds one line in its write; the queue holds 4 more; the rest are dropped
-        let accepted = (0..100).filter(|i| stream.line(format!("line {i}\n").into_bytes())).count();
-        assert!((4..=5).contains(&accepted), "{accepted} lines accepted");
-        assert_eq!(stream.mark(), StreamMark { dropped: 100 - accepted as u64, failed: false });
+            ConsoleStream::start("test-out", room_for(4, Duration::from_millis(20)), move || writer, ignore).unwrap();
+        // the budget comes back only once lines are written: 4 lines fit, the rest are dropped
+        let mut accepted = 0;
+        for i in 0..100 {
+            accepted += usize::from(stream.send(format!("line {i:02}\n").into_bytes()).await);
+        }
+        assert_eq!(accepted, 4);
+        assert_eq!(stream.mark(), StreamMark { dropped: 96, failed: false });
+        assert!(stream.stalled.load(Ordering::Relaxed), "the stream counts as stalled");
         assert!(!stream.flush(Duration::from_millis(50)).await, "a stalled stream does not flush");
         stalled.release();
-        // the queue empties once the reader reads again (bounded wait for the thread)
-        let mut caught_up = false;
-        for _ in 0..3000 {
-            if stream.flush(Duration::from_secs(30)).await {
-                caught_up = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert!(caught_up, "the stream never caught up");
-        assert!(stream.line(b"after\n".to_vec()));
+        assert!(stream.flush(Duration::from_secs(30)).await);
+        assert!(!stream.stalled.load(Ordering::Relaxed), "writing again ends the stall");
+        assert!(stream.send(b"after\n".to_vec()).await);
         assert!(stream.flush(Duration::from_secs(30)).await);
         let written = String::from_utf8(stalled.written.lock().unwrap().clone()).unwrap();
-        assert!(written.starts_with("line 0\n") && written.ends_with("after\n"), "{written}");
+        assert_eq!(written, "line 00\nline 01\nline 02\nline 03\nafter\n");
+    }
+
+    #[tokio::test]
+    async fn a_slow_reader_holds_the_pump_back_and_loses_nothing() {
+        let slow = Slow::default();
+        let writer = slow.clone();
+        let stream =
+            ConsoleStream::start("test-slow", room_for(3, Duration::from_secs(60)), move || writer, ignore).unwrap();
+        let expected: String = (0..300).map(|i| format!("line{i:03}\n")).collect();
+        for i in 0..300 {
+            assert!(stream.send(format!("line{i:03}\n").into_bytes()).await);
+        }
+        assert!(stream.flush(Duration::from_secs(60)).await);
+        assert_eq!(stream.mark().dropped, 0);
+        assert_eq!(String::from_utf8(slow.written.lock().unwrap().clone()).unwrap(), expected);
     }
 
     #[test]
-    fn long_lines_are_dropped_past_the_byte_budget() {
+    fn lines_from_outside_the_runtime_never_wait() {
         let stalled = Stalled::default();
         let writer = stalled.clone();
-        let capacity = Capacity { lines: 1000, bytes: 100 };
-        let stream = ConsoleStream::start("test-bytes", capacity, move || writer, ignore).unwrap();
-        assert!(stream.line(vec![b'a'; 60]));
-        assert!(!stream.line(vec![b'b'; 60]), "past the byte budget");
-        assert!(stream.line(vec![b'c'; 40]));
-        assert_eq!(stream.mark().dropped, 1);
+        let stream = ConsoleStream::start("test-sync", room_for(2, STALL_WAIT), move || writer, ignore).unwrap();
+        let accepted = (0..10).filter(|_| stream.line(b"message\n".to_vec())).count();
+        assert_eq!((accepted, stream.mark().dropped), (2, 8));
+        // a line longer than the whole budget costs the whole budget, and still gets through
         stalled.release();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        assert!(runtime.block_on(stream.flush(Duration::from_secs(30))));
+        assert!(stream.line(vec![b'x'; 10_000]));
     }
 
     #[tokio::test]
@@ -359,9 +464,10 @@ mod tests {
         }
         let stream = ConsoleStream::start("test-err", CONSOLE_CAPACITY, || Broken, count).unwrap();
         for _ in 0..5 {
-            stream.line(b"x\n".to_vec());
+            stream.send(b"x\n".to_vec()).await;
+            // one write per line here: each is refused, and reported only the first time
+            assert!(stream.flush(Duration::from_secs(30)).await);
         }
-        assert!(stream.flush(Duration::from_secs(30)).await);
         assert_eq!(REPORTS.load(Ordering::Relaxed), 1);
         assert!(stream.mark().failed);
         assert!(stream.error().unwrap().starts_with("test-err: "), "{:?}", stream.error());

@@ -27,8 +27,11 @@ use crate::rendezvous::RendezvousInfo;
 
 /// After SIGKILL, how long to wait for the kernel to reap a worker before giving up on it.
 const KILL_WAIT: Duration = Duration::from_secs(5);
-/// After a worker exits, how long its output may take to drain.
-const DRAIN_WAIT: Duration = Duration::from_millis(500);
+/// After a worker exits, how long its output may take to drain: longer than a pump may wait
+/// for a slow console ([`console::STALL_WAIT`]).
+const DRAIN_WAIT: Duration = Duration::from_secs(2);
+/// How long a failure's summary waits for the worker's last lines to reach the console.
+const CONSOLE_WAIT: Duration = Duration::from_millis(500);
 
 struct Worker {
     place: WorkerPlace,
@@ -111,7 +114,7 @@ impl WorkerGroup {
         // the exit can overtake the last lines of stderr (often the traceback): drain first
         worker.pumps = drain(std::mem::take(&mut worker.pumps)).await;
         // and on the console before the agent's summary (unless stderr is not being read)
-        console::stderr().flush(DRAIN_WAIT).await;
+        console::stderr().flush(CONSOLE_WAIT).await;
         let (status, at) = worker.exit.expect("recorded before");
         let tail: Vec<String> =
             worker.stderr_tail.lock().unwrap_or_else(PoisonError::into_inner).iter().cloned().collect();

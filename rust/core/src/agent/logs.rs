@@ -95,7 +95,8 @@ pub struct Sink {
 
 impl Sink {
     /// Never blocks a runtime thread: the tail is kept here (it is never dropped), the console
-    /// drops lines its reader does not take, and the file waits asynchronously for its writer.
+    /// waits briefly for a slow reader and drops lines a stalled one does not take, and the
+    /// file waits (asynchronously) for its writer.
     async fn line(&mut self, line: &[u8]) {
         if let Some(tail) = &self.tail {
             let text = String::from_utf8_lossy(line).trim_end_matches(['\n', '\r']).to_owned();
@@ -112,7 +113,7 @@ impl Sink {
             if !line.ends_with(b"\n") {
                 out.push(b'\n');
             }
-            console.line(out);
+            console.send(out).await;
         }
         if let Some(file) = &self.file {
             file.line(line).await;
