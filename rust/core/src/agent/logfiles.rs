@@ -7,7 +7,7 @@
 //! file are discarded, and the run's outcome lists every file left incomplete.
 
 use std::fs::File;
-use std::io::{self, Write};
+use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -19,6 +19,10 @@ use super::console;
 
 /// Lines queued for the disk before the pumps wait.
 const FILE_QUEUE_LINES: usize = 1024;
+/// Most lines written between two flushes of the buffers, when the queue never runs empty.
+const FLUSH_EVERY: usize = 4096;
+/// Each file's buffer.
+const FILE_BUFFER: usize = 64 << 10;
 
 enum Message {
     Line(Arc<Target>, Vec<u8>),
@@ -28,7 +32,8 @@ enum Message {
 
 struct Target {
     path: PathBuf,
-    file: Mutex<File>,
+    /// Only the writer thread uses it (the mutex makes the target shareable).
+    file: Mutex<BufWriter<File>>,
     failed: AtomicBool,
 }
 
@@ -72,7 +77,11 @@ impl LogWriter {
     pub fn create(&self, path: &Path) -> io::Result<LogFile> {
         let file = File::create(path)
             .map_err(|err| io::Error::new(err.kind(), format!("cannot create log file {}: {err}", path.display())))?;
-        let target = Target { path: path.to_owned(), file: Mutex::new(file), failed: AtomicBool::new(false) };
+        let target = Target {
+            path: path.to_owned(),
+            file: Mutex::new(BufWriter::with_capacity(FILE_BUFFER, file)),
+            failed: AtomicBool::new(false),
+        };
         Ok(LogFile { sender: self.sender.clone(), target: Arc::new(target) })
     }
 
@@ -105,28 +114,63 @@ impl LogFile {
     }
 }
 
+/// Writes queued lines through each file's buffer; the buffers are flushed whenever the queue
+/// runs empty (and at least every [`FLUSH_EVERY`] lines), so files stay current without a
+/// system call per line.
 fn write_lines(mut receiver: mpsc::Receiver<Message>, errors: &Errors) {
-    while let Some(message) = receiver.blocking_recv() {
+    let mut dirty: Vec<Arc<Target>> = Vec::new();
+    let mut since_flush = 0usize;
+    loop {
+        let message = match receiver.try_recv() {
+            Ok(message) => message,
+            Err(mpsc::error::TryRecvError::Empty) => {
+                flush(&mut dirty, errors);
+                match receiver.blocking_recv() {
+                    Some(message) => message,
+                    None => break,
+                }
+            }
+            Err(mpsc::error::TryRecvError::Disconnected) => break,
+        };
         match message {
             Message::Line(target, line) => {
                 if target.failed.load(Ordering::Relaxed) {
                     continue;
                 }
                 let result = target.file.lock().unwrap_or_else(PoisonError::into_inner).write_all(&line);
-                if let Err(err) = result {
-                    target.failed.store(true, Ordering::Relaxed);
-                    failed(errors, &target.path, &err);
+                match result {
+                    Ok(()) if !dirty.iter().any(|d| Arc::ptr_eq(d, &target)) => dirty.push(target),
+                    Ok(()) => {}
+                    Err(err) => failed(errors, &target, &err),
+                }
+                since_flush += 1;
+                if since_flush >= FLUSH_EVERY {
+                    flush(&mut dirty, errors);
+                    since_flush = 0;
                 }
             }
             Message::Flush(done) => {
+                flush(&mut dirty, errors);
                 let _ = done.send(());
             }
         }
     }
+    flush(&mut dirty, errors);
 }
 
-fn failed(errors: &Errors, path: &Path, err: &io::Error) {
-    let text = format!("{}: {err}", path.display());
+fn flush(dirty: &mut Vec<Arc<Target>>, errors: &Errors) {
+    for target in dirty.drain(..) {
+        if let Err(err) = target.file.lock().unwrap_or_else(PoisonError::into_inner).flush() {
+            failed(errors, &target, &err);
+        }
+    }
+}
+
+fn failed(errors: &Errors, target: &Target, err: &io::Error) {
+    if target.failed.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let text = format!("{}: {err}", target.path.display());
     if !errors.reported.swap(true, Ordering::Relaxed) {
         console::stderr().line(format!("[elastix] log files incomplete: {text}\n").into_bytes());
     }
