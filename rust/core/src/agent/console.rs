@@ -180,7 +180,7 @@ impl ConsoleStream {
         StreamMark { dropped: self.dropped.load(Ordering::Relaxed), failed: self.error.get().is_some() }
     }
 
-    /// The first write error, as "stdout: <error>".
+    /// The first write error, as `"stdout: <error>"`.
     pub fn error(&self) -> Option<String> {
         self.error.get().map(|err| format!("{}: {err}", self.name))
     }

@@ -130,11 +130,10 @@ impl WorkerGroup {
         )
     }
 
-    /// Waits up to [`DRAIN_WAIT`] for the workers' output to be read to the end (after they
+    /// Waits up to `DRAIN_WAIT` for the workers' output to be read to the end (after they
     /// exited); what is still running then is left to finish by itself.
     pub async fn drain_output(&mut self) {
-        let pumps: Vec<JoinHandle<()>> = self.workers.iter_mut().flat_map(|w| std::mem::take(&mut w.pumps)).collect();
-        drop(drain(pumps).await);
+        drop(drain(self.take_pumps()).await);
     }
 
     /// Sends `signal` to every running worker's process group.
@@ -156,12 +155,14 @@ impl WorkerGroup {
             }
         }
         self.kill_all();
-        for worker in &mut self.workers {
-            // a grandchild that kept the pipe open must not hold the agent
-            for pump in drain(std::mem::take(&mut worker.pumps)).await {
-                pump.abort();
-            }
+        // a grandchild that kept a pipe open must not hold the agent
+        for pump in drain(self.take_pumps()).await {
+            pump.abort();
         }
+    }
+
+    fn take_pumps(&mut self) -> Vec<JoinHandle<()>> {
+        self.workers.iter_mut().flat_map(|w| std::mem::take(&mut w.pumps)).collect()
     }
 
     /// Collects exits until all workers have exited (true) or the deadline passed (false).

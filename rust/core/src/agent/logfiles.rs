@@ -86,7 +86,7 @@ impl LogWriter {
     }
 
     /// Waits up to `within` for every line queued so far to reach its file, then returns the
-    /// files that could not be written completely ("<path>: <error>").
+    /// files that could not be written completely (`"<path>: <error>"`).
     pub async fn finish(&self, within: Duration) -> Vec<String> {
         let (done, written) = oneshot::channel();
         let flushed = match tokio::time::timeout(within, self.sender.send(Message::Flush(done))).await {

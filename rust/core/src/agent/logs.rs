@@ -86,7 +86,7 @@ impl LogDirs {
 /// Where one worker stream's lines go.
 pub struct Sink {
     pub file: Option<LogFile>,
-    /// The console stream lines are echoed to ([`console::stdout`] or [`console::stderr`]).
+    /// The console stream lines are echoed to ([`super::console::stdout`] or [`super::console::stderr`]).
     pub console: Option<&'static ConsoleStream>,
     pub prefix: Vec<u8>,
     /// Last lines kept (stderr only).

@@ -31,7 +31,7 @@ pub struct AgentResult {
     pub error: Option<AgentErrorInfo>,
     /// Lines of worker output not shown on the console because it was not being read.
     pub dropped_output_lines: u64,
-    /// Output that could not be written: "<log file>: <error>", "stdout: <error>"...
+    /// Output that could not be written: `"<log file>: <error>"`, `"stdout: <error>"`...
     pub output_errors: Vec<String>,
 }
 

@@ -11,6 +11,9 @@
 //!   128+N and leaves the rendezvous open (the other nodes re-form without it).
 //! * All local workers succeeding leads to the exit barrier; once every node is through, the
 //!   job is done and the rendezvous is closed as succeeded.
+//! * Worker output never holds the agent (see [`super::console`], [`super::logfiles`]): the
+//!   result counts the console lines dropped for a stalled reader and lists what could not be
+//!   written; a success whose kept log files are incomplete exits [`LOGS_INCOMPLETE`].
 
 use std::time::Duration;
 
