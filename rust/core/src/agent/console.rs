@@ -168,6 +168,11 @@ impl ConsoleStream {
         matches!(tokio::time::timeout(within, written).await, Ok(Ok(())))
     }
 
+    /// Whether a pump gave up waiting for room and the writer has not written since.
+    pub fn is_stalled(&self) -> bool {
+        self.stalled.load(Ordering::Relaxed)
+    }
+
     /// Mentions dropped lines no notice has mentioned yet (at the end of a run).
     pub fn report_drops(&self) {
         let missed = self.unreported.swap(0, Ordering::Relaxed);

@@ -93,7 +93,9 @@ impl ConsoleMarks {
     /// unreported as dropped, and records drops and errors in the report.
     async fn finish(self, report: &mut Report) {
         for (stream, mark) in [(console::stdout(), self.stdout), (console::stderr(), self.stderr)] {
-            stream.flush(CONSOLE_FLUSH_WAIT).await;
+            if !stream.is_stalled() {
+                stream.flush(CONSOLE_FLUSH_WAIT).await;
+            }
             stream.report_drops();
             let now = stream.mark();
             report.dropped_output_lines += now.dropped - mark.dropped;
