@@ -303,16 +303,16 @@ fn unwritable(name: &'static str, err: &io::Error) -> ConsoleStream {
 /// An `io::Write` for agent messages to stderr that never blocks: complete lines are queued
 /// on [`stderr()`] (a partial line waits in the writer for its end, or its drop). For a
 /// tracing subscriber: `.with_writer(elastix_core::agent::console::stderr_writer)`.
-pub fn stderr_writer() -> LineWriter {
-    LineWriter { stream: stderr(), pending: Vec::new() }
+pub fn stderr_writer() -> MessageWriter {
+    MessageWriter { stream: stderr(), pending: Vec::new() }
 }
 
-pub struct LineWriter {
+pub struct MessageWriter {
     stream: &'static ConsoleStream,
     pending: Vec<u8>,
 }
 
-impl Write for LineWriter {
+impl Write for MessageWriter {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.pending.extend_from_slice(buf);
         if let Some(end) = self.pending.iter().rposition(|&b| b == b'\n') {
@@ -332,7 +332,7 @@ impl Write for LineWriter {
     }
 }
 
-impl Drop for LineWriter {
+impl Drop for MessageWriter {
     fn drop(&mut self) {
         let _ = self.flush();
     }
