@@ -87,6 +87,11 @@ class RunResult:
     #: being "config", "rendezvous_timeout", "rendezvous_closed", "rendezvous", "store",
     #: "spawn", "io" or "remote_failure".
     error: Optional[Dict[str, str]] = None
+    #: Lines of worker output not shown on the console because it was not being read.
+    dropped_output_lines: int = 0
+    #: Output that could not be written ("<log file>: <error>", "stdout: <error>"); with log
+    #: files among them, a successful run's ``exit_code`` is 3 rather than 0.
+    output_errors: List[str] = field(default_factory=list)
 
     def is_failed(self) -> bool:
         return self.state == WorkerState.FAILED
@@ -115,6 +120,8 @@ class RunResult:
             log_dir=report.get("log_dir"),
             summary=report.get("summary"),
             error=report.get("error"),
+            dropped_output_lines=int(report.get("dropped_output_lines", 0)),
+            output_errors=list(report.get("output_errors") or []),
         )
 
 

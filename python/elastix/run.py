@@ -1,7 +1,10 @@
 """``elastix run`` (also ``python -m elastix.run``): torchrun's command line over the Rust agent.
 
 Exit status: 0 when every worker succeeded; 1 when the job failed (the agent has printed the
-root cause); 128+N when signal N stopped it; 2 for a bad command line or configuration.
+root cause); 128+N when signal N stopped it; 2 for a bad command line or configuration; 3 when
+every worker succeeded but this node's log files could not be written completely (a full disk:
+the agent has printed which file and why). Console output nobody reads is dropped rather than
+waited for, and the agent says how many lines; that alone does not change the exit status.
 When this launcher is itself a worker of another launcher (TORCHELASTIC_ERROR_FILE set), the
 root cause's error file is copied to its own, as torchrun's ``@record`` main does.
 """

@@ -14,10 +14,12 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use super::config::{AgentConfig, STD_ERR, STD_OUT};
+use super::console::{self, ConsoleStream};
 use super::env::{worker_args, worker_env, WorkerPlace};
 use super::error::{AgentError, Result};
 use super::failure::Failure;
-use super::logs::{expand_prefix, pump, Console, Sink, DEFAULT_TEE_PREFIX};
+use super::logfiles::LogWriter;
+use super::logs::{expand_prefix, pump, Sink, DEFAULT_TEE_PREFIX};
 use super::process::supervised_command;
 use super::ranks::Assignment;
 use super::standby::{Standby, StandbyPool};
@@ -25,8 +27,11 @@ use crate::rendezvous::RendezvousInfo;
 
 /// After SIGKILL, how long to wait for the kernel to reap a worker before giving up on it.
 const KILL_WAIT: Duration = Duration::from_secs(5);
-/// After a worker exits, how long its output may take to drain.
-const DRAIN_WAIT: Duration = Duration::from_millis(500);
+/// After a worker exits, how long its output may take to drain: longer than a pump may wait
+/// for a slow console ([`console::STALL_WAIT`]).
+const DRAIN_WAIT: Duration = Duration::from_secs(2);
+/// How long a failure's summary waits for the worker's last lines to reach the console.
+const CONSOLE_WAIT: Duration = Duration::from_millis(500);
 
 struct Worker {
     place: WorkerPlace,
@@ -58,6 +63,8 @@ pub struct Launch<'a> {
     pub restart_count: i64,
     /// `None` when log files are off: no files, and an empty error file path (torch's rule).
     pub attempt_dir: Option<&'a Path>,
+    /// Writes the log files under `attempt_dir`.
+    pub log_writer: &'a LogWriter,
     pub host: &'a str,
 }
 
@@ -106,6 +113,8 @@ impl WorkerGroup {
         let worker = &mut self.workers[index];
         // the exit can overtake the last lines of stderr (often the traceback): drain first
         worker.pumps = drain(std::mem::take(&mut worker.pumps)).await;
+        // and on the console before the agent's summary (unless stderr is not being read)
+        console::stderr().flush(CONSOLE_WAIT).await;
         let (status, at) = worker.exit.expect("recorded before");
         let tail: Vec<String> =
             worker.stderr_tail.lock().unwrap_or_else(PoisonError::into_inner).iter().cloned().collect();
@@ -119,6 +128,12 @@ impl WorkerGroup {
             &worker.place.error_file,
             &tail,
         )
+    }
+
+    /// Waits up to `DRAIN_WAIT` for the workers' output to be read to the end (after they
+    /// exited); what is still running then is left to finish by itself.
+    pub async fn drain_output(&mut self) {
+        drop(drain(self.take_pumps()).await);
     }
 
     /// Sends `signal` to every running worker's process group.
@@ -140,12 +155,14 @@ impl WorkerGroup {
             }
         }
         self.kill_all();
-        for worker in &mut self.workers {
-            // a grandchild that kept the pipe open must not hold the agent
-            for pump in drain(std::mem::take(&mut worker.pumps)).await {
-                pump.abort();
-            }
+        // a grandchild that kept a pipe open must not hold the agent
+        for pump in drain(self.take_pumps()).await {
+            pump.abort();
         }
+    }
+
+    fn take_pumps(&mut self) -> Vec<JoinHandle<()>> {
+        self.workers.iter_mut().flat_map(|w| std::mem::take(&mut w.pumps)).collect()
     }
 
     /// Collects exits until all workers have exited (true) or the deadline passed (false).
@@ -208,10 +225,14 @@ fn spawn(
     };
     let pid = child.id().expect("a just-spawned child has a pid");
     let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
-    let sink = |mask: u8, console: Console, name: &str, tail: Option<Arc<Mutex<VecDeque<String>>>>| -> Result<Sink> {
+    let sink = |mask: u8,
+                console: &'static ConsoleStream,
+                name: &str,
+                tail: Option<Arc<Mutex<VecDeque<String>>>>|
+     -> Result<Sink> {
         let local = local_rank as usize;
         let file = match &rank_dir {
-            Some(dir) if config.file_mask(local) & mask != 0 => Some(std::fs::File::create(dir.join(name))?),
+            Some(dir) if config.file_mask(local) & mask != 0 => Some(launch.log_writer.create(&dir.join(name))?),
             _ => None,
         };
         let shown = config.console_mask(local) & mask != 0;
@@ -223,10 +244,10 @@ fn spawn(
         Ok(Sink { file, console: shown.then_some(console), prefix, tail })
     };
     let pumps = vec![
-        pump(child.stdout.take().expect("piped"), sink(STD_OUT, Console::Stdout, "stdout.log", None)?),
+        pump(child.stdout.take().expect("piped"), sink(STD_OUT, console::stdout(), "stdout.log", None)?),
         pump(
             child.stderr.take().expect("piped"),
-            sink(STD_ERR, Console::Stderr, "stderr.log", Some(stderr_tail.clone()))?,
+            sink(STD_ERR, console::stderr(), "stderr.log", Some(stderr_tail.clone()))?,
         ),
     ];
     let index = local_rank as usize;

@@ -1,20 +1,22 @@
 //! Worker output: every line of every worker's stdout and stderr goes to its file (if
 //! redirected or tee'd), to the agent's console (unless redirected or filtered), with an
-//! optional prefix, and the last stderr lines are kept for the failure summary.
+//! optional prefix, and the last stderr lines are kept for the failure summary. Files and
+//! console are written by threads of their own ([`super::logfiles`], [`super::console`]).
 //!
 //! Log directories are never deleted or reused: each start of the workers gets a fresh
 //! `attempt_<n>` directory under the run's directory.
 
 use std::collections::VecDeque;
-use std::fs::File;
-use std::io::{self, Write};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::task::JoinHandle;
 
+use super::console::ConsoleStream;
 use super::failure::STDERR_TAIL_LINES;
+use super::logfiles::LogFile;
 
 /// The run's log directory and its attempt directories.
 pub struct LogDirs {
@@ -81,41 +83,21 @@ impl LogDirs {
     }
 }
 
-/// Which console stream a worker stream is echoed to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Console {
-    Stdout,
-    Stderr,
-}
-
 /// Where one worker stream's lines go.
 pub struct Sink {
-    pub file: Option<File>,
-    pub console: Option<Console>,
+    pub file: Option<LogFile>,
+    /// The console stream lines are echoed to ([`super::console::stdout`] or [`super::console::stderr`]).
+    pub console: Option<&'static ConsoleStream>,
     pub prefix: Vec<u8>,
     /// Last lines kept (stderr only).
     pub tail: Option<Arc<Mutex<VecDeque<String>>>>,
 }
 
 impl Sink {
-    fn line(&mut self, line: &[u8]) {
-        if let Some(file) = &mut self.file {
-            // a full disk must not stop the worker's output from being drained
-            let _ = file.write_all(line).and_then(|()| ensure_newline(file, line));
-        }
-        if let Some(console) = self.console {
-            let mut out = Vec::with_capacity(self.prefix.len() + line.len() + 1);
-            out.extend_from_slice(&self.prefix);
-            out.extend_from_slice(line);
-            if !line.ends_with(b"\n") {
-                out.push(b'\n');
-            }
-            // one write per line, so lines of different workers never interleave mid-line
-            let _ = match console {
-                Console::Stdout => io::stdout().lock().write_all(&out),
-                Console::Stderr => io::stderr().lock().write_all(&out),
-            };
-        }
+    /// Never blocks a runtime thread: the tail is kept here (it is never dropped), the console
+    /// waits briefly for a slow reader and drops lines a stalled one does not take, and the
+    /// file waits (asynchronously) for its writer.
+    async fn line(&mut self, line: &[u8]) {
         if let Some(tail) = &self.tail {
             let text = String::from_utf8_lossy(line).trim_end_matches(['\n', '\r']).to_owned();
             let mut tail = tail.lock().unwrap_or_else(PoisonError::into_inner);
@@ -124,14 +106,18 @@ impl Sink {
             }
             tail.push_back(text);
         }
-    }
-}
-
-fn ensure_newline(file: &mut File, line: &[u8]) -> io::Result<()> {
-    if line.ends_with(b"\n") {
-        Ok(())
-    } else {
-        file.write_all(b"\n")
+        if let Some(console) = self.console {
+            let mut out = Vec::with_capacity(self.prefix.len() + line.len() + 1);
+            out.extend_from_slice(&self.prefix);
+            out.extend_from_slice(line);
+            if !line.ends_with(b"\n") {
+                out.push(b'\n');
+            }
+            console.send(out).await;
+        }
+        if let Some(file) = &self.file {
+            file.line(line).await;
+        }
     }
 }
 
@@ -144,7 +130,7 @@ pub fn pump(stream: impl AsyncRead + Unpin + Send + 'static, mut sink: Sink) -> 
             line.clear();
             match reader.read_until(b'\n', &mut line).await {
                 Ok(0) | Err(_) => break,
-                Ok(_) => sink.line(&line),
+                Ok(_) => sink.line(&line).await,
             }
         }
     })
@@ -165,6 +151,7 @@ pub const DEFAULT_TEE_PREFIX: &str = "[{role}{local_rank}]:";
 
 #[cfg(test)]
 mod tests {
+    use super::super::logfiles::LogWriter;
     use super::*;
 
     #[test]
@@ -195,12 +182,14 @@ mod tests {
     async fn lines_reach_file_and_tail() {
         let path = std::env::temp_dir().join(format!("elastix-pump-{}", std::process::id()));
         let tail = Arc::new(Mutex::new(VecDeque::new()));
+        let writer = LogWriter::start().unwrap();
         let sink =
-            Sink { file: Some(File::create(&path).unwrap()), console: None, prefix: vec![], tail: Some(tail.clone()) };
+            Sink { file: Some(writer.create(&path).unwrap()), console: None, prefix: vec![], tail: Some(tail.clone()) };
         let lines: Vec<u8> = (0..30).map(|i| format!("line {i}\n")).collect::<String>().into_bytes();
         let mut input = lines.clone();
         input.extend_from_slice(b"no newline at the end");
         pump(std::io::Cursor::new(input), sink).await.unwrap();
+        assert!(writer.finish(std::time::Duration::from_secs(30)).await.is_empty());
         let written = std::fs::read_to_string(&path).unwrap();
         assert!(written.starts_with("line 0\n") && written.ends_with("no newline at the end\n"));
         let tail = tail.lock().unwrap();

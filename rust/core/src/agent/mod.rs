@@ -2,15 +2,19 @@
 //! detection and restarts, signals, the exit barrier and the root-cause summary.
 //!
 //! * [`run`]: the agent's loop; [`group`]: one attempt's worker processes; [`logs`]: their
-//!   output; [`failure`]: what a failure left behind and the summary.
+//!   output; [`console`] and [`logfiles`]: the threads that write it, so the agent never
+//!   blocks on a stalled reader or a full disk; [`failure`]: what a failure left behind and
+//!   the summary.
 //! * [`config`], [`env`], [`ranks`]: what workers are started with; [`process`]: how a child
 //!   is started; [`standby`]: warm interpreters that make restarts fast; [`signals`], [`result`].
 
 pub mod config;
+pub mod console;
 pub mod env;
 pub mod error;
 pub mod failure;
 pub mod group;
+pub mod logfiles;
 pub mod logs;
 pub mod process;
 pub mod ranks;

@@ -11,6 +11,9 @@
 //!   128+N and leaves the rendezvous open (the other nodes re-form without it).
 //! * All local workers succeeding leads to the exit barrier; once every node is through, the
 //!   job is done and the rendezvous is closed as succeeded.
+//! * Worker output never holds the agent (see [`super::console`], [`super::logfiles`]): the
+//!   result counts the console lines dropped for a stalled reader and lists what could not be
+//!   written; a success whose kept log files are incomplete exits [`LOGS_INCOMPLETE`].
 
 use std::time::Duration;
 
@@ -18,12 +21,14 @@ use nix::sys::signal::Signal;
 use tokio::sync::watch;
 
 use super::config::AgentConfig;
+use super::console::{self, StreamMark};
 use super::error::{AgentError, Result};
 use super::failure::{summary, Failure};
 use super::group::{GroupOutcome, Launch, WorkerGroup};
+use super::logfiles::LogWriter;
 use super::logs::LogDirs;
 use super::ranks::{self, RoleInfo};
-use super::result::{AgentErrorInfo, AgentResult, RunState};
+use super::result::{AgentErrorInfo, AgentResult, RunState, LOGS_INCOMPLETE};
 use super::signals::Signals;
 use super::standby::StandbyPool;
 use crate::rendezvous::node::host_name;
@@ -41,17 +46,62 @@ const STORE_TIMEOUT: Duration = Duration::from_secs(300);
 /// runtime that lives as long as the call (workers die with the thread that started them).
 pub async fn run_agent(config: AgentConfig) -> AgentResult {
     let mut report = Report::default();
+    let console = ConsoleMarks::now();
+    let mut agent = None;
     let outcome = match Agent::start(config, &mut report).await {
-        Ok(mut agent) => agent.run(&mut report).await,
+        Ok(started) => agent.insert(started).run(&mut report).await,
         Err(err) => Err(err),
     };
-    match outcome {
-        Ok(end) => report.finish(end),
+    let end = match outcome {
+        Ok(end) => end,
         Err(err) => {
             eprintln!("[elastix] agent failed: {err}");
             report.summary = Some(err.to_string());
             report.error = Some(AgentErrorInfo { kind: err.kind().to_owned(), message: err.to_string() });
-            report.finish(End::Failed)
+            End::Failed
+        }
+    };
+    if let Some(agent) = &agent {
+        // a signal asks for a prompt exit: a hung disk gets less time then
+        let within = if matches!(end, End::Interrupted(_)) { CONSOLE_FLUSH_WAIT } else { LOG_FLUSH_WAIT };
+        report.output_errors = agent.log_writer.finish(within).await;
+        report.logs_incomplete = !report.output_errors.is_empty();
+    }
+    let end = report.logs_verdict(end);
+    console.finish(&mut report).await;
+    report.finish(end)
+}
+
+/// How long the end of a run waits for the log files to be written.
+const LOG_FLUSH_WAIT: Duration = Duration::from_secs(10);
+/// How long the end of a run waits for the console to take the last lines (a stalled reader
+/// must not hold the agent's exit).
+const CONSOLE_FLUSH_WAIT: Duration = Duration::from_secs(1);
+
+/// The console's counts at the start of a run, to tell what happened during it.
+struct ConsoleMarks {
+    stdout: StreamMark,
+    stderr: StreamMark,
+}
+
+impl ConsoleMarks {
+    fn now() -> ConsoleMarks {
+        ConsoleMarks { stdout: console::stdout().mark(), stderr: console::stderr().mark() }
+    }
+
+    /// Waits (briefly) for the console to take the run's last lines, mentions lines still
+    /// unreported as dropped, and records drops and errors in the report.
+    async fn finish(self, report: &mut Report) {
+        for (stream, mark) in [(console::stdout(), self.stdout), (console::stderr(), self.stderr)] {
+            if !stream.is_stalled() {
+                stream.flush(CONSOLE_FLUSH_WAIT).await;
+            }
+            stream.report_drops();
+            let now = stream.mark();
+            report.dropped_output_lines += now.dropped - mark.dropped;
+            if now.failed && !mark.failed {
+                report.output_errors.extend(stream.error());
+            }
         }
     }
 }
@@ -59,6 +109,8 @@ pub async fn run_agent(config: AgentConfig) -> AgentResult {
 /// How the agent's run ended.
 enum End {
     Succeeded,
+    /// The workers succeeded, but the log files the run keeps are incomplete.
+    LogsIncomplete,
     Failed,
     Interrupted(Signal),
 }
@@ -74,12 +126,33 @@ struct Report {
     failures: Vec<Failure>,
     summary: Option<String>,
     error: Option<AgentErrorInfo>,
+    dropped_output_lines: u64,
+    output_errors: Vec<String>,
+    /// Whether the run's log files are kept (not a temporary directory removed at the end).
+    logs_kept: bool,
+    /// Whether a log file could not be written completely.
+    logs_incomplete: bool,
 }
 
 impl Report {
+    /// A success whose kept log files are incomplete is not a plain success: it says so
+    /// (through the console, so a stalled stderr does not hold the agent) and exits non-zero.
+    fn logs_verdict(&self, end: End) -> End {
+        if !(matches!(end, End::Succeeded) && self.logs_incomplete && self.logs_kept) {
+            return end;
+        }
+        let text = format!(
+            "[elastix] the workers succeeded, but their log files are incomplete ({}); exiting with {LOGS_INCOMPLETE}\n",
+            self.output_errors.join("; ")
+        );
+        console::stderr().line(text.into_bytes());
+        End::LogsIncomplete
+    }
+
     fn finish(self, end: End) -> AgentResult {
         let (state, exit_code) = match end {
             End::Succeeded => (RunState::Succeeded, 0),
+            End::LogsIncomplete => (RunState::Succeeded, LOGS_INCOMPLETE),
             End::Failed => (RunState::Failed, 1),
             End::Interrupted(signal) => (RunState::Interrupted, 128 + signal as i32),
         };
@@ -94,6 +167,8 @@ impl Report {
             failures: self.failures,
             summary: self.summary,
             error: self.error,
+            dropped_output_lines: self.dropped_output_lines,
+            output_errors: self.output_errors,
         }
     }
 }
@@ -111,6 +186,7 @@ struct Agent {
     rdzv: Rendezvous,
     signals: Signals,
     logs: LogDirs,
+    log_writer: LogWriter,
     host: String,
     attempt: u32,
     store: Option<TcpStore>,
@@ -124,10 +200,12 @@ impl Agent {
         let signals = Signals::install(&config.signals_to_handle)?;
         let logs = LogDirs::create(config.log_dir.as_deref(), &config.run_id)?;
         report.log_dir = logs.run_dir().map(|dir| dir.to_string_lossy().into_owned());
+        report.logs_kept = !logs.is_temporary();
+        let log_writer = LogWriter::start()?;
         let rdzv = Rendezvous::create(config.rendezvous_params()).await?;
         let host = config.local_addr.clone().unwrap_or_else(host_name);
         let standbys = StandbyPool::new(config.standby.clone(), config.env.clone(), config.local_world_size);
-        Ok(Agent { config, rdzv, signals, logs, host, attempt: 0, store: None, standbys })
+        Ok(Agent { config, rdzv, signals, logs, log_writer, host, attempt: 0, store: None, standbys })
     }
 
     async fn run(&mut self, report: &mut Report) -> Result<End> {
@@ -159,6 +237,8 @@ impl Agent {
             let grace = self.config.shutdown_timeout();
             match event {
                 Event::Workers(GroupOutcome::Succeeded) => {
+                    // the last lines belong in the log files the run's outcome vouches for
+                    group.drain_output().await;
                     drop(group);
                     match self.exit_barrier(&info, &mut changes).await? {
                         None => {
@@ -213,6 +293,7 @@ impl Agent {
             assignment: &assignment,
             restart_count,
             attempt_dir: attempt_dir.as_deref(),
+            log_writer: &self.log_writer,
             host: &self.host,
         };
         let group = WorkerGroup::start(&launch, &mut self.standbys)?;

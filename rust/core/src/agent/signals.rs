@@ -33,7 +33,12 @@ extern "C" fn on_signal(number: libc::c_int) {
     for slot in &PIPES {
         let fd = slot.load(Ordering::Relaxed);
         if fd >= 0 {
-            // SAFETY: write(2) is async-signal-safe; a full pipe just drops the byte.
+            // SAFETY: write(2) is async-signal-safe and only reads `byte`, which outlives the
+            // call. `fd` is the non-blocking write end of an agent's pipe, kept open by its
+            // `Signals` while the slot holds it (Drop clears the slot before closing the fd), so
+            // a full pipe drops the byte rather than blocking the handler. A handler that loaded
+            // the fd in the instant before that clear writes one byte to a closed descriptor
+            // (EBADF), which is harmless.
             unsafe { libc::write(fd, (&byte as *const u8).cast(), 1) };
         }
     }
@@ -85,7 +90,8 @@ impl Signals {
             match installed.get_mut(&(*signal as i32)) {
                 Some((users, _)) => *users += 1,
                 None => {
-                    // SAFETY: the handler only performs async-signal-safe work.
+                    // SAFETY: `on_signal` does only what a handler may (atomic loads and
+                    // write(2)); the action it replaces is kept, to be put back on Drop.
                     let previous = unsafe { sigaction(*signal, &action) }
                         .map_err(|err| AgentError::Config(format!("cannot handle {signal}: {err}")))?;
                     installed.insert(*signal as i32, (1, previous));
@@ -117,7 +123,8 @@ impl Drop for Signals {
             if let Some((users, previous)) = installed.get_mut(&(*signal as i32)) {
                 *users -= 1;
                 if *users == 0 {
-                    // SAFETY: puts back the action that was in place before the first agent.
+                    // SAFETY: puts back the action sigaction returned when the first agent
+                    // installed its handler: one that was valid for this signal then.
                     let _ = unsafe { sigaction(*signal, previous) };
                     installed.remove(&(*signal as i32));
                 }
@@ -137,7 +144,8 @@ mod tests {
         nix::sys::signal::raise(Signal::SIGUSR2).unwrap();
         assert_eq!(signals.recv().await, (Signal::SIGUSR2, true));
         drop(signals);
-        // SAFETY: reads the action back without changing it (set to itself).
+        // SAFETY: SIG_DFL is always a valid action; installing it returns the current one,
+        // which the assertion expects to be SIG_DFL already (so nothing changes).
         let current = unsafe {
             sigaction(Signal::SIGUSR2, &SigAction::new(SigHandler::SigDfl, SaFlags::empty(), SigSet::empty()))
         }

@@ -41,7 +41,9 @@ impl Standby {
         fcntl(&write_end, FcntlArg::F_SETFL(OFlag::O_NONBLOCK))?;
         let mut command = supervised_command(program, args, env);
         let read_fd = read_end.as_raw_fd();
-        // SAFETY: dup2 and fcntl are async-signal-safe.
+        // SAFETY: the closure runs in the child between fork and exec: dup2(2) and fcntl(2) are
+        // async-signal-safe and nothing allocates. `read_fd` is open in the parent at the fork
+        // (`read_end` is dropped only after spawn), so the child has it too.
         unsafe {
             command.pre_exec(move || {
                 let fd = if read_fd == ACTIVATION_FD {
