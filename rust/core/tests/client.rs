@@ -157,7 +157,7 @@ async fn a_client_started_before_its_server_connects_once_it_is_up() {
     let client = tokio::spawn(async move { Client::connect(&options(port)).await });
     let (first_attempt, _) = tokio::time::timeout(PATIENCE, listener.accept()).await.unwrap().unwrap();
     drop(first_attempt);
-    let fd = std::os::fd::IntoRawFd::into_raw_fd(listener.into_std().unwrap());
+    let fd = std::sync::Arc::new(std::os::fd::OwnedFd::from(listener.into_std().unwrap()));
     let server = StoreServer::start(&ServerConfig { port, listen_fd: Some(fd), ..ServerConfig::default() }).unwrap();
     let mut client = tokio::time::timeout(PATIENCE, client).await.unwrap().unwrap().unwrap();
     client.ping().await.unwrap();

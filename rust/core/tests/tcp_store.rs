@@ -38,10 +38,10 @@ async fn user_keys_are_prefixed_and_init_is_counted_but_hidden() {
 #[tokio::test]
 async fn a_master_waits_for_its_workers() {
     // the master serves on a socket bound here, so that the workers know its port up front
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    let port = socket.local_addr().unwrap().port();
-    let listen_fd = Some(std::os::fd::IntoRawFd::into_raw_fd(socket));
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into()).unwrap();
+    let port = socket.local_addr().unwrap().as_socket().unwrap().port();
+    let listen_fd = Some(std::sync::Arc::new(std::os::fd::OwnedFd::from(socket)));
     let mut master = tokio::spawn(TcpStore::open(TcpStoreOptions { port, listen_fd, ..master(Some(3)) }));
     let _first = TcpStore::open(worker(port, Some(3))).await.unwrap();
     let early = tokio::time::timeout(Duration::from_millis(100), &mut master).await;
