@@ -224,13 +224,14 @@ def test_master_waits_for_workers_and_times_out_with_a_count():
             world_size=3,
             is_master=True,
             timeout=timedelta(seconds=30),
-            master_listen_fd=sock.detach(),
+            master_listen_fd=sock.fileno(),
         )
 
     thread = threading.Thread(target=run_master)
     thread.start()
     workers = [elastix.TCPStore("127.0.0.1", port, world_size=3, timeout=timedelta(seconds=30)) for _ in range(2)]
     thread.join(30)
+    sock.close()  # the store serves on a duplicate of its own
     assert results["master"].num_keys() == 1  # init/
     results["master"].set("hello", "workers")
     assert [w.get("hello") for w in workers] == [b"workers", b"workers"]
