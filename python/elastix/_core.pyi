@@ -102,10 +102,58 @@ class RendezvousCore:
     def shutdown(self) -> None: ...
     def wait_for_change(self, timeout: Optional[float] = None) -> Optional[str]: ...
 
-class _Collectives:
-    """The submodule `elastix._core.collectives` (see python/elastix/collectives/_native.py)."""
+# A wait's outcome: None when every peer arrived, else (kind, [peer index or code, ...]) with
+# kind one of "timeout", "dead", "aborted", "closed", "mismatch".
+_Outcome = Optional[tuple[str, list[int]]]
 
-    # filled in from rust/python/src/collectives.rs
+class _Segment:
+    """Shared memory mapped in this process; a writable buffer (np.frombuffer, memoryview).
+    Offsets are bytes from its start, checked for bounds and alignment."""
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def closed(self) -> bool: ...
+    def encode(self) -> str: ...
+    def release_name(self) -> None: ...
+    def close(self) -> bool: ...
+    def load(self, offset: int) -> int: ...
+    def publish(self, offset: int, waiters: Optional[int], value: int) -> None: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+class _SegmentType:
+    def create(self, size: int, directory: Optional[str] = None) -> _Segment: ...
+    def attach(self, handle: str) -> _Segment: ...
+
+class _Waiter:
+    def wait(self, target: int, timeout: Optional[float] = None) -> _Outcome: ...
+    def step(self, seq: int, desc: Optional[list[int]] = None, timeout: Optional[float] = None) -> _Outcome: ...
+    def abort(self, code: int) -> None: ...
+
+class _Collectives:
+    """The submodule `elastix._core.collectives` (rust/python/src/collectives.rs, shm.rs)."""
+
+    Segment: _SegmentType
+    def reduce(
+        self, dtype: int, op: int, srcs: list[object], dsts: list[object], divisor: int = 1
+    ) -> None: ...
+    def Waiter(  # noqa: N802 - the class, seen as its constructor
+        self,
+        segment: _Segment,
+        flags: list[int],
+        aborts: list[Optional[int]],
+        waiters: list[Optional[int]],
+        pids: list[int],
+        own_flag: Optional[int] = None,
+        own_waiters: Optional[int] = None,
+        own_abort: Optional[int] = None,
+        spin_iters: int = 20000,
+        yield_us: int = 200,
+        check_ms: int = 2,
+        desc_offsets: tuple[int, int] = (8, 8),
+    ) -> _Waiter: ...
 
 collectives: _Collectives
 
