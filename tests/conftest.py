@@ -36,6 +36,14 @@ def reserved_port():
         yield holder.getsockname()[1]
 
 
+@pytest.fixture
+def rdzv_port():
+    """A rendezvous store started by the test on a port the kernel picked, for agents told
+    `is_host=false` (as torchrun users run a standalone store)."""
+    store = elastix.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    yield store.port
+
+
 def closed_port():
     """A bound socket that never listens: connecting to its port is refused, and no one else
     can take the port while the socket is open."""

@@ -12,7 +12,6 @@ import uuid
 
 import pytest
 
-from conftest import free_port
 from test_run import FAST_RDZV, assert_nothing_left, finish, marked_processes, wait_for
 
 LOGS_INCOMPLETE = 3
@@ -110,8 +109,8 @@ def test_a_stalled_stdout_does_not_stop_restarts_or_sigterm(tmp_path, marker, sp
     assert_nothing_left(marker)  # the process table: the workers (and standbys) are gone
 
 
-def test_a_stalled_stdout_does_not_stop_heartbeats(tmp_path, marker, spam, stalled_stdout):
-    port = free_port()
+def test_a_stalled_stdout_does_not_stop_heartbeats(tmp_path, marker, spam, stalled_stdout, rdzv_port):
+    port = rdzv_port
     common = ["--nnodes", 2, "--nproc-per-node", 1, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     common += ["--rdzv-id", "stalled", "--rdzv-conf", FAST_RDZV]
     # node A's stdout is read (discarded); node B's is stalled

@@ -89,12 +89,6 @@ def wait_for(predicate, timeout=60, what="condition"):
 
 
 @pytest.fixture
-def rdzv_port():
-    store = elastix.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
-    yield store.port
-
-
-@pytest.fixture
 def marker():
     marker = uuid.uuid4().hex
     yield marker
