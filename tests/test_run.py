@@ -10,11 +10,9 @@ import subprocess
 import sys
 import time
 import uuid
-from datetime import timedelta
 
 import pytest
 
-import elastix
 from conftest import REPO
 
 WORKERS = os.path.join(REPO, "tests", "workers")

@@ -139,7 +139,7 @@ class _Collectives:
     def reduce(
         self, dtype: int, op: int, srcs: list[object], dsts: list[object], divisor: int = 1
     ) -> None: ...
-    def Waiter(  # noqa: N802 - the class, seen as its constructor
+    def Waiter(  # the class, seen as its constructor
         self,
         segment: _Segment,
         flags: list[int],
