@@ -136,9 +136,7 @@ class _Collectives:
     """The submodule `elastix._core.collectives` (rust/python/src/collectives.rs, shm.rs)."""
 
     Segment: _SegmentType
-    def reduce(
-        self, dtype: int, op: int, srcs: list[object], dsts: list[object], divisor: int = 1
-    ) -> None: ...
+    def reduce(self, dtype: int, op: int, srcs: list[object], dsts: list[object], divisor: int = 1) -> None: ...
     def Waiter(  # the class, seen as its constructor
         self,
         segment: _Segment,
