@@ -116,8 +116,11 @@ def test_launch_config_timeouts_from_env(monkeypatch):
     config = LaunchConfig(1, 1, 1)
     assert (config.shutdown_timeout, config.exit_barrier_timeout) == (7.0, 9.0)
     assert LaunchConfig(1, 1, 1, shutdown_timeout=2).shutdown_timeout == 2.0
-    with pytest.raises(ValueError, match="shutdown-timeout"):
-        LaunchConfig(1, 1, 1, shutdown_timeout=-1)
+    with pytest.raises(ValueError, match="--shutdown-timeout: 'soon' is not a number"):
+        LaunchConfig(1, 1, 1, shutdown_timeout="soon")  # type: ignore[arg-type]
+    # the range is the agent's to check, before anything starts
+    with pytest.raises(ValueError, match="--shutdown-timeout: must be a non-negative number"):
+        agent_config(LaunchConfig(1, 1, 1, shutdown_timeout=-1), "/bin/true", [])
 
 
 @pytest.mark.parametrize("kwargs,needle", [
@@ -132,6 +135,18 @@ def test_launch_config_refuses_what_elastix_does_not_do(kwargs, needle):
         LaunchConfig(1, 1, 1, **kwargs)
 
 
+def test_agent_config_errors_come_from_the_agent_and_name_the_flag():
+    cases = [
+        (LaunchConfig(3, 2, 1), "--nnodes: need 0 < MIN <= MAX"),
+        (LaunchConfig(1, 1, 1, max_restarts=-1), "--max-restarts: invalid value: integer `-1`"),
+        (LaunchConfig(1, 1, 1, rdzv_backend="etcd"), "--rdzv-backend etcd: not available"),
+        (LaunchConfig(1, 1, 1, rdzv_configs={"heartbeat": 10}), 'unknown key "heartbeat"'),
+    ]
+    for config, needle in cases:
+        with pytest.raises(ValueError, match=needle):
+            agent_config(config, "/bin/true", [])
+
+
 def test_agent_config_from_launch_config():
     config = LaunchConfig(
         1, 3, 2, run_id="job", role="trainer", rdzv_endpoint="h:29400",
@@ -140,7 +155,7 @@ def test_agent_config_from_launch_config():
         log_line_prefix_template="[${rank}]", signals_to_handle="SIGTERM,SIGUSR1", max_restarts=5,
     )  # fmt: skip
     out = agent_config(config, "/bin/prog", ["a", "${local_rank}"])
-    assert out["rdzv_conf"] == "join_timeout=60,is_host=true"  # rank only matters to static
+    assert out["rdzv_conf"] == {"join_timeout": 60, "is_host": True}  # rank only matters to static
     assert (out["run_id"], out["role"], out["local_world_size"]) == ("job", "trainer", 2)
     assert (out["entrypoint"], out["args"]) == ("/bin/prog", ["a", "${local_rank}"])
     assert (out["min_nodes"], out["max_nodes"], out["max_restarts"]) == (1, 3, 5)

@@ -294,3 +294,24 @@ def test_over_a_torch_tcpstore_server():
         conf={**FAST, "is_host": "false"},
     )
     assert late.next_rendezvous().world_size == 1
+
+
+def test_conf_dicts_mean_the_same_in_every_api():
+    """RendezvousHandler(conf=...) and LaunchConfig.rdzv_configs share one serializer: a
+    timedelta is a duration in both, and a key is refused by both in the same words."""
+    from elastix.launcher import LaunchConfig, agent_config
+
+    conf = {"join_timeout": timedelta(seconds=30), "last_call_timeout": timedelta(milliseconds=500), "is_host": True}
+    handler = RendezvousHandler("c10d", "127.0.0.1:0", "conf-dicts", 1, 1, conf=conf)
+    try:
+        assert handler.next_rendezvous().world_size == 1
+    finally:
+        handler.shutdown()
+    launched = agent_config(LaunchConfig(1, 1, 1, rdzv_endpoint="127.0.0.1:0", rdzv_configs=conf), "/bin/true", [])
+    assert launched["rdzv_conf"] == {"join_timeout": 30.0, "last_call_timeout": 0.5, "is_host": True}
+    bad = {"join_timeout": "soon"}
+    with pytest.raises(ValueError) as direct:
+        RendezvousHandler("c10d", "127.0.0.1:0", "conf-dicts", 1, 1, conf=bad)
+    assert "--rdzv-conf join_timeout=soon" in str(direct.value)
+    with pytest.raises(ValueError, match="expected a string, a number, a bool or a timedelta"):
+        RendezvousHandler("c10d", "127.0.0.1:0", "conf-dicts", 1, 1, conf={"join_timeout": object()})

@@ -1,18 +1,18 @@
-"""Builds and checks the AgentConfig the Rust agent takes (one JSON object, every key present),
-for both ``elastix run`` and ``elastix.launch``. Errors are ValueErrors that name the flag."""
+"""Builds the AgentConfig the Rust agent takes (one JSON object), for both ``elastix run`` and
+``elastix.launch``, from torchrun's derivation rules. The schema and its checks are the agent's
+(rust/core/src/agent/config.rs): ``build`` has them run before anything starts, so a bad value
+is a ValueError that names its flag."""
 
 from __future__ import annotations
 
-import math
+import json
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
+from ._rdzv_conf import rdzv_conf_values
 from ._signals import parse_signals
 
-BACKENDS = ("c10d", "static")
-# torch's other built-in backends, refused with a pointer rather than an "unknown" error
-_LATER_BACKENDS = ("etcd", "etcd-v2")
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 
@@ -22,45 +22,24 @@ def warn(message: str) -> None:
 
 
 def parse_nnodes(spec: str) -> "tuple[int, int]":
-    """``"N"`` or ``"MIN:MAX"`` with ``0 < MIN <= MAX``."""
+    """``"N"`` or ``"MIN:MAX"`` (the agent checks that ``0 < MIN <= MAX``)."""
     parts = str(spec).strip().split(":")
     try:
         if len(parts) == 1:
-            low = high = int(parts[0])
-        elif len(parts) == 2:
-            low, high = int(parts[0]), int(parts[1])
-        else:
-            raise ValueError
+            return int(parts[0]), int(parts[0])
+        if len(parts) == 2:
+            return int(parts[0]), int(parts[1])
     except ValueError:
-        raise ValueError(f"--nnodes: {spec!r} is not N or MIN:MAX (e.g. 2 or 1:4)") from None
-    check_nodes(low, high)
-    return low, high
+        pass
+    raise ValueError(f"--nnodes: {spec!r} is not N or MIN:MAX (e.g. 2 or 1:4)")
 
 
-def check_nodes(min_nodes: int, max_nodes: int) -> None:
-    if not 0 < min_nodes <= max_nodes:
-        raise ValueError(f"--nnodes: need 0 < MIN <= MAX, got min_nodes={min_nodes}, max_nodes={max_nodes}")
-
-
-def check_backend(backend: str) -> str:
-    if backend in BACKENDS:
-        return backend
-    if backend in _LATER_BACKENDS:
-        raise ValueError(
-            f"--rdzv-backend {backend}: not available in elastix yet; use c10d (elastic, the "
-            "store is served by one of the agents) or static"
-        )
-    raise ValueError(f"--rdzv-backend: unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
-
-
-def check_seconds(flag: str, value: Any) -> float:
+def parse_seconds(flag: str, value: Any) -> float:
+    """A number of seconds from a flag's or a variable's text (the agent checks its range)."""
     try:
-        seconds = float(value)
+        return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{flag}: {value!r} is not a number of seconds") from None
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise ValueError(f"{flag}: must be a non-negative number of seconds, got {value!r}")
-    return seconds
 
 
 def build(
@@ -73,7 +52,7 @@ def build(
     env: Optional[Dict[str, str]] = None,
     rdzv_backend: str,
     rdzv_endpoint: str,
-    rdzv_conf: str,
+    rdzv_conf: Union[str, Mapping[str, object], None],
     min_nodes: int,
     max_nodes: int,
     node_rank: Optional[int],
@@ -98,22 +77,8 @@ def build(
     """``python_workers``: the entrypoint is the Python interpreter the launcher chose, run
     with the arguments it built. ``standby_workers``: keep warm interpreters ready for the
     next restart when one can happen."""
-    check_backend(rdzv_backend)
-    check_nodes(int(min_nodes), int(max_nodes))
-    if int(local_world_size) < 1:
-        raise ValueError(f"--nproc-per-node must be at least 1, got {local_world_size}")
-    if int(max_restarts) < 0:
-        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
-    if master_port is not None and not 0 <= int(master_port) <= 65535:
-        raise ValueError(f"--master-port: {master_port} is not a TCP port (0-65535)")
     if rdzv_backend == "static":
         node_rank = 0 if node_rank is None else int(node_rank)
-        # the static rendezvous waits for exactly max_nodes nodes, ranked 0..max_nodes-1
-        if not 0 <= node_rank < int(max_nodes):
-            raise ValueError(
-                f"--node-rank {node_rank}: the static rendezvous has --nnodes {max_nodes} "
-                f"nodes, ranked 0 to {int(max_nodes) - 1}"
-            )
         if min_nodes != max_nodes:
             warn(f"the static rendezvous is not elastic: it waits for all {max_nodes} nodes")
     else:
@@ -121,21 +86,16 @@ def build(
         master_addr = master_port = None  # torch uses them for static only
     if log_dir is not None and log_dir != os.devnull:  # torch: /dev/null means no log files
         log_dir = os.path.abspath(os.path.expanduser(log_dir))
-        if os.path.exists(log_dir) and not os.path.isdir(log_dir):
-            raise ValueError(f"--log-dir: {log_dir} exists and is not a directory")
-    n = int(local_world_size)
-    if len(redirects) != n or len(tee) != n:
-        raise AssertionError("redirects and tee need one mask per local rank")
-    return {
+    config = {
         "run_id": str(run_id),
         "role": str(role),
-        "local_world_size": n,
+        "local_world_size": int(local_world_size),
         "entrypoint": str(entrypoint),
         "args": [str(arg) for arg in args],
         "env": {str(k): str(v) for k, v in (env or {}).items()},
         "rdzv_backend": rdzv_backend,
         "rdzv_endpoint": str(rdzv_endpoint),
-        "rdzv_conf": str(rdzv_conf),
+        "rdzv_conf": rdzv_conf_values(rdzv_conf),
         "min_nodes": int(min_nodes),
         "max_nodes": int(max_nodes),
         "node_rank": node_rank,
@@ -144,8 +104,8 @@ def build(
         "master_port": None if master_port is None else int(master_port),
         "max_restarts": int(max_restarts),
         "signals_to_handle": parse_signals(signals_to_handle),
-        "shutdown_timeout": check_seconds("--shutdown-timeout", shutdown_timeout),
-        "exit_barrier_timeout": check_seconds("--exit-barrier-timeout", exit_barrier_timeout),
+        "shutdown_timeout": parse_seconds("--shutdown-timeout", shutdown_timeout),
+        "exit_barrier_timeout": parse_seconds("--exit-barrier-timeout", exit_barrier_timeout),
         "log_dir": log_dir,
         "redirects": [int(mask) for mask in redirects],
         "tee": [int(mask) for mask in tee],
@@ -158,6 +118,10 @@ def build(
             python_workers and standby_workers, entrypoint, args, rdzv_backend, int(max_nodes), int(max_restarts)
         ),
     }
+    from . import _core
+
+    _core.check_agent_config(json.dumps(config))
+    return config
 
 
 def _standby(
@@ -190,8 +154,8 @@ def _seconds_or_env(flag: str, value: Optional[float], variable: str, default: f
     """``value`` when given, else the variable when set and not empty, else ``default``; a bad
     value is an error that names its flag or variable."""
     if value is not None:
-        return check_seconds(flag, value)
+        return parse_seconds(flag, value)
     env = os.environ.get(variable)
     if env:
-        return check_seconds(variable, env)
+        return parse_seconds(variable, env)
     return default

@@ -2,9 +2,10 @@
 # there: mypy checks the Python package against this file, not against the extension.
 # Timeouts are seconds (float) or None for no limit; keys and values are bytes.
 
-from typing import Optional
+from typing import Optional, TypedDict
 
 __version__: str
+RENDEZVOUS_BACKENDS: tuple[str, ...]
 
 class TcpStoreCore:
     def __init__(
@@ -75,6 +76,17 @@ class BlockingStoreCore:
     def queue_len(self, key: bytes) -> int: ...
     def list_keys(self) -> list[bytes]: ...
 
+class _RoundInfo(TypedDict):
+    run_id: str
+    round: int
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    store_host: str
+    store_port: int
+    store_prefix: str
+
 class RendezvousCore:
     def __init__(
         self,
@@ -84,7 +96,7 @@ class RendezvousCore:
         min_nodes: int,
         max_nodes: int,
         local_addr: Optional[str] = None,
-        conf: str = "",
+        conf_json: str = '""',
         node_rank: Optional[int] = None,
     ) -> None: ...
     @property
@@ -93,7 +105,7 @@ class RendezvousCore:
     def backend(self) -> str: ...
     @property
     def hosted_port(self) -> Optional[int]: ...
-    def next_rendezvous(self) -> dict[str, object]: ...
+    def next_rendezvous(self) -> _RoundInfo: ...
     def num_nodes_waiting(self) -> int: ...
     def is_closed(self) -> bool: ...
     def set_closed(self) -> None: ...
@@ -156,5 +168,8 @@ class _Collectives:
 collectives: _Collectives
 
 def run_store_cli(argv: list[str]) -> int: ...
+def check_agent_config(config_json: str) -> None:
+    """Raises ValueError, naming the flag, when the agent would refuse the configuration."""
+
 def run_agent(config_json: str) -> str:
     """Runs an agent to the end (the GIL released); returns the outcome as JSON."""

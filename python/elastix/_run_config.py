@@ -47,7 +47,6 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = _ag
         # avoids a fixed port 29500 colliding between jobs on one host (torch checks the port
         # only; a master address given on purpose also keeps the static rendezvous here)
         backend, endpoint, run_id = _standalone()
-    _agent_config.check_backend(backend)
 
     master_addr = args.master_addr if args.master_addr is not None else DEFAULT_MASTER_ADDR
     master_port = args.master_port if args.master_port is not None else DEFAULT_MASTER_PORT

@@ -24,7 +24,6 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from . import _agent_config
@@ -171,7 +170,7 @@ def agent_config(config: LaunchConfig, program: str, program_args: Sequence[str]
     from ._nproc import resolve_nproc
 
     nproc = resolve_nproc(str(config.nproc_per_node))
-    backend = _agent_config.check_backend(config.rdzv_backend)
+    backend = config.rdzv_backend
     confs = dict(config.rdzv_configs)
     rank = confs.pop("rank", None)
     node_rank = master_addr = master_port = None
@@ -195,7 +194,7 @@ def agent_config(config: LaunchConfig, program: str, program_args: Sequence[str]
         env={},
         rdzv_backend=backend,
         rdzv_endpoint=config.rdzv_endpoint,
-        rdzv_conf=_conf_string(confs),
+        rdzv_conf=confs,
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
         node_rank=node_rank,
@@ -231,20 +230,6 @@ def _spec_attr(specs: Any, name: str) -> Any:
     raise TypeError(
         f"logs_specs of type {type(specs).__name__} is not supported; use elastix.logs_specs.DefaultLogsSpecs"
     )
-
-
-def _conf_string(confs: Dict[str, Any]) -> str:
-    items = []
-    for key, value in confs.items():
-        if isinstance(value, bool):
-            value = "true" if value else "false"
-        elif isinstance(value, timedelta):
-            value = f"{value.total_seconds():g}s"
-        text = str(value)
-        if "," in text or "=" in str(key):
-            raise ValueError(f"rdzv_configs {key}={text!r}: keys cannot contain '=' nor values ','")
-        items.append(f"{key}={text}")
-    return ",".join(items)
 
 
 def _python() -> str:

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
 from . import _core
+from ._rdzv_conf import rdzv_conf_json
 from .store import PrefixStore, Store, TCPStore
 
 #: The backends elastix provides.
-BACKENDS = ("c10d", "static")
+BACKENDS = _core.RENDEZVOUS_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -36,17 +37,6 @@ class RendezvousInfo:
     bootstrap_store_info: RendezvousStoreInfo
     round: int
     run_id: str
-
-
-def _conf_string(conf: Union[str, Mapping[str, object], None]) -> str:
-    if conf is None:
-        return ""
-    if isinstance(conf, str):
-        return conf
-    for key, value in conf.items():
-        if "," in str(value) or "=" in str(key):
-            raise ValueError(f"rendezvous conf {key}={value!r}: keys and values cannot contain ',' or '='")
-    return ",".join(f"{key}={value}" for key, value in conf.items())
 
 
 class RendezvousHandler:
@@ -74,7 +64,7 @@ class RendezvousHandler:
             int(min_nodes),
             int(max_nodes),
             local_addr=local_addr,
-            conf=_conf_string(conf),
+            conf_json=rdzv_conf_json(conf),
             node_rank=node_rank,
         )
 
@@ -155,5 +145,5 @@ def create_handler(
         max_nodes,
         local_addr=local_addr,
         conf=conf,
-        node_rank=None if node_rank is None else int(node_rank),
+        node_rank=None if node_rank is None else int(str(node_rank)),
     )

@@ -1,5 +1,6 @@
 //! `run_agent(config_json) -> result_json`: runs an agent to the end on a runtime of its own,
 //! with the GIL released. The agent handles the signals it is configured for itself.
+//! `check_agent_config(config_json)`: the same checks, without running anything.
 
 use elastix_core::agent::{run_agent as run, AgentConfig};
 use pyo3::exceptions::PyValueError;
@@ -7,6 +8,12 @@ use pyo3::prelude::*;
 
 /// Worker threads of the agent's runtime: its work is waiting on processes and sockets.
 const AGENT_THREADS: usize = 2;
+
+/// Raises ValueError (naming the flag) when the agent would refuse `config_json`.
+#[pyfunction]
+pub fn check_agent_config(config_json: &str) -> PyResult<()> {
+    AgentConfig::from_json(config_json).map(drop).map_err(|err| PyValueError::new_err(err.to_string()))
+}
 
 #[pyfunction]
 pub fn run_agent(py: Python<'_>, config_json: &str) -> PyResult<String> {

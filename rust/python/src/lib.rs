@@ -18,11 +18,14 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    module
+        .add("RENDEZVOUS_BACKENDS", pyo3::types::PyTuple::new(module.py(), elastix_core::agent::config::BACKENDS)?)?;
     module.add_class::<tcp_store::TcpStoreCore>()?;
     module.add_class::<blocking_store::BlockingStoreCore>()?;
     module.add_class::<rendezvous::RendezvousCore>()?;
     module.add_function(wrap_pyfunction!(store_cli::run_store_cli, module)?)?;
     module.add_function(wrap_pyfunction!(agent::run_agent, module)?)?;
+    module.add_function(wrap_pyfunction!(agent::check_agent_config, module)?)?;
     collectives::register(module)?;
     Ok(())
 }

@@ -118,7 +118,9 @@ fn describe(change: &MembershipChange) -> String {
 #[pymethods]
 impl RendezvousCore {
     #[new]
-    #[pyo3(signature = (backend, endpoint, run_id, min_nodes, max_nodes, local_addr=None, conf=String::new(), node_rank=None))]
+    /// `conf_json`: the rendezvous configuration as JSON, torch's `"k=v,k=v"` text or an object
+    /// of values (see `elastix_core::rendezvous::ConfInput`).
+    #[pyo3(signature = (backend, endpoint, run_id, min_nodes, max_nodes, local_addr=None, conf_json=String::from("\"\""), node_rank=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -128,9 +130,11 @@ impl RendezvousCore {
         min_nodes: u32,
         max_nodes: u32,
         local_addr: Option<String>,
-        conf: String,
+        conf_json: String,
         node_rank: Option<u32>,
     ) -> PyResult<Self> {
+        let conf = serde_json::from_str(&conf_json)
+            .map_err(|err| pyo3::exceptions::PyValueError::new_err(format!("rendezvous conf: {err}")))?;
         let params = RendezvousParams { backend, endpoint, run_id, min_nodes, max_nodes, local_addr, conf, node_rank };
         let pending = PendingSignal::default();
         let handler = block_on(py, &pending, || Rendezvous::create(params))?;

@@ -1,13 +1,24 @@
 //! What the launcher hands the agent: one JSON object (the CLI and `elastix.launch` build it),
 //! versioned by its fields; unknown fields are refused so a typo cannot pass silently.
+//!
+//! This is the one schema of an agent's configuration, and the one place it is checked: the
+//! Python side only derives the values from torchrun's flags (and calls [`AgentConfig::from_json`]
+//! through the binding before it starts anything). Errors name the command-line flag.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::Duration;
 
 use serde::Deserialize;
 
 use super::error::{AgentError, Result};
-use crate::rendezvous::RendezvousParams;
+use super::logs::NO_LOGS;
+use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS, STATIC_KEYS};
+use crate::rendezvous::{ConfInput, RendezvousParams};
+
+/// The rendezvous backends, and torch's others (refused with a pointer, not "unknown").
+pub const BACKENDS: &[&str] = &["c10d", "static"];
+const LATER_BACKENDS: &[&str] = &["etcd", "etcd-v2"];
 
 /// Which of a worker's streams go to a file (torch's `Std` mask).
 pub const STD_OUT: u8 = 1;
@@ -26,7 +37,7 @@ pub struct AgentConfig {
     pub env: BTreeMap<String, String>,
     pub rdzv_backend: String,
     pub rdzv_endpoint: String,
-    pub rdzv_conf: String,
+    pub rdzv_conf: ConfInput,
     pub min_nodes: u32,
     pub max_nodes: u32,
     pub node_rank: Option<u32>,
@@ -59,8 +70,12 @@ pub struct AgentConfig {
 
 impl AgentConfig {
     pub fn from_json(text: &str) -> Result<AgentConfig> {
-        let config: AgentConfig = serde_json::from_str(text)
-            .map_err(|err| AgentError::Config(format!("invalid agent configuration: {err}")))?;
+        let mut input = serde_json::Deserializer::from_str(text);
+        let config: AgentConfig = serde_path_to_error::deserialize(&mut input).map_err(|err| {
+            let field = err.path().to_string();
+            let what = flag(&field).map_or_else(|| format!("invalid agent configuration ({field})"), str::to_owned);
+            AgentError::Config(format!("{what}: {}", err.inner()))
+        })?;
         config.validate()?;
         Ok(config)
     }
@@ -68,7 +83,35 @@ impl AgentConfig {
     fn validate(&self) -> Result<()> {
         let n = self.local_world_size as usize;
         if n == 0 {
-            return Err(AgentError::Config("nproc-per-node must be at least 1".into()));
+            return Err(AgentError::Config("--nproc-per-node must be at least 1, got 0".into()));
+        }
+        if !(0 < self.min_nodes && self.min_nodes <= self.max_nodes) {
+            return Err(AgentError::Config(format!(
+                "--nnodes: need 0 < MIN <= MAX, got min_nodes={}, max_nodes={}",
+                self.min_nodes, self.max_nodes
+            )));
+        }
+        self.check_backend()?;
+        let keys = if self.rdzv_backend == "static" { STATIC_KEYS } else { DYNAMIC_KEYS };
+        RendezvousConf::from_input(&self.rdzv_conf, keys).map_err(|err| AgentError::Config(err.to_string()))?;
+        if self.rdzv_backend == "static" {
+            // the static rendezvous waits for exactly max_nodes nodes, ranked 0..max_nodes-1
+            match self.node_rank {
+                Some(rank) if rank < self.max_nodes => {}
+                Some(rank) => {
+                    return Err(AgentError::Config(format!(
+                        "--node-rank {rank}: the static rendezvous has --nnodes {} nodes, ranked 0 to {}",
+                        self.max_nodes,
+                        self.max_nodes - 1
+                    )))
+                }
+                None => return Err(AgentError::Config("the static rendezvous needs --node-rank".into())),
+            }
+        }
+        if let Some(dir) = self.log_dir.as_deref().filter(|dir| *dir != NO_LOGS).map(Path::new) {
+            if dir.exists() && !dir.is_dir() {
+                return Err(AgentError::Config(format!("--log-dir: {} exists and is not a directory", dir.display())));
+            }
         }
         for (name, masks) in [("redirects", &self.redirects), ("tee", &self.tee)] {
             if masks.len() != n || masks.iter().any(|mask| *mask > 3) {
@@ -78,15 +121,32 @@ impl AgentConfig {
             }
         }
         for (name, seconds) in
-            [("shutdown_timeout", self.shutdown_timeout), ("exit_barrier_timeout", self.exit_barrier_timeout)]
+            [("--shutdown-timeout", self.shutdown_timeout), ("--exit-barrier-timeout", self.exit_barrier_timeout)]
         {
             if !(seconds.is_finite() && seconds >= 0.0) {
                 return Err(AgentError::Config(format!(
-                    "{name} must be a non-negative number of seconds, got {seconds}"
+                    "{name}: must be a non-negative number of seconds, got {seconds}"
                 )));
             }
         }
         Ok(())
+    }
+
+    fn check_backend(&self) -> Result<()> {
+        let backend = self.rdzv_backend.as_str();
+        if BACKENDS.contains(&backend) {
+            Ok(())
+        } else if LATER_BACKENDS.contains(&backend) {
+            Err(AgentError::Config(format!(
+                "--rdzv-backend {backend}: not available in elastix yet; use c10d (elastic, the store is served by \
+                 one of the agents) or static"
+            )))
+        } else {
+            Err(AgentError::Config(format!(
+                "--rdzv-backend: unknown backend {backend:?} (choose from {})",
+                BACKENDS.join(", ")
+            )))
+        }
     }
 
     pub fn shutdown_timeout(&self) -> Duration {
@@ -142,6 +202,33 @@ impl AgentConfig {
     }
 }
 
+/// The command-line flag behind a configuration field, for error messages.
+fn flag(field: &str) -> Option<&'static str> {
+    Some(match field.split(['.', '[']).next()? {
+        "local_world_size" => "--nproc-per-node",
+        "rdzv_backend" => "--rdzv-backend",
+        "rdzv_endpoint" => "--rdzv-endpoint",
+        "rdzv_conf" => "--rdzv-conf",
+        "min_nodes" | "max_nodes" => "--nnodes",
+        "node_rank" => "--node-rank",
+        "local_addr" => "--local-addr",
+        "master_addr" => "--master-addr",
+        "master_port" => "--master-port",
+        "max_restarts" => "--max-restarts",
+        "signals_to_handle" => "--signals-to-handle",
+        "shutdown_timeout" => "--shutdown-timeout",
+        "exit_barrier_timeout" => "--exit-barrier-timeout",
+        "log_dir" => "--log-dir",
+        "redirects" => "--redirects",
+        "tee" => "--tee",
+        "local_ranks_filter" => "--local-ranks-filter",
+        "line_prefix" => "--log-line-prefix-template",
+        "role" => "--role",
+        "run_id" => "--rdzv-id",
+        _ => return None,
+    })
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -174,6 +261,51 @@ pub(crate) mod tests {
         assert!(AgentConfig::from_json(&typo.to_string()).is_err());
     }
 
+    fn refusal(edit: impl FnOnce(&mut serde_json::Value)) -> String {
+        let mut value = sample(1);
+        edit(&mut value);
+        AgentConfig::from_json(&value.to_string()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn every_rule_is_checked_here_and_names_its_flag() {
+        type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
+        let cases: Vec<(Edit, &str)> = vec![
+            (Box::new(|v| v["local_world_size"] = 0.into()), "--nproc-per-node must be at least 1"),
+            (Box::new(|v| v["min_nodes"] = 3.into()), "--nnodes: need 0 < MIN <= MAX"),
+            (Box::new(|v| v["min_nodes"] = 0.into()), "--nnodes: need 0 < MIN <= MAX"),
+            (Box::new(|v| v["rdzv_backend"] = "etcd".into()), "--rdzv-backend etcd: not available"),
+            (Box::new(|v| v["rdzv_backend"] = "zookeeper".into()), "unknown backend \"zookeeper\""),
+            (Box::new(|v| v["max_restarts"] = (-1).into()), "--max-restarts: invalid value: integer `-1`"),
+            (Box::new(|v| v["master_port"] = 70000.into()), "--master-port: invalid value: integer `70000`"),
+            (Box::new(|v| v["shutdown_timeout"] = (-1.0).into()), "--shutdown-timeout: must be a non-negative"),
+            (Box::new(|v| v["log_dir"] = "/proc/self/stat".into()), "--log-dir: /proc/self/stat exists and is not"),
+            (Box::new(|v| v["rdzv_conf"] = 5.into()), "--rdzv-conf: "),
+            (Box::new(|v| v["rdzv_conf"] = "heartbeat=10".into()), "unknown key \"heartbeat\""),
+            (Box::new(|v| v["typo"] = 1.into()), "unknown field `typo`"),
+            (
+                Box::new(|v| {
+                    v["rdzv_backend"] = "static".into();
+                    v["max_nodes"] = 2.into();
+                    v["node_rank"] = 2.into();
+                }),
+                "--node-rank 2: the static rendezvous has --nnodes 2 nodes, ranked 0 to 1",
+            ),
+        ];
+        for (edit, needle) in cases {
+            let err = refusal(edit);
+            assert!(err.contains(needle), "{needle:?} not in {err:?}");
+        }
+    }
+
+    #[test]
+    fn the_rendezvous_conf_may_be_text_or_a_map() {
+        let mut value = sample(1);
+        value["rdzv_conf"] = serde_json::json!({"join_timeout": "30s", "is_host": true});
+        let config = AgentConfig::from_json(&value.to_string()).unwrap();
+        assert!(matches!(config.rendezvous_params().conf, ConfInput::Map(_)));
+    }
+
     #[test]
     fn redirects_tee_and_filters_combine() {
         let mut value = sample(3);
@@ -190,6 +322,7 @@ pub(crate) mod tests {
     fn static_meets_at_the_master_address() {
         let mut value = sample(1);
         value["rdzv_backend"] = serde_json::json!("static");
+        value["node_rank"] = serde_json::json!(0);
         value["rdzv_endpoint"] = serde_json::json!("");
         value["master_addr"] = serde_json::json!("10.0.0.1");
         value["master_port"] = serde_json::json!(1234);

@@ -27,7 +27,7 @@ pub struct LogDirs {
 }
 
 /// torch's way of turning log files (and error files) off.
-const NO_LOGS: &str = "/dev/null";
+pub(crate) const NO_LOGS: &str = "/dev/null";
 
 impl LogDirs {
     /// Under `base` (or a new temporary directory): a directory of its own for this run,

@@ -1,9 +1,15 @@
 //! `--rdzv-conf k1=v1,k2=v2`: torch's keys, checked strictly. Unknown keys are an error (torch
 //! ignores them silently, so a typo like `heartbeat=10` used to do nothing), durations accept
 //! units (`30`, `30s`, `1.5s`, `500ms`, `2m`, `1h`), booleans accept torch's spellings.
+//!
+//! The same keys arrive either as that text (the command line) or as a map of values (Python's
+//! `rdzv_configs` and `RendezvousHandler(conf=...)`): [`ConfInput`], one schema for both.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::time::Duration;
+
+use serde::Deserialize;
 
 use super::error::{RendezvousError, Result};
 
@@ -27,6 +33,54 @@ pub const STATIC_KEYS: &[(&str, &str)] = &[
     ("read_timeout", "store operation timeout (default 60s)"),
 ];
 
+/// Rendezvous configuration as given: torch's `k=v,k=v` text, or a map of values (no quoting
+/// needed: a value may contain `,` or `=`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum ConfInput {
+    Text(String),
+    Map(BTreeMap<String, ConfValue>),
+}
+
+/// One value of a configuration map. Durations are numbers of seconds or text with a unit.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum ConfValue {
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Text(String),
+}
+
+impl Default for ConfInput {
+    fn default() -> Self {
+        ConfInput::Text(String::new())
+    }
+}
+
+impl From<&str> for ConfInput {
+    fn from(text: &str) -> Self {
+        ConfInput::Text(text.to_owned())
+    }
+}
+
+impl From<String> for ConfInput {
+    fn from(text: String) -> Self {
+        ConfInput::Text(text)
+    }
+}
+
+impl fmt::Display for ConfValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfValue::Bool(value) => write!(f, "{value}"),
+            ConfValue::Int(value) => write!(f, "{value}"),
+            ConfValue::Float(value) => write!(f, "{value}"),
+            ConfValue::Text(value) => f.write_str(value),
+        }
+    }
+}
+
 /// Parsed `key=value` pairs, checked against the keys a backend accepts.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RendezvousConf {
@@ -34,6 +88,20 @@ pub struct RendezvousConf {
 }
 
 impl RendezvousConf {
+    /// Checks either form of the configuration against the keys a backend accepts.
+    pub fn from_input(input: &ConfInput, allowed: &[(&str, &str)]) -> Result<Self> {
+        match input {
+            ConfInput::Text(text) => Self::parse(text, allowed),
+            ConfInput::Map(values) => {
+                let mut conf = RendezvousConf::default();
+                for (key, value) in values {
+                    conf.insert(key.trim(), value.to_string().trim(), allowed)?;
+                }
+                Ok(conf)
+            }
+        }
+    }
+
     /// Parses torch's format: pieces split on `,`, each split on its first `=`, both sides
     /// trimmed; an empty key or a missing `=` is an error, as is a key not in `allowed`.
     pub fn parse(text: &str, allowed: &[(&str, &str)]) -> Result<Self> {
@@ -179,6 +247,26 @@ mod tests {
         assert!(conf.boolean("is_host").is_err());
         let zero = RendezvousConf::parse("join_timeout=0", DYNAMIC_KEYS).unwrap();
         assert!(zero.duration("join_timeout", Duration::ZERO).is_err());
+    }
+
+    #[test]
+    fn a_map_means_the_same_as_the_text() {
+        let map: ConfInput = serde_json::from_str(
+            r#"{"join_timeout": "30s", "last_call_timeout": 0.5, "keep_alive_max_attempt": 4, "is_host": false}"#,
+        )
+        .unwrap();
+        let text = ConfInput::from("join_timeout=30s,last_call_timeout=0.5,keep_alive_max_attempt=4,is_host=false");
+        let (map, text) = (
+            RendezvousConf::from_input(&map, DYNAMIC_KEYS).unwrap(),
+            RendezvousConf::from_input(&text, DYNAMIC_KEYS).unwrap(),
+        );
+        assert_eq!(map, text);
+        assert_eq!(map.duration("last_call_timeout", Duration::ZERO).unwrap(), Duration::from_millis(500));
+        assert_eq!(map.boolean("is_host").unwrap(), Some(false));
+        let unknown: ConfInput = serde_json::from_str(r#"{"heartbeat": 10}"#).unwrap();
+        assert!(RendezvousConf::from_input(&unknown, DYNAMIC_KEYS).unwrap_err().to_string().contains("heartbeat"));
+        let comma: ConfInput = serde_json::from_str(r#"{"store_type": "a,b=c"}"#).unwrap();
+        assert_eq!(RendezvousConf::from_input(&comma, DYNAMIC_KEYS).unwrap().get("store_type"), Some("a,b=c"));
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::conf::{RendezvousConf, DYNAMIC_KEYS, STATIC_KEYS};
+use super::conf::{ConfInput, RendezvousConf, DYNAMIC_KEYS, STATIC_KEYS};
 use super::dynamic::{DynamicRendezvous, MembershipChange, RendezvousInfo};
 use super::endpoint::{is_this_machine, parse_endpoint, DEFAULT_PORT};
 use super::error::{RendezvousError, Result};
@@ -32,7 +32,7 @@ pub struct RendezvousParams {
     pub min_nodes: u32,
     pub max_nodes: u32,
     pub local_addr: Option<String>,
-    pub conf: String,
+    pub conf: ConfInput,
     /// The node's rank, for the static backend.
     pub node_rank: Option<u32>,
 }
@@ -168,7 +168,7 @@ impl Rendezvous {
 }
 
 async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
-    let conf = RendezvousConf::parse(&params.conf, DYNAMIC_KEYS)?;
+    let conf = RendezvousConf::from_input(&params.conf, DYNAMIC_KEYS)?;
     if let Some(store_type) = conf.get("store_type") {
         if store_type != "tcp" {
             return Err(RendezvousError::Config(format!(
@@ -203,7 +203,7 @@ async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
 }
 
 fn create_static(params: RendezvousParams) -> Result<Rendezvous> {
-    let mut conf = RendezvousConf::parse(&params.conf, STATIC_KEYS)?;
+    let mut conf = RendezvousConf::from_input(&params.conf, STATIC_KEYS)?;
     if let Some(rank) = params.node_rank {
         conf.insert("rank", &rank.to_string(), STATIC_KEYS)?;
     }

@@ -23,6 +23,7 @@ pub mod settings;
 pub mod static_rdzv;
 pub mod store;
 
+pub use conf::ConfInput;
 pub use dynamic::{DynamicRendezvous, MembershipChange, RendezvousInfo};
 pub use error::RendezvousError;
 pub use handler::{Rendezvous, RendezvousParams};
