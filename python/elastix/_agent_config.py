@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from ._rdzv_conf import rdzv_conf_values
@@ -18,7 +17,9 @@ DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 
 
 def warn(message: str) -> None:
-    print(f"elastix: warning: {message}", file=sys.stderr, flush=True)
+    from ._logging import warn as log_warning
+
+    log_warning(message)
 
 
 def parse_nnodes(spec: str) -> "tuple[int, int]":

@@ -168,6 +168,12 @@ class _Collectives:
 collectives: _Collectives
 
 def run_store_cli(argv: list[str]) -> int: ...
+def init_cli_logging(level: str) -> bool:
+    """Sends the core's events to stderr at `level` (RUST_LOG wins); False if already set up."""
+
+def reset_log_cache() -> None:
+    """Makes the bridge to Python's logging re-read loggers and levels."""
+
 def check_agent_config(config_json: str) -> None:
     """Raises ValueError, naming the flag, when the agent would refuse the configuration."""
 

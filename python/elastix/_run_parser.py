@@ -262,6 +262,17 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
 
     g = parser.add_argument_group("logs")
     g.add_argument(
+        "--log-level",
+        "--log_level",
+        action=EnvOption,
+        type=str,
+        default=None,
+        pet=False,
+        metavar="LEVEL",
+        help="[elastix] what elastix itself logs to stderr: error, warn, info (default), debug or trace; "
+        "RUST_LOG, when set, selects the core's events in detail",
+    )
+    g.add_argument(
         "--log-dir",
         "--log_dir",
         action=EnvOption,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, List, Optional
 
+from ._logging import setup_cli
 from ._run_config import config_from_args
 from ._run_parser import build_parser
 
@@ -23,6 +24,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "elastix run") -> None:
         parser = build_parser(prog)
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
         try:
+            setup_cli(args.log_level)
             config = config_from_args(args)
         except ValueError as err:
             parser.error(str(err))

@@ -7,6 +7,7 @@ mod blocking_store;
 mod collectives;
 mod errors;
 mod interrupt;
+mod logging;
 mod rendezvous;
 mod shm;
 mod store_cli;
@@ -17,6 +18,8 @@ use pyo3::prelude::*;
 
 #[pymodule]
 fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    // first, so that no event of the core is ever dropped
+    logging::install_bridge(module.py())?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     module
         .add("RENDEZVOUS_BACKENDS", pyo3::types::PyTuple::new(module.py(), elastix_core::agent::config::BACKENDS)?)?;
@@ -26,6 +29,8 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(store_cli::run_store_cli, module)?)?;
     module.add_function(wrap_pyfunction!(agent::run_agent, module)?)?;
     module.add_function(wrap_pyfunction!(agent::check_agent_config, module)?)?;
+    module.add_function(wrap_pyfunction!(logging::init_cli_logging, module)?)?;
+    module.add_function(wrap_pyfunction!(logging::reset_log_cache, module)?)?;
     collectives::register(module)?;
     Ok(())
 }

@@ -28,7 +28,8 @@ pub struct Args {
     /// Port to listen on; 0 picks a free port (printed on start).
     #[arg(long, default_value_t = 29400, env = "ELASTIX_STORE_PORT")]
     pub port: u16,
-    /// Log filter: error, warn, info, debug, trace, or a tracing directive.
+    /// Log level: error, warn, info, debug, trace, or a tracing directive (RUST_LOG, when set,
+    /// takes precedence).
     #[arg(long, default_value = "info", env = "ELASTIX_STORE_LOG_LEVEL")]
     pub log_level: String,
     /// Connections served at once; more clients wait in the accept backlog.
@@ -80,7 +81,11 @@ where
             return if err.use_stderr() { 2 } else { 0 };
         }
     };
-    init_logging(&args.log_level);
+    // Fails only for a bad level; an embedding process's own subscriber is kept.
+    if let Err(err) = elastix_core::logging::init_stderr(&args.log_level) {
+        eprintln!("elastix-store: --log-level: {err}");
+        return 2;
+    }
     match serve(&args) {
         Ok(()) => 0,
         Err(err) => {
@@ -88,13 +93,6 @@ where
             1
         }
     }
-}
-
-fn init_logging(filter: &str) {
-    let filter =
-        tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // Fails only if the embedding process already installed a subscriber; keep that one.
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 
 fn serve(args: &Args) -> std::io::Result<()> {

@@ -151,7 +151,9 @@ impl WorkerGroup {
             self.signal_all(Signal::SIGKILL);
             if !self.reap_until(tokio::time::Instant::now() + KILL_WAIT).await {
                 let stuck: Vec<u32> = self.workers.iter().filter(|w| w.exit.is_none()).map(|w| w.pid).collect();
-                eprintln!("[elastix] workers {stuck:?} did not exit after SIGKILL (uninterruptible sleep?); giving up on them");
+                tracing::warn!(
+                    "workers {stuck:?} did not exit after SIGKILL (uninterruptible sleep?); giving up on them"
+                );
             }
         }
         self.kill_all();
@@ -209,9 +211,7 @@ fn spawn(
         let pid = standby.pid();
         standby
             .activate(&args, &env)
-            .map_err(|err| {
-                eprintln!("[elastix] standby worker {pid} unusable ({err}); starting worker {local_rank} cold")
-            })
+            .map_err(|err| tracing::warn!("standby worker {pid} unusable ({err}); starting worker {local_rank} cold"))
             .ok()
     });
     let mut child = match activated {

@@ -55,7 +55,7 @@ pub async fn run_agent(config: AgentConfig) -> AgentResult {
     let end = match outcome {
         Ok(end) => end,
         Err(err) => {
-            eprintln!("[elastix] agent failed: {err}");
+            tracing::error!("agent failed: {err}");
             report.summary = Some(err.to_string());
             report.error = Some(AgentErrorInfo { kind: err.kind().to_owned(), message: err.to_string() });
             End::Failed
@@ -215,7 +215,7 @@ impl Agent {
                     Ok(info) => info,
                     Err(RendezvousError::Closed { .. }) => return self.closed(report).await,
                     Err(RendezvousError::GracefulExit { .. }) => {
-                        eprintln!("[elastix] the job finished while this node waited as a spare");
+                        tracing::info!("the job finished while this node waited as a spare");
                         return Ok(End::Succeeded);
                     }
                     Err(err) => return Err(err.into()),
@@ -264,14 +264,14 @@ impl Agent {
                     }
                 }
                 Event::Change(change) => {
-                    eprintln!("[elastix] {}; restarting the workers", describe(&change));
+                    tracing::info!("{}; restarting the workers", describe(&change));
                     group.stop(Signal::SIGTERM, grace).await;
                     if change == MembershipChange::Closed {
                         return self.closed(report).await;
                     }
                 }
                 Event::Signal(signal, forward) => {
-                    eprintln!("[elastix] received {signal}; stopping the workers");
+                    tracing::info!("received {signal}; stopping the workers");
                     // workers get the signal itself when it is one to forward, else SIGTERM
                     group.stop(if forward { signal } else { Signal::SIGTERM }, grace).await;
                     return Ok(End::Interrupted(signal));
@@ -311,14 +311,14 @@ impl Agent {
         let text = summary(&name, std::slice::from_ref(&failure));
         report.failures = vec![failure];
         if restarts > i64::from(self.config.max_restarts) {
-            eprintln!("{text}");
+            print_summary(&text);
             let _ = self.rdzv.set_closed_with(&format!("{FAILED}{text}")).await;
             report.summary = Some(text);
             return Ok(Some(End::Failed));
         }
         let failure = &report.failures[0];
-        eprintln!(
-            "[elastix] worker rank {} (local rank {}, pid {}) failed with exit code {}{}; restart {restarts} of {}",
+        tracing::warn!(
+            "worker rank {} (local rank {}, pid {}) failed with exit code {}{}; restart {restarts} of {}",
             failure.global_rank,
             failure.local_rank,
             failure.pid,
@@ -336,7 +336,7 @@ impl Agent {
             return Ok(End::Succeeded);
         }
         let why = reason.strip_prefix(FAILED).unwrap_or(&reason);
-        eprintln!("[elastix] the job was closed after a failure on another node:\n{why}");
+        print_summary(&format!("[elastix] the job was closed after a failure on another node:\n{why}"));
         report.summary = Some(why.to_owned());
         report.error = Some(AgentErrorInfo { kind: "remote_failure".to_owned(), message: why.to_owned() });
         Ok(End::Failed)
@@ -367,7 +367,7 @@ impl Agent {
             done = done => match done {
                 Ok(()) => None,
                 Err(err) if err.is_timeout() => {
-                    eprintln!("[elastix] exit barrier: not every node finished within {timeout:?}; exiting anyway");
+                    tracing::warn!("exit barrier: not every node finished within {timeout:?}; exiting anyway");
                     None
                 }
                 Err(err) => return Err(AgentError::Store(err)),
@@ -433,4 +433,10 @@ fn entrypoint_name(config: &AgentConfig) -> String {
         (true, Some(script)) => script.clone(),
         _ => config.entrypoint.clone(),
     }
+}
+
+/// The root-cause summary is the run's product, not a log event: always shown, whatever the
+/// log level, through the console (never blocking on a stalled stderr).
+fn print_summary(text: &str) {
+    console::stderr().line(format!("{}\n", text.trim_end_matches('\n')).into_bytes());
 }

@@ -113,7 +113,7 @@ impl StandbyPool {
             match Standby::spawn(command, &self.env) {
                 Ok(standby) => *slot = Some(standby),
                 Err(err) => {
-                    eprintln!("[elastix] cannot start a standby worker ({command:?}): {err}; restarts start cold");
+                    tracing::warn!("cannot start a standby worker ({command:?}): {err}; restarts start cold");
                     self.command = None;
                     return;
                 }

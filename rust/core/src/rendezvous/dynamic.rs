@@ -7,7 +7,6 @@
 //! round. While a round runs, members send heartbeats and watch their ring neighbour; a
 //! background watcher turns relevant events into [`MembershipChange`]s for the agent.
 
-use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -175,11 +174,12 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     }
 
     async fn join(&mut self, round: u64, deadline: Instant) -> Result<(JoinOutcome, i64)> {
-        let (settings, node) = (self.settings.clone(), self.node.clone());
+        let (settings, node, endpoint) = (self.settings.clone(), self.node.clone(), self.store_addr.clone());
         self.with_conn(async |conn| {
             // Events counted before joining: the watcher replays anything that comes after.
             let seen = events::count(conn).await?;
-            let outcome = RoundJoin { conn, settings: &settings, node: &node, round, deadline }.run().await?;
+            let join = RoundJoin { conn, settings: &settings, node: &node, round, deadline, endpoint: &endpoint };
+            let outcome = join.run().await?;
             Ok((outcome, seen))
         })
         .await
@@ -235,6 +235,8 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         let spare = world_size >= self.settings.max_nodes;
         let node = self.node.clone();
         let run_id = self.settings.run_id.clone();
+        let (interval, join_timeout) = (self.settings.progress_interval, self.settings.join_timeout);
+        let (host, port) = self.store_addr.clone();
         tracing::info!(round, spare, "arrived after the round formed; waiting for the next round");
         self.with_conn(async |conn| {
             if spare {
@@ -254,13 +256,28 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
                 if current_round(conn).await? > round {
                     return Ok(());
                 }
-                let timeout = (!spare).then(|| deadline.saturating_duration_since(Instant::now()));
-                if events::wait_for(conn, seen + 1, timeout).await?.is_none() {
-                    return Err(RendezvousError::Timeout(format!(
-                        "rendezvous {run_id:?}: waited {:.0?} (join_timeout) as a late node for round {round} \
-                         ({world_size} node(s)) to re-form, but its nodes did not come back",
-                        deadline.saturating_duration_since(Instant::now()).max(Duration::ZERO)
-                    )));
+                // spares wait as long as it takes, late nodes until the deadline; both say so
+                let remaining = (!spare).then(|| deadline.saturating_duration_since(Instant::now()));
+                let slice = remaining.map_or(interval, |remaining| remaining.min(interval));
+                if events::wait_for(conn, seen + 1, Some(slice)).await?.is_some() {
+                    continue;
+                }
+                match remaining {
+                    Some(remaining) if remaining <= slice => {
+                        return Err(RendezvousError::Timeout(format!(
+                            "rendezvous {run_id:?}: waited {join_timeout:.0?} (join_timeout) as a late node for \
+                             round {round} ({world_size} node(s)) to re-form, but its nodes did not come back"
+                        )))
+                    }
+                    Some(remaining) => tracing::info!(
+                        "waiting for round {round} ({world_size} node(s)) to re-form with this node at {host}:{port}, \
+                         run ID {run_id}, deadline in {}s",
+                        (remaining - slice).as_secs()
+                    ),
+                    None => tracing::info!(
+                        "waiting as a spare: round {round} is full ({world_size} node(s)) at {host}:{port}, run ID \
+                         {run_id}; this node joins when a slot opens"
+                    ),
                 }
             }
         })

@@ -1,7 +1,8 @@
 //! `--rdzv-endpoint host[:port]` and whether it names this machine (then this agent hosts the
 //! store).
 
-use std::net::{IpAddr, ToSocketAddrs};
+use std::net::IpAddr;
+use std::time::Duration;
 
 use super::error::{RendezvousError, Result};
 
@@ -38,15 +39,31 @@ pub fn parse_endpoint(endpoint: &str, default_port: u16) -> Result<(String, u16)
     Ok((host.to_owned(), port))
 }
 
+/// How long resolving the endpoint's name may take before it counts as not this machine.
+const RESOLVE_PATIENCE: Duration = Duration::from_secs(10);
+
 /// Whether `host` names this machine: "localhost", a loopback address, this machine's host
-/// name, or an address of one of its interfaces (also after resolving `host`).
-pub fn is_this_machine(host: &str) -> bool {
+/// name, or an address of one of its interfaces (also after resolving `host`, through tokio's
+/// resolver so that a slow DNS server does not hold up the runtime).
+pub async fn is_this_machine(host: &str) -> bool {
     if host.eq_ignore_ascii_case("localhost") || host.eq_ignore_ascii_case(&super::node::host_name()) {
         return true;
     }
     let addrs: Vec<IpAddr> = match host.parse::<IpAddr>() {
         Ok(ip) => vec![ip],
-        Err(_) => (host, 0).to_socket_addrs().map(|a| a.map(|s| s.ip()).collect()).unwrap_or_default(),
+        Err(_) => match tokio::time::timeout(RESOLVE_PATIENCE, tokio::net::lookup_host((host, 0))).await {
+            Ok(Ok(addrs)) => addrs.map(|addr| addr.ip()).collect(),
+            Ok(Err(err)) => {
+                tracing::warn!("cannot resolve the rendezvous endpoint {host:?}: {err}");
+                Vec::new()
+            }
+            Err(_) => {
+                tracing::warn!(
+                    "resolving the rendezvous endpoint {host:?} took over {RESOLVE_PATIENCE:?}; not hosting"
+                );
+                Vec::new()
+            }
+        },
     };
     let local = local_addresses();
     addrs.iter().any(|ip| ip.is_loopback() || local.contains(ip))
@@ -85,12 +102,13 @@ mod tests {
         assert!(parse_endpoint("bad host:1", 29400).is_err());
     }
 
-    #[test]
-    fn recognises_this_machine() {
-        assert!(is_this_machine("localhost"));
-        assert!(is_this_machine("127.0.0.1"));
-        assert!(is_this_machine("127.0.0.2"));
-        assert!(is_this_machine(&crate::rendezvous::node::host_name()));
-        assert!(!is_this_machine("192.0.2.1")); // TEST-NET-1, never local
+    #[tokio::test]
+    async fn recognises_this_machine() {
+        assert!(is_this_machine("localhost").await);
+        assert!(is_this_machine("127.0.0.1").await);
+        assert!(is_this_machine("127.0.0.2").await);
+        assert!(is_this_machine(&crate::rendezvous::node::host_name()).await);
+        assert!(!is_this_machine("192.0.2.1").await); // TEST-NET-1, never local
+        assert!(!is_this_machine("nonexistent.invalid").await);
     }
 }

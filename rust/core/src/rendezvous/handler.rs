@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::conf::{ConfInput, RendezvousConf, DYNAMIC_KEYS, STATIC_KEYS};
+use super::conf::{parse_duration, ConfInput, RendezvousConf, DYNAMIC_KEYS, STATIC_KEYS};
 use super::dynamic::{DynamicRendezvous, MembershipChange, RendezvousInfo};
 use super::endpoint::{is_this_machine, parse_endpoint, DEFAULT_PORT};
 use super::error::{RendezvousError, Result};
@@ -167,6 +167,9 @@ impl Rendezvous {
     }
 }
 
+/// How often a waiting node reports (default 15 s); mostly for tests and impatient operators.
+pub const PROGRESS_INTERVAL_VAR: &str = "ELASTIX_RDZV_PROGRESS_INTERVAL";
+
 async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
     let conf = RendezvousConf::from_input(&params.conf, DYNAMIC_KEYS)?;
     if let Some(store_type) = conf.get("store_type") {
@@ -178,10 +181,20 @@ async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
     }
     let mut settings = RendezvousSettings::new(&params.run_id, params.min_nodes, params.max_nodes)?.with_conf(&conf)?;
     settings.local_addr = params.local_addr.clone();
+    if let Ok(text) = std::env::var(PROGRESS_INTERVAL_VAR) {
+        settings.progress_interval =
+            parse_duration(&text).ok().filter(|interval| !interval.is_zero()).ok_or_else(|| {
+                RendezvousError::Config(format!("{PROGRESS_INTERVAL_VAR}={text:?} is not a positive duration"))
+            })?;
+    }
     let read_timeout = conf.duration("read_timeout", DEFAULT_READ_TIMEOUT)?;
     let (host, port) = parse_endpoint(&params.endpoint, DEFAULT_PORT)?;
     let explicit = conf.boolean("is_host")?;
-    let server = if explicit.unwrap_or_else(|| is_this_machine(&host)) {
+    let hosting = match explicit {
+        Some(explicit) => explicit,
+        None => is_this_machine(&host).await,
+    };
+    let server = if hosting {
         match StoreServer::start(&ServerConfig { port, ..ServerConfig::default() }) {
             Ok(server) => Some(server),
             // another agent on this machine got there first: use its store

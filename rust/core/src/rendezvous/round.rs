@@ -70,6 +70,8 @@ pub(crate) struct RoundJoin<'a, C> {
     pub node: &'a NodeDesc,
     pub round: u64,
     pub deadline: Instant,
+    /// The rendezvous store's address, for progress messages.
+    pub endpoint: &'a (String, u16),
 }
 
 impl<C: StoreConn> RoundJoin<'_, C> {
@@ -128,11 +130,18 @@ impl<C: StoreConn> RoundJoin<'_, C> {
         let last_call_ends = (arrived >= min).then(|| Instant::now() + self.settings.last_call_timeout);
         loop {
             let until = last_call_ends.map_or(self.deadline, |end| end.min(self.deadline));
-            if self.conn.wait(&claim_key, Some(until.saturating_duration_since(Instant::now()))).await? {
+            // never silent for long: wake to say who is still awaited
+            let report_at = Instant::now() + self.settings.progress_interval;
+            let wake = until.min(report_at);
+            if self.conn.wait(&claim_key, Some(wake.saturating_duration_since(Instant::now()))).await? {
                 return Claim::decode(&self.conn.get(&claim_key[0]).await?);
             }
             if Instant::now() >= self.deadline {
                 return Err(self.timeout_error().await);
+            }
+            if wake < until {
+                self.report_progress(last_call_ends).await;
+                continue;
             }
             // last call over: the round starts with everyone who has arrived
             let count = self.conn.add(&Keys::joined(self.round), 0).await? as u64;
@@ -206,8 +215,8 @@ impl<C: StoreConn> RoundJoin<'_, C> {
         decode(&stored, "seal")
     }
 
-    /// Names the run, the round, the bounds and who had arrived.
-    async fn timeout_error(&mut self) -> RendezvousError {
+    /// How many nodes have arrived, and the names of the first [`NAMED_IN_ERRORS`].
+    async fn arrivals(&mut self) -> (u64, Vec<String>) {
         let r = self.round;
         let arrived = self.conn.add(&Keys::joined(r), 0).await.unwrap_or(0).max(0) as u64;
         let mut names = Vec::new();
@@ -222,6 +231,24 @@ impl<C: StoreConn> RoundJoin<'_, C> {
         if arrived > NAMED_IN_ERRORS {
             names.push(format!("... {} more", arrived - NAMED_IN_ERRORS));
         }
+        (arrived, names)
+    }
+
+    /// Says, at INFO, what this node is waiting for, from whom, and until when.
+    async fn report_progress(&mut self, last_call_ends: Option<Instant>) {
+        let (arrived, names) = self.arrivals().await;
+        let now = Instant::now();
+        let until = last_call_ends.map_or(self.deadline, |end| end.min(self.deadline));
+        tracing::info!(
+            "{}",
+            progress_message(self.settings, self.endpoint, arrived, &names, until.saturating_duration_since(now))
+        );
+    }
+
+    /// Names the run, the round, the bounds and who had arrived.
+    async fn timeout_error(&mut self) -> RendezvousError {
+        let r = self.round;
+        let (arrived, names) = self.arrivals().await;
         let settings = self.settings;
         RendezvousError::Timeout(format!(
             "rendezvous {:?} round {r} timed out after {:.0?} (join_timeout): {arrived} node(s) joined [{}], \
@@ -236,9 +263,50 @@ impl<C: StoreConn> RoundJoin<'_, C> {
     }
 }
 
+/// "waiting for N more node(s): k joined (names) of min..max at HOST:PORT, run ID id, deadline
+/// in T" (or, once min_nodes are in, the last call's end).
+fn progress_message(
+    settings: &RendezvousSettings,
+    endpoint: &(String, u16),
+    arrived: u64,
+    names: &[String],
+    remaining: Duration,
+) -> String {
+    let (min, max) = (u64::from(settings.min_nodes), u64::from(settings.max_nodes));
+    let waiting_for = if arrived < min {
+        format!("waiting for {} more node(s)", min - arrived)
+    } else {
+        format!("last call: waiting for up to {} more node(s)", max.saturating_sub(arrived))
+    };
+    let (host, port) = endpoint;
+    let host = if host.contains(':') { format!("[{host}]") } else { host.clone() };
+    format!(
+        "{waiting_for}: {arrived} joined ({}) of {min}..{max} at {host}:{port}, run ID {}, {} in {}s",
+        names.join(", "),
+        settings.run_id,
+        if arrived < min { "deadline" } else { "round starts" },
+        remaining.as_secs(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn progress_names_who_is_awaited_where_and_until_when() {
+        let settings = RendezvousSettings::new("job7", 3, 4).unwrap();
+        let endpoint = ("node0".to_owned(), 29400);
+        let names = vec!["node1(pid 12)".to_owned()];
+        let text = progress_message(&settings, &endpoint, 1, &names, Duration::from_millis(599_700));
+        assert_eq!(
+            text,
+            "waiting for 2 more node(s): 1 joined (node1(pid 12)) of 3..4 at node0:29400, run ID job7, deadline in 599s"
+        );
+        let text = progress_message(&settings, &("::1".to_owned(), 5), 3, &names, Duration::from_secs(20));
+        assert!(text.starts_with("last call: waiting for up to 1 more node(s): 3 joined"), "{text}");
+        assert!(text.contains("at [::1]:5") && text.ends_with("round starts in 20s"), "{text}");
+    }
 
     #[test]
     fn claims_round_trip_and_garbage_is_refused() {

@@ -26,6 +26,8 @@ pub struct RendezvousSettings {
     /// The address other nodes (and workers, for rank 0) use to reach this node; also the first
     /// key of the rank order. Default: this machine's host name.
     pub local_addr: Option<String>,
+    /// How often a node waiting for others says so (INFO), with who has joined.
+    pub progress_interval: Duration,
 }
 
 impl RendezvousSettings {
@@ -35,6 +37,7 @@ impl RendezvousSettings {
     pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
     pub const DEFAULT_KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(5);
     pub const DEFAULT_KEEP_ALIVE_MAX_ATTEMPT: u32 = 3;
+    pub const DEFAULT_PROGRESS_INTERVAL: Duration = Duration::from_secs(15);
 
     pub fn new(run_id: impl Into<String>, min_nodes: u32, max_nodes: u32) -> Result<Self> {
         let settings = RendezvousSettings {
@@ -48,6 +51,7 @@ impl RendezvousSettings {
             keep_alive_interval: Self::DEFAULT_KEEP_ALIVE_INTERVAL,
             keep_alive_max_attempt: Self::DEFAULT_KEEP_ALIVE_MAX_ATTEMPT,
             local_addr: None,
+            progress_interval: Self::DEFAULT_PROGRESS_INTERVAL,
         };
         settings.validate()?;
         Ok(settings)

@@ -32,8 +32,13 @@ impl ConnectOptions {
     }
 }
 
+/// A client commonly starts moments before its server: failures within this long after the
+/// first attempt are routine (DEBUG); the first one after it is worth a WARN.
+const QUIET_START: Duration = Duration::from_secs(1);
+
 /// Connects and completes the handshake, retrying refused, reset, timed-out and unresolvable
-/// attempts until the deadline.
+/// attempts until the deadline. Never silent for long: the first failure past [`QUIET_START`]
+/// is a WARN naming the address, the error and the deadline, and a later success an INFO.
 pub(super) async fn connect(options: &ConnectOptions) -> Result<(TcpStream, SocketAddr)> {
     let start = Instant::now();
     let deadline = options.timeout.map(|timeout| start + timeout);
@@ -41,10 +46,21 @@ pub(super) async fn connect(options: &ConnectOptions) -> Result<(TcpStream, Sock
     let mut tried: Vec<String> = Vec::new();
     let mut attempts = 0;
     let mut last_error = String::new();
+    let mut warned = false;
     loop {
         attempts += 1;
         match attempt(options, deadline, &mut tried).await {
-            Ok(connected) => return Ok(connected),
+            Ok(connected) => {
+                if warned {
+                    tracing::info!(
+                        "connected to the store at {}:{} after {attempts} attempts ({:.1?})",
+                        options.host,
+                        options.port,
+                        start.elapsed()
+                    );
+                }
+                return Ok(connected);
+            }
             // An attempt cut short by the deadline says less than the failure before it.
             Err(failure) if failure.deadline_hit && !last_error.is_empty() => {}
             Err(failure) => last_error = failure.message,
@@ -61,7 +77,17 @@ pub(super) async fn connect(options: &ConnectOptions) -> Result<(TcpStream, Sock
                 last_error,
             });
         }
-        tracing::debug!(host = %options.host, port = options.port, attempts, "store connect failed, retrying: {last_error}");
+        if !warned && now.duration_since(start) >= QUIET_START {
+            warned = true;
+            let until = remaining.map_or_else(|| "no deadline".to_owned(), |r| format!("giving up in {:.0?}", r));
+            tracing::warn!(
+                "cannot connect to the store at {}:{} ({last_error}); retrying, {until}",
+                options.host,
+                options.port
+            );
+        } else {
+            tracing::debug!(host = %options.host, port = options.port, attempts, "store connect failed, retrying: {last_error}");
+        }
         let delay = backoff.next_delay();
         tokio::time::sleep(remaining.map_or(delay, |remaining| delay.min(remaining))).await;
     }

@@ -1,0 +1,68 @@
+//! Log output of the command-line programs (`elastix run`, `elastix-store`): tracing events as
+//! lines on stderr, written through [`crate::agent::console`] so that a stalled stderr never
+//! blocks a control loop. `RUST_LOG`, when set, picks the events in detail; otherwise the
+//! program's level (`--log-level`, `ELASTIX_LOG_LEVEL`).
+//!
+//! Used as a library, elastix installs no subscriber: its events go to Python's `logging`
+//! (see the bindings).
+
+use tracing_subscriber::EnvFilter;
+
+/// The level names accepted besides tracing's directives: Python's too.
+fn directive(level: &str) -> String {
+    match level.trim().to_ascii_lowercase().as_str() {
+        "warning" => "warn".to_owned(),
+        "critical" | "fatal" => "error".to_owned(),
+        "notset" => "trace".to_owned(),
+        other => other.to_owned(),
+    }
+}
+
+/// The filter for `level` (or RUST_LOG when set), or why it is not one.
+pub fn stderr_filter(level: &str) -> Result<EnvFilter, String> {
+    if let Ok(detail) = std::env::var("RUST_LOG") {
+        if !detail.trim().is_empty() {
+            return EnvFilter::try_new(&detail).map_err(|err| format!("RUST_LOG={detail:?}: {err}"));
+        }
+    }
+    let directive = directive(level);
+    let invalid = || format!("invalid log level {level:?} (use error, warn, info, debug, trace or off)");
+    // a bare word would be read as a target name, silently showing nothing
+    let is_level = ["error", "warn", "info", "debug", "trace", "off"].contains(&directive.as_str());
+    if !is_level && !directive.contains(['=', ',']) {
+        return Err(invalid());
+    }
+    EnvFilter::try_new(&directive).map_err(|err| format!("{}: {err}", invalid()))
+}
+
+/// Installs the stderr subscriber for this process. `Ok(false)`: one was installed already
+/// (the first one stays).
+pub fn init_stderr(level: &str) -> Result<bool, String> {
+    let filter = stderr_filter(level)?;
+    let detailed = std::env::var_os("RUST_LOG").is_some();
+    Ok(tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(crate::agent::console::stderr_writer)
+        .with_ansi(false)
+        .with_target(detailed)
+        .try_init()
+        .is_ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_take_tracing_and_python_names_and_refuse_the_rest() {
+        if std::env::var_os("RUST_LOG").is_some() {
+            return; // RUST_LOG wins over the level by design
+        }
+        for level in ["info", "WARNING", "debug", "critical", "elastix_core=debug,warn"] {
+            assert!(stderr_filter(level).is_ok(), "{level}");
+        }
+        let err = stderr_filter("loud").unwrap_err();
+        assert!(err.contains("invalid log level \"loud\""), "{err}");
+        assert!(stderr_filter(" ").is_err());
+    }
+}

@@ -1,0 +1,46 @@
+//! One logging pipeline for the extension.
+//!
+//! * Library use (`import elastix`): no tracing subscriber is installed, so tracing turns the
+//!   core's events into `log` records, and pyo3-log hands them to Python's `logging`, under
+//!   the logger `elastix.<rust module path>` (e.g. `elastix.elastix_core.rendezvous.round`).
+//!   pyo3-log caches loggers and their levels; `reset_log_cache()` picks up a changed
+//!   logging configuration.
+//! * Command-line use (`elastix run`, `elastix-store`): `init_cli_logging(level)` installs the
+//!   stderr subscriber of `elastix_core::logging` first, which from then on receives every
+//!   event (tracing stops emitting `log` records once a subscriber exists).
+
+use std::sync::OnceLock;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3_log::{Caching, Logger, ResetHandle};
+
+static BRIDGE: OnceLock<ResetHandle> = OnceLock::new();
+
+/// Installs the bridge to Python's `logging` (once per process; a second extension module or
+/// another `log` logger keeps what it installed).
+pub fn install_bridge(py: Python<'_>) -> PyResult<()> {
+    if BRIDGE.get().is_some() {
+        return Ok(());
+    }
+    let logger = Logger::new(py, Caching::LoggersAndLevels)?.set_prefix("elastix");
+    if let Ok(handle) = logger.install() {
+        let _ = BRIDGE.set(handle);
+    }
+    Ok(())
+}
+
+/// Forgets the cached Python loggers and levels (after `logging` was configured anew).
+#[pyfunction]
+pub fn reset_log_cache() {
+    if let Some(handle) = BRIDGE.get() {
+        handle.reset();
+    }
+}
+
+/// Sends the core's events to stderr, filtered by `level` (or RUST_LOG); ValueError for a
+/// level that is not one. Returns False when a subscriber was installed already.
+#[pyfunction]
+pub fn init_cli_logging(level: &str) -> PyResult<bool> {
+    elastix_core::logging::init_stderr(level).map_err(PyValueError::new_err)
+}
