@@ -2,7 +2,7 @@
 # there: mypy checks the Python package against this file, not against the extension.
 # Timeouts are seconds (float) or None for no limit; keys and values are bytes.
 
-from typing import Optional, TypedDict
+from typing import Optional, Sequence, TypedDict
 
 __version__: str
 RENDEZVOUS_BACKENDS: tuple[str, ...]
@@ -118,10 +118,15 @@ class RendezvousCore:
 # kind one of "timeout", "dead", "aborted", "closed", "mismatch".
 _Outcome = Optional[tuple[str, list[int]]]
 
-class _Segment:
+class Segment:
     """Shared memory mapped in this process; a writable buffer (np.frombuffer, memoryview).
-    Offsets are bytes from its start, checked for bounds and alignment."""
+    Offsets are bytes from its start, checked for bounds and alignment. The submodule
+    `elastix._core.collectives` (rust/python/src/shm.rs) holds this class."""
 
+    @staticmethod
+    def create(size: int, directory: Optional[str] = None) -> Segment: ...
+    @staticmethod
+    def attach(handle: str) -> Segment: ...
     @property
     def size(self) -> int: ...
     @property
@@ -135,23 +140,12 @@ class _Segment:
     def publish(self, offset: int, waiters: Optional[int], value: int) -> None: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
 
-class _SegmentType:
-    def create(self, size: int, directory: Optional[str] = None) -> _Segment: ...
-    def attach(self, handle: str) -> _Segment: ...
+class Waiter:
+    """Waits on peers' counters in a Segment (`elastix._core.collectives.Waiter`)."""
 
-class _Waiter:
-    def wait(self, target: int, timeout: Optional[float] = None) -> _Outcome: ...
-    def step(self, seq: int, desc: Optional[list[int]] = None, timeout: Optional[float] = None) -> _Outcome: ...
-    def abort(self, code: int) -> None: ...
-
-class _Collectives:
-    """The submodule `elastix._core.collectives` (rust/python/src/collectives.rs, shm.rs)."""
-
-    Segment: _SegmentType
-    def reduce(self, dtype: int, op: int, srcs: list[object], dsts: list[object], divisor: int = 1) -> None: ...
-    def Waiter(  # the class, seen as its constructor
+    def __init__(
         self,
-        segment: _Segment,
+        segment: Segment,
         flags: list[int],
         aborts: list[Optional[int]],
         waiters: list[Optional[int]],
@@ -163,7 +157,17 @@ class _Collectives:
         yield_us: int = 200,
         check_ms: int = 2,
         desc_offsets: tuple[int, int] = (8, 8),
-    ) -> _Waiter: ...
+    ) -> None: ...
+    def wait(self, target: int, timeout: Optional[float] = None) -> _Outcome: ...
+    def step(self, seq: int, desc: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> _Outcome: ...
+    def abort(self, code: int) -> None: ...
+
+class _Collectives:
+    """The submodule `elastix._core.collectives` (rust/python/src/collectives.rs, shm.rs)."""
+
+    Segment: type[Segment]
+    Waiter: type[Waiter]
+    def reduce(self, dtype: int, op: int, srcs: Sequence[object], dsts: Sequence[object], divisor: int = 1) -> None: ...
 
 collectives: _Collectives
 

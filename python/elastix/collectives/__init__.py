@@ -14,7 +14,8 @@ names and signatures. See python/elastix/collectives/README.md for the design.
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from . import group as _group_mod
 from .api import (
@@ -48,16 +49,19 @@ from .group import DEFAULT_TIMEOUT, ProcessGroup, World, _lock, normalize_backen
 from .reduce_op import ReduceOp
 from .work import Work
 
+if TYPE_CHECKING:
+    from ..store import Store
+
 
 def init_process_group(
     backend: Optional[str] = None,
     init_method: Optional[str] = None,
-    timeout=None,
+    timeout: Optional[timedelta] = None,
     world_size: int = -1,
     rank: int = -1,
-    store=None,
+    store: Optional[Store] = None,
     group_name: str = "",
-    device_id=None,
+    device_id: Any = None,
 ) -> None:
     """Joins this process to the job's default group.
 
@@ -104,11 +108,11 @@ def _world() -> World:
 
 def new_group(
     ranks: Optional[List[int]] = None,
-    timeout=None,
+    timeout: Optional[timedelta] = None,
     backend: Optional[str] = None,
-    pg_options=None,
+    pg_options: Any = None,
     use_local_synchronization: bool = False,
-    group_desc=None,
+    group_desc: Optional[str] = None,
 ) -> ProcessGroup:
     """A group of the given global ranks (all ranks when None). Every rank of the world must
     call new_group, in the same order, members or not (as with torch); on a non-member the

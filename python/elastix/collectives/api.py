@@ -10,7 +10,7 @@ through host memory.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -22,24 +22,42 @@ from .work import CompletedWork, Work
 
 _U8 = np.dtype(np.uint8)
 
+#: A NumPy array, or a CuPy array with the nccl backend (CuPy is optional, so untyped here).
+Array = Any
+#: A reduction: a ReduceOp or its name ("sum", "avg", ...).
+Op = Union[ReduceOp, str]
 
-def _run(g: ProcessGroup, fn, async_op: bool):
+
+def _run(g: ProcessGroup, fn: Callable[[], Any], async_op: bool) -> Optional[Work]:
+    """A Work with ``async_op`` (torch's contract), else None once the collective is done."""
     if g.send_executor._pending:
         g.send_executor.drain()  # a collective never shares a connection with a pending send
     if async_op:
         return g.executor.submit(fn)
-    return g.executor.run(fn)
+    g.executor.run(fn)
+    return None
 
 
 def _nccl(g: ProcessGroup) -> bool:
     return g.backend_name == "nccl"
 
 
+def _on_nccl(g: ProcessGroup, fn: Callable[[], Any], async_op: bool) -> Optional[Work]:
+    """Runs ``fn`` on the NCCL backend's stream: a Work with ``async_op``, else None."""
+    work: Optional[Work] = g.backend.run(fn, async_op)
+    return work
+
+
+def _started_on_nccl(g: ProcessGroup, fn: Callable[[], Any]) -> Work:
+    work: Work = g.backend.run(fn, True)
+    return work
+
+
 class _Host:
     """A NumPy array to run a CPU collective on: the array itself, or a host copy of a CuPy
     array written back by ``done()``."""
 
-    def __init__(self, x, write_back: bool):
+    def __init__(self, x: Array, write_back: bool) -> None:
         self.x = x
         self.cupy = is_cupy(x)
         self.write_back = write_back
@@ -52,14 +70,16 @@ class _Host:
             self.x[...] = cupy.asarray(self.host)
 
 
-def _same(a, b, what: str) -> None:
+def _same(a: Array, b: Array, what: str) -> None:
     if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
         raise ValueError(
             f"{what} must match the input's shape {tuple(b.shape)} and dtype {b.dtype}, got {tuple(a.shape)} {a.dtype}"
         )
 
 
-def _reduction(g, x, op, dtype, what):
+def _reduction(
+    g: ProcessGroup, x: Array, op: Op, dtype: Optional[str], what: str
+) -> Tuple[ReduceOp, Any, int, int, int]:
     op = as_op(op)
     kind = dtypes.reduce_kind(x.dtype, dtype)
     kop, div = kernel_op(op, kind, g.size())
@@ -70,13 +90,13 @@ def _reduction(g, x, op, dtype, what):
 
 
 def all_reduce(
-    tensor,
-    op=ReduceOp.SUM,
+    tensor: Array,
+    op: Op = ReduceOp.SUM,
     group: Optional[ProcessGroup] = None,
     async_op: bool = False,
     *,
     dtype: Optional[str] = None,
-):
+) -> Optional[Work]:
     """Reduces ``tensor`` over the group, in place on every rank. ``dtype="bfloat16"`` reads
     16-bit integer arrays as bfloat16."""
     g = resolve(group)
@@ -84,7 +104,7 @@ def all_reduce(
     op, kind, code, kop, div = _reduction(g, x, op, dtype, "all_reduce")
     desc = descriptor.make("all_reduce", x.dtype, x.shape, int(op))
     if _nccl(g):
-        return g.backend.run(lambda: g.backend.all_reduce(x, op, kind, desc), async_op)
+        return _on_nccl(g, lambda: g.backend.all_reduce(x, op, kind, desc), async_op)
     if type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable:
         # the common case, kept short: a contiguous NumPy array reduced where it is
         view = x.reshape(-1).view(kind.view)
@@ -93,7 +113,7 @@ def all_reduce(
     flat = flat_out(h.host, "all_reduce tensor")
     view = flat.flat.view(kind.view)
 
-    def fn():
+    def fn() -> None:
         g.backend.all_reduce(view, code, kop, div, desc)
         flat.finish()
         h.done()
@@ -102,14 +122,14 @@ def all_reduce(
 
 
 def reduce(
-    tensor,
+    tensor: Array,
     dst: int,
-    op=ReduceOp.SUM,
+    op: Op = ReduceOp.SUM,
     group: Optional[ProcessGroup] = None,
     async_op: bool = False,
     *,
     dtype: Optional[str] = None,
-):
+) -> Optional[Work]:
     """Reduces ``tensor`` over the group into rank ``dst``'s ``tensor`` (others unchanged)."""
     g = resolve(group)
     x = check_array(tensor)
@@ -117,15 +137,15 @@ def reduce(
     op, kind, code, kop, div = _reduction(g, x, op, dtype, "reduce")
     desc = descriptor.make("reduce", x.dtype, x.shape, int(op), root)
     if _nccl(g):
-        return g.backend.run(lambda: g.backend.reduce(x, root, op, kind, desc), async_op)
+        return _on_nccl(g, lambda: g.backend.reduce(x, root, op, kind, desc), async_op)
     is_root = g.rank() == root
     h = _Host(x, is_root)
     flat = flat_out(h.host, "reduce tensor") if is_root else None
-    view = (flat.flat if is_root else flat_in(h.host).copy()).view(kind.view)
+    view = (flat.flat if flat is not None else flat_in(h.host).copy()).view(kind.view)
 
-    def fn():
+    def fn() -> None:
         g.backend.reduce(view, root, code, kop, div, desc)
-        if is_root:
+        if flat is not None:
             flat.finish()
             h.done()
 
@@ -133,14 +153,14 @@ def reduce(
 
 
 def reduce_scatter(
-    output,
-    input_list: Sequence,
-    op=ReduceOp.SUM,
+    output: Array,
+    input_list: Sequence[Array],
+    op: Op = ReduceOp.SUM,
     group: Optional[ProcessGroup] = None,
     async_op: bool = False,
     *,
     dtype: Optional[str] = None,
-):
+) -> Optional[Work]:
     """``output`` on rank i gets the reduction over ranks of their ``input_list[i]``."""
     g = resolve(group)
     out = check_array(output, "output")
@@ -152,13 +172,13 @@ def reduce_scatter(
     op, kind, code, kop, div = _reduction(g, out, op, dtype, "reduce_scatter")
     desc = descriptor.make("reduce_scatter", out.dtype, out.shape, int(op))
     if _nccl(g):
-        return g.backend.run(lambda: g.backend.reduce_scatter(out, ins, op, kind, desc), async_op)
+        return _on_nccl(g, lambda: g.backend.reduce_scatter(out, ins, op, kind, desc), async_op)
     h = _Host(out, True)
     flat = flat_out(h.host, "output")
     host_ins = [_Host(t, False).host for t in ins]
     views = [flat_in(t).view(kind.view) for t in host_ins]
 
-    def fn():
+    def fn() -> None:
         g.backend.reduce_scatter(flat.flat.view(kind.view), views, code, kop, div, desc)
         flat.finish()
         h.done()
@@ -167,14 +187,14 @@ def reduce_scatter(
 
 
 def reduce_scatter_tensor(
-    output,
-    input,
-    op=ReduceOp.SUM,
+    output: Array,
+    input: Array,
+    op: Op = ReduceOp.SUM,
     group: Optional[ProcessGroup] = None,
     async_op: bool = False,
     *,
     dtype: Optional[str] = None,
-):
+) -> Optional[Work]:
     """``input`` holds size() consecutive blocks the shape of ``output``; rank i gets block i reduced."""
     g = resolve(group)
     out, inp = check_array(output, "output"), check_array(input, "input")
@@ -190,14 +210,14 @@ def reduce_scatter_tensor(
 # -- data movement -------------------------------------------------------------------------------
 
 
-def broadcast(tensor, src: int, group: Optional[ProcessGroup] = None, async_op: bool = False):
+def broadcast(tensor: Array, src: int, group: Optional[ProcessGroup] = None, async_op: bool = False) -> Optional[Work]:
     """Copies rank ``src``'s ``tensor`` into every rank's ``tensor``."""
     g = resolve(group)
     x = check_array(tensor)
     root = g.group_rank(src, "src")
     desc = descriptor.make("broadcast", x.dtype, x.shape, -1, root)
     if _nccl(g):
-        return g.backend.run(lambda: g.backend.broadcast(x, root, desc), async_op)
+        return _on_nccl(g, lambda: g.backend.broadcast(x, root, desc), async_op)
     is_root = g.rank() == root
     h = _Host(x, not is_root)
     if is_root:
@@ -206,7 +226,7 @@ def broadcast(tensor, src: int, group: Optional[ProcessGroup] = None, async_op: 
     else:
         flat = flat_out(h.host, "broadcast tensor")
 
-        def fn():
+        def fn() -> None:
             g.backend.broadcast(flat.flat, root, desc)
             flat.finish()
             h.done()
@@ -214,7 +234,9 @@ def broadcast(tensor, src: int, group: Optional[ProcessGroup] = None, async_op: 
     return _run(g, fn, async_op)
 
 
-def all_gather(tensor_list: List, tensor, group: Optional[ProcessGroup] = None, async_op: bool = False):
+def all_gather(
+    tensor_list: List[Array], tensor: Array, group: Optional[ProcessGroup] = None, async_op: bool = False
+) -> Optional[Work]:
     """``tensor_list[i]`` gets rank i's ``tensor`` on every rank."""
     g = resolve(group)
     x = check_array(tensor)
@@ -225,12 +247,12 @@ def all_gather(tensor_list: List, tensor, group: Optional[ProcessGroup] = None, 
         _same(t, x, f"tensor_list[{i}]")
     desc = descriptor.make("all_gather", x.dtype, x.shape)
     if _nccl(g):
-        return g.backend.run(lambda: g.backend.all_gather(outs, x, desc), async_op)
+        return _on_nccl(g, lambda: g.backend.all_gather(outs, x, desc), async_op)
     hosts = [_Host(t, True) for t in outs]
     flats = [flat_out(h.host, f"tensor_list[{i}]") for i, h in enumerate(hosts)]
     data = flat_in(_Host(x, False).host)
 
-    def fn():
+    def fn() -> None:
         g.backend.all_gather([f.flat for f in flats], data, desc)
         for f, h in zip(flats, hosts):
             f.finish()
@@ -239,7 +261,9 @@ def all_gather(tensor_list: List, tensor, group: Optional[ProcessGroup] = None, 
     return _run(g, fn, async_op)
 
 
-def all_gather_into_tensor(output_tensor, input_tensor, group: Optional[ProcessGroup] = None, async_op: bool = False):
+def all_gather_into_tensor(
+    output_tensor: Array, input_tensor: Array, group: Optional[ProcessGroup] = None, async_op: bool = False
+) -> Optional[Work]:
     """``output_tensor`` (size() x input size elements) gets every rank's input, in rank order."""
     g = resolve(group)
     out, inp = check_array(output_tensor, "output_tensor"), check_array(input_tensor, "input_tensor")
@@ -254,29 +278,26 @@ def all_gather_into_tensor(output_tensor, input_tensor, group: Optional[ProcessG
         staged = np.empty((g.size(), *tuple(inp.shape)), inp.dtype)
         work = all_gather(list(staged), inp, group, async_op)
 
-        def copy_back():
-            out[...] = staged.reshape(out.shape)
-
-        if async_op:
+        if work is not None:
             work.wait()
-        copy_back()
+        out[...] = staged.reshape(out.shape)
         return CompletedWork() if async_op else None
     return all_gather(blocks, inp, group, async_op)
 
 
 def gather(
-    tensor,
-    gather_list: Optional[List] = None,
+    tensor: Array,
+    gather_list: Optional[List[Array]] = None,
     dst: int = 0,
     group: Optional[ProcessGroup] = None,
     async_op: bool = False,
-):
+) -> Optional[Work]:
     """Rank ``dst``'s ``gather_list[i]`` gets rank i's ``tensor``."""
     g = resolve(group)
     x = check_array(tensor)
     root = g.group_rank(dst, "dst")
     is_root = g.rank() == root
-    outs = None
+    outs: List[Array] = []  # the destination's only
     if is_root:
         if gather_list is None or len(gather_list) != g.size():
             raise ValueError(f"gather_list on the destination rank needs {g.size()} arrays")
@@ -287,12 +308,12 @@ def gather(
         raise ValueError("gather_list must be None or empty on ranks other than dst")
     desc = descriptor.make("gather", x.dtype, x.shape, -1, root)
     if _nccl(g):
-        return g.backend.run(lambda: g.backend.gather(outs, x, root, desc), async_op)
+        return _on_nccl(g, lambda: g.backend.gather(outs, x, root, desc), async_op)
     hosts = [_Host(t, True) for t in outs] if is_root else []
     flats = [flat_out(h.host, f"gather_list[{i}]") for i, h in enumerate(hosts)]
     data = flat_in(_Host(x, False).host)
 
-    def fn():
+    def fn() -> None:
         g.backend.gather([f.flat for f in flats] if is_root else None, data, root, desc)
         for f, h in zip(flats, hosts):
             f.finish()
@@ -302,18 +323,18 @@ def gather(
 
 
 def scatter(
-    tensor,
-    scatter_list: Optional[List] = None,
+    tensor: Array,
+    scatter_list: Optional[List[Array]] = None,
     src: int = 0,
     group: Optional[ProcessGroup] = None,
     async_op: bool = False,
-):
+) -> Optional[Work]:
     """Rank i's ``tensor`` gets rank ``src``'s ``scatter_list[i]``."""
     g = resolve(group)
     x = check_array(tensor)
     root = g.group_rank(src, "src")
     is_root = g.rank() == root
-    ins = None
+    ins: List[Array] = []  # the source's only
     if is_root:
         if scatter_list is None or len(scatter_list) != g.size():
             raise ValueError(f"scatter_list on the source rank needs {g.size()} arrays")
@@ -324,12 +345,12 @@ def scatter(
         raise ValueError("scatter_list must be None or empty on ranks other than src")
     desc = descriptor.make("scatter", x.dtype, x.shape, -1, root)
     if _nccl(g):
-        return g.backend.run(lambda: g.backend.scatter(x, ins, root, desc), async_op)
+        return _on_nccl(g, lambda: g.backend.scatter(x, ins, root, desc), async_op)
     h = _Host(x, True)
     flat = flat_out(h.host, "scatter tensor")
     host_ins = [flat_in(_Host(t, False).host) for t in ins] if is_root else None
 
-    def fn():
+    def fn() -> None:
         g.backend.scatter(flat.flat, host_ins, root, desc)
         flat.finish()
         h.done()
@@ -338,8 +359,11 @@ def scatter(
 
 
 def all_to_all(
-    output_tensor_list: List, input_tensor_list: List, group: Optional[ProcessGroup] = None, async_op: bool = False
-):
+    output_tensor_list: List[Array],
+    input_tensor_list: List[Array],
+    group: Optional[ProcessGroup] = None,
+    async_op: bool = False,
+) -> Optional[Work]:
     """Rank i's ``output_tensor_list[j]`` gets rank j's ``input_tensor_list[i]`` (all arrays
     of one shape and dtype)."""
     g = resolve(group)
@@ -351,12 +375,12 @@ def all_to_all(
         _same(t, ins[0], "every all_to_all array")
     desc = descriptor.make("all_to_all", ins[0].dtype, ins[0].shape)
     if _nccl(g):
-        return g.backend.run(lambda: g.backend.all_to_all(outs, ins, desc), async_op)
+        return _on_nccl(g, lambda: g.backend.all_to_all(outs, ins, desc), async_op)
     hosts = [_Host(t, True) for t in outs]
     flats = [flat_out(h.host, f"output_tensor_list[{i}]") for i, h in enumerate(hosts)]
     datas = [flat_in(_Host(t, False).host) for t in ins]
 
-    def fn():
+    def fn() -> None:
         g.backend.all_to_all([f.flat for f in flats], datas, desc)
         for f, h in zip(flats, hosts):
             f.finish()
@@ -366,13 +390,13 @@ def all_to_all(
 
 
 def all_to_all_single(
-    output,
-    input,
-    output_split_sizes=None,
-    input_split_sizes=None,
+    output: Array,
+    input: Array,
+    output_split_sizes: Optional[Sequence[int]] = None,
+    input_split_sizes: Optional[Sequence[int]] = None,
     group: Optional[ProcessGroup] = None,
     async_op: bool = False,
-):
+) -> Optional[Work]:
     """Equal splits of the first dimension: block j of ``input`` goes to rank j, block i of
     ``output`` comes from rank i."""
     g = resolve(group)
@@ -387,46 +411,49 @@ def all_to_all_single(
     return all_to_all(outs, ins, group, async_op)
 
 
-def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False, device_ids=None):
+def barrier(
+    group: Optional[ProcessGroup] = None, async_op: bool = False, device_ids: Optional[List[int]] = None
+) -> Optional[Work]:
     """Returns once every rank of the group entered the barrier."""
     g = resolve(group)
     desc = descriptor.make("barrier", np.dtype(np.uint8), ())
     if _nccl(g):
-        return g.backend.run(lambda: g.backend.barrier(desc), async_op)
+        return _on_nccl(g, lambda: g.backend.barrier(desc), async_op)
     return _run(g, lambda: g.backend.barrier(desc), async_op)
 
 
 # -- point to point -------------------------------------------------------------------------------
 
 
-def _p2p_desc(x, tag: int):
+def _p2p_desc(x: Array, tag: int) -> List[int]:
     return descriptor.make("send/recv", x.dtype, x.shape, -1, -1, int(tag))
 
 
-def send(tensor, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> None:
+def send(tensor: Array, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> None:
     """Sends ``tensor`` to rank ``dst``, which must ``recv`` an array of the same shape and
     dtype with the same tag."""
     isend(tensor, dst, group, tag).wait()
 
 
-def recv(tensor, src: Optional[int] = None, group: Optional[ProcessGroup] = None, tag: int = 0) -> int:
+def recv(tensor: Array, src: Optional[int] = None, group: Optional[ProcessGroup] = None, tag: int = 0) -> int:
     """Receives into ``tensor`` from rank ``src``; returns ``src``."""
-    return irecv(tensor, src, group, tag).result()
+    sender: int = irecv(tensor, src, group, tag).result()
+    return sender
 
 
-def isend(tensor, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> Work:
+def isend(tensor: Array, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> Work:
     g = resolve(group)
     x = check_array(tensor)
     peer = g.group_rank(dst, "dst")
     desc = _p2p_desc(x, tag)
     if _nccl(g):
-        return g.backend.run(lambda: g.backend.send(x, peer, desc), True)
+        return _started_on_nccl(g, lambda: g.backend.send(x, peer, desc))
     data = flat_in(_Host(x, False).host)  # the caller's memory: do not change it before wait()
     # sends run on their own thread, so that isend + irecv pairs cannot block each other
     return g.send_executor.submit(lambda: g.backend.send(data, peer, desc))
 
 
-def irecv(tensor, src: Optional[int] = None, group: Optional[ProcessGroup] = None, tag: int = 0) -> Work:
+def irecv(tensor: Array, src: Optional[int] = None, group: Optional[ProcessGroup] = None, tag: int = 0) -> Work:
     g = resolve(group)
     x = check_array(tensor)
     if src is None:
@@ -434,11 +461,11 @@ def irecv(tensor, src: Optional[int] = None, group: Optional[ProcessGroup] = Non
     peer = g.group_rank(src, "src")
     desc = _p2p_desc(x, tag)
     if _nccl(g):
-        return g.backend.run(lambda: (g.backend.recv(x, peer, desc), src)[1], True)
+        return _started_on_nccl(g, lambda: (g.backend.recv(x, peer, desc), src)[1])
     h = _Host(x, True)
     flat = flat_out(h.host, "recv tensor")
 
-    def fn():
+    def fn() -> Optional[int]:
         g.backend.recv(flat.flat, peer, desc)
         flat.finish()
         h.done()

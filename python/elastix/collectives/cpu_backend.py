@@ -116,11 +116,15 @@ class CpuBackend:
 
     def _hier_all_reduce(self, x, code, op, div, desc, root: Optional[int] = None):
         # 1. reduce onto the host's leader, 2. all_reduce among leaders, 3. broadcast locally
+        # (a host with local peers has their segment; a leader has the TCP ring)
         if len(self.local) > 1:
+            assert self.shm is not None
             shm_algos.all_reduce(self.shm, x, code, op, 1, desc, root=0, what="all_reduce (host)")
         if self.is_leader:
+            assert self.tcp is not None
             tcp_algos.all_reduce(self.tcp, self.leaders, x, code, op, div, desc, what="all_reduce (hosts)")
         if len(self.local) > 1:
+            assert self.shm is not None
             shm_algos.broadcast(self.shm, x.view(_U8), 0, desc)
 
     def reduce(self, x, root, code, op, div, desc):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from ..store import PrefixStore
 from ..store.base import to_seconds
@@ -44,7 +44,9 @@ class ProcessGroup:
         self.backend_name = backend_name
         self.timeout = timeout
         self.store = store
-        self.backend = None
+        # a CpuBackend or an NcclBackend (same duck-typed interface); None on non-members
+        # and once destroyed, which resolve() checks before any collective runs
+        self.backend: Any = None
         self.destroyed = False
         self.executor = Executor(f"pg{name}")
         self.send_executor = Executor(f"pg{name}-send")

@@ -14,7 +14,7 @@ import os
 from typing import Optional, Tuple
 from urllib.parse import parse_qs, urlparse
 
-from ..store.base import to_timedelta
+from ..store.base import Store, to_timedelta
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -57,7 +57,7 @@ def _tcp_store(host: str, port: int, rank: int, world_size: int, timeout: Option
 
 def rendezvous(
     init_method: str, rank: Optional[int], world_size: Optional[int], timeout: Optional[float]
-) -> Tuple[object, int, int]:
+) -> Tuple[Store, int, int]:
     """(store, rank, world size) for ``init_method``."""
     url = urlparse(init_method)
     query = {k: v[-1] for k, v in parse_qs(url.query).items()}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -37,7 +37,7 @@ _NCCL_OP = {ReduceOp.SUM: 0, ReduceOp.PRODUCT: 1, ReduceOp.MAX: 2, ReduceOp.MIN:
 _BOOL_OP = {ReduceOp.SUM: 2, ReduceOp.MAX: 2, ReduceOp.BOR: 2, ReduceOp.PRODUCT: 3, ReduceOp.MIN: 3, ReduceOp.BAND: 3}
 
 
-def require_cupy():
+def require_cupy() -> "tuple[Any, Any]":
     """(cupy, cupy.cuda.nccl), or BackendUnavailableError saying what to install."""
     try:
         import cupy

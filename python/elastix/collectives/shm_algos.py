@@ -30,11 +30,10 @@ _U8 = np.dtype(np.uint8)
 def small_limit(comm: ShmComm) -> int:
     """Largest all_reduce done in one step (measured crossover on 2 ranks: ~256 KiB; with more
     ranks each one reduces p copies, so lower)."""
-    limit = comm.__dict__.get("_small")
-    if limit is None:
+    if comm.small_bytes is None:
         default = (256 << 10) if comm.n <= 2 else (64 << 10)
-        limit = comm._small = min(comm.slot_bytes, int(os.environ.get("ELASTIX_SHM_SMALL_BYTES", default)))
-    return limit
+        comm.small_bytes = min(comm.slot_bytes, int(os.environ.get("ELASTIX_SHM_SMALL_BYTES", default)))
+    return comm.small_bytes
 
 
 def _region(comm: ShmComm) -> int:
@@ -123,7 +122,7 @@ def all_gather(
 ) -> None:
     """``outs[j]`` gets rank j's ``x`` (bytes); with ``root``, only there (gather)."""
     data = x.view(_U8)
-    targets = [o.view(_U8) for o in outs] if outs is not None else None
+    targets = [o.view(_U8) for o in outs] if outs is not None else []  # given where received
     seg = comm.slot_bytes
     me = comm.me
     receive = root is None or root == me
@@ -144,7 +143,7 @@ def all_gather(
 def scatter(comm: ShmComm, x: np.ndarray, ins: Optional[Sequence[np.ndarray]], root: int, desc: List[int]) -> None:
     data = x.view(_U8)
     me = comm.me
-    sources = [i.view(_U8) for i in ins] if me == root else None
+    sources = [i.view(_U8) for i in ins] if me == root and ins is not None else []  # given at the root
     if me == root:
         np.copyto(data, sources[me])
     region = _region(comm)

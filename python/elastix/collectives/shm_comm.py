@@ -32,7 +32,7 @@ import numpy as np
 
 from . import _native
 from .errors import CollectiveError, CollectiveTimeoutError, MismatchError, PeerError
-from .shm_segment import PAGE, Segment
+from .shm_segment import PAGE, Segment, view
 
 CTRL_BYTES = 512
 DESC_WORDS = 14
@@ -97,8 +97,10 @@ class ShmComm:
         self.slot_bytes = slot_bytes
         self.seq = 0
         self.broken: Optional[str] = None
+        # largest all_reduce done in one step (shm_algos.small_limit), worked out on first use
+        self.small_bytes: Optional[int] = None
         self._data_base = PAGE + (-(-nranks * CTRL_BYTES // PAGE) * PAGE)
-        ctrl = np.frombuffer(segment, dtype=np.int64, count=nranks * CTRL_BYTES // 8, offset=PAGE)
+        ctrl = view(segment, np.int64, nranks * CTRL_BYTES // 8, PAGE)
         ctrl[me * CTRL_BYTES // 8 + W_PID] = os.getpid()
         del ctrl
         peers = [j for j in range(nranks) if j != me]
@@ -123,7 +125,7 @@ class ShmComm:
             gone = [j for j in peers if str(pids[j]) in str(err)] or peers
             j = gone[0]
             raise PeerError(f"rank {self.ranks[j]} (pid {pids[j]}) is already gone", self.ranks[j]) from None
-        slots = np.frombuffer(segment, dtype=np.uint8, count=2 * nranks * slot_bytes, offset=self._data_base)
+        slots = view(segment, np.uint8, 2 * nranks * slot_bytes, self._data_base)
         self._slots = [[slots[(j * 2 + b) * slot_bytes :][:slot_bytes] for b in range(2)] for j in range(nranks)]
         self._typed: Dict[tuple, np.ndarray] = {}
 
@@ -215,7 +217,7 @@ class ShmComm:
             pass
 
     def _peer_desc(self, j: int, count: int, parity: int) -> List[int]:
-        words = np.frombuffer(self.segment, dtype=np.int64, count=count, offset=self._ctrl(j) + DESC_BYTES[parity])
+        words = view(self.segment, np.int64, count, self._ctrl(j) + DESC_BYTES[parity])
         return [int(v) for v in words]
 
     @staticmethod

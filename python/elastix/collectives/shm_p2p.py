@@ -20,7 +20,7 @@ import numpy as np
 from . import _native, shm_segment
 from .errors import CollectiveError, CollectiveTimeoutError, MismatchError, PeerError
 from .shm_comm import spin_policy
-from .shm_segment import PAGE, Segment
+from .shm_segment import PAGE, Segment, view
 
 HEADER = struct.Struct("<QQ14q")
 MAGIC = 0x454C4153_54495850
@@ -42,7 +42,9 @@ class _End:
         self.peer_rank = peer_rank
         self.timeout = timeout
         self.cap = segment.size - PAGE
-        self.data = np.frombuffer(segment, dtype=np.uint8, offset=PAGE)
+        self.data = view(segment, np.uint8, offset=PAGE)
+        # the sender lets go of the segment's name once the receiver attached (first send)
+        self.first = False
         spin, yield_us, check_ms = spin_policy(2)
         mine, theirs = (W_POS, R_POS) if sender else (R_POS, W_POS)
         their_waiters = R_WAITERS if sender else W_WAITERS
@@ -108,7 +110,7 @@ class _End:
 
     def write(self, view: memoryview) -> None:
         n, done = len(view), 0
-        src = np.frombuffer(view, dtype=np.uint8) if n else None
+        src = np.frombuffer(view, dtype=np.uint8)
         while done < n:
             want = min(n - done, self.cap // 2)
             self._wait(self.pos + want - self.cap)  # the reader freed enough room
@@ -123,7 +125,7 @@ class _End:
 
     def read_into(self, view: memoryview) -> None:
         n, done = len(view), 0
-        dst = np.frombuffer(view, dtype=np.uint8) if n else None
+        dst = np.frombuffer(view, dtype=np.uint8)
         while done < n:
             want = min(n - done, self.cap // 2)
             self._wait(self.pos + want)  # the writer wrote that much
@@ -140,7 +142,7 @@ class _End:
         """Ends the waits on this channel (they fail), then lets go of the memory."""
         self.broken = self.broken or "the group was destroyed"
         self.segment.close()
-        self.data = None
+        self.data = np.empty(0, np.uint8)  # our view goes; the memory with the last one
 
 
 class ShmP2P:
@@ -183,7 +185,7 @@ class ShmP2P:
             raise CollectiveError(f"the channel to rank {end.peer_rank} is unusable ({end.broken})")
         end.write(memoryview(header))
         end.write(payload)
-        if getattr(end, "first", False):
+        if end.first:
             end._wait(1, end.attached_waiter)
             end.segment.release_name()
             end.first = False

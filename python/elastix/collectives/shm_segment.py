@@ -21,11 +21,17 @@ host removes (``sweep_stale``).
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import numpy as np
+import numpy.typing as npt
 
 from .._core import collectives as _mod
 
-Segment = _mod.Segment
+if TYPE_CHECKING:
+    from .._core import Segment
+else:
+    Segment = _mod.Segment
 
 SHM_DIR = "/dev/shm"
 PREFIX = "elastix-cc-"
@@ -85,7 +91,13 @@ def create(size: int, method: Optional[str] = None) -> Segment:
         raise type(err)(f"{err}; make /dev/shm larger, or lower ELASTIX_SHM_SLOT_BYTES") from None
 
 
-def attach(handle) -> Segment:
+def view(segment: Segment, dtype: npt.DTypeLike, count: int = -1, offset: int = 0) -> np.ndarray[Any, Any]:
+    """A NumPy array over the segment's bytes (it keeps the mapping alive)."""
+    # typeshed's Buffer, before Python 3.12, names the builtin buffer types only
+    return np.frombuffer(segment, dtype=dtype, count=count, offset=offset)  # type: ignore[call-overload]
+
+
+def attach(handle: Union[str, bytes, bytearray]) -> Segment:
     """Maps the segment whose ``encode()``d handle (str or bytes) another process published."""
     if isinstance(handle, (bytes, bytearray)):
         handle = handle.decode()
@@ -96,4 +108,4 @@ def attach(handle) -> Segment:
         raise type(err)(f"{err}{hint}") from None
 
 
-__all__ = ["Segment", "create", "attach", "sweep_stale", "PAGE"]
+__all__ = ["Segment", "create", "attach", "view", "sweep_stale", "PAGE"]

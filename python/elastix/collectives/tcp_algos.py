@@ -38,7 +38,7 @@ def _pieces(a: int, e: int, per: int):
 
 
 def _bytes(x: np.ndarray) -> memoryview:
-    return memoryview(x.view(_U8)) if x.size else memoryview(b"")
+    return x.view(_U8).data if x.size else memoryview(b"")
 
 
 def exchange_direct(
@@ -53,8 +53,10 @@ def exchange_direct(
         comm.send(members[(i + k) % q], [header, _bytes(x)], ticket, last=(k == q - 1))
     for k in range(1, q):
         j = (i - k) % q
+        out = outs[j]
+        assert out is not None  # every other member's array is given
         comm.check_header(members[j], desc, what)
-        comm.recv_into(members[j], outs[j].view(_U8))
+        comm.recv_into(members[j], out.view(_U8))
     if ticket is not None:
         comm.wait(ticket, members[(i + 1) % q])
 
@@ -212,9 +214,10 @@ def gather(
     desc: List[int],
 ) -> None:
     i, r = members.index(comm.me), members.index(root)
+    targets: Sequence[np.ndarray] = outs if outs is not None else ()  # given at the root
     if i == r:
-        np.copyto(outs[r].view(_U8), x.view(_U8))
-    _rounds(comm, members, lambda j: x if j == r else None, lambda j: outs[j] if i == r else None, desc, "gather")
+        np.copyto(targets[r].view(_U8), x.view(_U8))
+    _rounds(comm, members, lambda j: x if j == r else None, lambda j: targets[j] if i == r else None, desc, "gather")
 
 
 def scatter(
@@ -226,9 +229,10 @@ def scatter(
     desc: List[int],
 ) -> None:
     i, r = members.index(comm.me), members.index(root)
+    sources: Sequence[np.ndarray] = ins if ins is not None else ()  # given at the root
     if i == r:
-        np.copyto(x.view(_U8), ins[r].view(_U8))
-    _rounds(comm, members, lambda j: ins[j] if i == r else None, lambda j: x if j == r else None, desc, "scatter")
+        np.copyto(x.view(_U8), sources[r].view(_U8))
+    _rounds(comm, members, lambda j: sources[j] if i == r else None, lambda j: x if j == r else None, desc, "scatter")
 
 
 def all_to_all(

@@ -27,8 +27,8 @@ class Work:
     """torch.distributed's Work: ``wait()``, ``is_completed()``, ``is_success()``,
     ``exception()``, ``result()``, ``get_future()``."""
 
-    def __init__(self, future: Optional[Future] = None) -> None:
-        self._future: Future = future if future is not None else Future()
+    def __init__(self, future: Optional[Future[Any]] = None) -> None:
+        self._future: Future[Any] = future if future is not None else Future()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Blocks until the collective finished (raising its error); False on ``timeout``
@@ -71,7 +71,7 @@ class Executor:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._queue: "queue.Queue" = queue.Queue()
+        self._queue: queue.Queue[Optional[tuple[Callable[[], Any], Future[Any]]]] = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._pending = 0
         self._lock = threading.Lock()
@@ -94,7 +94,7 @@ class Executor:
                 self._pending -= 1
 
     def submit(self, fn: Callable[[], Any]) -> Work:
-        future: Future = Future()
+        future: Future[Any] = Future()
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"elastix-{self._name}", daemon=True)
