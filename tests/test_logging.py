@@ -88,7 +88,7 @@ class Keep(logging.Handler):
         records.append(record)
 logging.getLogger("elastix").addHandler(Keep())
 logging.getLogger("elastix").setLevel(logging.INFO)
-elastix._core.reset_log_cache()
+elastix.reset_log_cache()
 with closed_port() as sock:
     try:
         elastix.TCPStore("127.0.0.1", sock.getsockname()[1], timeout=timedelta(seconds=2))

@@ -4,7 +4,7 @@
 wire protocol, so torch code and elastix code can share one store.
 """
 
-from ._core import __version__
+from ._core import __version__, reset_log_cache
 from .errors import (
     DistBackendError,
     DistError,
@@ -68,4 +68,5 @@ __all__ = [
     "WorkerState",
     "ProcessFailure",
     "ChildFailedError",
+    "reset_log_cache",
 ]

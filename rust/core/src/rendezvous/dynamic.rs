@@ -7,7 +7,6 @@
 //! round. While a round runs, members send heartbeats and watch their ring neighbour; a
 //! background watcher turns relevant events into [`MembershipChange`]s for the agent.
 
-
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
