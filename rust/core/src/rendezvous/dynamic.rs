@@ -458,7 +458,7 @@ fn spawn_change_watcher<S: RendezvousStore>(
             loop {
                 if let Some(event) = events::wait_for(&mut conn, next, None).await? {
                     if let Some(change) = relevance(&event, round) {
-                        tracing::info!(round, ?change, "membership change");
+                        tracing::debug!(round, ?change, "membership change"); // the agent says what it does about it
                         if sender.send(Some(change)).is_err() {
                             return Ok(()); // nobody listens any more
                         }
