@@ -32,9 +32,11 @@ pub struct Args {
     /// takes precedence).
     #[arg(long, default_value = "info", env = "ELASTIX_STORE_LOG_LEVEL")]
     pub log_level: String,
-    /// Connections served at once; more clients wait in the accept backlog.
-    #[arg(long, default_value_t = ServerConfig::DEFAULT_MAX_CONNECTIONS)]
-    pub max_connections: usize,
+    /// Connections served at once; more clients are refused (closed at once, with a warning
+    /// at most every 10 s). Default: what the open-file limit allows (raised to its hard
+    /// limit at start), less 64, at most 65536.
+    #[arg(long)]
+    pub max_connections: Option<usize>,
     /// Longest key accepted, in bytes.
     #[arg(long, default_value_t = Limits::DEFAULT_MAX_KEY_LEN)]
     pub max_key_bytes: usize,
@@ -62,7 +64,7 @@ impl Args {
                 max_value_len: self.max_value_bytes,
                 max_keys_per_request: self.max_keys_per_request,
             },
-            max_connections: self.max_connections,
+            max_connections: self.max_connections.unwrap_or_else(ServerConfig::default_max_connections),
         }
     }
 }
@@ -85,6 +87,10 @@ where
     if let Err(err) = elastix_core::logging::init_stderr(&args.log_level) {
         eprintln!("elastix-store: --log-level: {err}");
         return 2;
+    }
+    // every client is a descriptor: take all the kernel allows before sizing the cap on it
+    if let Err(err) = elastix_core::store::server::listener::raise_open_file_limit() {
+        tracing::warn!("cannot raise the open-file limit: {err}; serving within the current one");
     }
     match serve(&args) {
         Ok(()) => 0,

@@ -91,3 +91,26 @@ fn bad_arguments_are_a_usage_error() {
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("--port"));
 }
+
+#[test]
+fn past_max_connections_clients_are_refused_with_one_warning() {
+    let (mut child, line) = start(&["--port", "0", "--max-connections", "1", "--log-level", "warn"]);
+    let port = port_of(&line);
+    let mut served = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    served.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    served.write_all(&[0x00, 0xce, 0xf7, 0x85, 0x3c, 0x0d, 7, 0, 0, 0]).unwrap();
+    let mut echo = [0u8; 4];
+    served.read_exact(&mut echo).unwrap();
+    for _ in 0..4 {
+        assert!(!ping(port), "the second client must be refused");
+    }
+    served.write_all(&[0x0d, 9, 0, 0, 0]).unwrap();
+    served.read_exact(&mut echo).unwrap();
+    assert_eq!(echo, [9, 0, 0, 0], "the served client goes on");
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
+    assert!(wait_exit(&mut child).success());
+    let mut stderr = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    assert_eq!(stderr.matches("refusing connections: 1 served already").count(), 1, "{stderr}");
+    assert!(stderr.contains("1 refused since the last warning, the latest from 127.0.0.1:"), "{stderr}");
+}

@@ -121,6 +121,7 @@ async fn attempt(
         let connected = async {
             let stream = within(deadline, TcpStream::connect(addr)).await?;
             stream.set_nodelay(true)?;
+            crate::store::server::listener::set_keepalive(&stream)?;
             handshake(stream, deadline).await
         };
         match connected.await {

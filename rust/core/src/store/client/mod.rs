@@ -91,6 +91,11 @@ impl Client {
         self.stream.local_addr()
     }
 
+    /// Whether TCP keepalive is on for this connection (it is on every store socket).
+    pub fn keepalive(&self) -> io::Result<bool> {
+        socket2::SockRef::from(&self.stream).keepalive()
+    }
+
     /// Bound on waiting for the reply of a non-blocking request (`None`: no bound).
     pub fn set_reply_timeout(&mut self, timeout: Option<Duration>) {
         self.reply_timeout = timeout;

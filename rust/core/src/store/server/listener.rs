@@ -7,6 +7,33 @@ use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
+/// TCP keepalive for every store connection, both ends: a peer that vanished without a FIN
+/// (power loss, a cut link) is noticed after about 2 minutes instead of never.
+pub fn set_keepalive(stream: &tokio::net::TcpStream) -> io::Result<()> {
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(std::time::Duration::from_secs(60))
+        .with_interval(std::time::Duration::from_secs(10))
+        .with_retries(6);
+    socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive)
+}
+
+/// The soft limit on open files (RLIMIT_NOFILE), if it can be read.
+pub fn open_file_limit() -> Option<u64> {
+    nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE).ok().map(|(soft, _)| soft)
+}
+
+/// Raises the soft open-file limit to the hard one (a server's connections are descriptors);
+/// returns the limit now in force.
+pub fn raise_open_file_limit() -> io::Result<u64> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
+        tracing::debug!("raised the open-file limit from {soft} to {hard}");
+    }
+    Ok(soft.max(hard))
+}
+
 /// Backlog used when the host's `somaxconn` cannot be read (Linux's default since 5.4).
 const FALLBACK_BACKLOG: i32 = 4096;
 

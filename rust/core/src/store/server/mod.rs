@@ -2,6 +2,7 @@
 //! all of them sharing one [`Db`] behind a mutex (every operation is short, and one lock makes
 //! the store linearizable like torch's single-threaded servers), and a graceful shutdown.
 
+mod admission;
 mod connection;
 pub mod listener;
 mod shutdown;
@@ -9,14 +10,15 @@ mod shutdown;
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::sync::{mpsc, watch};
 
+use self::admission::Admission;
 use self::connection::Connection;
 use self::shutdown::Shutdown;
 use super::counter::parse_counter;
@@ -34,12 +36,23 @@ pub struct ServerConfig {
     /// [`listener::duplicate_socket_fd`]. Shared, because configurations are cloned.
     pub listen_fd: Option<Arc<OwnedFd>>,
     pub limits: Limits,
-    /// Connections served at once; further clients wait in the accept backlog.
+    /// Connections served at once; further clients are refused (closed at once).
     pub max_connections: usize,
 }
 
 impl ServerConfig {
-    pub const DEFAULT_MAX_CONNECTIONS: usize = 65_536;
+    /// Most connections served by default, however many descriptors the process may open.
+    pub const MOST_CONNECTIONS: usize = 65_536;
+    /// Descriptors kept for everything else the process opens (files, its own clients).
+    const OTHER_DESCRIPTORS: u64 = 64;
+
+    /// The default cap: what the open-file limit allows, less room for everything else, so
+    /// that the cap refuses clients before the kernel (EMFILE) does.
+    pub fn default_max_connections() -> usize {
+        let limit = listener::open_file_limit().unwrap_or(1024);
+        let room = limit.saturating_sub(Self::OTHER_DESCRIPTORS).max(1);
+        usize::try_from(room).unwrap_or(usize::MAX).min(Self::MOST_CONNECTIONS)
+    }
 }
 
 impl Default for ServerConfig {
@@ -49,7 +62,7 @@ impl Default for ServerConfig {
             port: 0,
             listen_fd: None,
             limits: Limits::default(),
-            max_connections: Self::DEFAULT_MAX_CONNECTIONS,
+            max_connections: Self::default_max_connections(),
         }
     }
 }
@@ -59,8 +72,8 @@ pub(crate) struct Shared {
     db: Mutex<Db>,
     limits: Limits,
     next_id: AtomicU64,
-    /// Connections being served (the accept loop may hold one more slot while it waits).
-    connections: AtomicUsize,
+    /// Who is served (the connection cap) and how many are.
+    admission: Admission,
 }
 
 impl Shared {
@@ -110,12 +123,11 @@ impl StoreServer {
             db: Mutex::new(Db::new()),
             limits: config.limits,
             next_id: AtomicU64::new(1),
-            connections: AtomicUsize::new(0),
+            admission: Admission::new(config.max_connections),
         });
-        let connection_slots = Arc::new(Semaphore::new(config.max_connections.max(1)));
         let (stop, stop_signal) = watch::channel(false);
         let (task_done, finished) = mpsc::channel(1);
-        tokio::spawn(accept_loop(listener, shared.clone(), connection_slots, Shutdown::new(stop_signal), task_done));
+        tokio::spawn(accept_loop(listener, shared.clone(), Shutdown::new(stop_signal), task_done));
         tracing::info!(%local_addr, "store server listening");
         Ok(StoreServer { local_addr, shared, stop, finished })
     }
@@ -130,7 +142,12 @@ impl StoreServer {
 
     /// Connections being served right now.
     pub fn connections(&self) -> usize {
-        self.shared.connections.load(Ordering::Relaxed)
+        self.shared.admission.served()
+    }
+
+    /// Connections refused so far because `max_connections` were being served.
+    pub fn refused(&self) -> u64 {
+        self.shared.admission.refused()
     }
 
     /// Clients blocked in WAIT or BARRIER right now.
@@ -180,19 +197,9 @@ impl Drop for StoreServer {
     }
 }
 
-async fn accept_loop(
-    listener: TcpListener,
-    shared: Arc<Shared>,
-    connection_slots: Arc<Semaphore>,
-    mut shutdown: Shutdown,
-    task_done: mpsc::Sender<()>,
-) {
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut shutdown: Shutdown, task_done: mpsc::Sender<()>) {
     let mut error_backoff = Duration::from_millis(5);
     loop {
-        let slot = tokio::select! {
-            _ = shutdown.recv() => return,
-            slot = connection_slots.clone().acquire_owned() => slot.expect("semaphore is never closed"),
-        };
         let accepted = tokio::select! {
             _ = shutdown.recv() => return,
             accepted = listener.accept() => accepted,
@@ -203,8 +210,13 @@ async fn accept_loop(
                 accepted
             }
             Err(err) => {
-                // Out of descriptors or memory: back off instead of spinning, keep serving.
-                tracing::error!("accept failed: {err}; retrying in {error_backoff:?}");
+                // Out of descriptors or memory: back off instead of spinning, keep serving
+                // the connections there are; say so once per burst of failures.
+                if error_backoff == Duration::from_millis(5) {
+                    tracing::error!("accept failed: {err}; retrying with backoff, existing clients are still served");
+                } else {
+                    tracing::debug!("accept failed again: {err}; retrying in {error_backoff:?}");
+                }
                 tokio::select! {
                     _ = shutdown.recv() => return,
                     _ = tokio::time::sleep(error_backoff) => {}
@@ -213,18 +225,19 @@ async fn accept_loop(
                 continue;
             }
         };
-        if let Err(err) = stream.set_nodelay(true) {
-            tracing::debug!(%peer, "could not set TCP_NODELAY: {err}");
+        let Some(admitted) = shared.admission.admit(peer) else {
+            drop(stream); // refused: the client sees EOF now, not a hang in the backlog
+            continue;
+        };
+        if let Err(err) = stream.set_nodelay(true).and_then(|()| listener::set_keepalive(&stream)) {
+            tracing::debug!(%peer, "could not set TCP_NODELAY or keepalive: {err}");
         }
         let connection = Connection::new(stream, peer, shared.clone());
         let shutdown = shutdown.clone();
         let task_done = task_done.clone();
-        let counted = shared.clone();
-        counted.connections.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
             connection.run(shutdown).await;
-            counted.connections.fetch_sub(1, Ordering::Relaxed);
-            drop(slot);
+            drop(admitted);
             drop(task_done);
         });
     }
