@@ -86,3 +86,39 @@ fn both_ends_of_a_store_connection_keep_alive() {
         assert!(client.keepalive().unwrap(), "the client's socket has SO_KEEPALIVE");
     });
 }
+
+fn send(stream: &mut TcpStream, requests: &[elastix_core::store::request::Request]) {
+    let mut out = bytes::BytesMut::new();
+    for request in requests {
+        request.encode(&mut out);
+    }
+    stream.write_all(&out).unwrap();
+}
+
+#[test]
+fn an_idle_timeout_closes_silent_clients_but_not_waiting_or_talking_ones() {
+    use elastix_core::store::request::Request;
+    let idle = Duration::from_millis(300);
+    let config = ServerConfig { idle_timeout: Some(idle), ..ServerConfig::default() };
+    let server = BackgroundServer::start(&config, 2).unwrap();
+    let mut silent = connect(&server);
+    let mut waiting = connect(&server);
+    let mut talking = connect(&server);
+    for stream in [&mut silent, &mut waiting, &mut talking] {
+        assert!(ping(stream));
+    }
+    send(&mut waiting, &[Request::Wait { keys: vec![b"/later"] }]);
+    // the talking client keeps sending for several idle timeouts
+    let until = Instant::now() + idle * 4;
+    while Instant::now() < until {
+        assert!(ping_again(&mut talking), "a client that talks is never idle");
+        std::thread::sleep(idle / 4);
+    }
+    let mut byte = [0u8; 1];
+    assert_eq!(silent.read(&mut byte).unwrap(), 0, "the silent client was closed (EOF)");
+    let mut writer = connect(&server);
+    assert!(ping(&mut writer));
+    send(&mut writer, &[Request::Set { key: b"/later", value: b"v" }]);
+    waiting.read_exact(&mut byte).unwrap();
+    assert_eq!(byte, [0], "the waiting client got its STOP_WAITING, not EOF");
+}

@@ -37,6 +37,10 @@ pub struct Args {
     /// limit at start), less 64, at most 65536.
     #[arg(long)]
     pub max_connections: Option<usize>,
+    /// Close a connection that sent nothing for this long while holding no wait (e.g. 10m;
+    /// off by default: torch's clients stay connected and idle for hours).
+    #[arg(long, value_parser = parse_duration)]
+    pub idle_timeout: Option<std::time::Duration>,
     /// Longest key accepted, in bytes.
     #[arg(long, default_value_t = Limits::DEFAULT_MAX_KEY_LEN)]
     pub max_key_bytes: usize,
@@ -65,6 +69,7 @@ impl Args {
                 max_keys_per_request: self.max_keys_per_request,
             },
             max_connections: self.max_connections.unwrap_or_else(ServerConfig::default_max_connections),
+            idle_timeout: self.idle_timeout,
         }
     }
 }
@@ -143,5 +148,13 @@ impl StopSignals {
             _ = self.terminate.recv() => "SIGTERM",
             _ = self.interrupt.recv() => "SIGINT",
         }
+    }
+}
+
+/// A positive duration with a unit, as the rendezvous takes them (`90`, `30s`, `10m`).
+fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    match elastix_core::rendezvous::conf::parse_duration(text)? {
+        duration if duration.is_zero() => Err("must be positive".into()),
+        duration => Ok(duration),
     }
 }

@@ -90,6 +90,16 @@ fn bad_arguments_are_a_usage_error() {
     let output = Command::new(env!("CARGO_BIN_EXE_elastix-store")).args(["--port", "http"]).output().unwrap();
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("--port"));
+    for (args, needle) in [
+        (["--idle-timeout", "0"], "must be positive"),
+        (["--idle-timeout", "soon"], "is not a duration"),
+        (["--log-level", "loud"], "invalid log level"),
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_elastix-store")).args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
 }
 
 #[test]

@@ -41,6 +41,11 @@ impl Db {
         self.waiters.len()
     }
 
+    /// Whether the waiter `id` is blocked in a WAIT or BARRIER.
+    pub fn is_waiting(&self, id: WaiterId) -> bool {
+        self.waiters.is_waiting(id)
+    }
+
     /// Executes `request` for the waiter `id` and appends its reply, if it has one, to `out`.
     /// A wait that cannot be answered yet registers `waker`, which later receives one `()`.
     pub fn execute(

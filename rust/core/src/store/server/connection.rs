@@ -5,6 +5,7 @@
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Buf, BufMut, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -36,6 +37,8 @@ pub enum CloseReason {
     BadMagic(u32),
     #[error("connection closed in the middle of a request ({0} bytes unread)")]
     Truncated(usize),
+    #[error("idle for {0:?} with no pending wait (idle timeout)")]
+    Idle(Duration),
 }
 
 pub(super) struct Connection {
@@ -93,10 +96,13 @@ impl Connection {
         tokio::pin!(stop);
         loop {
             self.reserve_for_next_read();
+            // a client blocked in WAIT may rightly be silent for hours
+            let idle = idle_after(self.session.shared.idle_timeout.filter(|_| !self.session.holds_wait()));
             tokio::select! {
                 biased;
                 _ = &mut stop => return Ok(()),
                 Some(()) = self.session.woken.recv() => self.session.write_buf.put_u8(STOP_WAITING),
+                timeout = idle => return Err(CloseReason::Idle(timeout)),
                 read = self.stream.read_buf(&mut self.read_buf) => {
                     if read? == 0 {
                         return match self.read_buf.len() {
@@ -160,7 +166,22 @@ impl Connection {
     }
 }
 
+/// Resolves after `timeout` (never without one), with it.
+async fn idle_after(timeout: Option<Duration>) -> Duration {
+    match timeout {
+        Some(timeout) => {
+            tokio::time::sleep(timeout).await;
+            timeout
+        }
+        None => std::future::pending().await,
+    }
+}
+
 impl Session {
+    fn holds_wait(&self) -> bool {
+        self.shared.db().is_waiting(self.id)
+    }
+
     fn handle(&mut self, request: &Request<'_>) -> Result<(), CloseReason> {
         if self.validated {
             self.execute(request)

@@ -38,6 +38,9 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// Connections served at once; further clients are refused (closed at once).
     pub max_connections: usize,
+    /// Closes a connection that sent nothing for this long while holding no wait. `None`
+    /// (the default): never, as torch's clients stay connected and idle for hours.
+    pub idle_timeout: Option<Duration>,
 }
 
 impl ServerConfig {
@@ -63,6 +66,7 @@ impl Default for ServerConfig {
             listen_fd: None,
             limits: Limits::default(),
             max_connections: Self::default_max_connections(),
+            idle_timeout: None,
         }
     }
 }
@@ -74,6 +78,7 @@ pub(crate) struct Shared {
     next_id: AtomicU64,
     /// Who is served (the connection cap) and how many are.
     admission: Admission,
+    idle_timeout: Option<Duration>,
 }
 
 impl Shared {
@@ -124,6 +129,7 @@ impl StoreServer {
             limits: config.limits,
             next_id: AtomicU64::new(1),
             admission: Admission::new(config.max_connections),
+            idle_timeout: config.idle_timeout,
         });
         let (stop, stop_signal) = watch::channel(false);
         let (task_done, finished) = mpsc::channel(1);
