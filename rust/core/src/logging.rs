@@ -49,6 +49,12 @@ pub fn init_stderr(level: &str) -> Result<bool, String> {
         .is_ok())
 }
 
+/// Waits (up to `within`) until the lines logged so far are written: the writer is a thread
+/// of its own, and a program that exits right away would lose what it has not written yet.
+pub async fn flush(within: std::time::Duration) -> bool {
+    crate::agent::console::stderr().flush(within).await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

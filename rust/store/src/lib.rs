@@ -128,6 +128,7 @@ fn serve(args: &Args) -> std::io::Result<()> {
         if tokio::time::timeout(SHUTDOWN_GRACE, server.shutdown()).await.is_err() {
             tracing::warn!("connections still open after {SHUTDOWN_GRACE:?}; exiting anyway");
         }
+        elastix_core::logging::flush(SHUTDOWN_GRACE).await;
         Ok(())
     })
 }
