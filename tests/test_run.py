@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, closed_port
 
 WORKERS = os.path.join(REPO, "tests", "workers")
 # Short last calls so that membership changes happen within a test's time; a live node is
@@ -348,3 +348,28 @@ def test_the_agent_handles_signals_on_every_launch_and_gives_the_handlers_back(t
         result.stdout
     )
     assert_nothing_left(marker)
+
+
+def test_sigterm_is_honoured_while_the_store_is_still_unreachable(tmp_path):
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('the workers must not start')\n")
+    with closed_port() as sock:
+        port = sock.getsockname()[1]
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "elastix", "run", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+             f"127.0.0.1:{port}", "--rdzv-conf", "is_host=false,join_timeout=120s", str(script)],
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            # the agent is retrying the connection (it says so), far from its join timeout
+            for _ in range(100):
+                line = agent.stderr.readline()
+                if "cannot connect to the store" in line or not line:
+                    break
+            assert "cannot connect to the store" in line, line
+            agent.send_signal(signal.SIGTERM)
+            assert agent.wait(timeout=30) == 128 + signal.SIGTERM
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()

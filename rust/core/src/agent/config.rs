@@ -16,6 +16,10 @@ use super::logs::NO_LOGS;
 use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS, STATIC_KEYS};
 use crate::rendezvous::{ConfInput, RendezvousParams};
 
+/// Most workers one agent runs: each is a process with pipes, a log pair and a standby
+/// interpreter; more than this on one machine is a typo (an extra digit), not a job.
+pub const MAX_LOCAL_WORKERS: u32 = 1024;
+
 /// The rendezvous backends, and torch's others (refused with a pointer, not "unknown").
 pub const BACKENDS: &[&str] = &["c10d", "static"];
 const LATER_BACKENDS: &[&str] = &["etcd", "etcd-v2"];
@@ -84,6 +88,12 @@ impl AgentConfig {
         let n = self.local_world_size as usize;
         if n == 0 {
             return Err(AgentError::Config("--nproc-per-node must be at least 1, got 0".into()));
+        }
+        if self.local_world_size > MAX_LOCAL_WORKERS {
+            return Err(AgentError::Config(format!(
+                "--nproc-per-node {}: at most {MAX_LOCAL_WORKERS} workers per node",
+                self.local_world_size
+            )));
         }
         if !(0 < self.min_nodes && self.min_nodes <= self.max_nodes) {
             return Err(AgentError::Config(format!(
@@ -272,6 +282,7 @@ pub(crate) mod tests {
         type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
         let cases: Vec<(Edit, &str)> = vec![
             (Box::new(|v| v["local_world_size"] = 0.into()), "--nproc-per-node must be at least 1"),
+            (Box::new(|v| v["local_world_size"] = 100_000.into()), "--nproc-per-node 100000: at most 1024"),
             (Box::new(|v| v["min_nodes"] = 3.into()), "--nnodes: need 0 < MIN <= MAX"),
             (Box::new(|v| v["min_nodes"] = 0.into()), "--nnodes: need 0 < MIN <= MAX"),
             (Box::new(|v| v["rdzv_backend"] = "etcd".into()), "--rdzv-backend etcd: not available"),

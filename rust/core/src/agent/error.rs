@@ -1,5 +1,7 @@
 //! Agent errors: configuration problems, rendezvous failures, and failures to run workers.
 
+use nix::sys::signal::Signal;
+
 use crate::rendezvous::RendezvousError;
 use crate::store::StoreError;
 
@@ -15,6 +17,9 @@ pub enum AgentError {
     Spawn(String),
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    /// A stop signal came before the agent was ready to run workers.
+    #[error("interrupted by {0}")]
+    Interrupted(Signal),
 }
 
 impl AgentError {
@@ -29,6 +34,7 @@ impl AgentError {
             AgentError::Store(_) => "store",
             AgentError::Spawn(_) => "spawn",
             AgentError::Io(_) => "io",
+            AgentError::Interrupted(_) => "interrupted",
         }
     }
 }

@@ -54,6 +54,10 @@ pub async fn run_agent(config: AgentConfig) -> AgentResult {
     };
     let end = match outcome {
         Ok(end) => end,
+        Err(AgentError::Interrupted(signal)) => {
+            tracing::info!("received {signal} while starting; no worker was started");
+            End::Interrupted(signal)
+        }
         Err(err) => {
             tracing::error!("agent failed: {err}");
             report.summary = Some(err.to_string());
@@ -197,12 +201,16 @@ struct Agent {
 impl Agent {
     async fn start(config: AgentConfig, report: &mut Report) -> Result<Agent> {
         // signals first: one that arrives during the rendezvous is handled like any other
-        let signals = Signals::install(&config.signals_to_handle)?;
+        let mut signals = Signals::install(&config.signals_to_handle)?;
         let logs = LogDirs::create(config.log_dir.as_deref(), &config.run_id)?;
         report.log_dir = logs.run_dir().map(|dir| dir.to_string_lossy().into_owned());
         report.logs_kept = !logs.is_temporary();
         let log_writer = LogWriter::start()?;
-        let rdzv = Rendezvous::create(config.rendezvous_params()).await?;
+        // reaching the store can take up to the join timeout: a stop signal must not wait
+        let rdzv = tokio::select! {
+            rdzv = Rendezvous::create(config.rendezvous_params()) => rdzv?,
+            (signal, _) = signals.recv() => return Err(AgentError::Interrupted(signal)),
+        };
         let host = config.local_addr.clone().unwrap_or_else(host_name);
         let standbys = StandbyPool::new(config.standby.clone(), config.env.clone(), config.local_world_size);
         Ok(Agent { config, rdzv, signals, logs, log_writer, host, attempt: 0, store: None, standbys })
