@@ -62,6 +62,15 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// Whether the server could not be reached or stopped answering (it may come back), as
+    /// opposed to an answer.
+    pub fn is_unreachable(&self) -> bool {
+        matches!(
+            self,
+            StoreError::ConnectionLost { .. } | StoreError::ReplyTimeout { .. } | StoreError::ConnectTimeout { .. }
+        )
+    }
+
     /// True for every error that means a deadline passed.
     pub fn is_timeout(&self) -> bool {
         matches!(

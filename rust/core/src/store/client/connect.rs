@@ -24,11 +24,14 @@ pub struct ConnectOptions {
     /// Give up after this long; `None` retries forever. At least one attempt is always made.
     pub timeout: Option<Duration>,
     pub backoff: Backoff,
+    /// Give up after this many attempts even before the deadline (`None`: no limit). A probe
+    /// that only asks whether a server is up uses it: a refusal is answer enough.
+    pub max_attempts: Option<u32>,
 }
 
 impl ConnectOptions {
     pub fn new(host: impl Into<String>, port: u16, timeout: Option<Duration>) -> Self {
-        ConnectOptions { host: host.into(), port, timeout, backoff: Backoff::default() }
+        ConnectOptions { host: host.into(), port, timeout, backoff: Backoff::default(), max_attempts: None }
     }
 }
 
@@ -67,7 +70,7 @@ pub(super) async fn connect(options: &ConnectOptions) -> Result<(TcpStream, Sock
         }
         let now = Instant::now();
         let remaining = deadline.map(|deadline| deadline.saturating_duration_since(now));
-        if remaining == Some(Duration::ZERO) {
+        if remaining == Some(Duration::ZERO) || options.max_attempts.is_some_and(|max| attempts >= max) {
             return Err(StoreError::ConnectTimeout {
                 host: options.host.clone(),
                 port: options.port,
