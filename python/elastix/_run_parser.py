@@ -106,8 +106,9 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         action=EnvOption,
         type=str,
         default="",
-        metavar="HOST[:PORT]",
-        help="where the rendezvous store is (IPv6 in brackets)",
+        metavar="HOST[:PORT][,HOST[:PORT]...]",
+        help="where the rendezvous store is (IPv6 in brackets); c10d takes an ordered list of agents' "
+        "addresses: the first hosts the store, and when it is lost the next one takes over",
     )
     g.add_argument(
         "--rdzv-id",

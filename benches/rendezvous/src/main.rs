@@ -51,8 +51,7 @@ fn main() {
             .map(|_| {
                 let options = ConnectOptions::new(host.clone(), port, Some(Duration::from_secs(60)));
                 let store = TcpRendezvousStore::new(options, prefix.clone(), Duration::from_secs(60));
-                let mut node = DynamicRendezvous::new(store, settings.clone(), (host.clone(), port), prefix.clone())
-                    .expect("handler");
+                let mut node = DynamicRendezvous::new(store, settings.clone(), prefix.clone()).expect("handler");
                 tokio::spawn(async move {
                     let info = node.next_rendezvous().await.expect("rendezvous");
                     (node, info)

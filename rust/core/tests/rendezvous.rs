@@ -40,13 +40,7 @@ fn endless_last_call(run_id: &str, min: u32, max: u32) -> RendezvousSettings {
 
 fn node(server: &StoreServer, settings: &RendezvousSettings) -> Node {
     let prefix = run_prefix(&settings.run_id);
-    DynamicRendezvous::new(
-        store(server, &settings.run_id),
-        settings.clone(),
-        ("127.0.0.1".into(), server.port()),
-        prefix,
-    )
-    .unwrap()
+    DynamicRendezvous::new(store(server, &settings.run_id), settings.clone(), prefix).unwrap()
 }
 
 fn store(server: &StoreServer, run_id: &str) -> TcpRendezvousStore {

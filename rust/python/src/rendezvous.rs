@@ -111,6 +111,9 @@ fn describe(change: &MembershipChange) -> String {
             None => format!("node_lost:{rank}"),
         },
         MembershipChange::RoundSuperseded { round } => format!("round_superseded:{round}"),
+        MembershipChange::StoreReset => "store_reset".to_owned(),
+        MembershipChange::StoreUnreachable { store, .. } => format!("store_unreachable:{store}"),
+        MembershipChange::StoreMoved { to } => format!("store_moved:{to}"),
         MembershipChange::Closed => "closed".to_owned(),
     }
 }

@@ -23,6 +23,15 @@ pub enum AgentError {
 }
 
 impl AgentError {
+    /// Whether the rendezvous store could not be reached or stopped answering.
+    pub fn is_store_unreachable(&self) -> bool {
+        match self {
+            AgentError::Rendezvous(err) => err.is_store_unreachable(),
+            AgentError::Store(err) => err.is_unreachable(),
+            _ => false,
+        }
+    }
+
     /// A short name for the kind of error, for launchers that map it to exception types.
     pub fn kind(&self) -> &'static str {
         match self {

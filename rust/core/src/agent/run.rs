@@ -41,6 +41,10 @@ const SUCCEEDED: &str = "succeeded";
 const FAILED: &str = "failed: ";
 /// Bound on the rank exchange and other agent-side store waits.
 const STORE_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long the exit barrier waits for the store on each reconnect.
+const BARRIER_RECONNECT: Duration = Duration::from_secs(5);
+/// Consecutive worker starts that may fail for a lost store before the run fails.
+const MAX_LOST_STARTS: u32 = 3;
 
 /// Runs an agent to the end and reports how it went. Must run inside a multi-thread tokio
 /// runtime that lives as long as the call (workers die with the thread that started them).
@@ -65,6 +69,13 @@ pub async fn run_agent(config: AgentConfig) -> AgentResult {
             End::Failed
         }
     };
+    if let Some(agent) = agent.as_mut() {
+        agent.store = None;
+        if !matches!(end, End::Interrupted(_)) {
+            // the job is over: the other nodes may still be reading how from the store hosted here
+            agent.rdzv.linger(STORE_LINGER).await;
+        }
+    }
     if let Some(agent) = &agent {
         // a signal asks for a prompt exit: a hung disk gets less time then
         let within = if matches!(end, End::Interrupted(_)) { CONSOLE_FLUSH_WAIT } else { LOG_FLUSH_WAIT };
@@ -76,6 +87,8 @@ pub async fn run_agent(config: AgentConfig) -> AgentResult {
     report.finish(end)
 }
 
+/// How long an agent hosting the rendezvous store keeps it up at the end for the other nodes.
+const STORE_LINGER: Duration = Duration::from_secs(5);
 /// How long the end of a run waits for the log files to be written.
 const LOG_FLUSH_WAIT: Duration = Duration::from_secs(10);
 /// How long the end of a run waits for the console to take the last lines (a stalled reader
@@ -217,6 +230,9 @@ impl Agent {
     }
 
     async fn run(&mut self, report: &mut Report) -> Result<End> {
+        // starts in a row that lost the store: bounded, so that a store that keeps failing
+        // right after each rendezvous ends the run instead of cycling forever
+        let mut lost_starts = 0;
         loop {
             let info = tokio::select! {
                 info = self.rdzv.next_rendezvous() => match info {
@@ -234,7 +250,24 @@ impl Agent {
             report.group_rank = Some(info.rank);
             report.group_world_size = Some(info.world_size);
             report.restart_count = self.rdzv.restart_count().await?;
-            let mut group = self.start_workers(&info, report.restart_count).await?;
+            let mut group = match self.start_workers(&info, report.restart_count).await {
+                Ok(group) => {
+                    lost_starts = 0;
+                    group
+                }
+                Err(AgentError::Interrupted(signal)) => {
+                    tracing::info!("received {signal} while starting the workers; stopping");
+                    return Ok(End::Interrupted(signal));
+                }
+                Err(err) if err.is_store_unreachable() && lost_starts < MAX_LOST_STARTS => {
+                    lost_starts += 1;
+                    tracing::warn!(
+                        "the rendezvous store went away while the workers were starting ({err}); re-joining"
+                    );
+                    continue;
+                }
+                Err(err) => return Err(err),
+            };
             report.global_ranks = group.global_ranks();
             let mut changes = self.rdzv.changes();
             let event = tokio::select! {
@@ -288,11 +321,18 @@ impl Agent {
         }
     }
 
+    /// Exchanges ranks with the other nodes and starts the local workers. A stop signal ends
+    /// the exchange ([`AgentError::Interrupted`]): it can take as long as the slowest node.
     async fn start_workers(&mut self, info: &RendezvousInfo, restart_count: i64) -> Result<WorkerGroup> {
-        let store = connect_store(&mut self.store, info).await?;
         let me = RoleInfo { role: self.config.role.clone(), local_world_size: self.config.local_world_size };
-        let assignment =
-            ranks::assign(store, &info.store_prefix, info.rank, info.world_size, &me, STORE_TIMEOUT).await?;
+        let exchange = async {
+            let store = connect_store(&mut self.store, info, STORE_TIMEOUT).await?;
+            ranks::assign(store, &info.store_prefix, info.rank, info.world_size, &me, STORE_TIMEOUT).await
+        };
+        let assignment = tokio::select! {
+            assignment = exchange => assignment?,
+            (signal, _) = self.signals.recv() => return Err(AgentError::Interrupted(signal)),
+        };
         let attempt_dir = self.logs.attempt(self.attempt, self.config.local_world_size)?;
         self.attempt += 1;
         let launch = Launch {
@@ -352,54 +392,94 @@ impl Agent {
 
     /// Waits until every node's workers are done (`None`), a membership change or a signal
     /// comes first (`Some`), or the timeout passes (`None`, with a warning: this node's
-    /// workers did succeed).
+    /// workers did succeed). Each node marks its own key, so the barrier survives the store
+    /// going away and coming back (empty, even): it reconnects and marks again. Changes that
+    /// are only about the store do not end it.
     async fn exit_barrier(
         &mut self,
         info: &RendezvousInfo,
         changes: &mut Option<watch::Receiver<Option<MembershipChange>>>,
     ) -> Result<Option<Event>> {
         let timeout = self.config.exit_barrier_timeout();
-        let prefix = info.store_prefix.clone();
-        let world_size = i64::from(info.world_size);
-        let store = connect_store(&mut self.store, info).await?;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let keys: Vec<Vec<u8>> =
+            (0..info.world_size).map(|rank| format!("{}/terminal/{rank}", info.store_prefix).into_bytes()).collect();
+        let slot = &mut self.store;
         let done = async {
-            let arrived = store.add(format!("{prefix}/terminal/num_members").as_bytes(), 1).await?;
-            let last = format!("{prefix}/terminal/last_member");
-            if arrived == world_size {
-                store.set(last.as_bytes(), b"1").await?;
-            }
-            store.wait(&[last.as_bytes()], Some(timeout)).await
-        };
-        let event = tokio::select! {
-            biased;
-            done = done => match done {
-                Ok(()) => None,
-                Err(err) if err.is_timeout() => {
-                    tracing::warn!("exit barrier: not every node finished within {timeout:?}; exiting anyway");
-                    None
+            let mut warned = false;
+            loop {
+                let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+                let attempt = async {
+                    let store = connect_store(slot, info, remaining.min(BARRIER_RECONNECT)).await?;
+                    store.set(&keys[info.rank as usize], b"1").await?;
+                    let keys: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+                    Ok::<_, AgentError>(store.wait(&keys, Some(remaining)).await?)
+                };
+                match attempt.await {
+                    Ok(()) => return Ok(true),
+                    Err(err) if err.is_store_unreachable() && !remaining.is_zero() => {
+                        if !warned {
+                            warned = true;
+                            tracing::warn!(
+                                "exit barrier: the rendezvous store is unreachable ({err}); retrying for up to {:.0?}",
+                                remaining
+                            );
+                        }
+                        *slot = None;
+                        tokio::time::sleep(Duration::from_millis(200).min(remaining)).await;
+                    }
+                    Err(AgentError::Store(err)) if err.is_timeout() => return Ok(false),
+                    Err(err) => return Err(err),
                 }
-                Err(err) => return Err(AgentError::Store(err)),
-            },
-            change = next_change(changes) => Some(Event::Change(change)),
-            (signal, forward) = self.signals.recv() => Some(Event::Signal(signal, forward)),
+            }
         };
-        Ok(event)
+        tokio::pin!(done);
+        loop {
+            tokio::select! {
+                biased;
+                done = &mut done => {
+                    if !done? {
+                        tracing::warn!("exit barrier: not every node was seen to finish within {timeout:?}; exiting anyway");
+                    }
+                    return Ok(None);
+                }
+                change = next_change(changes) => {
+                    if !is_about_the_store(&change) {
+                        return Ok(Some(Event::Change(change)));
+                    }
+                }
+                (signal, forward) = self.signals.recv() => return Ok(Some(Event::Signal(signal, forward))),
+            }
+        }
     }
 }
 
-/// A connection to the rendezvous store, kept in `slot` while it stays usable.
-async fn connect_store<'a>(slot: &'a mut Option<TcpStore>, info: &RendezvousInfo) -> Result<&'a mut TcpStore> {
+/// A connection to the rendezvous store, kept in `slot` while it stays usable; a new one is
+/// tried for up to `patience`.
+async fn connect_store<'a>(
+    slot: &'a mut Option<TcpStore>,
+    info: &RendezvousInfo,
+    patience: Duration,
+) -> Result<&'a mut TcpStore> {
     let reusable = slot.as_ref().is_some_and(|store| {
         store.client().is_usable() && store.host() == info.store_host && store.port() == info.store_port
     });
     if !reusable {
         let options = TcpStoreOptions {
-            timeout: Some(STORE_TIMEOUT),
+            timeout: Some(patience),
             ..TcpStoreOptions::new(info.store_host.clone(), info.store_port)
         };
         *slot = Some(TcpStore::open(options).await?);
     }
     Ok(slot.as_mut().expect("opened above"))
+}
+
+/// Changes about the store alone, which do not concern workers that have finished.
+fn is_about_the_store(change: &MembershipChange) -> bool {
+    matches!(
+        change,
+        MembershipChange::StoreReset | MembershipChange::StoreUnreachable { .. } | MembershipChange::StoreMoved { .. }
+    )
 }
 
 /// The next membership change (never, for a backend without any).
@@ -423,6 +503,12 @@ fn describe(change: &MembershipChange) -> String {
             None => format!("group rank {rank} stopped responding"),
         },
         MembershipChange::RoundSuperseded { round } => format!("another node restarted (round {round})"),
+        MembershipChange::StoreReset => "the rendezvous store restarted without the job's state".to_owned(),
+        MembershipChange::StoreUnreachable { store, silent_for } => format!(
+            "the rendezvous store at {store} has not answered for {:.1}s, so the other nodes count this one as lost",
+            silent_for.as_secs_f64()
+        ),
+        MembershipChange::StoreMoved { to } => format!("the job's rendezvous moved to {to}"),
         MembershipChange::Closed => "the job's rendezvous was closed".to_owned(),
     }
 }

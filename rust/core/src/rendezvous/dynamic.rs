@@ -6,21 +6,34 @@
 //! members to re-form with them) or as spares (the round is full), then wait for the next
 //! round. While a round runs, members send heartbeats and watch their ring neighbour; a
 //! background watcher turns relevant events into [`MembershipChange`]s for the agent.
+//!
+//! The store may blip, restart empty or be lost with its host: every background task
+//! reconnects on its own, a copy of the state that is gone is set up again (at the same site
+//! or the next one, see [`super::locate`]) with the job-wide restart count carried over, and
+//! the members re-form there.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::contact::Contact;
 use super::error::{RendezvousError, Result};
 use super::events;
 use super::keys::Keys;
-use super::liveness::{member_key, spawn_heartbeats, spawn_monitor};
+use super::liveness::{member_key, spawn_heartbeats, spawn_monitor, RoundContext};
+use super::locate::{self, Choice, Known};
 use super::node::NodeDesc;
 use super::records::{decode, encode, Arrival, Event, Master, Meta, FORMAT_VERSION};
 use super::round::{JoinOutcome, RoundJoin};
 use super::settings::RendezvousSettings;
 use super::store::{RendezvousStore, StoreConn};
 use crate::store::{ServerConfig, StoreServer};
+
+/// How long a node waits between looks for a store site that answers.
+const SITE_RETRY: Duration = Duration::from_millis(500);
 
 /// What a completed rendezvous gives its node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -50,6 +63,13 @@ pub enum MembershipChange {
     NodeLost { rank: u32, node: Option<NodeDesc> },
     /// Another member opened a newer round (it restarted).
     RoundSuperseded { round: u64 },
+    /// The store came back without the job's state (it restarted empty): re-form there.
+    StoreReset,
+    /// This node has not reached the store for as long as the others take to count a node
+    /// lost: they re-form without it, so its workers must stop; it re-joins when it can.
+    StoreUnreachable { store: String, silent_for: Duration },
+    /// The job's state moved to another site (its store was lost by the others).
+    StoreMoved { to: String },
     /// The job is over.
     Closed,
 }
@@ -78,22 +98,24 @@ pub struct DynamicRendezvous<S: RendezvousStore> {
     node: NodeDesc,
     conn: Option<S::Conn>,
     current: Option<Membership>,
-    /// The last round this node was a member of (it opens the next one when it comes back).
+    /// The last round this node was a member of (it opens the next one when it comes back),
+    /// and how many nodes to expect back.
     last_round: Option<(u64, u32)>,
-    meta_checked: bool,
-    /// Where workers' stores are published (the rendezvous store's address for messages).
-    store_addr: (String, u16),
+    /// The copy of the state this node works with (see [`super::locate`]).
+    known: Option<Known>,
+    /// The last round ended because the state moved to another site.
+    moved: bool,
+    /// The highest job-wide restart count seen, carried to a new copy of the state.
+    restarts_seen: i64,
+    /// How the job ended, as the close event said (the store may be gone when it is asked).
+    closed_reason: Arc<Mutex<Option<String>>>,
+    /// The run's prefix in the store, for the [`RendezvousInfo`].
     store_prefix: String,
 }
 
 impl<S: RendezvousStore> DynamicRendezvous<S> {
-    /// `store_addr` and `store_prefix` say where the store is, for the [`RendezvousInfo`].
-    pub fn new(
-        store: S,
-        settings: RendezvousSettings,
-        store_addr: (String, u16),
-        store_prefix: String,
-    ) -> Result<Self> {
+    /// `store_prefix` is the run's prefix in the store, for the [`RendezvousInfo`].
+    pub fn new(store: S, settings: RendezvousSettings, store_prefix: String) -> Result<Self> {
         settings.validate()?;
         let node = NodeDesc::this_process(settings.local_addr.as_deref());
         Ok(DynamicRendezvous {
@@ -103,8 +125,10 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             conn: None,
             current: None,
             last_round: None,
-            meta_checked: false,
-            store_addr,
+            known: None,
+            moved: false,
+            restarts_seen: 0,
+            closed_reason: Arc::default(),
             store_prefix,
         })
     }
@@ -143,37 +167,61 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     }
 
     /// Joins the next round and returns this node's place in it. Blocks until the round
-    /// forms, up to `join_timeout` (spares wait without a deadline, as in torch).
+    /// forms, up to `join_timeout` (spares wait without a deadline, as in torch). A store that
+    /// stops answering meanwhile is looked for again (and the state moved if it is lost) until
+    /// the deadline.
     pub async fn next_rendezvous(&mut self) -> Result<RendezvousInfo> {
         let deadline = Instant::now() + self.settings.join_timeout;
         if let Some(membership) = self.current.take() {
-            self.last_round = Some((membership.round, lost_adjusted(&membership)));
+            self.last_round = Some((membership.round, expected_back(&membership, self.store.sites())));
+            // a newer copy elsewhere: the one at hand is stale even though it answers
+            self.moved = matches!(*membership.changes.borrow(), Some(MembershipChange::StoreMoved { .. }));
         }
-        self.check_meta().await?;
         loop {
-            if self.is_closed().await? {
-                return Err(RendezvousError::Closed { run_id: self.settings.run_id.clone() });
-            }
-            let mut round = self.with_conn(async |conn| current_round(conn).await).await?;
-            if let Some((last, world_size)) = self.last_round {
-                if round <= last {
-                    self.open_next_round(last, Some(world_size)).await?;
-                    round = last + 1;
+            match self.try_round(deadline).await {
+                Ok(Some(info)) => return Ok(info),
+                Ok(None) => {}
+                Err(err) if err.is_store_unreachable() && Instant::now() < deadline => {
+                    tracing::warn!(
+                        "lost the rendezvous store at {}: {err}; looking for it again",
+                        self.store.describe()
+                    );
+                    self.conn = None;
+                    tokio::time::sleep(SITE_RETRY).await;
                 }
-            }
-            let (outcome, seen) = self.join(round, deadline).await?;
-            match outcome {
-                JoinOutcome::Member { rank, world_size } => {
-                    return self.start_membership(round, rank, world_size, seen, deadline).await;
-                }
-                JoinOutcome::Aborted => self.open_next_round(round, None).await?,
-                JoinOutcome::Late { world_size } => self.wait_as_late_node(round, world_size, deadline).await?,
+                Err(err) => return Err(err),
             }
         }
     }
 
+    /// One step: find the state, then join the current round (`Some`: this node is a member)
+    /// or move past it (`None`: try again).
+    async fn try_round(&mut self, deadline: Instant) -> Result<Option<RendezvousInfo>> {
+        self.place(deadline).await?;
+        if self.is_closed().await? {
+            return Err(RendezvousError::Closed { run_id: self.settings.run_id.clone() });
+        }
+        let mut round = self.with_conn(async |conn| current_round(conn).await).await?;
+        if let Some((last, world_size)) = self.last_round {
+            if round <= last {
+                self.open_round(round, last + 1, Some(world_size)).await?;
+                round = last + 1;
+            }
+        }
+        let (outcome, seen) = self.join(round, deadline).await?;
+        match outcome {
+            JoinOutcome::Member { rank, world_size } => {
+                return Ok(Some(self.start_membership(round, rank, world_size, seen, deadline).await?));
+            }
+            JoinOutcome::Aborted => self.open_round(round, round + 1, None).await?,
+            JoinOutcome::Late { world_size } => self.wait_as_late_node(round, world_size, deadline).await?,
+        }
+        Ok(None)
+    }
+
     async fn join(&mut self, round: u64, deadline: Instant) -> Result<(JoinOutcome, i64)> {
-        let (settings, node, endpoint) = (self.settings.clone(), self.node.clone(), self.store_addr.clone());
+        let (settings, node) = (self.settings.clone(), self.node.clone());
+        let endpoint = self.store.address(self.store.active_site());
         self.with_conn(async |conn| {
             // Events counted before joining: the watcher replays anything that comes after.
             let seen = events::count(conn).await?;
@@ -184,43 +232,168 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         .await
     }
 
-    /// Fails fast if other agents use different bounds or another state format.
-    async fn check_meta(&mut self) -> Result<()> {
-        if self.meta_checked {
+    /// Finds the copy of the state to work with ([`super::locate`]), setting one up where the
+    /// rules say so, and fails fast if other agents use different bounds or another format.
+    async fn place(&mut self, deadline: Instant) -> Result<()> {
+        if self.store.sites() > 1 && !self.moved && self.still_placed().await {
             return Ok(());
         }
-        let ours = Meta { v: FORMAT_VERSION, min_nodes: self.settings.min_nodes, max_nodes: self.settings.max_nodes };
-        let stored = self.with_conn(async |conn| conn.compare_set(Keys::META, b"", &encode(&ours)).await).await?;
-        let theirs: Meta = decode(&stored, "metadata")?;
-        if theirs != ours {
+        self.moved = false;
+        let mut reported = Instant::now();
+        loop {
+            let probes = self.probe_sites().await?;
+            match locate::choose(&probes, self.known) {
+                Choice::Join(site) => {
+                    let meta = probes[site].clone().ok().flatten().expect("joined sites hold the state");
+                    return self.settle(site, meta).await;
+                }
+                Choice::Create { site, generation } => {
+                    self.move_to(site);
+                    let ours = Meta {
+                        v: FORMAT_VERSION,
+                        min_nodes: self.settings.min_nodes,
+                        max_nodes: self.settings.max_nodes,
+                        incarnation: fastrand::u64(1..),
+                        generation,
+                    };
+                    let stored =
+                        self.with_conn(async |conn| conn.compare_set(Keys::META, b"", &encode(&ours)).await).await?;
+                    return self.settle(site, decode(&stored, "metadata")?).await;
+                }
+                Choice::Wait => {
+                    let now = Instant::now();
+                    let tried: Vec<String> = probes
+                        .iter()
+                        .enumerate()
+                        .map(|(site, probe)| match probe {
+                            Ok(_) => format!("{} (no state)", self.store.describe_site(site)),
+                            Err(err) => format!("{} ({err})", self.store.describe_site(site)),
+                        })
+                        .collect();
+                    if now >= deadline {
+                        return Err(RendezvousError::Timeout(format!(
+                            "rendezvous {:?}: no store site could be used within {:?} (join_timeout): {}",
+                            self.settings.run_id,
+                            self.settings.join_timeout,
+                            tried.join(", ")
+                        )));
+                    }
+                    if now.duration_since(reported) >= self.settings.progress_interval {
+                        reported = now;
+                        tracing::info!(
+                            "waiting for a rendezvous store site to answer: {}; deadline in {}s",
+                            tried.join(", "),
+                            deadline.duration_since(now).as_secs()
+                        );
+                    }
+                    tokio::time::sleep(SITE_RETRY.min(deadline.duration_since(now))).await;
+                }
+            }
+        }
+    }
+
+    /// Whether the copy of the state this node knew is still where it was (the usual case,
+    /// which then costs no look at the other sites).
+    async fn still_placed(&mut self) -> bool {
+        let Some(known) = self.known else { return false };
+        if known.site != self.store.active_site() {
+            return false;
+        }
+        match self.with_conn(async |conn| locate::read_meta(conn).await).await {
+            Ok(Some(meta)) => meta.incarnation == known.incarnation,
+            _ => false,
+        }
+    }
+
+    /// What each site holds. A single store is asked through the main connection, which
+    /// waits for it (up to the store's patience) as an unreachable store always did.
+    async fn probe_sites(&mut self) -> Result<Vec<locate::Probe>> {
+        if self.store.sites() == 1 {
+            let meta = self.with_conn(async |conn| locate::read_meta(conn).await).await?;
+            return Ok(vec![Ok(meta)]);
+        }
+        Ok(locate::probe_others(&self.store, None).await.into_iter().map(|probe| probe.expect("probed")).collect())
+    }
+
+    fn move_to(&mut self, site: usize) {
+        if site != self.store.active_site() {
+            self.store.set_active_site(site);
+            self.conn = None;
+        }
+    }
+
+    /// Works with the copy `meta` at `site` from now on.
+    async fn settle(&mut self, site: usize, meta: Meta) -> Result<()> {
+        let ours = Meta {
+            v: FORMAT_VERSION,
+            min_nodes: self.settings.min_nodes,
+            max_nodes: self.settings.max_nodes,
+            incarnation: 0,
+            generation: 0,
+        };
+        if !meta.same_bounds(&ours) {
             return Err(RendezvousError::Config(format!(
                 "this node was started with --nnodes {}:{} but rendezvous {:?} runs with --nnodes {}:{}",
-                ours.min_nodes, ours.max_nodes, self.settings.run_id, theirs.min_nodes, theirs.max_nodes
+                ours.min_nodes, ours.max_nodes, self.settings.run_id, meta.min_nodes, meta.max_nodes
             )));
         }
-        self.meta_checked = true;
+        self.move_to(site);
+        let known = Known { site, generation: meta.generation, incarnation: meta.incarnation };
+        let previous = self.known.replace(known);
+        if previous.is_some_and(|previous| previous != known) {
+            tracing::info!(
+                "the rendezvous state is now at {} (generation {}); carrying the restart count ({}) over",
+                self.store.describe(),
+                known.generation,
+                self.restarts_seen
+            );
+            self.carry_restarts().await?;
+        }
         Ok(())
     }
 
-    /// Moves the round number past `round` (if nobody did yet) and announces it. When the
-    /// previous round's size is known, the new round forms as soon as that many nodes (plus
-    /// the late ones) are back, without waiting for the last call.
-    async fn open_next_round(&mut self, round: u64, previous_size: Option<u32>) -> Result<()> {
+    /// Raises the job-wide restart count of a new copy of the state to what this node had
+    /// seen (every node does, so the copy ends with the highest count anyone saw).
+    async fn carry_restarts(&mut self) -> Result<()> {
+        let seen = self.restarts_seen;
+        if seen == 0 {
+            return Ok(());
+        }
+        self.with_conn(async |conn| {
+            let mut expected = Vec::new();
+            for _ in 0..8 {
+                let stored = conn.compare_set(Keys::RESTARTS, &expected, seen.to_string().as_bytes()).await?;
+                let now: i64 = String::from_utf8_lossy(&stored).trim().parse().unwrap_or(0);
+                if now >= seen {
+                    return Ok(());
+                }
+                expected = stored.to_vec();
+            }
+            tracing::warn!("could not carry the restart count over to the new copy of the rendezvous state");
+            Ok(())
+        })
+        .await
+    }
+
+    /// Moves the round number from `from` to `to` (if nobody did yet) and announces it. When
+    /// the previous round's size is known, the new round forms as soon as that many nodes
+    /// (plus the late ones) are back, without waiting for the last call.
+    async fn open_round(&mut self, from: u64, to: u64, previous_size: Option<u32>) -> Result<()> {
         let max = self.settings.max_nodes;
         let min = self.settings.min_nodes;
         self.with_conn(async |conn| {
             if let Some(size) = previous_size {
-                let late = conn.add(&Keys::waiting(round), 0).await? + conn.add(&Keys::spares(round), 0).await?;
+                let previous = to - 1;
+                let late = conn.add(&Keys::waiting(previous), 0).await? + conn.add(&Keys::spares(previous), 0).await?;
                 let expected = (i64::from(size) + late).min(i64::from(max));
                 if expected >= i64::from(min) {
                     // first writer wins, so joiners never see the expectation change
-                    conn.compare_set(&Keys::expected(round + 1), b"", expected.to_string().as_bytes()).await?;
+                    conn.compare_set(&Keys::expected(to), b"", expected.to_string().as_bytes()).await?;
                 }
             }
-            let now =
-                conn.compare_set(Keys::ROUND, round.to_string().as_bytes(), (round + 1).to_string().as_bytes()).await?;
-            if now.as_ref() == (round + 1).to_string().as_bytes() {
-                events::publish(conn, &Event::Opened { v: FORMAT_VERSION, round: round + 1 }).await?;
+            let now = conn.compare_set(Keys::ROUND, from.to_string().as_bytes(), to.to_string().as_bytes()).await?;
+            if now.as_ref() == to.to_string().as_bytes() {
+                events::publish(conn, &Event::Opened { v: FORMAT_VERSION, round: to }).await?;
             }
             Ok(())
         })
@@ -235,7 +408,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         let node = self.node.clone();
         let run_id = self.settings.run_id.clone();
         let (interval, join_timeout) = (self.settings.progress_interval, self.settings.join_timeout);
-        let (host, port) = self.store_addr.clone();
+        let (host, port) = self.store.address(self.store.active_site());
         tracing::info!(round, spare, "arrived after the round formed; waiting for the next round");
         self.with_conn(async |conn| {
             if spare {
@@ -325,12 +498,25 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             .await?;
 
         let (sender, changes) = watch::channel(None);
-        let mut tasks = vec![spawn_change_watcher(self.store.clone(), round, seen, sender)];
+        let context = RoundContext {
+            store: self.store.clone(),
+            settings: self.settings.clone(),
+            round,
+            contact: Arc::new(Contact::new(Instant::now())),
+            changes: Arc::new(sender),
+        };
+        let known = self.known.expect("placed before joining");
+        let mut tasks = vec![spawn_change_watcher(context.clone(), seen, known, self.closed_reason.clone())];
         if world_size > 1 {
-            tasks.push(spawn_heartbeats(self.store.clone(), self.settings.clone(), round, rank));
-            tasks.push(spawn_monitor(self.store.clone(), self.settings.clone(), round, rank, world_size));
+            tasks.push(spawn_heartbeats(context.clone(), rank));
+            tasks.push(spawn_monitor(context.clone(), rank, world_size));
+        }
+        if self.store.sites() > 1 {
+            let interval = self.settings.keep_alive_interval;
+            tasks.push(locate::spawn_site_watcher(self.store.clone(), known, interval, context.changes.clone()));
         }
         self.current = Some(Membership { round, world_size, tasks, changes, _master: master_server });
+        let (store_host, store_port) = self.store.address(self.store.active_site());
         tracing::info!(round, rank, world_size, "rendezvous complete");
         Ok(RendezvousInfo {
             run_id: self.settings.run_id.clone(),
@@ -339,8 +525,8 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             world_size,
             master_addr: master.addr,
             master_port: master.port,
-            store_host: self.store_addr.0.clone(),
-            store_port: self.store_addr.1,
+            store_host,
+            store_port,
             store_prefix: format!("{}{}", self.store_prefix.trim_start_matches('/'), Keys::round_store(round)),
         })
     }
@@ -375,7 +561,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         let closing = self.with_conn(async |conn| {
             let stored = conn.compare_set(Keys::CLOSED, b"", reason.as_bytes()).await?;
             if stored.as_ref() == reason.as_bytes() {
-                events::publish(conn, &Event::Closed { v: FORMAT_VERSION }).await?;
+                events::publish(conn, &Event::Closed { v: FORMAT_VERSION, reason: Some(reason.to_owned()) }).await?;
             }
             Ok(())
         });
@@ -391,8 +577,13 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         }
     }
 
-    /// Why the rendezvous was closed, if it is.
+    /// Why the rendezvous was closed, if it is: as the close event said (so a node learns it
+    /// even when the store went away with the node that closed it), else from the store.
     pub async fn closed_reason(&mut self) -> Result<Option<String>> {
+        let announced = self.closed_reason.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        if announced.is_some() {
+            return Ok(announced);
+        }
         self.with_conn(async |conn| {
             let key = Keys::CLOSED.to_owned();
             if !conn.check(std::slice::from_ref(&key)).await? {
@@ -409,21 +600,30 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     pub async fn report_failure(&mut self) -> Result<i64> {
         let round = self.current.as_ref().map(|m| m.round).or(self.last_round.map(|(round, _)| round));
         let Some(round) = round else { return self.restart_count().await };
-        self.with_conn(async |conn| {
-            let reports = conn.add(&Keys::failures(round), 1).await?;
-            conn.add(Keys::RESTARTS, i64::from(reports == 1)).await
-        })
-        .await
+        let restarts = self
+            .with_conn(async |conn| {
+                let reports = conn.add(&Keys::failures(round), 1).await?;
+                conn.add(Keys::RESTARTS, i64::from(reports == 1)).await
+            })
+            .await?;
+        Ok(self.saw_restarts(restarts))
     }
 
     /// Counts one restart after a failure, job-wide; returns the new total.
     pub async fn record_restart(&mut self) -> Result<i64> {
-        self.with_conn(async |conn| conn.add(Keys::RESTARTS, 1).await).await
+        let restarts = self.with_conn(async |conn| conn.add(Keys::RESTARTS, 1).await).await?;
+        Ok(self.saw_restarts(restarts))
     }
 
     /// Restarts after failures so far, job-wide.
     pub async fn restart_count(&mut self) -> Result<i64> {
-        self.with_conn(async |conn| conn.add(Keys::RESTARTS, 0).await).await
+        let restarts = self.with_conn(async |conn| conn.add(Keys::RESTARTS, 0).await).await?;
+        Ok(self.saw_restarts(restarts))
+    }
+
+    fn saw_restarts(&mut self, restarts: i64) -> i64 {
+        self.restarts_seen = self.restarts_seen.max(restarts);
+        restarts
     }
 
     /// Stops this node's heartbeats and background work, and the workers' store it serves.
@@ -431,45 +631,85 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     pub fn shutdown(&mut self) {
         self.current = None;
     }
+
+    /// [`Self::shutdown`], and closes this node's connection to the store.
+    pub fn disconnect(&mut self) {
+        self.shutdown();
+        self.conn = None;
+    }
 }
 
-/// The previous round's size less the members known lost, to expect when re-forming.
-fn lost_adjusted(membership: &Membership) -> u32 {
-    let lost = matches!(*membership.changes.borrow(), Some(MembershipChange::NodeLost { .. }));
-    membership.world_size - u32::from(lost)
+/// How many of the previous round's nodes to expect back: less the one known lost, and with
+/// several store sites, less the agent that hosted a site lost to the others.
+fn expected_back(membership: &Membership, sites: usize) -> u32 {
+    let lost = match &*membership.changes.borrow() {
+        Some(MembershipChange::NodeLost { .. }) => true,
+        Some(MembershipChange::StoreMoved { .. } | MembershipChange::StoreUnreachable { .. }) => sites > 1,
+        _ => false,
+    };
+    membership.world_size - u32::from(lost && membership.world_size > 1)
 }
 
 async fn current_round<C: StoreConn>(conn: &mut C) -> Result<u64> {
     Ok(conn.add(Keys::ROUND, 0).await?.max(0) as u64)
 }
 
-/// Follows the event log from event `seen + 1` and reports what matters to a member of
-/// `round`; keeps the first change that ended the round and any later ones.
+/// Follows the event log from event `seen + 1` and reports what matters to a member of the
+/// round; keeps the first change that ended the round and any later ones. A lost connection is
+/// made again; a store that comes back without the copy of the state this node knew is a
+/// [`MembershipChange::StoreReset`].
 fn spawn_change_watcher<S: RendezvousStore>(
-    store: S,
-    round: u64,
+    context: RoundContext<S>,
     seen: i64,
-    sender: watch::Sender<Option<MembershipChange>>,
+    known: Known,
+    closed_reason: Arc<Mutex<Option<String>>>,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
-        let result: Result<()> = async {
-            let mut conn = store.connect().await?;
-            let mut next = seen + 1;
-            loop {
-                if let Some(event) = events::wait_for(&mut conn, next, None).await? {
-                    if let Some(change) = relevance(&event, round) {
+        let round = context.round;
+        let patience = context.settings.keep_alive_interval;
+        let mut next = seen + 1;
+        let mut conn: Option<S::Conn> = None;
+        loop {
+            let Some(live) = conn.as_mut() else {
+                match context.store.connect_site(known.site, patience).await {
+                    Ok(mut fresh) => match locate::read_meta(&mut fresh).await {
+                        Ok(Some(meta)) if meta.incarnation == known.incarnation => conn = Some(fresh),
+                        Ok(_) => {
+                            tracing::debug!(
+                                round,
+                                "the store at {} lost the rendezvous state",
+                                context.store.describe()
+                            );
+                            let _ = context.changes.send(Some(MembershipChange::StoreReset));
+                            return;
+                        }
+                        Err(err) => tracing::debug!(round, "membership watcher: {err}"),
+                    },
+                    Err(err) => tracing::debug!(round, "membership watcher cannot reconnect yet: {err}"),
+                }
+                if conn.is_none() {
+                    tokio::time::sleep(SITE_RETRY).await;
+                }
+                continue;
+            };
+            match events::wait_for(live, next, None).await {
+                Ok(event) => {
+                    if let Some(Event::Closed { reason: Some(reason), .. }) = &event {
+                        *closed_reason.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(reason.clone());
+                    }
+                    if let Some(change) = event.as_ref().and_then(|event| relevance(event, round)) {
                         tracing::debug!(round, ?change, "membership change"); // the agent says what it does about it
-                        if sender.send(Some(change)).is_err() {
-                            return Ok(()); // nobody listens any more
+                        if context.changes.send(Some(change)).is_err() {
+                            return; // nobody listens any more
                         }
                     }
+                    next += 1;
                 }
-                next += 1;
+                Err(err) => {
+                    tracing::debug!(round, "membership watcher lost its connection: {err}; reconnecting");
+                    conn = None;
+                }
             }
-        }
-        .await;
-        if let Err(err) = result {
-            tracing::warn!(round, "membership watcher stopped: {err}");
         }
     })
 }
@@ -503,6 +743,6 @@ mod tests {
         assert_eq!(relevance(&Event::Waiting { v: 1, round: 2, node: node.clone() }, 3), None);
         assert_eq!(relevance(&Event::Waiting { v: 1, round: 3, node }, 3), Some(MembershipChange::NodesWaiting));
         assert_eq!(relevance(&Event::Lost { v: 1, round: 2, rank: 0, node: None }, 3), None);
-        assert_eq!(relevance(&Event::Closed { v: 1 }, 3), Some(MembershipChange::Closed));
+        assert_eq!(relevance(&Event::Closed { v: 1, reason: None }, 3), Some(MembershipChange::Closed));
     }
 }

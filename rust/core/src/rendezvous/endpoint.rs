@@ -39,6 +39,50 @@ pub fn parse_endpoint(endpoint: &str, default_port: u16) -> Result<(String, u16)
     Ok((host.to_owned(), port))
 }
 
+/// Parses `--rdzv-endpoint`: one endpoint, or an ordered, comma-separated list of them (the
+/// sites the job's store may live at, see [`super::locate`]).
+pub fn parse_endpoints(text: &str, default_port: u16) -> Result<Vec<(String, u16)>> {
+    if !text.contains(',') {
+        return Ok(vec![parse_endpoint(text, default_port)?]);
+    }
+    let mut sites: Vec<(String, u16)> = Vec::new();
+    for part in text.split(',') {
+        if part.trim().is_empty() {
+            return Err(RendezvousError::Config(format!("--rdzv-endpoint {text:?}: an empty entry in the list")));
+        }
+        let site = parse_endpoint(part, default_port)?;
+        if sites.contains(&site) {
+            return Err(RendezvousError::Config(format!(
+                "--rdzv-endpoint {text:?}: {}:{} is listed twice",
+                site.0, site.1
+            )));
+        }
+        sites.push(site);
+    }
+    Ok(sites)
+}
+
+/// Whether `host` names the address `local_addr` (as given, or both resolved): with
+/// `--local-addr`, an agent hosts exactly the sites naming its own address, so that several
+/// agents on one machine (127.0.0.x, network namespaces) each host their own.
+pub async fn is_local_addr(host: &str, local_addr: &str) -> bool {
+    if host.eq_ignore_ascii_case(local_addr) {
+        return true;
+    }
+    let (ours, theirs) = tokio::join!(resolve(local_addr), resolve(host));
+    theirs.iter().any(|ip| ours.contains(ip))
+}
+
+async fn resolve(host: &str) -> Vec<IpAddr> {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return vec![ip];
+    }
+    match tokio::time::timeout(RESOLVE_PATIENCE, tokio::net::lookup_host((host, 0))).await {
+        Ok(Ok(addrs)) => addrs.map(|addr| addr.ip()).collect(),
+        _ => Vec::new(),
+    }
+}
+
 /// How long resolving the endpoint's name may take before it counts as not this machine.
 const RESOLVE_PATIENCE: Duration = Duration::from_secs(10);
 
@@ -100,6 +144,25 @@ mod tests {
         assert!(parse_endpoint("host:port", 29400).is_err());
         assert!(parse_endpoint("[::1", 29400).is_err());
         assert!(parse_endpoint("bad host:1", 29400).is_err());
+    }
+
+    #[test]
+    fn parses_lists_of_sites() {
+        assert_eq!(parse_endpoints("a:1", 29400).unwrap(), vec![("a".into(), 1)]);
+        assert_eq!(
+            parse_endpoints("a:1, b ,[::1]:3", 29400).unwrap(),
+            vec![("a".into(), 1), ("b".into(), 29400), ("::1".into(), 3)]
+        );
+        assert!(parse_endpoints("a:1,,b:2", 29400).unwrap_err().to_string().contains("empty entry"));
+        assert!(parse_endpoints("a:1,a:1", 29400).unwrap_err().to_string().contains("listed twice"));
+        assert!(parse_endpoints("a:1,b:x", 29400).is_err());
+    }
+
+    #[tokio::test]
+    async fn matches_the_local_address() {
+        assert!(is_local_addr("127.0.0.2", "127.0.0.2").await);
+        assert!(is_local_addr("localhost", "127.0.0.1").await);
+        assert!(!is_local_addr("127.0.0.2", "127.0.0.3").await);
     }
 
     #[tokio::test]

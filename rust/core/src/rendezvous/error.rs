@@ -32,4 +32,12 @@ pub enum RendezvousError {
     Config(String),
 }
 
+impl RendezvousError {
+    /// Whether the store could not be reached or stopped answering (it may come back, or the
+    /// state may move to another site), as opposed to an answer that settles the matter.
+    pub fn is_store_unreachable(&self) -> bool {
+        matches!(self, RendezvousError::Store(err) if err.is_unreachable())
+    }
+}
+
 pub type Result<T, E = RendezvousError> = std::result::Result<T, E>;

@@ -7,13 +7,13 @@ use tokio::sync::watch;
 
 use super::conf::{parse_duration, ConfInput, RendezvousConf, DYNAMIC_KEYS, STATIC_KEYS};
 use super::dynamic::{DynamicRendezvous, MembershipChange, RendezvousInfo};
-use super::endpoint::{is_this_machine, parse_endpoint, DEFAULT_PORT};
+use super::endpoint::{is_local_addr, is_this_machine, parse_endpoint, parse_endpoints, DEFAULT_PORT};
 use super::error::{RendezvousError, Result};
 use super::keys::run_prefix;
 use super::settings::RendezvousSettings;
 use super::static_rdzv::StaticRendezvous;
 use super::store::TcpRendezvousStore;
-use crate::store::{ConnectOptions, ServerConfig, StoreServer};
+use crate::store::{ServerConfig, StoreServer};
 
 /// torch's store operation timeout for the rendezvous store (`read_timeout`).
 const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(60);
@@ -41,8 +41,8 @@ pub struct RendezvousParams {
 pub enum Rendezvous {
     Dynamic {
         handler: DynamicRendezvous<TcpRendezvousStore>,
-        /// The rendezvous store, when this agent hosts it.
-        server: Option<StoreServer>,
+        /// The rendezvous store sites this agent hosts (none, or one per listed address of its own).
+        servers: Vec<StoreServer>,
     },
     Static(StaticRendezvous),
 }
@@ -78,11 +78,31 @@ impl Rendezvous {
         }
     }
 
-    /// The rendezvous store's port when this agent serves it.
+    /// The rendezvous store's port when this agent serves it (the first site it hosts).
     pub fn hosted_port(&self) -> Option<u16> {
         match self {
-            Rendezvous::Dynamic { server, .. } => server.as_ref().map(StoreServer::port),
+            Rendezvous::Dynamic { servers, .. } => servers.first().map(StoreServer::port),
             Rendezvous::Static(handler) => handler.hosted_port(),
+        }
+    }
+
+    /// Before an agent that hosts the store exits: gives the other nodes up to `within` to
+    /// read how the job ended and disconnect, so that the store does not vanish under them.
+    pub async fn linger(&mut self, within: Duration) {
+        let Rendezvous::Dynamic { handler, servers } = self else { return };
+        handler.disconnect();
+        let deadline = tokio::time::Instant::now() + within;
+        for server in servers.iter() {
+            if server.connections() > 0 {
+                tracing::debug!(
+                    "keeping the rendezvous store on port {} up for the other nodes ({} connected), at most {within:?}",
+                    server.port(),
+                    server.connections()
+                );
+            }
+            while server.connections() > 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
     }
 
@@ -188,31 +208,47 @@ async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
             })?;
     }
     let read_timeout = conf.duration("read_timeout", DEFAULT_READ_TIMEOUT)?;
-    let (host, port) = parse_endpoint(&params.endpoint, DEFAULT_PORT)?;
+    let mut sites = parse_endpoints(&params.endpoint, DEFAULT_PORT)?;
     let explicit = conf.boolean("is_host")?;
-    let hosting = match explicit {
-        Some(explicit) => explicit,
-        None => is_this_machine(&host).await,
-    };
-    let server = if hosting {
-        match StoreServer::start(&ServerConfig { port, ..ServerConfig::default() }) {
-            Ok(server) => Some(server),
+    if explicit.is_some() && sites.len() > 1 {
+        return Err(RendezvousError::Config(
+            "--rdzv-conf is_host applies to a single --rdzv-endpoint; with a list, each agent hosts the entries \
+             naming its --local-addr (or this machine)"
+                .into(),
+        ));
+    }
+    let mut servers = Vec::new();
+    for site in sites.iter_mut() {
+        let hosting = match (explicit, &params.local_addr) {
+            (Some(explicit), _) => explicit,
+            (None, Some(local_addr)) if params.endpoint.contains(',') => is_local_addr(&site.0, local_addr).await,
+            (None, _) => is_this_machine(&site.0).await,
+        };
+        if !hosting {
+            continue;
+        }
+        match StoreServer::start(&ServerConfig { port: site.1, ..ServerConfig::default() }) {
+            Ok(server) => {
+                site.1 = server.port();
+                servers.push(server);
+            }
             // another agent on this machine got there first: use its store
-            Err(err) if explicit.is_none() && err.kind() == io::ErrorKind::AddrInUse => None,
+            Err(err) if explicit.is_none() && err.kind() == io::ErrorKind::AddrInUse => {}
             Err(err) => {
-                return Err(RendezvousError::Config(format!("cannot host the rendezvous store on port {port}: {err}")))
+                return Err(RendezvousError::Config(format!(
+                    "cannot host the rendezvous store on port {}: {err}",
+                    site.1
+                )))
             }
         }
-    } else {
-        None
-    };
-    let port = server.as_ref().map_or(port, StoreServer::port);
-    // A store that starts later than this agent is waited for, up to the join timeout.
-    let options = ConnectOptions::new(host.clone(), port, Some(settings.join_timeout));
+    }
+    // A single store that starts later than this agent is waited for, up to the join
+    // timeout; with several sites, one that does not answer soon is passed over.
+    let patience = if sites.len() == 1 { settings.join_timeout } else { settings.heartbeat_timeout };
     let prefix = run_prefix(&params.run_id);
-    let store = TcpRendezvousStore::new(options, prefix.clone(), read_timeout);
-    let handler = DynamicRendezvous::new(store, settings, (host, port), prefix)?;
-    Ok(Rendezvous::Dynamic { handler, server })
+    let store = TcpRendezvousStore::with_sites(sites, Some(patience), prefix.clone(), read_timeout);
+    let handler = DynamicRendezvous::new(store, settings, prefix)?;
+    Ok(Rendezvous::Dynamic { handler, servers })
 }
 
 fn create_static(params: RendezvousParams) -> Result<Rendezvous> {

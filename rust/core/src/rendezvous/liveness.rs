@@ -4,10 +4,16 @@
 //! `keep_alive_max_attempt` intervals pass without one. O(1) store operations per node per
 //! interval, whatever the job size; one dead node is reported once, by its ring predecessor.
 
-use tokio::task::JoinHandle;
-use tokio::time::{sleep, timeout};
+use std::sync::Arc;
+use std::time::Duration;
 
-use super::error::Result;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::{sleep, timeout, Instant};
+
+use super::contact::Contact;
+use super::dynamic::MembershipChange;
+use super::error::{RendezvousError, Result};
 use super::events;
 use super::keys::Keys;
 use super::node::NodeDesc;
@@ -15,26 +21,62 @@ use super::records::{decode, Arrival, Event, FORMAT_VERSION};
 use super::settings::RendezvousSettings;
 use super::store::{RendezvousStore, StoreConn};
 
+/// What the background tasks of one round share.
+#[derive(Clone)]
+pub(crate) struct RoundContext<S> {
+    pub store: S,
+    pub settings: RendezvousSettings,
+    pub round: u64,
+    pub contact: Arc<Contact>,
+    pub changes: Arc<watch::Sender<Option<MembershipChange>>>,
+}
+
 /// Beat counter of one member: `ADD` returns the beat's number.
 fn beat_counter(round: u64, rank: u32) -> String {
     format!("r{round}/hb/{rank}")
 }
 
-/// Starts the beats of `rank` in `round`.
-pub(crate) fn spawn_heartbeats<S: RendezvousStore>(
-    store: S,
-    settings: RendezvousSettings,
-    round: u64,
-    rank: u32,
-) -> JoinHandle<()> {
+/// Starts the beats of `rank`. They also keep [`Contact`]: a store this node cannot reach for
+/// as long as the others take to count it lost ends the round for it
+/// ([`MembershipChange::StoreUnreachable`]).
+pub(crate) fn spawn_heartbeats<S: RendezvousStore>(context: RoundContext<S>, rank: u32) -> JoinHandle<()> {
     tokio::spawn(async move {
+        let RoundContext { store, settings, round, contact, changes } = &context;
+        let lost_after = settings.node_lost_after();
         let mut conn: Option<S::Conn> = None;
+        let mut reported = false;
         loop {
-            if let Err(err) = beat(&store, &mut conn, &settings, round, rank).await {
-                tracing::warn!(round, rank, "heartbeat failed: {err}");
-                conn = None; // a timed-out request leaves the connection unusable
+            match beat(store, &mut conn, settings, *round, rank).await {
+                Ok(()) => {
+                    if let Some(outage) = contact.succeeded(Instant::now()) {
+                        tracing::info!(
+                            round,
+                            "the rendezvous store at {} answers again after {outage:.1?}",
+                            store.describe()
+                        );
+                    }
+                }
+                Err(err) => {
+                    conn = None; // a timed-out request leaves the connection unusable
+                    let silent_for = contact.failed(Instant::now());
+                    if silent_for < settings.keep_alive_interval * 2 {
+                        tracing::warn!(round, rank, "heartbeat to the rendezvous store failed: {err}; retrying");
+                    }
+                    if silent_for >= lost_after && !reported {
+                        reported = true;
+                        let store = store.describe();
+                        let _ = changes.send(Some(MembershipChange::StoreUnreachable { store, silent_for }));
+                    }
+                }
             }
+            let asleep = Instant::now();
             sleep(settings.keep_alive_interval).await;
+            let late = asleep.elapsed().saturating_sub(settings.keep_alive_interval);
+            if late >= lost_after {
+                // the whole agent was stopped (SIGSTOP, a frozen machine): the others may have
+                // counted it lost meanwhile, which the event log will say
+                tracing::warn!(round, "this agent did not run for {late:.1?} (it was stopped or its machine stalled)");
+            }
         }
     })
 }
@@ -48,7 +90,7 @@ async fn beat<S: RendezvousStore>(
 ) -> Result<()> {
     let write = async {
         if conn.is_none() {
-            *conn = Some(store.connect().await?);
+            *conn = Some(store.connect_site(store.active_site(), settings.heartbeat_timeout).await?);
         }
         let conn = conn.as_mut().expect("connected above");
         let seq = conn.add(&beat_counter(round, rank), 1).await? as u64;
@@ -60,7 +102,7 @@ async fn beat<S: RendezvousStore>(
     };
     match timeout(settings.heartbeat_timeout, write).await {
         Ok(result) => result,
-        Err(_) => Err(super::error::RendezvousError::Timeout(format!(
+        Err(_) => Err(RendezvousError::Timeout(format!(
             "heartbeat write took longer than {:?} (heartbeat_timeout)",
             settings.heartbeat_timeout
         ))),
@@ -68,45 +110,84 @@ async fn beat<S: RendezvousStore>(
 }
 
 /// Watches the next rank of the ring and publishes [`Event::Lost`] once if its beats stop
-/// while `round` is still the current round.
+/// while the round is still the current one.
 pub(crate) fn spawn_monitor<S: RendezvousStore>(
-    store: S,
-    settings: RendezvousSettings,
-    round: u64,
+    context: RoundContext<S>,
     rank: u32,
     world_size: u32,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
         let neighbour = (rank + 1) % world_size;
-        if let Err(err) = watch_neighbour(&store, &settings, round, neighbour).await {
-            tracing::warn!(round, rank, neighbour, "heartbeat monitor stopped: {err}");
-        }
+        watch_neighbour(&context, neighbour).await;
     })
 }
 
-async fn watch_neighbour<S: RendezvousStore>(
-    store: &S,
-    settings: &RendezvousSettings,
-    round: u64,
-    neighbour: u32,
-) -> Result<()> {
-    let mut conn = store.connect().await?;
+/// How much later than asked a wait may end and still count as the store answering in time.
+const ANSWER_SLACK: Duration = Duration::from_secs(1);
+
+/// The neighbour is lost only if its beats stopped while the store answered this node
+/// throughout: a store that stalled or was away (a blip, a SIGSTOP of its host) silences every
+/// node alike, so the window starts again once it answers.
+async fn watch_neighbour<S: RendezvousStore>(context: &RoundContext<S>, neighbour: u32) {
+    let RoundContext { store, settings, round, contact, .. } = context;
+    let round = *round;
+    let window = settings.node_lost_after();
+    let mut conn: Option<S::Conn> = None;
     loop {
-        let latest = conn.add(&beat_counter(round, neighbour), 0).await? as u64;
-        let next = [Keys::heartbeat(round, neighbour, latest + 1)];
-        if conn.wait(&next, Some(settings.node_lost_after())).await? {
-            continue;
+        let live = match conn.as_mut() {
+            Some(live) => live,
+            None => match store.connect_site(store.active_site(), settings.heartbeat_timeout).await {
+                Ok(fresh) => conn.insert(fresh),
+                Err(err) => {
+                    tracing::debug!(round, neighbour, "heartbeat monitor cannot reach the store: {err}");
+                    contact.failed(Instant::now());
+                    sleep(settings.keep_alive_interval).await;
+                    continue;
+                }
+            },
+        };
+        let started = Instant::now();
+        let silent = async {
+            let latest = live.add(&beat_counter(round, neighbour), 0).await? as u64;
+            let next = [Keys::heartbeat(round, neighbour, latest + 1)];
+            Ok::<_, RendezvousError>(!live.wait(&next, Some(window)).await?)
+        };
+        match silent.await {
+            Ok(false) => continue,
+            Ok(true) => {
+                let answered_in_time = started.elapsed() <= window + ANSWER_SLACK;
+                if !answered_in_time || !contact.undisturbed_since(started) {
+                    tracing::debug!(round, neighbour, "no beat while the store itself was unresponsive; not blaming");
+                    continue;
+                }
+                match blame(live, settings, round, neighbour).await {
+                    Ok(()) => return,
+                    Err(err) => {
+                        tracing::debug!(round, neighbour, "heartbeat monitor: {err}");
+                        conn = None;
+                    }
+                }
+            }
+            Err(err) => {
+                tracing::debug!(round, neighbour, "heartbeat monitor lost its connection: {err}");
+                contact.failed(Instant::now());
+                conn = None;
+                sleep(settings.keep_alive_interval).await;
+            }
         }
-        // Silence after the round ended is no loss: the neighbour moved on.
-        let current = conn.add(Keys::ROUND, 0).await? as u64;
-        if current != round || conn.check(&[Keys::CLOSED.to_owned()]).await? {
-            return Ok(());
-        }
-        let node = member(&mut conn, round, neighbour).await;
-        tracing::warn!(round, rank = neighbour, node = ?node, "node lost: no heartbeat for {:?}", settings.node_lost_after());
-        events::publish(&mut conn, &Event::Lost { v: FORMAT_VERSION, round, rank: neighbour, node }).await?;
+    }
+}
+
+/// Reports `neighbour` lost, unless the round ended meanwhile (silence after the round ended
+/// is no loss: the neighbour moved on).
+async fn blame<C: StoreConn>(conn: &mut C, settings: &RendezvousSettings, round: u64, neighbour: u32) -> Result<()> {
+    let current = conn.add(Keys::ROUND, 0).await? as u64;
+    if current != round || conn.check(&[Keys::CLOSED.to_owned()]).await? {
         return Ok(());
     }
+    let node = member(conn, round, neighbour).await;
+    tracing::warn!(round, rank = neighbour, node = ?node, "node lost: no heartbeat for {:?}", settings.node_lost_after());
+    events::publish(conn, &Event::Lost { v: FORMAT_VERSION, round, rank: neighbour, node }).await
 }
 
 /// The node holding `rank` in `round`, if it published itself.

@@ -9,6 +9,7 @@
 //!   versioned JSON state and where it lives.
 
 pub mod conf;
+mod contact;
 pub mod dynamic;
 pub mod endpoint;
 pub mod error;
@@ -16,6 +17,7 @@ mod events;
 pub mod handler;
 pub mod keys;
 mod liveness;
+mod locate;
 pub mod node;
 pub mod records;
 mod round;

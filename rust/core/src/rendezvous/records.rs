@@ -9,12 +9,28 @@ use super::node::NodeDesc;
 
 pub const FORMAT_VERSION: u32 = 1;
 
-/// Written once per run: lets agents started with different settings or versions fail fast.
+/// Written once per store holding the run: lets agents started with different settings or
+/// versions fail fast, and tells one holding of the state from another.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Meta {
     pub v: u32,
     pub min_nodes: u32,
     pub max_nodes: u32,
+    /// Random, chosen by whoever created this holding: a store that restarted empty and was
+    /// set up again has another one, which tells its clients that the state they knew is gone.
+    #[serde(default)]
+    pub incarnation: u64,
+    /// How many times the state moved to a new holding (a lost store site, a store that lost
+    /// its state): the live job is at the highest generation.
+    #[serde(default)]
+    pub generation: u64,
+}
+
+impl Meta {
+    /// Whether `other` was written by agents with the same bounds (and format).
+    pub fn same_bounds(&self, other: &Meta) -> bool {
+        (self.v, self.min_nodes, self.max_nodes) == (other.v, other.min_nodes, other.max_nodes)
+    }
 }
 
 /// What an arrival slot holds: the node, or nothing if it gave up before the round sealed.
@@ -52,8 +68,13 @@ pub enum Event {
     Waiting { v: u32, round: u64, node: NodeDesc },
     /// A member of round `round` stopped sending heartbeats.
     Lost { v: u32, round: u64, rank: u32, node: Option<NodeDesc> },
-    /// The job is over.
-    Closed { v: u32 },
+    /// The job is over; `reason` says how ("succeeded", or the failure's root cause), so that
+    /// every node can report it even if the store is gone a moment later.
+    Closed {
+        v: u32,
+        #[serde(default)]
+        reason: Option<String>,
+    },
 }
 
 pub fn encode<T: Serialize>(record: &T) -> Vec<u8> {

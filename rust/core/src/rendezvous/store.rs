@@ -3,25 +3,65 @@
 //!
 //! Every key is relative to the run's prefix. Reads of keys that may be missing go through
 //! `wait`/`check` first: torch's legacy server drops a connection that GETs a missing key.
+//!
+//! A store may have several sites (`--rdzv-endpoint a:p,b:p,...`): the job's state lives at
+//! one of them, the active site, and moves to another when that one is lost (see
+//! [`super::locate`]). Clones share the active site.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 
 use super::error::Result;
+use crate::store::client::Backoff;
 use crate::store::{Client, ConnectOptions, StoreError};
 
 /// A place to open connections to.
 pub trait RendezvousStore: Clone + Send + Sync + 'static {
     type Conn: StoreConn;
 
-    /// A new connection (each background task of a handler has its own, since one
-    /// connection carries one request at a time).
+    /// A new connection to the active site, retried until the store's own patience runs out
+    /// (each background task of a handler has its own, since one connection carries one
+    /// request at a time).
     fn connect(&self) -> impl Future<Output = Result<Self::Conn>> + Send;
 
-    /// Where the store is, for messages.
-    fn describe(&self) -> String;
+    /// A new connection to `site`, retried for at most `patience`.
+    fn connect_site(&self, site: usize, patience: Duration) -> impl Future<Output = Result<Self::Conn>> + Send;
+
+    /// A new connection to `site` if it answers at once: one attempt or two, within `patience`.
+    fn probe_site(&self, site: usize, patience: Duration) -> impl Future<Output = Result<Self::Conn>> + Send {
+        self.connect_site(site, patience)
+    }
+
+    /// How many sites the state may live at (1 for a single store).
+    fn sites(&self) -> usize {
+        1
+    }
+
+    /// The site connections go to.
+    fn active_site(&self) -> usize {
+        0
+    }
+
+    /// Moves every clone's connections to `site`.
+    fn set_active_site(&self, _site: usize) {}
+
+    /// Host and port of `site`.
+    fn address(&self, site: usize) -> (String, u16);
+
+    /// Where the active site is, for messages.
+    fn describe(&self) -> String {
+        self.describe_site(self.active_site())
+    }
+
+    /// Where `site` is, for messages.
+    fn describe_site(&self, site: usize) -> String {
+        let (host, port) = self.address(site);
+        format!("{host}:{port}")
+    }
 }
 
 /// One connection's operations.
@@ -64,30 +104,65 @@ pub trait StoreConn: Send + 'static {
     }
 }
 
-/// A TCPStore server (elastix's or torch's) holding the rendezvous under a key prefix.
+/// TCPStore servers (elastix's or torch's) holding the rendezvous under a key prefix: one, or
+/// an ordered list of sites.
 #[derive(Clone, Debug)]
 pub struct TcpRendezvousStore {
-    options: ConnectOptions,
+    sites: Arc<[(String, u16)]>,
+    active: Arc<AtomicUsize>,
+    /// How long [`RendezvousStore::connect`] keeps trying (`None`: forever).
+    patience: Option<Duration>,
+    backoff: Backoff,
     prefix: String,
     /// Bound on each ordinary request (torch's `read_timeout`).
     read_timeout: Duration,
 }
 
 impl TcpRendezvousStore {
+    /// A single store at `options`' address.
     pub fn new(options: ConnectOptions, prefix: impl Into<String>, read_timeout: Duration) -> Self {
-        TcpRendezvousStore { options, prefix: prefix.into(), read_timeout }
+        let mut store = Self::with_sites(vec![(options.host, options.port)], options.timeout, prefix, read_timeout);
+        store.backoff = options.backoff;
+        store
+    }
+
+    /// Stores at `sites`, in order of preference; the first is active until the job moves.
+    pub fn with_sites(
+        sites: Vec<(String, u16)>,
+        patience: Option<Duration>,
+        prefix: impl Into<String>,
+        read_timeout: Duration,
+    ) -> Self {
+        assert!(!sites.is_empty(), "a rendezvous store needs at least one site");
+        TcpRendezvousStore {
+            sites: sites.into(),
+            active: Arc::new(AtomicUsize::new(0)),
+            patience,
+            backoff: Backoff::default(),
+            prefix: prefix.into(),
+            read_timeout,
+        }
     }
 
     pub fn host(&self) -> &str {
-        &self.options.host
+        &self.sites[self.active_site()].0
     }
 
     pub fn port(&self) -> u16 {
-        self.options.port
+        self.sites[self.active_site()].1
     }
 
     pub fn prefix(&self) -> &str {
         &self.prefix
+    }
+
+    async fn open(&self, site: usize, patience: Option<Duration>, max_attempts: Option<u32>) -> Result<TcpConn> {
+        let (host, port) = self.sites[site].clone();
+        let options =
+            ConnectOptions { backoff: self.backoff.clone(), max_attempts, ..ConnectOptions::new(host, port, patience) };
+        let mut client = Client::connect(&options).await?;
+        client.set_reply_timeout(Some(self.read_timeout));
+        Ok(TcpConn { client, prefix: self.prefix.clone() })
     }
 }
 
@@ -95,13 +170,32 @@ impl RendezvousStore for TcpRendezvousStore {
     type Conn = TcpConn;
 
     async fn connect(&self) -> Result<TcpConn> {
-        let mut client = Client::connect(&self.options).await?;
-        client.set_reply_timeout(Some(self.read_timeout));
-        Ok(TcpConn { client, prefix: self.prefix.clone() })
+        self.open(self.active_site(), self.patience, None).await
     }
 
-    fn describe(&self) -> String {
-        format!("{}:{}", self.options.host, self.options.port)
+    async fn connect_site(&self, site: usize, patience: Duration) -> Result<TcpConn> {
+        self.open(site, Some(patience), None).await
+    }
+
+    async fn probe_site(&self, site: usize, patience: Duration) -> Result<TcpConn> {
+        self.open(site, Some(patience), Some(2)).await
+    }
+
+    fn sites(&self) -> usize {
+        self.sites.len()
+    }
+
+    fn active_site(&self) -> usize {
+        self.active.load(Ordering::Acquire)
+    }
+
+    fn set_active_site(&self, site: usize) {
+        assert!(site < self.sites.len(), "site {site} of {}", self.sites.len());
+        self.active.store(site, Ordering::Release);
+    }
+
+    fn address(&self, site: usize) -> (String, u16) {
+        self.sites[site].clone()
     }
 }
 
