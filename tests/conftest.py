@@ -1,8 +1,11 @@
 import contextlib
+import glob
 import os
+import signal
 import socket
 import subprocess
 import sys
+import uuid
 from datetime import timedelta
 
 import pytest
@@ -54,3 +57,30 @@ def closed_port():
 
 def run_python(code: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def marked_processes(marker):
+    """Live processes started with our marker in their environment (workers, agents)."""
+    found = []
+    for environ in glob.glob("/proc/[0-9]*/environ"):
+        try:
+            with open(environ, "rb") as f:
+                if f"ELASTIX_TEST_MARKER={marker}".encode() in f.read().split(b"\0"):
+                    pid = int(environ.split("/")[2])
+                    with open(f"/proc/{pid}/stat") as stat:
+                        if stat.read().split(") ")[1].split()[0] != "Z":
+                            found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+@pytest.fixture
+def marker():
+    marker = uuid.uuid4().hex
+    yield marker
+    for pid in marked_processes(marker):  # a failed test must not leak processes
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -8,11 +8,10 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 
 import pytest
 
-from test_run import FAST_RDZV, assert_nothing_left, finish, marked_processes, wait_for
+from test_run import FAST_RDZV, assert_nothing_left, finish, wait_for
 
 LOGS_INCOMPLETE = 3
 
@@ -42,15 +41,6 @@ if then == "fail-first":
 elif then == "work":
     time.sleep(3)
 """
-
-
-@pytest.fixture
-def marker():
-    marker = uuid.uuid4().hex
-    yield marker
-    for pid in marked_processes(marker):  # a failed test must not leak processes
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture

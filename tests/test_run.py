@@ -9,11 +9,10 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
-from conftest import REPO, closed_port
+from conftest import REPO, closed_port, marked_processes
 
 WORKERS = os.path.join(REPO, "tests", "workers")
 # Short last calls so that membership changes happen within a test's time; a live node is
@@ -45,22 +44,6 @@ def finish(proc, timeout=90):
     return proc.returncode, out, err
 
 
-def marked_processes(marker):
-    """Live processes started with our marker in their environment (workers, agents)."""
-    found = []
-    for environ in glob.glob("/proc/[0-9]*/environ"):
-        try:
-            with open(environ, "rb") as f:
-                if f"ELASTIX_TEST_MARKER={marker}".encode() in f.read().split(b"\0"):
-                    pid = int(environ.split("/")[2])
-                    with open(f"/proc/{pid}/stat") as stat:
-                        if stat.read().split(") ")[1].split()[0] != "Z":
-                            found.append(pid)
-        except OSError:
-            pass
-    return found
-
-
 def assert_nothing_left(marker, within=5.0):
     deadline = time.monotonic() + within
     while marked_processes(marker) and time.monotonic() < deadline:
@@ -84,17 +67,6 @@ def wait_for(predicate, timeout=60, what="condition"):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-@pytest.fixture
-def marker():
-    marker = uuid.uuid4().hex
-    yield marker
-    for pid in marked_processes(marker):  # a failed test must not leak processes
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def test_each_rank_gets_the_environment_contract(tmp_path, marker):

@@ -1,0 +1,74 @@
+"""Simulated hosts for fault tests: network namespaces joined by a bridge, as machines on one
+switch. Host i has the address `Hosts.addr(i)` on its own veth; `cut(i)` takes its link down
+(a partition: packets are dropped, nothing is refused) and `heal(i)` brings it back.
+
+Needs root and `ip` (iproute2); `Hosts.available()` says why not where they are missing."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
+
+
+class Hosts:
+    def __init__(self, count: int):
+        tag = secrets.token_hex(2)
+        self._subnet = f"10.{200 + int(tag[:2], 16) % 50}.{int(tag[2:], 16)}"
+        self.bridge = f"elxbr{tag}"
+        self.names = [f"elx{tag}h{i}" for i in range(count)]
+        self._veths = [f"elx{tag}v{i}" for i in range(count)]
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("link", "set", self.bridge, "up")
+            for name, veth, i in zip(self.names, self._veths, range(count)):
+                _ip("netns", "add", name)
+                _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name)
+                _ip("link", "set", veth, "master", self.bridge, "up")
+                _ip("-n", name, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+                _ip("-n", name, "link", "set", "eth0", "up")
+                _ip("-n", name, "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def available() -> str | None:
+        """None where namespaces can be made here, else why not."""
+        if shutil.which("ip") is None:
+            return "the ip command (iproute2) is not installed"
+        if os.geteuid() != 0:
+            return "network namespaces need root"
+        probe = f"elxprobe{secrets.token_hex(2)}"
+        made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+        if made.returncode != 0:
+            return f"cannot create a network namespace: {made.stderr.strip()}"
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+        return None
+
+    def addr(self, i: int) -> str:
+        return f"{self._subnet}.{i + 1}"
+
+    def command(self, i: int, *argv: str) -> list[str]:
+        """argv run on host i (the process keeps the pid of `ip netns exec`, which execs)."""
+        return ["ip", "netns", "exec", self.names[i], *argv]
+
+    def python(self, i: int, *argv: str) -> list[str]:
+        return self.command(i, sys.executable, *argv)
+
+    def cut(self, i: int) -> None:
+        _ip("link", "set", self._veths[i], "down")
+
+    def heal(self, i: int) -> None:
+        _ip("link", "set", self._veths[i], "up")
+
+    def close(self) -> None:
+        for name in self.names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)

@@ -1,0 +1,268 @@
+"""Faults of the control plane, end to end with real agents, workers and stores: the store
+restarting, the node hosting it dying, a node cut off by the network, the store host stopped,
+the failing node being the store host. Each ends in "the job goes on" or a clear error within
+bounded time, with nothing left running.
+
+Nodes are agents on 127.0.0.x addresses, or in network namespaces (tests/netns.py) where a
+link must be cut."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import marked_processes
+from netns import Hosts
+from test_run import WORKERS, assert_nothing_left, starts, wait_for
+
+# A node is lost after 2 s without a heartbeat; one beat may take 1 s; short last calls.
+FAST = (
+    "keep_alive_interval=250ms,keep_alive_max_attempt=8,heartbeat_timeout=1s,last_call_timeout=500ms,join_timeout=60s"
+)
+LOOP = os.path.join(WORKERS, "elastic_loop.py")
+
+
+class Agent:
+    """One `elastix run`, its output in a file (a pipe nobody reads could stall it)."""
+
+    def __init__(self, argv, out_dir, marker, name):
+        self.log = out_dir / f"{name}.log"
+        env = {**os.environ, "OUT_DIR": str(out_dir), "ELASTIX_TEST_MARKER": marker}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def output(self):
+        return self.log.read_text()
+
+    def finish(self, timeout=90):
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"the agent did not finish in {timeout}s:\n{self.output()}") from None
+
+
+def run_args(nnodes, endpoint, addr, conf=FAST, *worker_args):
+    return [
+        "run",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        1,
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "faults",
+        "--local-addr",
+        addr,
+        "--max-restarts",
+        3,
+        "--rdzv-conf",
+        conf,
+        LOOP,
+        *worker_args,
+    ]
+
+
+def agent(tmp_path, marker, name, *args, python=(sys.executable,)):
+    argv = [*python, "-m", "elastix", *map(str, args)]
+    return Agent(argv, tmp_path, marker, name)
+
+
+def rounds_of(out_dir, world_size):
+    """Rounds in which every one of `world_size` nodes started its worker."""
+    by_round = {}
+    for record in starts(out_dir):
+        if record["world_size"] == world_size:
+            by_round.setdefault(record["round"], []).append(record)
+    return sorted(r for r, records in by_round.items() if len(records) == world_size)
+
+
+def wait_round(out_dir, world_size, after=-1, what=None):
+    found = wait_for(
+        lambda: [r for r in rounds_of(out_dir, world_size) if r > after][:1],
+        timeout=60,
+        what=what or f"a round of {world_size} nodes after round {after}",
+    )
+    return found[0]
+
+
+def finish_all(tmp_path, agents, marker):
+    (tmp_path / "stop").touch()
+    for a in agents:
+        code = a.finish()
+        assert code == 0, a.output()
+    assert_nothing_left(marker)
+
+
+def store_server(port, tmp_path):
+    log = open(tmp_path / f"store-{time.monotonic_ns()}.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elastix", "store", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    wait_for(lambda: "listening" in open(log.name).read() or proc.poll() is not None, what="the store listening")
+    assert proc.poll() is None, open(log.name).read()
+    return proc
+
+
+@pytest.fixture
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_store_that_restarts_empty_mid_run_is_found_again_and_the_job_completes(tmp_path, marker, free_port):
+    store = store_server(free_port, tmp_path)
+    endpoint = f"127.0.0.1:{free_port}"
+    agents = [agent(tmp_path, marker, f"n{i}", *run_args(2, endpoint, f"127.0.0.{i}")) for i in (1, 2)]
+    try:
+        first = wait_round(tmp_path, 2)
+        store.kill()
+        store.wait()
+        store = store_server(free_port, tmp_path)  # same address, no state
+        again = wait_round(tmp_path, 2, after=first, what="the nodes re-forming on the restarted store")
+        records = [r for r in starts(tmp_path) if r["round"] == again]
+        assert {r["restart"] for r in records} == {0}, "a store restart spends no restart"
+        # and a job that finishes while the store is away still succeeds
+        store.kill()
+        store.wait()
+        (tmp_path / "stop").touch()
+        time.sleep(1)
+        store = store_server(free_port, tmp_path)
+        for a in agents:
+            assert a.finish() == 0, a.output()
+    finally:
+        store.kill()
+        store.wait()
+    assert_nothing_left(marker)
+
+
+def test_losing_the_node_that_hosts_the_store_moves_it_to_the_next_listed_node(tmp_path, marker):
+    ports = []
+    import socket
+
+    for _ in range(4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    endpoint = ",".join(f"127.0.0.{i + 1}:{port}" for i, port in enumerate(ports))
+    # rank 1 fails once: the job-wide restart count (1) must survive the move
+    args = lambda i: run_args("2:4", endpoint, f"127.0.0.{i}", FAST, "--fail-once", 1)  # noqa: E731
+    agents = {i: agent(tmp_path, marker, f"n{i}", *args(i)) for i in (1, 2, 3)}
+
+    def restarted_round():
+        return [r for r in rounds_of(tmp_path, 3) if {x["restart"] for x in starts(tmp_path) if x["round"] == r} == {1}]
+
+    three = wait_for(restarted_round, what="three nodes running after the first restart")[0]
+    host = agents.pop(1)
+    host.proc.kill()  # SIGKILL the agent hosting the store: its worker dies with it
+    host.proc.wait()
+    lost_at = time.monotonic()
+    two = wait_round(tmp_path, 2, after=three, what="the two survivors re-forming on the next site")
+    recovery = time.monotonic() - lost_at
+    assert {r["restart"] for r in starts(tmp_path) if r["round"] == two} == {1}, "the restart count moved along"
+    assert any("127.0.0.2" in a.output() and "now at" in a.output() for a in agents.values()), [
+        a.output() for a in agents.values()
+    ]
+    # a node started later tries the list in order and finds the job at its new site
+    agents[4] = agent(tmp_path, marker, "n4", *args(4))
+    wait_round(tmp_path, 3, after=two, what="the late node joining the moved job")
+    print(f"host loss: running again on 2 nodes {recovery:.2f}s after the SIGKILL")
+    finish_all(tmp_path, agents.values(), marker)
+
+
+def test_a_stopped_store_host_is_the_one_blamed_and_the_job_completes(tmp_path, marker, free_port):
+    endpoint = f"127.0.0.1:{free_port}"
+    host = agent(tmp_path, marker, "n1", *run_args(3, endpoint, "127.0.0.1", FAST + ",is_host=true"))
+    others = [
+        agent(tmp_path, marker, f"n{i}", *run_args(3, endpoint, f"127.0.0.{i}", FAST + ",is_host=false"))
+        for i in (2, 3)
+    ]
+    agents = [host, *others]
+    first = wait_round(tmp_path, 3)
+    host.proc.send_signal(signal.SIGSTOP)
+    time.sleep(4)  # twice the time after which a node counts as lost
+    host.proc.send_signal(signal.SIGCONT)
+    wait_round(tmp_path, 3, after=first, what="the job running again after the store host resumed")
+    for a in others:
+        out = a.output()
+        assert f"the rendezvous store at {endpoint} has not answered" in out, out
+        assert "127.0.0.2" not in _lost_lines(out) and "127.0.0.3" not in _lost_lines(out), out
+    assert "127.0.0.2" not in _lost_lines(host.output()) and "127.0.0.3" not in _lost_lines(host.output())
+    finish_all(tmp_path, agents, marker)
+
+
+def _lost_lines(output):
+    return "\n".join(line for line in output.splitlines() if "node lost" in line or "stopped responding" in line)
+
+
+def test_when_the_failing_node_hosts_the_store_every_node_prints_the_root_cause(tmp_path, marker, free_port):
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import os, time\nif os.environ['GROUP_RANK'] == '0':\n    time.sleep(0.5)\n"
+        "    raise ValueError('the data is corrupt')\ntime.sleep(60)\n"
+    )
+    endpoint = f"127.0.0.1:{free_port}"
+
+    def args(addr, is_host):
+        argv = run_args(2, endpoint, addr, FAST + f",is_host={is_host}")
+        argv[argv.index("--max-restarts") + 1] = 0
+        return [*argv[:-1], script]
+
+    host = agent(tmp_path, marker, "n1", *args("127.0.0.1", "true"))
+    other = agent(tmp_path, marker, "n2", *args("127.0.0.2", "false"))
+    assert host.finish() == 1, host.output()
+    assert other.finish() == 1, other.output()
+    for a in (host, other):
+        assert "ValueError: the data is corrupt" in a.output(), a.output()
+    assert "the job was closed after a failure on another node" in other.output()
+    assert_nothing_left(marker)
+
+
+@pytest.fixture
+def hosts():
+    why = Hosts.available()
+    if why:
+        pytest.skip(why)
+    hosts = Hosts(3)
+    yield hosts
+    hosts.close()
+
+
+def test_a_node_cut_off_by_the_network_stops_its_workers_and_comes_back_when_healed(tmp_path, marker, hosts):
+    endpoint = f"{hosts.addr(0)}:29400"  # the agent on host 0 hosts the store
+    agents = [
+        agent(tmp_path, marker, f"h{i}", *run_args("2:3", endpoint, hosts.addr(i)), python=hosts.python(i))
+        for i in range(3)
+    ]
+    three = wait_round(tmp_path, 3)
+    cut_worker = next(r["pid"] for r in starts(tmp_path) if r["round"] == three and r["group_rank"] == 2)
+    hosts.cut(2)
+    cut_at = time.monotonic()
+    two = wait_round(tmp_path, 2, after=three, what="the majority re-forming without the cut node")
+    wait_for(lambda: cut_worker not in marked_processes(marker), timeout=30, what="the cut node stopping its worker")
+    noticed = time.monotonic() - cut_at
+    assert "has not answered for" in agents[2].output(), agents[2].output()
+    hosts.heal(2)
+    healed_at = time.monotonic()
+    back = wait_round(tmp_path, 3, after=two, what="the healed node re-joining")
+    print(
+        f"partition: cut node stopped its worker within {noticed:.2f}s; back {time.monotonic() - healed_at:.2f}s after the heal"
+    )
+    # one re-form for the cut, one for the heal
+    assert len([r for r in rounds_of(tmp_path, 2) + rounds_of(tmp_path, 3) if r > three]) == 2, starts(tmp_path)
+    assert back > two
+    finish_all(tmp_path, agents, marker)
