@@ -266,3 +266,18 @@ def test_a_node_cut_off_by_the_network_stops_its_workers_and_comes_back_when_hea
     assert len([r for r in rounds_of(tmp_path, 2) + rounds_of(tmp_path, 3) if r > three]) == 2, starts(tmp_path)
     assert back > two
     finish_all(tmp_path, agents, marker)
+
+
+def test_a_link_down_for_less_than_the_loss_window_costs_no_re_form(tmp_path, marker, hosts):
+    endpoint = f"{hosts.addr(0)}:29400"
+    agents = [
+        agent(tmp_path, marker, f"h{i}", *run_args(3, endpoint, hosts.addr(i)), python=hosts.python(i))
+        for i in range(3)
+    ]
+    three = wait_round(tmp_path, 3)
+    hosts.cut(2)
+    time.sleep(0.5)  # a quarter of the 2 s after which a node counts as lost
+    hosts.heal(2)
+    time.sleep(4)  # long enough for a wrong loss report to have re-formed the job
+    assert [r for r in rounds_of(tmp_path, 3) + rounds_of(tmp_path, 2) if r > three] == [], starts(tmp_path)
+    finish_all(tmp_path, agents, marker)

@@ -148,9 +148,15 @@ async fn watch_neighbour<S: RendezvousStore>(context: &RoundContext<S>, neighbou
         };
         let started = Instant::now();
         let silent = async {
-            let latest = live.add(&beat_counter(round, neighbour), 0).await? as u64;
-            let next = [Keys::heartbeat(round, neighbour, latest + 1)];
-            Ok::<_, RendezvousError>(!live.wait(&next, Some(window)).await?)
+            let counter = beat_counter(round, neighbour);
+            let latest = live.add(&counter, 0).await?;
+            let next = [Keys::heartbeat(round, neighbour, latest as u64 + 1)];
+            if live.wait(&next, Some(window)).await? {
+                return Ok::<_, RendezvousError>(false);
+            }
+            // a beat whose key write was lost (a link that dropped mid-beat) still counted:
+            // any later beat shows the neighbour alive
+            Ok(live.add(&counter, 0).await? == latest)
         };
         match silent.await {
             Ok(false) => continue,
