@@ -1,6 +1,7 @@
 //! The local worker processes of one attempt: started together, each in its own process
-//! group with a parent-death signal; their exits arrive as events (no polling); stopped
-//! together (signal, grace period, SIGKILL to each whole group, every child reaped).
+//! group with a parent-death signal, all in one cgroup where the job has one; their exits
+//! arrive as events (no polling); stopped together (signal, grace period, SIGKILL to each
+//! whole group and to the cgroup, every child reaped).
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -20,8 +21,9 @@ use super::error::{AgentError, Result};
 use super::failure::Failure;
 use super::logfiles::LogWriter;
 use super::logs::{expand_prefix, pump, Sink, DEFAULT_TEE_PREFIX};
-use super::process::supervised_command;
+use super::process::{Supervised, SupervisedCommand};
 use super::ranks::Assignment;
+use super::reaper::{self, Cgroup, GroupCgroup, Watch};
 use super::standby::{Standby, StandbyPool};
 use crate::rendezvous::RendezvousInfo;
 
@@ -39,6 +41,8 @@ struct Worker {
     exit: Option<(ExitStatus, SystemTime)>,
     pumps: Vec<JoinHandle<()>>,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
+    /// Dropped after the group is killed: the watchdog forgets the group only then.
+    watch: Watch,
 }
 
 /// How an attempt's workers ended.
@@ -53,6 +57,8 @@ pub struct WorkerGroup {
     workers: Vec<Worker>,
     exits: mpsc::UnboundedReceiver<(usize, std::io::Result<ExitStatus>, SystemTime)>,
     host: String,
+    /// Holds the workers and all they start, even what left their process groups.
+    cgroup: Option<GroupCgroup>,
 }
 
 /// What a group needs to start.
@@ -72,9 +78,11 @@ impl WorkerGroup {
     /// Starts the workers, each from its standby when `standbys` has one ready.
     pub fn start(launch: &Launch<'_>, standbys: &mut StandbyPool) -> Result<WorkerGroup> {
         let (sender, exits) = mpsc::unbounded_channel();
-        let mut group = WorkerGroup { workers: Vec::new(), exits, host: launch.host.to_owned() };
+        let cgroup = reaper::group_cgroup();
+        let mut group = WorkerGroup { workers: Vec::new(), exits, host: launch.host.to_owned(), cgroup };
         for local_rank in 0..launch.config.local_world_size {
-            match spawn(launch, local_rank, standbys.take(local_rank), sender.clone()) {
+            let cgroup = group.cgroup.as_ref().and_then(GroupCgroup::cgroup);
+            match spawn(launch, local_rank, standbys.take(local_rank), cgroup, sender.clone()) {
                 Ok(worker) => group.workers.push(worker),
                 Err(err) => {
                     // leave nothing half-started behind
@@ -180,10 +188,15 @@ impl WorkerGroup {
         true
     }
 
-    /// SIGKILL to every worker's process group, exited or not: nothing they started survives.
+    /// SIGKILL to every worker's process group, exited or not, and to the group's cgroup:
+    /// nothing they started survives, not even what left their process groups.
     fn kill_all(&self) {
-        for worker in &self.workers {
+        // a group found empty after its worker was reaped is not signalled: its id may be reused
+        for worker in self.workers.iter().filter(|w| !w.watch.is_released()) {
             let _ = killpg(Pid::from_raw(worker.pid as i32), Signal::SIGKILL);
+        }
+        if let Some(cgroup) = &self.cgroup {
+            cgroup.kill();
         }
     }
 }
@@ -198,6 +211,7 @@ fn spawn(
     launch: &Launch<'_>,
     local_rank: u32,
     standby: Option<Standby>,
+    cgroup: Option<&Cgroup>,
     exits: mpsc::UnboundedSender<(usize, std::io::Result<ExitStatus>, SystemTime)>,
 ) -> Result<Worker> {
     let config = launch.config;
@@ -209,21 +223,24 @@ fn spawn(
     let env = worker_env(config, launch.info, launch.assignment, &place);
     let activated = standby.and_then(|standby| {
         let pid = standby.pid();
+        // before it runs the worker's program, so that all it starts is in the cgroup too
+        if let Some(Err(err)) = cgroup.map(|cgroup| cgroup.adopt(pid)) {
+            tracing::debug!("cannot move standby worker {pid} into the workers' cgroup: {err}");
+        }
         standby
             .activate(&args, &env)
             .map_err(|err| tracing::warn!("standby worker {pid} unusable ({err}); starting worker {local_rank} cold"))
             .ok()
     });
-    let mut child = match activated {
-        Some(child) => child,
-        None => supervised_command(&config.entrypoint, &args, &env).spawn().map_err(|err| {
+    let Supervised { mut child, pid, watch } = match activated {
+        Some(process) => process,
+        None => SupervisedCommand::new(&config.entrypoint, &args, &env, cgroup.cloned()).spawn().map_err(|err| {
             AgentError::Spawn(format!(
                 "cannot start worker {local_rank} ({} {:?}): {err}",
                 config.entrypoint, config.args
             ))
         })?,
     };
-    let pid = child.id().expect("a just-spawned child has a pid");
     let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
     let sink = |mask: u8,
                 console: &'static ConsoleStream,
@@ -251,11 +268,13 @@ fn spawn(
         ),
     ];
     let index = local_rank as usize;
+    let reaped = watch.clone();
     tokio::spawn(async move {
         let status = child.wait().await;
+        reaped.release_if_empty();
         let _ = exits.send((index, status, SystemTime::now()));
     });
-    Ok(Worker { place, pid, exit: None, pumps, stderr_tail })
+    Ok(Worker { place, pid, exit: None, pumps, stderr_tail, watch })
 }
 
 /// Waits up to [`DRAIN_WAIT`] for output pumps to reach EOF; returns those still running.

@@ -18,6 +18,7 @@ pub mod logfiles;
 pub mod logs;
 pub mod process;
 pub mod ranks;
+pub mod reaper;
 pub mod result;
 pub mod run;
 pub mod signals;

@@ -1,30 +1,85 @@
 //! How the agent starts a child (a worker or a standby): in its own process group, so one
 //! signal reaches everything it starts; with a parent-death signal, so it dies with the agent;
-//! stdout and stderr piped to the agent, stdin shared.
+//! in the job's cgroup where there is one, and watched by the cleanup watchdog, so that what
+//! it starts does not outlive the agent either ([`super::reaper`]); stdout and stderr piped to
+//! the agent, stdin shared.
 
 use std::collections::BTreeMap;
 use std::process::Stdio;
 
 use nix::sys::signal::Signal;
-use tokio::process::Command;
+use tokio::process::{Child, Command};
 
-pub fn supervised_command(program: &str, args: &[String], env: &BTreeMap<String, String>) -> Command {
-    let mut command = Command::new(program);
-    command.args(args).envs(env).stdin(Stdio::inherit()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
-    let agent_pid = nix::unistd::getpid();
-    // SAFETY: the closure runs in the child between fork and exec, where only async-signal-safe
-    // work is allowed: prctl(2) and getppid(2) are, and nothing allocates (errors are raw OS
-    // errors, no message is formatted), so no lock held by another agent thread is needed.
-    unsafe {
-        command.pre_exec(move || {
-            // die with the agent; if it already died, do not start at all
-            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
-            if nix::unistd::getppid() != agent_pid {
-                // the agent exited before the child started: no one is left to read why
-                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            Ok(())
-        });
+use super::reaper::{self, Cgroup, Watch};
+
+/// A started child: the process, its pid (the id of its process group) and the watchdog's
+/// hold on that group.
+#[derive(Debug)]
+pub struct Supervised {
+    pub child: Child,
+    pub pid: u32,
+    pub watch: Watch,
+}
+
+pub struct SupervisedCommand {
+    command: Command,
+    cgroup: Option<Cgroup>,
+}
+
+impl SupervisedCommand {
+    /// A command for `program`, to join `cgroup` before it runs.
+    pub fn new(
+        program: &str,
+        args: &[String],
+        env: &BTreeMap<String, String>,
+        cgroup: Option<Cgroup>,
+    ) -> SupervisedCommand {
+        // the watchdog exists before the first child does
+        reaper::ensure_started();
+        let mut command = Command::new(program);
+        command
+            .args(args)
+            .envs(env)
+            .stdin(Stdio::inherit())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        let agent_pid = nix::unistd::getpid();
+        let join = cgroup.clone();
+        // SAFETY: the closure runs in the child between fork and exec, where only async-signal-safe
+        // work is allowed: open(2), write(2), close(2), prctl(2) and getppid(2) are, and nothing
+        // allocates (the cgroup path was prepared before the fork; errors are raw OS errors, no
+        // message is formatted), so no lock held by another agent thread is needed.
+        unsafe {
+            command.pre_exec(move || {
+                if let Some(cgroup) = &join {
+                    // a failure leaves the child in the agent's cgroup: checked after the spawn
+                    let _ = cgroup.join_from_child();
+                }
+                // die with the agent; if it already died, do not start at all
+                nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+                if nix::unistd::getppid() != agent_pid {
+                    // the agent exited before the child started: no one is left to read why
+                    return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+                }
+                Ok(())
+            });
+        }
+        SupervisedCommand { command, cgroup }
     }
-    command
+
+    /// For more set-up in the child (see [`Command::pre_exec`]).
+    pub fn command_mut(&mut self) -> &mut Command {
+        &mut self.command
+    }
+
+    pub fn spawn(mut self) -> std::io::Result<Supervised> {
+        let child = self.command.spawn()?;
+        let pid = child.id().ok_or_else(|| std::io::Error::other("the child exited before its pid was known"))?;
+        let watch = reaper::watch(pid);
+        if let Some(cgroup) = &self.cgroup {
+            reaper::check_joined(cgroup, pid);
+        }
+        Ok(Supervised { child, pid, watch })
+    }
 }

@@ -19,9 +19,9 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use nix::fcntl::{fcntl, FcntlArg, OFlag};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
-use tokio::process::Child;
 
-use super::process::supervised_command;
+use super::process::{Supervised, SupervisedCommand};
+use super::reaper;
 
 /// The descriptor a standby reads its activation from.
 pub const ACTIVATION_FD: i32 = 3;
@@ -29,7 +29,7 @@ pub const ACTIVATION_FD: i32 = 3;
 pub struct Standby {
     pid: u32,
     /// Both `None` once activated: the process is a worker then, and no longer ours to kill.
-    child: Option<Child>,
+    process: Option<Supervised>,
     activation: Option<File>,
 }
 
@@ -39,13 +39,14 @@ impl Standby {
         let (read_end, write_end) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
         // a full pipe must fail the activation rather than block the agent
         fcntl(&write_end, FcntlArg::F_SETFL(OFlag::O_NONBLOCK))?;
-        let mut command = supervised_command(program, args, env);
+        // it waits in the job's cgroup; the worker group it joins takes it into its own
+        let mut command = SupervisedCommand::new(program, args, env, reaper::standby_cgroup());
         let read_fd = read_end.as_raw_fd();
         // SAFETY: the closure runs in the child between fork and exec: dup2(2) and fcntl(2) are
         // async-signal-safe and nothing allocates. `read_fd` is open in the parent at the fork
         // (`read_end` is dropped only after spawn), so the child has it too.
         unsafe {
-            command.pre_exec(move || {
+            command.command_mut().pre_exec(move || {
                 let fd = if read_fd == ACTIVATION_FD {
                     // dup2 onto itself would keep close-on-exec
                     libc::fcntl(read_fd, libc::F_SETFD, 0)
@@ -58,10 +59,9 @@ impl Standby {
                 Ok(())
             });
         }
-        let child = command.spawn()?;
+        let process = command.spawn()?;
         drop::<OwnedFd>(read_end);
-        let pid = child.id().expect("a just-spawned child has a pid");
-        Ok(Standby { pid, child: Some(child), activation: Some(File::from(write_end)) })
+        Ok(Standby { pid: process.pid, process: Some(process), activation: Some(File::from(write_end)) })
     }
 
     pub fn pid(&self) -> u32 {
@@ -69,23 +69,24 @@ impl Standby {
     }
 
     /// Hands the standby its worker's arguments and environment; it is that worker from now on.
-    pub fn activate(mut self, args: &[String], env: &BTreeMap<String, String>) -> std::io::Result<Child> {
-        let child = self.child.as_mut().expect("only activated once");
-        if let Some(status) = child.try_wait()? {
+    pub fn activate(mut self, args: &[String], env: &BTreeMap<String, String>) -> std::io::Result<Supervised> {
+        let process = self.process.as_mut().ok_or_else(|| std::io::Error::other("already activated"))?;
+        if let Some(status) = process.child.try_wait()? {
             return Err(std::io::Error::other(format!("the standby exited before it was needed ({status})")));
         }
         let message = serde_json::json!({ "args": args, "env": env });
-        let mut pipe = self.activation.take().expect("only activated once");
+        let mut pipe = self.activation.take().ok_or_else(|| std::io::Error::other("already activated"))?;
         pipe.write_all(message.to_string().as_bytes())?;
         drop(pipe); // EOF: the message is complete
-        Ok(self.child.take().expect("checked above"))
+        self.process.take().ok_or_else(|| std::io::Error::other("already activated"))
     }
 }
 
 impl Drop for Standby {
     fn drop(&mut self) {
-        if self.child.is_some() {
-            // an idle standby exits by itself on EOF; SIGKILL makes sure it is gone now
+        if self.process.is_some() {
+            // an idle standby exits by itself on EOF; SIGKILL makes sure it is gone now (and
+            // only then does the watchdog stop watching its group)
             let _ = killpg(Pid::from_raw(self.pid as i32), Signal::SIGKILL);
         }
     }
@@ -150,7 +151,7 @@ mod tests {
     async fn activation_hands_over_args_and_env_and_the_process_becomes_the_worker() {
         let standby = Standby::spawn(&echo_command(), &BTreeMap::new()).unwrap();
         let env = BTreeMap::from([("RANK".to_owned(), "3".to_owned())]);
-        let mut child = standby.activate(&["-u".into(), "train.py".into()], &env).unwrap();
+        let mut child = standby.activate(&["-u".into(), "train.py".into()], &env).unwrap().child;
         let mut out = String::new();
         child.stdout.take().unwrap().read_to_string(&mut out).await.unwrap();
         let message: serde_json::Value = serde_json::from_str(&out).unwrap();
