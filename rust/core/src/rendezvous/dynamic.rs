@@ -312,7 +312,8 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             let meta = self.with_conn(async |conn| locate::read_meta(conn).await).await?;
             return Ok(vec![Ok(meta)]);
         }
-        Ok(locate::probe_others(&self.store, None).await.into_iter().map(|probe| probe.expect("probed")).collect())
+        let probes = locate::probe_others(&self.store, None).await;
+        Ok(probes.into_iter().map(|probe| probe.unwrap_or_else(|| Err("the probe did not finish".into()))).collect())
     }
 
     fn move_to(&mut self, site: usize) {
