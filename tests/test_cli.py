@@ -328,7 +328,7 @@ def test_timeouts(script, monkeypatch, capsys):
 @pytest.mark.parametrize("argv,needle", [
     (["--max-restarts", "-1"], "--max-restarts"),
     (["--monitor-interval", "0"], "--monitor-interval"),
-    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1"], "not available in elastix yet"),
+    (["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h:1"], "v2 API is off by default"),
     (["--rdzv-backend", "zookeeper", "--rdzv-endpoint", "h:1"], "unknown backend"),
     (["--master-port", "70000"], "--master-port"),
     (["--nproc-per-node", "0"], "--nproc-per-node"),

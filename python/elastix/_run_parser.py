@@ -96,8 +96,9 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         action=EnvOption,
         type=str,
         default="static",
-        metavar="{c10d,static}",
+        metavar="{c10d,etcd,static}",
         help="c10d: elastic, the store is served by the agent at the endpoint; "
+        "etcd (or etcd-v3): elastic, on the etcd v3 cluster at the endpoints; "
         "static: fixed node ranks from --node-rank (default: static)",
     )
     g.add_argument(

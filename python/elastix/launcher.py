@@ -7,7 +7,8 @@ worker runs ``python -u -m elastix._function_worker PAYLOAD RESULTS``, which cal
 under ``@record`` and pickles its return value to ``RESULTS/<RANK>.pkl``.
 
 Differences from torch:
-* ``rdzv_backend`` defaults to ``"c10d"`` (torch's API: ``"etcd"``, which elastix does not have);
+* ``rdzv_backend`` defaults to ``"c10d"`` (torch's API: ``"etcd"``, which in elastix is the
+  etcd v3 backend);
 * no ``timeout=900`` is injected into ``rdzv_configs`` (elastix's backends have their own
   defaults; ``rdzv_timeout`` or an explicit ``timeout`` is still passed on);
 * ``max_restarts`` is a budget for the whole job, shared by all nodes;

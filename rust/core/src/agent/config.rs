@@ -21,8 +21,9 @@ use crate::rendezvous::{ConfInput, RendezvousParams};
 pub const MAX_LOCAL_WORKERS: u32 = 1024;
 
 /// The rendezvous backends, and torch's others (refused with a pointer, not "unknown").
-pub const BACKENDS: &[&str] = &["c10d", "static"];
-const LATER_BACKENDS: &[&str] = &["etcd", "etcd-v2"];
+pub const BACKENDS: &[&str] = &["c10d", "etcd", "etcd-v3", "static"];
+/// torch's etcd backend on the v2 API, which etcd turns off by default since 3.4.
+const RETIRED_BACKENDS: &[&str] = &["etcd-v2"];
 
 /// Which of a worker's streams go to a file (torch's `Std` mask).
 pub const STD_OUT: u8 = 1;
@@ -146,10 +147,9 @@ impl AgentConfig {
         let backend = self.rdzv_backend.as_str();
         if BACKENDS.contains(&backend) {
             Ok(())
-        } else if LATER_BACKENDS.contains(&backend) {
+        } else if RETIRED_BACKENDS.contains(&backend) {
             Err(AgentError::Config(format!(
-                "--rdzv-backend {backend}: not available in elastix yet; use c10d (elastic, the store is served by \
-                 one of the agents) or static"
+                "--rdzv-backend {backend}: etcd's v2 API is off by default since etcd 3.4; use etcd (the v3 API)"
             )))
         } else {
             Err(AgentError::Config(format!(
@@ -285,7 +285,7 @@ pub(crate) mod tests {
             (Box::new(|v| v["local_world_size"] = 100_000.into()), "--nproc-per-node 100000: at most 1024"),
             (Box::new(|v| v["min_nodes"] = 3.into()), "--nnodes: need 0 < MIN <= MAX"),
             (Box::new(|v| v["min_nodes"] = 0.into()), "--nnodes: need 0 < MIN <= MAX"),
-            (Box::new(|v| v["rdzv_backend"] = "etcd".into()), "--rdzv-backend etcd: not available"),
+            (Box::new(|v| v["rdzv_backend"] = "etcd-v2".into()), "--rdzv-backend etcd-v2: etcd's v2 API is off"),
             (Box::new(|v| v["rdzv_backend"] = "zookeeper".into()), "unknown backend \"zookeeper\""),
             (Box::new(|v| v["max_restarts"] = (-1).into()), "--max-restarts: invalid value: integer `-1`"),
             (Box::new(|v| v["master_port"] = 70000.into()), "--master-port: invalid value: integer `70000`"),

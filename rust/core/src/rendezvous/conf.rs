@@ -27,6 +27,22 @@ pub const DYNAMIC_KEYS: &[(&str, &str)] = &[
     ("timeout", "accepted for torch compatibility; dynamic rendezvous uses join_timeout"),
 ];
 
+pub const ETCD_KEYS: &[(&str, &str)] = &[
+    ("protocol", "http (default) or https"),
+    ("cacert", "PEM file of the CA that signed the etcd servers (https)"),
+    ("cert", "PEM file of this client's certificate (https, with key)"),
+    ("key", "PEM file of this client's private key (https, with cert)"),
+    ("timeout", "torch's name for join_timeout"),
+    ("join_timeout", "deadline for a whole rendezvous (default 600s)"),
+    ("last_call_timeout", "extra wait for more nodes once min_nodes joined (default 30s)"),
+    ("close_timeout", "deadline for closing the rendezvous (default 30s)"),
+    ("heartbeat_timeout", "how long one etcd request may keep failing before it is reported (default 5s)"),
+    ("keep_alive_interval", "time between heartbeats (default 5s)"),
+    ("keep_alive_max_attempt", "missed heartbeats before a node counts as dead (default 3)"),
+    ("lease_ttl", "a node counts as dead after this long without a heartbeat (sets keep_alive_*)"),
+    ("key_prefix", "where the rendezvous keys live in etcd (default /elastix/rdzv/)"),
+];
+
 pub const STATIC_KEYS: &[(&str, &str)] = &[
     ("rank", "this node's rank (set from --node-rank)"),
     ("timeout", "store timeout (default 600s)"),

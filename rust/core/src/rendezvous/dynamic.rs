@@ -517,7 +517,10 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             tasks.push(locate::spawn_site_watcher(self.store.clone(), known, interval, context.changes.clone()));
         }
         self.current = Some(Membership { round, world_size, tasks, changes, _master: master_server });
-        let (store_host, store_port) = self.store.address(self.store.active_site());
+        let (store_host, store_port) = match self.store.serves_rounds() {
+            true => self.store.address(self.store.active_site()),
+            false => (master.addr.clone(), master.port),
+        };
         tracing::info!(round, rank, world_size, "rendezvous complete");
         Ok(RendezvousInfo {
             run_id: self.settings.run_id.clone(),

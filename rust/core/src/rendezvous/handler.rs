@@ -9,6 +9,8 @@ use super::conf::{parse_duration, ConfInput, RendezvousConf, DYNAMIC_KEYS, STATI
 use super::dynamic::{DynamicRendezvous, MembershipChange, RendezvousInfo};
 use super::endpoint::{is_local_addr, is_this_machine, parse_endpoint, parse_endpoints, DEFAULT_PORT};
 use super::error::{RendezvousError, Result};
+use super::etcd::create_etcd;
+use super::etcd_store::EtcdRendezvousStore;
 use super::keys::run_prefix;
 use super::settings::RendezvousSettings;
 use super::static_rdzv::StaticRendezvous;
@@ -44,6 +46,8 @@ pub enum Rendezvous {
         /// The rendezvous store sites this agent hosts (none, or one per listed address of its own).
         servers: Vec<StoreServer>,
     },
+    /// The dynamic rendezvous on an etcd v3 cluster.
+    Etcd(DynamicRendezvous<EtcdRendezvousStore>),
     Static(StaticRendezvous),
 }
 
@@ -54,12 +58,12 @@ impl Rendezvous {
         match params.backend.as_str() {
             "c10d" => create_c10d(params).await,
             "static" => create_static(params),
-            "etcd" | "etcd-v2" => Err(RendezvousError::Config(format!(
-                "--rdzv-backend {}: the etcd backends are not available in this version of elastix; use c10d",
-                params.backend
-            ))),
+            "etcd" | "etcd-v3" => create_etcd(params).await,
+            "etcd-v2" => Err(RendezvousError::Config(
+                "--rdzv-backend etcd-v2: etcd's v2 API is off by default since etcd 3.4; use etcd (the v3 API)".into(),
+            )),
             other => Err(RendezvousError::Config(format!(
-                "--rdzv-backend {other:?} is unknown; use c10d (elastic, the default) or static"
+                "--rdzv-backend {other:?} is unknown; use c10d (elastic), etcd (elastic, on an etcd v3 cluster) or static"
             ))),
         }
     }
@@ -67,6 +71,7 @@ impl Rendezvous {
     pub fn backend(&self) -> &'static str {
         match self {
             Rendezvous::Dynamic { .. } => "c10d",
+            Rendezvous::Etcd(_) => "etcd",
             Rendezvous::Static(_) => "static",
         }
     }
@@ -74,6 +79,7 @@ impl Rendezvous {
     pub fn run_id(&self) -> &str {
         match self {
             Rendezvous::Dynamic { handler, .. } => handler.run_id(),
+            Rendezvous::Etcd(handler) => handler.run_id(),
             Rendezvous::Static(handler) => handler.run_id(),
         }
     }
@@ -82,6 +88,7 @@ impl Rendezvous {
     pub fn hosted_port(&self) -> Option<u16> {
         match self {
             Rendezvous::Dynamic { servers, .. } => servers.first().map(StoreServer::port),
+            Rendezvous::Etcd(_) => None,
             Rendezvous::Static(handler) => handler.hosted_port(),
         }
     }
@@ -89,6 +96,9 @@ impl Rendezvous {
     /// Before an agent that hosts the store exits: gives the other nodes up to `within` to
     /// read how the job ended and disconnect, so that the store does not vanish under them.
     pub async fn linger(&mut self, within: Duration) {
+        if let Rendezvous::Etcd(handler) = self {
+            handler.disconnect();
+        }
         let Rendezvous::Dynamic { handler, servers } = self else { return };
         handler.disconnect();
         let deadline = tokio::time::Instant::now() + within;
@@ -109,6 +119,7 @@ impl Rendezvous {
     pub async fn next_rendezvous(&mut self) -> Result<RendezvousInfo> {
         match self {
             Rendezvous::Dynamic { handler, .. } => handler.next_rendezvous().await,
+            Rendezvous::Etcd(handler) => handler.next_rendezvous().await,
             Rendezvous::Static(handler) => handler.next_rendezvous().await,
         }
     }
@@ -116,6 +127,7 @@ impl Rendezvous {
     pub async fn num_nodes_waiting(&mut self) -> Result<u32> {
         match self {
             Rendezvous::Dynamic { handler, .. } => handler.num_nodes_waiting().await,
+            Rendezvous::Etcd(handler) => handler.num_nodes_waiting().await,
             Rendezvous::Static(_) => Ok(0),
         }
     }
@@ -123,6 +135,7 @@ impl Rendezvous {
     pub async fn is_closed(&mut self) -> Result<bool> {
         match self {
             Rendezvous::Dynamic { handler, .. } => handler.is_closed().await,
+            Rendezvous::Etcd(handler) => handler.is_closed().await,
             Rendezvous::Static(_) => Ok(false),
         }
     }
@@ -130,6 +143,7 @@ impl Rendezvous {
     pub async fn set_closed(&mut self) -> Result<()> {
         match self {
             Rendezvous::Dynamic { handler, .. } => handler.set_closed().await,
+            Rendezvous::Etcd(handler) => handler.set_closed().await,
             Rendezvous::Static(_) => Ok(()),
         }
     }
@@ -138,6 +152,7 @@ impl Rendezvous {
     pub fn changes(&self) -> Option<watch::Receiver<Option<MembershipChange>>> {
         match self {
             Rendezvous::Dynamic { handler, .. } => handler.changes(),
+            Rendezvous::Etcd(handler) => handler.changes(),
             Rendezvous::Static(_) => None,
         }
     }
@@ -145,6 +160,7 @@ impl Rendezvous {
     pub async fn set_closed_with(&mut self, reason: &str) -> Result<()> {
         match self {
             Rendezvous::Dynamic { handler, .. } => handler.set_closed_with(reason).await,
+            Rendezvous::Etcd(handler) => handler.set_closed_with(reason).await,
             Rendezvous::Static(_) => Ok(()),
         }
     }
@@ -152,6 +168,7 @@ impl Rendezvous {
     pub async fn closed_reason(&mut self) -> Result<Option<String>> {
         match self {
             Rendezvous::Dynamic { handler, .. } => handler.closed_reason().await,
+            Rendezvous::Etcd(handler) => handler.closed_reason().await,
             Rendezvous::Static(_) => Ok(None),
         }
     }
@@ -161,6 +178,7 @@ impl Rendezvous {
     pub async fn report_failure(&mut self) -> Result<i64> {
         match self {
             Rendezvous::Dynamic { handler, .. } => handler.report_failure().await,
+            Rendezvous::Etcd(handler) => handler.report_failure().await,
             Rendezvous::Static(handler) => Ok(handler.report_failure()),
         }
     }
@@ -168,6 +186,7 @@ impl Rendezvous {
     pub async fn record_restart(&mut self) -> Result<i64> {
         match self {
             Rendezvous::Dynamic { handler, .. } => handler.record_restart().await,
+            Rendezvous::Etcd(handler) => handler.record_restart().await,
             Rendezvous::Static(handler) => Ok(handler.report_failure()),
         }
     }
@@ -175,20 +194,36 @@ impl Rendezvous {
     pub async fn restart_count(&mut self) -> Result<i64> {
         match self {
             Rendezvous::Dynamic { handler, .. } => handler.restart_count().await,
+            Rendezvous::Etcd(handler) => handler.restart_count().await,
             Rendezvous::Static(handler) => Ok(handler.restart_count()),
         }
     }
 
     /// Stops this node's part (heartbeats, the workers' store); the rendezvous stays open.
     pub fn shutdown(&mut self) {
-        if let Rendezvous::Dynamic { handler, .. } = self {
-            handler.shutdown();
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.shutdown(),
+            Rendezvous::Etcd(handler) => handler.shutdown(),
+            Rendezvous::Static(_) => {}
         }
     }
 }
 
 /// How often a waiting node reports (default 15 s); mostly for tests and impatient operators.
 pub const PROGRESS_INTERVAL_VAR: &str = "ELASTIX_RDZV_PROGRESS_INTERVAL";
+
+/// The settings of a dynamic backend: the node bounds, `--local-addr` and the conf's timings.
+pub(crate) fn dynamic_settings(params: &RendezvousParams, conf: &RendezvousConf) -> Result<RendezvousSettings> {
+    let mut settings = RendezvousSettings::new(&params.run_id, params.min_nodes, params.max_nodes)?.with_conf(conf)?;
+    settings.local_addr = params.local_addr.clone();
+    if let Ok(text) = std::env::var(PROGRESS_INTERVAL_VAR) {
+        settings.progress_interval =
+            parse_duration(&text).ok().filter(|interval| !interval.is_zero()).ok_or_else(|| {
+                RendezvousError::Config(format!("{PROGRESS_INTERVAL_VAR}={text:?} is not a positive duration"))
+            })?;
+    }
+    Ok(settings)
+}
 
 async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
     let conf = RendezvousConf::from_input(&params.conf, DYNAMIC_KEYS)?;
@@ -199,14 +234,7 @@ async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
             )));
         }
     }
-    let mut settings = RendezvousSettings::new(&params.run_id, params.min_nodes, params.max_nodes)?.with_conf(&conf)?;
-    settings.local_addr = params.local_addr.clone();
-    if let Ok(text) = std::env::var(PROGRESS_INTERVAL_VAR) {
-        settings.progress_interval =
-            parse_duration(&text).ok().filter(|interval| !interval.is_zero()).ok_or_else(|| {
-                RendezvousError::Config(format!("{PROGRESS_INTERVAL_VAR}={text:?} is not a positive duration"))
-            })?;
-    }
+    let settings = dynamic_settings(&params, &conf)?;
     let read_timeout = conf.duration("read_timeout", DEFAULT_READ_TIMEOUT)?;
     let mut sites = parse_endpoints(&params.endpoint, DEFAULT_PORT)?;
     let explicit = conf.boolean("is_host")?;

@@ -43,6 +43,7 @@ pub(crate) fn spawn_heartbeats<S: RendezvousStore>(context: RoundContext<S>, ran
     tokio::spawn(async move {
         let RoundContext { store, settings, round, contact, changes } = &context;
         let lost_after = settings.node_lost_after();
+        let outage_limit = settings.store_outage_limit();
         let mut conn: Option<S::Conn> = None;
         let mut reported = false;
         loop {
@@ -62,7 +63,7 @@ pub(crate) fn spawn_heartbeats<S: RendezvousStore>(context: RoundContext<S>, ran
                     if silent_for < settings.keep_alive_interval * 2 {
                         tracing::warn!(round, rank, "heartbeat to the rendezvous store failed: {err}; retrying");
                     }
-                    if silent_for >= lost_after && !reported {
+                    if silent_for >= outage_limit && !reported {
                         reported = true;
                         let store = store.describe();
                         let _ = changes.send(Some(MembershipChange::StoreUnreachable { store, silent_for }));

@@ -13,6 +13,8 @@ mod contact;
 pub mod dynamic;
 pub mod endpoint;
 pub mod error;
+mod etcd;
+pub mod etcd_store;
 mod events;
 pub mod handler;
 pub mod keys;

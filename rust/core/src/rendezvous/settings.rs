@@ -28,6 +28,9 @@ pub struct RendezvousSettings {
     pub local_addr: Option<String>,
     /// How often a node waiting for others says so (INFO), with who has joined.
     pub progress_interval: Duration,
+    /// How long a member may be out of contact with the store before it stops its workers;
+    /// `None`: as long as the others take to count it lost ([`Self::node_lost_after`]).
+    pub store_outage_limit: Option<Duration>,
 }
 
 impl RendezvousSettings {
@@ -52,6 +55,7 @@ impl RendezvousSettings {
             keep_alive_max_attempt: Self::DEFAULT_KEEP_ALIVE_MAX_ATTEMPT,
             local_addr: None,
             progress_interval: Self::DEFAULT_PROGRESS_INTERVAL,
+            store_outage_limit: None,
         };
         settings.validate()?;
         Ok(settings)
@@ -88,6 +92,11 @@ impl RendezvousSettings {
     /// After this long without a heartbeat a node counts as dead.
     pub fn node_lost_after(&self) -> Duration {
         self.keep_alive_interval * self.keep_alive_max_attempt
+    }
+
+    /// After this long out of contact with the store a member stops its workers.
+    pub fn store_outage_limit(&self) -> Duration {
+        self.store_outage_limit.unwrap_or_else(|| self.node_lost_after())
     }
 }
 

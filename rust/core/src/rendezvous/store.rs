@@ -52,6 +52,12 @@ pub trait RendezvousStore: Clone + Send + Sync + 'static {
     /// Host and port of `site`.
     fn address(&self, site: usize) -> (String, u16);
 
+    /// Whether the store speaks the TCPStore protocol, so that a round's agents can use it
+    /// for their own keys (the rank exchange); if not, they use the round's workers' store.
+    fn serves_rounds(&self) -> bool {
+        true
+    }
+
     /// Where the active site is, for messages.
     fn describe(&self) -> String {
         self.describe_site(self.active_site())

@@ -1,0 +1,91 @@
+//! `--rdzv-backend etcd` (alias `etcd-v3`): the dynamic rendezvous on an etcd v3 cluster,
+//! from `--rdzv-endpoint host1:2379,host2:2379,...` and `--rdzv-conf` (torch's key names where
+//! torch has them; see [`super::conf::ETCD_KEYS`]).
+
+use std::time::Duration;
+
+use elastix_etcd::{EtcdClient, EtcdOptions, TlsFiles};
+
+use super::conf::{RendezvousConf, ETCD_KEYS};
+use super::dynamic::DynamicRendezvous;
+use super::endpoint::parse_endpoints;
+use super::error::{RendezvousError, Result};
+use super::etcd_store::EtcdRendezvousStore;
+use super::handler::{dynamic_settings, Rendezvous, RendezvousParams};
+use super::keys::Keys;
+
+/// etcd's client port.
+pub const DEFAULT_ETCD_PORT: u16 = 2379;
+const DEFAULT_KEY_PREFIX: &str = "/elastix/rdzv/";
+
+pub(crate) async fn create_etcd(params: RendezvousParams) -> Result<Rendezvous> {
+    let mut conf = RendezvousConf::from_input(&params.conf, ETCD_KEYS)?;
+    if let Some(timeout) = conf.get("timeout").map(str::to_owned) {
+        if conf.get("join_timeout").is_none() {
+            conf.insert("join_timeout", &timeout, ETCD_KEYS)?;
+        }
+    }
+    if conf.get("lease_ttl").is_some() {
+        if conf.get("keep_alive_interval").is_some() || conf.get("keep_alive_max_attempt").is_some() {
+            return Err(RendezvousError::Config(
+                "--rdzv-conf lease_ttl sets keep_alive_interval and keep_alive_max_attempt; give one or the other"
+                    .into(),
+            ));
+        }
+        let ttl = conf.duration("lease_ttl", Duration::ZERO)?;
+        if ttl < Duration::from_millis(300) {
+            return Err(RendezvousError::Config(format!("--rdzv-conf lease_ttl={ttl:?} is too short")));
+        }
+        conf.insert("keep_alive_interval", &format!("{}ms", (ttl / 3).as_millis()), ETCD_KEYS)?;
+        conf.insert("keep_alive_max_attempt", "3", ETCD_KEYS)?;
+    }
+    let mut settings = dynamic_settings(&params, &conf)?;
+    // Out of contact with etcd, a node cannot tell its own cut link from a cluster that is
+    // down for everyone (then no node can count another lost): its workers keep running, up
+    // to the join timeout, and a loss reported meanwhile is read once etcd answers again.
+    settings.store_outage_limit = Some(settings.join_timeout);
+
+    let tls = match conf.get("protocol").unwrap_or("http") {
+        "http" => {
+            if let Some(key) = ["cacert", "cert", "key"].into_iter().find(|key| conf.get(key).is_some()) {
+                return Err(RendezvousError::Config(format!("--rdzv-conf {key} needs protocol=https")));
+            }
+            None
+        }
+        "https" => Some(tls_files(&conf)?),
+        other => {
+            return Err(RendezvousError::Config(format!("--rdzv-conf protocol={other:?}: use http or https")));
+        }
+    };
+    let sites = parse_endpoints(&params.endpoint, DEFAULT_ETCD_PORT)?;
+    let endpoints = sites.iter().map(|(host, port)| format!("{host}:{port}")).collect();
+    let client = EtcdClient::new(&EtcdOptions { endpoints, tls, patience: settings.heartbeat_timeout })
+        .map_err(|err| RendezvousError::Config(err.to_string()))?;
+    let mut prefix = conf.get("key_prefix").unwrap_or(DEFAULT_KEY_PREFIX).to_owned();
+    if !prefix.ends_with('/') {
+        prefix.push('/');
+    }
+    let prefix = format!("{prefix}{}/", params.run_id);
+    let store = EtcdRendezvousStore::new(client, sites, prefix.clone());
+    store.check_prefix(Keys::META).await?;
+    Ok(Rendezvous::Etcd(DynamicRendezvous::new(store, settings, prefix)?))
+}
+
+fn tls_files(conf: &RendezvousConf) -> Result<TlsFiles> {
+    let read = |key: &str| -> Result<Option<Vec<u8>>> {
+        let Some(path) = conf.get(key) else { return Ok(None) };
+        let bytes = std::fs::read(path)
+            .map_err(|err| RendezvousError::Config(format!("--rdzv-conf {key}={path}: cannot read it: {err}")))?;
+        if !String::from_utf8_lossy(&bytes).contains("-----BEGIN") {
+            return Err(RendezvousError::Config(format!("--rdzv-conf {key}={path}: not a PEM file")));
+        }
+        Ok(Some(bytes))
+    };
+    let (cert, key) = (read("cert")?, read("key")?);
+    let cert_and_key = match (cert, key) {
+        (Some(cert), Some(key)) => Some((cert, key)),
+        (None, None) => None,
+        _ => return Err(RendezvousError::Config("--rdzv-conf cert and key go together".into())),
+    };
+    Ok(TlsFiles { ca: read("cacert")?, cert_and_key })
+}

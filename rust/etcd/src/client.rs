@@ -1,0 +1,232 @@
+//! Connecting to an etcd cluster and its unary requests.
+//!
+//! One tonic channel balances over every listed endpoint and reconnects on its own; a request
+//! that fails for a reason that passes (no leader during an election, a member that just went
+//! away) is retried with backoff until the client's patience runs out, then reported with the
+//! endpoints it was sent to.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use tonic::{Code, Status};
+
+use crate::pb::etcdserverpb::kv_client::KvClient;
+use crate::pb::etcdserverpb::watch_client::WatchClient;
+use crate::pb::etcdserverpb::{
+    request_op, DeleteRangeRequest, PutRequest, RangeRequest, RangeResponse, RequestOp, TxnRequest, TxnResponse,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdError {
+    /// No endpoint answered (or every answer was a passing failure) within the patience.
+    #[error("etcd at {endpoints} did not answer within {patience:?}: {detail}")]
+    Unavailable { endpoints: String, patience: Duration, detail: String },
+    /// etcd refused the request.
+    #[error("etcd at {endpoints} refused a request: {status}")]
+    Refused { endpoints: String, status: String },
+    /// The options are unusable (a bad endpoint, an unreadable TLS file).
+    #[error("{0}")]
+    Config(String),
+}
+
+/// PEM contents for TLS: the CA that signed the servers, and this client's certificate and key.
+#[derive(Clone, Debug, Default)]
+pub struct TlsFiles {
+    pub ca: Option<Vec<u8>>,
+    pub cert_and_key: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+#[derive(Clone, Debug)]
+pub struct EtcdOptions {
+    /// `host:port` of each member.
+    pub endpoints: Vec<String>,
+    /// `Some` for https.
+    pub tls: Option<TlsFiles>,
+    /// How long one request may keep failing (retried) before it is reported.
+    pub patience: Duration,
+}
+
+#[derive(Clone)]
+pub struct EtcdClient {
+    kv: KvClient<Channel>,
+    watch: WatchClient<Channel>,
+    endpoints: Arc<str>,
+    patience: Duration,
+}
+
+/// Bound on one attempt of a unary request.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl EtcdClient {
+    /// A client for the cluster; connections open on first use.
+    pub fn new(options: &EtcdOptions) -> Result<EtcdClient, EtcdError> {
+        if options.endpoints.is_empty() {
+            return Err(EtcdError::Config("no etcd endpoint given".into()));
+        }
+        let scheme = if options.tls.is_some() { "https" } else { "http" };
+        let tls = options.tls.as_ref().map(tls_config);
+        let mut endpoints = Vec::new();
+        for endpoint in &options.endpoints {
+            let uri = format!("{scheme}://{endpoint}");
+            let mut built = Endpoint::from_shared(uri.clone())
+                .map_err(|err| EtcdError::Config(format!("etcd endpoint {endpoint:?}: {err}")))?
+                .connect_timeout(CONNECT_TIMEOUT)
+                .tcp_keepalive(Some(Duration::from_secs(10)))
+                .http2_keep_alive_interval(Duration::from_secs(5))
+                .keep_alive_timeout(Duration::from_secs(5));
+            if let Some(tls) = &tls {
+                built = built
+                    .tls_config(tls.clone())
+                    .map_err(|err| EtcdError::Config(format!("etcd endpoint {endpoint:?}: TLS: {err}")))?;
+            }
+            endpoints.push(built);
+        }
+        let channel = Channel::balance_list(endpoints.into_iter());
+        Ok(EtcdClient {
+            kv: KvClient::new(channel.clone()),
+            watch: WatchClient::new(channel),
+            endpoints: options.endpoints.join(",").into(),
+            patience: options.patience,
+        })
+    }
+
+    pub fn endpoints(&self) -> &str {
+        &self.endpoints
+    }
+
+    pub(crate) fn watch_client(&self) -> WatchClient<Channel> {
+        self.watch.clone()
+    }
+
+    pub(crate) fn patience(&self) -> Duration {
+        self.patience
+    }
+
+    /// The value of `key` (if any) and the store's revision at the time of reading.
+    pub async fn get(&self, key: &[u8]) -> Result<(Option<Vec<u8>>, i64), EtcdError> {
+        let request = RangeRequest { key: key.to_vec(), ..Default::default() };
+        let response: RangeResponse = self
+            .retry(|mut kv| {
+                let request = request.clone();
+                async move { kv.range(request).await }
+            })
+            .await?;
+        let revision = response.header.map_or(0, |header| header.revision);
+        Ok((response.kvs.into_iter().next().map(|kv| kv.value), revision))
+    }
+
+    pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<(), EtcdError> {
+        let request = PutRequest { key: key.to_vec(), value: value.to_vec(), ..Default::default() };
+        self.retry(|mut kv| {
+            let request = request.clone();
+            async move { kv.put(request).await }
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Deletes `key`; whether it existed.
+    pub async fn delete(&self, key: &[u8]) -> Result<bool, EtcdError> {
+        let request = DeleteRangeRequest { key: key.to_vec(), ..Default::default() };
+        let response = self
+            .retry(|mut kv| {
+                let request = request.clone();
+                async move { kv.delete_range(request).await }
+            })
+            .await?;
+        Ok(response.deleted > 0)
+    }
+
+    pub async fn txn(&self, request: TxnRequest) -> Result<TxnResponse, EtcdError> {
+        self.retry(|mut kv| {
+            let request = request.clone();
+            async move { kv.txn(request).await }
+        })
+        .await
+    }
+
+    /// Runs one request, retrying passing failures with backoff until the patience runs out.
+    async fn retry<T, F, Fut>(&self, mut request: F) -> Result<T, EtcdError>
+    where
+        F: FnMut(KvClient<Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let deadline = tokio::time::Instant::now() + self.patience;
+        let mut delay = Duration::from_millis(20);
+        loop {
+            let outcome = tokio::time::timeout(ATTEMPT_TIMEOUT, request(self.kv.clone())).await;
+            let status = match outcome {
+                Ok(Ok(response)) => return Ok(response.into_inner()),
+                Ok(Err(status)) if !passes(&status) => {
+                    return Err(EtcdError::Refused { endpoints: self.endpoints.to_string(), status: describe(&status) })
+                }
+                Ok(Err(status)) => describe(&status),
+                Err(_) => format!("no answer within {ATTEMPT_TIMEOUT:?}"),
+            };
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Err(EtcdError::Unavailable {
+                    endpoints: self.endpoints.to_string(),
+                    patience: self.patience,
+                    detail: status,
+                });
+            }
+            tracing::debug!(endpoints = %self.endpoints, "etcd request failed, retrying: {status}");
+            tokio::time::sleep(delay.min(deadline - now)).await;
+            delay = (delay * 2).min(Duration::from_millis(500));
+        }
+    }
+}
+
+/// Failures that pass: a member down or unreachable, an election under way, a timeout.
+pub(crate) fn passes(status: &Status) -> bool {
+    match status.code() {
+        Code::Unavailable | Code::DeadlineExceeded | Code::Aborted | Code::Cancelled => true,
+        // etcd reports a lost leader or a slow commit this way
+        Code::Unknown => {
+            let message = status.message();
+            message.contains("leader") || message.contains("timed out") || message.contains("transport")
+        }
+        _ => false,
+    }
+}
+
+pub(crate) fn describe(status: &Status) -> String {
+    let message = status.message();
+    if message.is_empty() {
+        format!("{:?}", status.code())
+    } else {
+        format!("{:?}: {message}", status.code())
+    }
+}
+
+fn tls_config(files: &TlsFiles) -> ClientTlsConfig {
+    let mut config = ClientTlsConfig::new();
+    if let Some(ca) = &files.ca {
+        config = config.ca_certificate(Certificate::from_pem(ca));
+    }
+    if let Some((cert, key)) = &files.cert_and_key {
+        config = config.identity(Identity::from_pem(cert, key));
+    }
+    config
+}
+
+/// A read of `key` inside a transaction.
+pub fn range_op(key: &[u8]) -> RequestOp {
+    RequestOp {
+        request: Some(request_op::Request::RequestRange(RangeRequest { key: key.to_vec(), ..Default::default() })),
+    }
+}
+
+/// A write of `key` inside a transaction.
+pub fn put_op(key: &[u8], value: &[u8]) -> RequestOp {
+    RequestOp {
+        request: Some(request_op::Request::RequestPut(PutRequest {
+            key: key.to_vec(),
+            value: value.to_vec(),
+            ..Default::default()
+        })),
+    }
+}

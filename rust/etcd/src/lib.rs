@@ -1,0 +1,22 @@
+//! elastix's etcd v3 client: the gRPC API generated from etcd's definitions (KV and Watch),
+//! and a small client over it that spreads requests over a cluster's endpoints, retries
+//! through leader changes and lost members, and waits for keys with watches (never polling).
+
+mod client;
+mod watch;
+
+pub use client::{put_op, range_op, EtcdClient, EtcdError, EtcdOptions, TlsFiles};
+
+/// The generated API. Only the client side is built.
+#[allow(clippy::all, missing_docs)]
+pub mod pb {
+    pub mod etcdserverpb {
+        tonic::include_proto!("etcdserverpb");
+    }
+    pub mod mvccpb {
+        tonic::include_proto!("mvccpb");
+    }
+    pub mod authpb {
+        tonic::include_proto!("authpb");
+    }
+}

@@ -1,0 +1,62 @@
+"""Helpers for tests that run several `elastix run` agents as nodes and follow their workers
+through the records that tests/workers/elastic_loop.py leaves (one per start)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from test_run import assert_nothing_left, starts, wait_for
+
+
+class Agent:
+    """One `elastix run`, its output in a file (a pipe nobody reads could stall it)."""
+
+    def __init__(self, argv, out_dir, marker, name):
+        self.log = out_dir / f"{name}.log"
+        env = {**os.environ, "OUT_DIR": str(out_dir), "ELASTIX_TEST_MARKER": marker}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def output(self):
+        return self.log.read_text()
+
+    def finish(self, timeout=90):
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"the agent did not finish in {timeout}s:\n{self.output()}") from None
+
+
+def agent(tmp_path, marker, name, *args, python=(sys.executable,)):
+    argv = [*python, "-m", "elastix", *map(str, args)]
+    return Agent(argv, tmp_path, marker, name)
+
+
+def rounds_of(out_dir, world_size):
+    """Rounds in which every one of `world_size` nodes started its worker."""
+    by_round = {}
+    for record in starts(out_dir):
+        if record["world_size"] == world_size:
+            by_round.setdefault(record["round"], []).append(record)
+    return sorted(r for r, records in by_round.items() if len(records) == world_size)
+
+
+def wait_round(out_dir, world_size, after=-1, what=None):
+    found = wait_for(
+        lambda: [r for r in rounds_of(out_dir, world_size) if r > after][:1],
+        timeout=60,
+        what=what or f"a round of {world_size} nodes after round {after}",
+    )
+    return found[0]
+
+
+def finish_all(tmp_path, agents, marker):
+    (tmp_path / "stop").touch()
+    for a in agents:
+        code = a.finish()
+        assert code == 0, a.output()
+    assert_nothing_left(marker)
