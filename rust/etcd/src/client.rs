@@ -156,14 +156,16 @@ impl EtcdClient {
         let deadline = tokio::time::Instant::now() + self.patience;
         let mut delay = Duration::from_millis(20);
         loop {
-            let outcome = tokio::time::timeout(ATTEMPT_TIMEOUT, request(self.kv.clone())).await;
+            // a cluster with no member up leaves a request pending, not failed: bound each try
+            let bound = ATTEMPT_TIMEOUT.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+            let outcome = tokio::time::timeout(bound.max(Duration::from_millis(50)), request(self.kv.clone())).await;
             let status = match outcome {
                 Ok(Ok(response)) => return Ok(response.into_inner()),
                 Ok(Err(status)) if !passes(&status) => {
                     return Err(EtcdError::Refused { endpoints: self.endpoints.to_string(), status: describe(&status) })
                 }
                 Ok(Err(status)) => describe(&status),
-                Err(_) => format!("no answer within {ATTEMPT_TIMEOUT:?}"),
+                Err(_) => format!("no answer within {bound:?}"),
             };
             let now = tokio::time::Instant::now();
             if now >= deadline {

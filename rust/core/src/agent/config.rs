@@ -13,7 +13,7 @@ use serde::Deserialize;
 
 use super::error::{AgentError, Result};
 use super::logs::NO_LOGS;
-use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS, STATIC_KEYS};
+use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS, ETCD_KEYS, STATIC_KEYS};
 use crate::rendezvous::{ConfInput, RendezvousParams};
 
 /// Most workers one agent runs: each is a process with pipes, a log pair and a standby
@@ -103,7 +103,11 @@ impl AgentConfig {
             )));
         }
         self.check_backend()?;
-        let keys = if self.rdzv_backend == "static" { STATIC_KEYS } else { DYNAMIC_KEYS };
+        let keys = match self.rdzv_backend.as_str() {
+            "static" => STATIC_KEYS,
+            "etcd" | "etcd-v3" => ETCD_KEYS,
+            _ => DYNAMIC_KEYS,
+        };
         RendezvousConf::from_input(&self.rdzv_conf, keys).map_err(|err| AgentError::Config(err.to_string()))?;
         if self.rdzv_backend == "static" {
             // the static rendezvous waits for exactly max_nodes nodes, ranked 0..max_nodes-1

@@ -44,12 +44,13 @@ impl Contact {
     }
 
     /// A request failed (or the store did not answer in time) at `now`. Returns how long the
-    /// store has not answered.
-    pub fn failed(&self, now: Instant) -> Duration {
+    /// store has not answered, and whether this is the first failure since a success.
+    pub fn failed(&self, now: Instant) -> (Duration, bool) {
         let mut state = self.state();
+        let first = state.failing_since.is_none();
         state.failing_since.get_or_insert(now);
         state.last_failure = Some(now);
-        now.saturating_duration_since(state.last_ok)
+        (now.saturating_duration_since(state.last_ok), first)
     }
 
     /// Whether the store answered this node without a failure since `start`.
@@ -68,8 +69,8 @@ mod tests {
         let t0 = Instant::now();
         let contact = Contact::new(t0);
         assert_eq!(contact.succeeded(t0 + Duration::from_secs(1)), None);
-        assert_eq!(contact.failed(t0 + Duration::from_secs(2)), Duration::from_secs(1));
-        assert_eq!(contact.failed(t0 + Duration::from_secs(5)), Duration::from_secs(4));
+        assert_eq!(contact.failed(t0 + Duration::from_secs(2)), (Duration::from_secs(1), true));
+        assert_eq!(contact.failed(t0 + Duration::from_secs(5)), (Duration::from_secs(4), false));
         assert_eq!(contact.succeeded(t0 + Duration::from_secs(6)), Some(Duration::from_secs(5)));
         assert_eq!(contact.succeeded(t0 + Duration::from_secs(7)), None);
     }

@@ -59,9 +59,14 @@ pub(crate) fn spawn_heartbeats<S: RendezvousStore>(context: RoundContext<S>, ran
                 }
                 Err(err) => {
                     conn = None; // a timed-out request leaves the connection unusable
-                    let silent_for = contact.failed(Instant::now());
-                    if silent_for < settings.keep_alive_interval * 2 {
-                        tracing::warn!(round, rank, "heartbeat to the rendezvous store failed: {err}; retrying");
+                    let (silent_for, first) = contact.failed(Instant::now());
+                    if first {
+                        tracing::warn!(
+                            round,
+                            rank,
+                            "heartbeat to the rendezvous store at {} failed: {err}; retrying",
+                            store.describe()
+                        );
                     }
                     if silent_for >= outage_limit && !reported {
                         reported = true;

@@ -1,0 +1,185 @@
+"""The etcd v3 backend end to end: real agents and workers on a real 3-member etcd cluster
+(tests/etcd_cluster.py), through leader loss, a member gone for good, the whole cluster down,
+a stopped agent, and bad input."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agents import agent, finish_all, rounds_of, wait_round
+from conftest import marked_processes
+from etcd_cluster import EtcdCluster
+from test_run import WORKERS, assert_nothing_left, starts
+
+# A node is lost after 2 s without a heartbeat; short last calls.
+FAST = (
+    "keep_alive_interval=250ms,keep_alive_max_attempt=8,heartbeat_timeout=2s,last_call_timeout=500ms,join_timeout=60s"
+)
+LOOP = os.path.join(WORKERS, "elastic_loop.py")
+RUN_ID = "etcdjob"
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (Debian package etcd-server; .ci/run installs it)")
+    data = tmp_path / "etcd"
+    data.mkdir()
+    cluster = EtcdCluster(data)
+    yield cluster
+    cluster.close()
+
+
+def etcd_args(nnodes, endpoints, addr, conf=FAST, script=LOOP):
+    return [
+        *("run", "--nnodes", nnodes, "--nproc-per-node", 1, "--rdzv-backend", "etcd"),
+        *("--rdzv-endpoint", endpoints, "--rdzv-id", RUN_ID, "--local-addr", addr),
+        *("--max-restarts", 3, "--rdzv-conf", conf, script),
+    ]
+
+
+def nodes(tmp_path, marker, nnodes, endpoints, addrs, conf=FAST):
+    return [agent(tmp_path, marker, f"n{i}", *etcd_args(nnodes, endpoints, f"127.0.0.{i}", conf)) for i in addrs]
+
+
+def restarts_in(out_dir, round_):
+    return {r["restart"] for r in starts(out_dir) if r["round"] == round_}
+
+
+def test_a_two_node_job_completes_and_a_third_node_joins(tmp_path, marker, etcd):
+    agents = nodes(tmp_path, marker, "1:3", etcd.endpoints, (1, 2))
+    two = wait_round(tmp_path, 2)
+    agents += nodes(tmp_path, marker, "1:3", etcd.endpoints, (3,))
+    three = wait_round(tmp_path, 3, after=two, what="the job re-formed with the third node")
+    assert restarts_in(tmp_path, three) == {0}, "a membership change spends no restart"
+    finish_all(tmp_path, agents, marker)
+    outside = [key for key in etcd.keys() if not key.startswith(f"/elastix/rdzv/{RUN_ID}/".encode())]
+    assert outside == [], "nothing is written outside the run's prefix"
+
+
+def test_the_leader_lost_mid_rendezvous_and_mid_run_costs_no_restart(tmp_path, marker, etcd):
+    first = nodes(tmp_path, marker, 2, etcd.endpoints, (1,))
+    time.sleep(0.5)  # node 1 has joined and waits for node 2
+    leader = etcd.leader()
+    etcd.kill(leader)
+    agents = first + nodes(tmp_path, marker, 2, etcd.endpoints, (2,))
+    formed = wait_round(tmp_path, 2, what="the round formed across the leader change")
+    etcd.start(leader)  # back, as a follower
+    etcd.wait_healthy()
+    etcd.kill(etcd.leader())
+    time.sleep(3)  # longer than a node takes to count as lost: nobody may be
+    assert rounds_of(tmp_path, 2) == [formed], starts(tmp_path)
+    finish_all(tmp_path, agents, marker)
+    assert {r["restart"] for r in starts(tmp_path)} == {0}
+
+
+def test_the_job_completes_with_one_member_gone_for_good(tmp_path, marker, etcd):
+    etcd.kill(0)  # still listed first
+    agents = nodes(tmp_path, marker, 2, etcd.endpoints, (1, 2))
+    wait_round(tmp_path, 2)
+    finish_all(tmp_path, agents, marker)
+
+
+def test_with_every_member_down_the_workers_keep_running_until_etcd_returns(tmp_path, marker, etcd):
+    agents = nodes(tmp_path, marker, 2, etcd.endpoints, (1, 2))
+    formed = wait_round(tmp_path, 2)
+    workers = [r["pid"] for r in starts(tmp_path) if r["round"] == formed]
+    for i in range(3):
+        etcd.kill(i)
+    time.sleep(4)  # twice the node-lost window
+    assert all(pid in marked_processes(marker) for pid in workers), "the workers kept running"
+    assert "etcd at 127.0.0.1:" in agents[0].output(), agents[0].output()
+    for i in range(3):
+        etcd.start(i)
+    etcd.wait_healthy()
+    time.sleep(1)
+    assert rounds_of(tmp_path, 2) == [formed], "no re-form: no node was lost"
+    finish_all(tmp_path, agents, marker)
+
+
+def test_with_every_member_down_past_the_join_timeout_the_agents_stop_with_a_clear_error(tmp_path, marker, etcd):
+    conf = FAST.replace("join_timeout=60s", "join_timeout=3s")
+    agents = nodes(tmp_path, marker, 2, etcd.endpoints, (1, 2), conf)
+    wait_round(tmp_path, 2)
+    for i in range(3):
+        etcd.kill(i)
+    for a in agents:
+        assert a.finish(timeout=40) == 1, a.output()
+        assert "etcd at 127.0.0.1:" in a.output() and "did not answer" in a.output(), a.output()
+    assert_nothing_left(marker)
+
+
+def test_a_node_whose_agent_is_stopped_past_its_ttl_is_dropped(tmp_path, marker, etcd):
+    conf = FAST.replace("keep_alive_interval=250ms,keep_alive_max_attempt=8,", "lease_ttl=2s,")
+    agents = nodes(tmp_path, marker, "2:3", etcd.endpoints, (1, 2, 3), conf)
+    three = wait_round(tmp_path, 3)
+    agents[2].proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_round(tmp_path, 2, after=three, what="the others re-forming without the stopped node")
+    finally:
+        agents[2].proc.send_signal(signal.SIGCONT)
+    finish_all(tmp_path, agents, marker)
+
+
+def test_an_unreachable_endpoint_list_is_a_clear_error_within_the_join_timeout(tmp_path, marker):
+    from conftest import closed_port
+
+    holders = [closed_port(), closed_port()]
+    endpoints = ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in holders)
+    conf = FAST.replace("join_timeout=60s", "join_timeout=2s")
+    started = time.monotonic()
+    (a,) = nodes(tmp_path, marker, 2, endpoints, (1,), conf)
+    assert a.finish(timeout=60) == 1, a.output()
+    assert time.monotonic() - started < 30
+    assert f"etcd at {endpoints}" in a.output() and "did not answer" in a.output(), a.output()
+    for s in holders:
+        s.close()
+
+
+def test_an_endpoint_that_is_not_etcd_is_a_clear_error(tmp_path, marker, rdzv_port):
+    conf = FAST.replace("join_timeout=60s", "join_timeout=2s")
+    (a,) = nodes(tmp_path, marker, 2, f"127.0.0.1:{rdzv_port}", (1,), conf)
+    assert a.finish(timeout=60) == 1, a.output()
+    assert f"etcd at 127.0.0.1:{rdzv_port}" in a.output(), a.output()
+
+
+@pytest.mark.parametrize(
+    "conf,needle",
+    [
+        ("protocol=https,cacert=/nonexistent/ca.pem", "cacert=/nonexistent/ca.pem: cannot read it"),
+        ("protocol=https,cacert=/etc/hostname", "cacert=/etc/hostname: not a PEM file"),
+        ("cacert=/etc/hostname", "cacert needs protocol=https"),
+        ("protocol=ftp", 'protocol="ftp": use http or https'),
+        ("lease_ttl=2s,keep_alive_interval=1s", "give one or the other"),
+    ],
+)
+def test_bad_tls_and_conf_are_clear_errors(tmp_path, marker, conf, needle):
+    (a,) = nodes(tmp_path, marker, 2, "127.0.0.1:2379", (1,), conf)
+    assert a.finish(timeout=30) != 0
+    assert needle in a.output(), a.output()
+
+
+def test_a_prefix_holding_foreign_keys_is_refused_and_left_alone(tmp_path, marker, etcd):
+    etcd.put(f"/elastix/rdzv/{RUN_ID}/somebody-else".encode(), b"theirs")
+    before = sorted(etcd.keys())
+    (a,) = nodes(tmp_path, marker, 2, etcd.endpoints, (1,))
+    assert a.finish(timeout=30) != 0
+    assert "not an elastix rendezvous" in a.output(), a.output()
+    assert sorted(etcd.keys()) == before
+
+
+def test_etcd_v2_is_refused_with_the_reason(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "elastix", "run", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h:2379", LOOP],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2 and "v2 API is off by default since etcd 3.4" in out.stderr
