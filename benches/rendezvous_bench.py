@@ -6,6 +6,13 @@ each with its own TCPStore client, as threads split over two processes, against 
 TCPStore server; min_nodes = max_nodes = N, as in reference/baselines.md.
 
     python benches/rendezvous_bench.py [--nodes 16 128 1024] [--torch-max-nodes 128]
+
+`--backend etcd`: the same round on a 3-member etcd cluster on loopback (Debian's etcd-server,
+started here in a temporary directory), next to the c10d backend, with the etcd requests each
+node sent. "own clients" gives every node its own etcd client (its own connections, as
+separate machines would); "shared client" has them share one, which leaves out the cost of
+opening thousands of connections on one machine. torch's etcd rendezvous needs python-etcd and
+an etcd started with --enable-v2; it is not run here.
 """
 
 from __future__ import annotations
@@ -47,11 +54,42 @@ print(max(finished), flush=True)
 """
 
 
-def elastix_round(nodes: int) -> float:
+def elastix_bench(nodes: int, *extra: str) -> dict:
     if not os.path.exists(BENCH):
         subprocess.run(["cargo", "build", "--release", "-p", "elastix-rdzv-bench"], cwd=REPO, check=True)
-    out = subprocess.run([BENCH, "--nodes", str(nodes)], capture_output=True, text=True, check=True, timeout=600)
-    return json.loads(out.stdout)["seconds"]
+    out = subprocess.run(
+        [BENCH, "--nodes", str(nodes), *extra], capture_output=True, text=True, check=True, timeout=600
+    )
+    return json.loads(out.stdout)
+
+
+def elastix_round(nodes: int) -> float:
+    return elastix_bench(nodes)["seconds"]
+
+
+def etcd_main(node_counts: list[int]) -> None:
+    import tempfile
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from etcd_cluster import EtcdCluster
+
+    with tempfile.TemporaryDirectory() as data:
+        cluster = EtcdCluster(data)
+        try:
+            print(
+                f"{'nodes':>6} | {'c10d s':>8} | {'etcd s, own clients':>20} | {'etcd s, shared client':>22} | requests/node"
+            )
+            for nodes in node_counts:
+                c10d = elastix_round(nodes)
+                own = elastix_bench(nodes, "--etcd", cluster.endpoints)
+                shared = elastix_bench(nodes, "--etcd", cluster.endpoints, "--shared-client")
+                print(
+                    f"{nodes:>6} | {c10d:>8.3f} | {own['seconds']:>20.3f} | {shared['seconds']:>22.3f} | "
+                    f"{own['requests_per_node']:.1f}",
+                    flush=True,
+                )
+        finally:
+            cluster.close()
 
 
 def torch_round(nodes: int, use_libuv: bool) -> float:
@@ -103,7 +141,11 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[16, 128, 1024])
     parser.add_argument("--torch-max-nodes", type=int, default=128, help="skip torch above this (it is slow)")
     parser.add_argument("--torch-libuv", action="store_true", help="torch's store on its libuv server")
+    parser.add_argument("--backend", choices=["c10d", "etcd"], default="c10d")
     args = parser.parse_args()
+    if args.backend == "etcd":
+        etcd_main(args.nodes)
+        return
     try:
         import torch  # noqa: F401
 

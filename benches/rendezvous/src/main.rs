@@ -1,15 +1,18 @@
 //! `elastix-rdzv-bench --nodes N`: N rendezvous handlers (simulated nodes), each with its own
 //! store connections, join one round against one store; prints how long until every node
 //! has its rank, as JSON. The store is an elastix server in this process (own runtime) unless
-//! `--endpoint host:port` names another one (a torch TCPStore, say).
+//! `--endpoint host:port` names another one (a torch TCPStore, say), or `--etcd` an etcd
+//! cluster.
 
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use elastix_core::rendezvous::etcd_store::EtcdRendezvousStore;
 use elastix_core::rendezvous::keys::run_prefix;
-use elastix_core::rendezvous::store::TcpRendezvousStore;
+use elastix_core::rendezvous::store::{RendezvousStore, TcpRendezvousStore};
 use elastix_core::rendezvous::{DynamicRendezvous, RendezvousSettings};
 use elastix_core::store::{BackgroundServer, ConnectOptions, ServerConfig};
+use elastix_etcd::{EtcdClient, EtcdOptions};
 
 #[derive(Parser)]
 struct Args {
@@ -19,6 +22,14 @@ struct Args {
     /// Use this store instead of an in-process elastix server.
     #[arg(long)]
     endpoint: Option<String>,
+    /// Run on this etcd cluster (`host:port,...`) instead of a TCP store; each node has its
+    /// own client, and the etcd requests per node are printed too.
+    #[arg(long)]
+    etcd: Option<String>,
+    /// With --etcd: nodes share one client (one HTTP/2 connection per member) instead of one
+    /// each, to tell the cost of the protocol from that of opening thousands of connections.
+    #[arg(long)]
+    shared_client: bool,
     /// Worker threads of the nodes' runtime.
     #[arg(long, default_value_t = 2)]
     threads: usize,
@@ -26,6 +37,14 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(args.threads).enable_all().build().expect("runtime");
+    if let Some(endpoints) = &args.etcd {
+        let (seconds, requests) = runtime.block_on(etcd_round(args.nodes, endpoints, args.shared_client));
+        let per_node = requests as f64 / f64::from(args.nodes);
+        println!(r#"{{"nodes": {}, "seconds": {seconds:.4}, "requests_per_node": {per_node:.2}}}"#, args.nodes);
+        return;
+    }
     let server = match args.endpoint {
         None => Some(BackgroundServer::start(&ServerConfig::default(), 1).expect("start the store")),
         Some(_) => None,
@@ -38,38 +57,78 @@ fn main() {
         (None, Some(server)) => ("127.0.0.1".to_owned(), server.port()),
         (None, None) => unreachable!(),
     };
-    let runtime =
-        tokio::runtime::Builder::new_multi_thread().worker_threads(args.threads).enable_all().build().expect("runtime");
     let run_id = format!("bench-{}-{}", args.nodes, std::process::id());
     let seconds = runtime.block_on(async {
-        let mut settings = RendezvousSettings::new(&run_id, args.nodes, args.nodes).expect("settings");
-        settings.join_timeout = Duration::from_secs(300);
-        settings.local_addr = Some("127.0.0.1".to_owned());
         let prefix = run_prefix(&run_id);
-        let start = Instant::now();
-        let tasks: Vec<_> = (0..args.nodes)
-            .map(|_| {
-                let options = ConnectOptions::new(host.clone(), port, Some(Duration::from_secs(60)));
-                let store = TcpRendezvousStore::new(options, prefix.clone(), Duration::from_secs(60));
-                let mut node = DynamicRendezvous::new(store, settings.clone(), prefix.clone()).expect("handler");
-                tokio::spawn(async move {
-                    let info = node.next_rendezvous().await.expect("rendezvous");
-                    (node, info)
-                })
-            })
-            .collect();
-        let mut nodes = Vec::with_capacity(tasks.len());
-        for task in tasks {
-            nodes.push(task.await.expect("node task"));
-        }
-        let elapsed = start.elapsed().as_secs_f64();
-        let mut ranks: Vec<u32> = nodes.iter().map(|(_, info)| info.rank).collect();
-        ranks.sort();
-        assert_eq!(ranks, (0..args.nodes).collect::<Vec<_>>(), "every node has a distinct rank");
-        for (node, _) in &mut nodes {
-            node.shutdown();
-        }
-        elapsed
+        let stores = (0..args.nodes).map(|_| {
+            let options = ConnectOptions::new(host.clone(), port, Some(Duration::from_secs(60)));
+            TcpRendezvousStore::new(options, prefix.clone(), Duration::from_secs(60))
+        });
+        one_round(&run_id, args.nodes, stores.collect()).await
     });
     println!(r#"{{"nodes": {}, "seconds": {seconds:.4}}}"#, args.nodes);
+}
+
+fn settings(run_id: &str, nodes: u32) -> RendezvousSettings {
+    let mut settings = RendezvousSettings::new(run_id, nodes, nodes).expect("settings");
+    settings.join_timeout = Duration::from_secs(300);
+    settings.local_addr = Some("127.0.0.1".to_owned());
+    settings
+}
+
+/// Every node joins one round at once; seconds until the last has its rank.
+async fn one_round<S: RendezvousStore>(run_id: &str, nodes: u32, stores: Vec<S>) -> f64 {
+    let settings = settings(run_id, nodes);
+    let prefix = run_prefix(run_id);
+    let start = Instant::now();
+    let tasks: Vec<_> = stores
+        .into_iter()
+        .map(|store| {
+            let mut node = DynamicRendezvous::new(store, settings.clone(), prefix.clone()).expect("handler");
+            tokio::spawn(async move {
+                let info = node.next_rendezvous().await.expect("rendezvous");
+                (node, info)
+            })
+        })
+        .collect();
+    let mut joined = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        joined.push(task.await.expect("node task"));
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let mut ranks: Vec<u32> = joined.iter().map(|(_, info)| info.rank).collect();
+    ranks.sort();
+    assert_eq!(ranks, (0..nodes).collect::<Vec<_>>(), "every node has a distinct rank");
+    for (node, _) in &mut joined {
+        node.shutdown();
+    }
+    elapsed
+}
+
+/// One round on etcd, and the etcd requests it took.
+async fn etcd_round(nodes: u32, endpoints: &str, shared_client: bool) -> (f64, u64) {
+    let run_id = format!("bench-{nodes}-{}", std::process::id());
+    let prefix = format!("/elastix/rdzv/{run_id}/");
+    let sites: Vec<(String, u16)> = endpoints
+        .split(',')
+        .map(|endpoint| {
+            let (host, port) = endpoint.rsplit_once(':').expect("--etcd host:port,...");
+            (host.to_owned(), port.parse().expect("a port number"))
+        })
+        .collect();
+    let options = EtcdOptions {
+        endpoints: endpoints.split(',').map(str::to_owned).collect(),
+        tls: None,
+        patience: Duration::from_secs(30),
+    };
+    let shared = EtcdClient::new(&options).expect("etcd client");
+    let stores = (0..nodes)
+        .map(|_| {
+            let client = if shared_client { shared.clone() } else { EtcdClient::new(&options).expect("etcd client") };
+            EtcdRendezvousStore::new(client, sites.clone(), prefix.clone())
+        })
+        .collect();
+    let before = elastix_etcd::requests_sent();
+    let seconds = one_round(&run_id, nodes, stores).await;
+    (seconds, elastix_etcd::requests_sent() - before)
 }

@@ -5,6 +5,7 @@
 //! away) is retried with backoff until the client's patience runs out, then reported with the
 //! endpoints it was sent to.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,6 +55,22 @@ pub struct EtcdClient {
     endpoints: Arc<str>,
     patience: Duration,
 }
+
+/// Requests sent by every client of this process (unary attempts and watches opened), for
+/// benchmarks that report the cost of a rendezvous in etcd requests.
+static REQUESTS: AtomicU64 = AtomicU64::new(0);
+
+pub fn requests_sent() -> u64 {
+    REQUESTS.load(Ordering::Relaxed)
+}
+
+pub(crate) fn count_request() {
+    REQUESTS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// etcd refuses transactions of more operations than this (its `--max-txn-ops` default):
+/// batches of reads or writes are split.
+pub const MAX_TXN_OPS: usize = 128;
 
 /// Bound on one attempt of a unary request.
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -117,6 +134,31 @@ impl EtcdClient {
         Ok((response.kvs.into_iter().next().map(|kv| kv.value), revision))
     }
 
+    /// Writes `key` once more and returns how many times it has been written since it was
+    /// created (its version): a counter that needs no read-modify-write.
+    pub async fn put_counted(&self, key: &[u8]) -> Result<i64, EtcdError> {
+        let request = PutRequest { key: key.to_vec(), prev_kv: true, ..Default::default() };
+        let response = self
+            .retry(|mut kv| {
+                let request = request.clone();
+                async move { kv.put(request).await }
+            })
+            .await?;
+        Ok(response.prev_kv.map_or(0, |previous| previous.version) + 1)
+    }
+
+    /// How many times `key` has been written since it was created (0 if it does not exist).
+    pub async fn version(&self, key: &[u8]) -> Result<i64, EtcdError> {
+        let request = RangeRequest { key: key.to_vec(), keys_only: true, ..Default::default() };
+        let response: RangeResponse = self
+            .retry(|mut kv| {
+                let request = request.clone();
+                async move { kv.range(request).await }
+            })
+            .await?;
+        Ok(response.kvs.first().map_or(0, |kv| kv.version))
+    }
+
     pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<(), EtcdError> {
         let request = PutRequest { key: key.to_vec(), value: value.to_vec(), ..Default::default() };
         self.retry(|mut kv| {
@@ -158,6 +200,7 @@ impl EtcdClient {
         loop {
             // a cluster with no member up leaves a request pending, not failed: bound each try
             let bound = ATTEMPT_TIMEOUT.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+            count_request();
             let outcome = tokio::time::timeout(bound.max(Duration::from_millis(50)), request(self.kv.clone())).await;
             let status = match outcome {
                 Ok(Ok(response)) => return Ok(response.into_inner()),

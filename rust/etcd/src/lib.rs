@@ -5,7 +5,7 @@
 mod client;
 mod watch;
 
-pub use client::{put_op, range_op, EtcdClient, EtcdError, EtcdOptions, TlsFiles};
+pub use client::{put_op, range_op, requests_sent, EtcdClient, EtcdError, EtcdOptions, TlsFiles, MAX_TXN_OPS};
 
 /// The generated API. Only the client side is built.
 #[allow(clippy::all, missing_docs)]

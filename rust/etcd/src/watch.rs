@@ -9,24 +9,30 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::client::{describe, passes, range_op, EtcdClient, EtcdError};
+use crate::client::{count_request, describe, passes, range_op, EtcdClient, EtcdError, MAX_TXN_OPS};
 use crate::pb::etcdserverpb::response_op::Response;
 use crate::pb::etcdserverpb::watch_request::RequestUnion;
 use crate::pb::etcdserverpb::{TxnRequest, WatchCreateRequest, WatchRequest};
 use crate::pb::mvccpb::event::EventType;
 
 impl EtcdClient {
-    /// Which of `keys` exist, and the revision of that reading (one request).
+    /// Which of `keys` exist, and the revision of the reading (one request per
+    /// [`MAX_TXN_OPS`] keys; the first revision, so that a watch from it misses nothing).
     pub async fn existing(&self, keys: &[Vec<u8>]) -> Result<(Vec<bool>, i64), EtcdError> {
-        let request = TxnRequest { success: keys.iter().map(|key| range_op(key)).collect(), ..Default::default() };
-        let response = self.txn(request).await?;
-        let revision = response.header.map_or(0, |header| header.revision);
-        let found = response
-            .responses
-            .into_iter()
-            .map(|op| matches!(op.response, Some(Response::ResponseRange(range)) if !range.kvs.is_empty()))
-            .collect();
-        Ok((found, revision))
+        let mut found = Vec::with_capacity(keys.len());
+        let mut revision = None;
+        for batch in keys.chunks(MAX_TXN_OPS) {
+            let request = TxnRequest { success: batch.iter().map(|key| range_op(key)).collect(), ..Default::default() };
+            let response = self.txn(request).await?;
+            revision.get_or_insert(response.header.map_or(0, |header| header.revision));
+            found.extend(
+                response
+                    .responses
+                    .into_iter()
+                    .map(|op| matches!(op.response, Some(Response::ResponseRange(range)) if !range.kvs.is_empty())),
+            );
+        }
+        Ok((found, revision.unwrap_or(0)))
     }
 
     /// Blocks until every key exists (`true`) or `timeout` passes (`false`).
@@ -61,6 +67,7 @@ impl EtcdClient {
             let _ = requests.try_send(request);
         }
         let mut client = self.watch_client();
+        count_request();
         let mut stream = match tokio::time::timeout(self.patience(), client.watch(ReceiverStream::new(receiver))).await
         {
             Ok(Ok(stream)) => stream.into_inner(),

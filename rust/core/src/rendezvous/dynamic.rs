@@ -385,7 +385,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         self.with_conn(async |conn| {
             if let Some(size) = previous_size {
                 let previous = to - 1;
-                let late = conn.add(&Keys::waiting(previous), 0).await? + conn.add(&Keys::spares(previous), 0).await?;
+                let late = conn.tally(&Keys::waiting(previous)).await? + conn.tally(&Keys::spares(previous)).await?;
                 let expected = (i64::from(size) + late).min(i64::from(max));
                 if expected >= i64::from(min) {
                     // first writer wins, so joiners never see the expectation change
@@ -413,8 +413,8 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         tracing::info!(round, spare, "arrived after the round formed; waiting for the next round");
         self.with_conn(async |conn| {
             if spare {
-                conn.add(&Keys::spares(round), 1).await?;
-            } else if conn.add(&Keys::waiting(round), 1).await? == 1 {
+                conn.count_up(&Keys::spares(round)).await?;
+            } else if conn.count_up(&Keys::waiting(round)).await? == 1 {
                 events::publish(conn, &Event::Waiting { v: FORMAT_VERSION, round, node }).await?;
             }
             loop {
@@ -544,7 +544,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     /// Late nodes waiting for the current round to re-form with them (torch's wait list).
     pub async fn num_nodes_waiting(&mut self) -> Result<u32> {
         let Some(round) = self.current.as_ref().map(|m| m.round) else { return Ok(0) };
-        let waiting = self.with_conn(async |conn| conn.add(&Keys::waiting(round), 0).await).await?;
+        let waiting = self.with_conn(async |conn| conn.tally(&Keys::waiting(round)).await).await?;
         Ok(waiting.max(0) as u32)
     }
 
@@ -606,7 +606,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         let Some(round) = round else { return self.restart_count().await };
         let restarts = self
             .with_conn(async |conn| {
-                let reports = conn.add(&Keys::failures(round), 1).await?;
+                let reports = conn.count_up(&Keys::failures(round)).await?;
                 conn.add(Keys::RESTARTS, i64::from(reports == 1)).await
             })
             .await?;

@@ -3,6 +3,8 @@
 //! survives the loss of any minority of its members, and no agent is special.
 //!
 //! * `compare_set` and `add` are transactions guarded by the key's value (or its absence);
+//!   tallies (arrivals, events, heartbeats) are the key's version, one write each, so a
+//!   thousand nodes arriving at once do not race on a value;
 //! * `wait` is a read, then a watch from the revision after it (nothing written in between is
 //!   missed), never polling;
 //! * reads of several keys are one transaction.
@@ -15,7 +17,7 @@ use bytes::Bytes;
 use elastix_etcd::pb::etcdserverpb::compare::{CompareResult, CompareTarget, TargetUnion};
 use elastix_etcd::pb::etcdserverpb::response_op::Response;
 use elastix_etcd::pb::etcdserverpb::{Compare, RangeRequest, TxnRequest};
-use elastix_etcd::{put_op, range_op, EtcdClient, EtcdError};
+use elastix_etcd::{put_op, range_op, EtcdClient, EtcdError, MAX_TXN_OPS};
 
 use super::error::{RendezvousError, Result};
 use super::store::{RendezvousStore, StoreConn};
@@ -139,19 +141,18 @@ impl EtcdConn {
         etcd_error(err, &self.client)
     }
 
-    /// Reads `keys` in one transaction: `None` for a missing one.
+    /// Reads `keys`, a transaction per [`MAX_TXN_OPS`]: `None` for a missing one.
     async fn read(&self, keys: &[String]) -> Result<Vec<Option<Vec<u8>>>> {
-        let request =
-            TxnRequest { success: keys.iter().map(|key| range_op(&self.key(key))).collect(), ..Default::default() };
-        let response = self.client.txn(request).await.map_err(|err| self.error(err))?;
-        Ok(response
-            .responses
-            .into_iter()
-            .map(|op| match op.response {
+        let mut values = Vec::with_capacity(keys.len());
+        for batch in keys.chunks(MAX_TXN_OPS) {
+            let success = batch.iter().map(|key| range_op(&self.key(key))).collect();
+            let response = self.client.txn(TxnRequest { success, ..Default::default() }).await;
+            values.extend(response.map_err(|err| self.error(err))?.responses.into_iter().map(|op| match op.response {
                 Some(Response::ResponseRange(range)) => range.kvs.into_iter().next().map(|kv| kv.value),
                 _ => None,
-            })
-            .collect())
+            }));
+        }
+        Ok(values)
     }
 
     /// Writes `desired` if `key` holds `current` (`None`: if it is missing); whether it did,
@@ -215,14 +216,30 @@ impl StoreConn for EtcdConn {
         )))
     }
 
+    /// One write, no race: the count is the key's version (writes since it was created),
+    /// which etcd assigns in order.
+    async fn count_up(&mut self, key: &str) -> Result<i64> {
+        let key = self.key(key);
+        self.client.put_counted(&key).await.map_err(|err| self.error(err))
+    }
+
+    async fn tally(&mut self, key: &str) -> Result<i64> {
+        let key = self.key(key);
+        self.client.version(&key).await.map_err(|err| self.error(err))
+    }
+
     async fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
         let key = self.key(key);
         self.client.put(&key, value).await.map_err(|err| self.error(err))
     }
 
+    /// A transaction per [`MAX_TXN_OPS`] pairs: callers publish what the writes mean (a seal)
+    /// with a write of their own afterwards, so the batches need not be one.
     async fn multi_set(&mut self, pairs: &[(String, Vec<u8>)]) -> Result<()> {
-        let success = pairs.iter().map(|(key, value)| put_op(&self.key(key), value)).collect();
-        self.client.txn(TxnRequest { success, ..Default::default() }).await.map_err(|err| self.error(err))?;
+        for batch in pairs.chunks(MAX_TXN_OPS) {
+            let success = batch.iter().map(|(key, value)| put_op(&self.key(key), value)).collect();
+            self.client.txn(TxnRequest { success, ..Default::default() }).await.map_err(|err| self.error(err))?;
+        }
         Ok(())
     }
 

@@ -13,13 +13,13 @@ use super::store::StoreConn;
 /// Appends `event` to the log. Producers change the state first and publish after, so a
 /// reader that sees the event also sees the change.
 pub(crate) async fn publish<C: StoreConn>(conn: &mut C, event: &Event) -> Result<()> {
-    let n = conn.add(Keys::EVENTS, 1).await?;
+    let n = conn.count_up(Keys::EVENTS).await?;
     conn.set(&Keys::event(n), &encode(event)).await
 }
 
 /// Number of events published so far; the next one will be `count + 1`.
 pub(crate) async fn count<C: StoreConn>(conn: &mut C) -> Result<i64> {
-    conn.add(Keys::EVENTS, 0).await
+    conn.tally(Keys::EVENTS).await
 }
 
 /// Waits up to `timeout` for event number `n`.

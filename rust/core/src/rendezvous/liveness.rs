@@ -99,7 +99,7 @@ async fn beat<S: RendezvousStore>(
             *conn = Some(store.connect_site(store.active_site(), settings.heartbeat_timeout).await?);
         }
         let conn = conn.as_mut().expect("connected above");
-        let seq = conn.add(&beat_counter(round, rank), 1).await? as u64;
+        let seq = conn.count_up(&beat_counter(round, rank)).await? as u64;
         conn.set(&Keys::heartbeat(round, rank, seq), b"").await?;
         if seq > 2 {
             conn.delete(&Keys::heartbeat(round, rank, seq - 2)).await?;
@@ -155,14 +155,14 @@ async fn watch_neighbour<S: RendezvousStore>(context: &RoundContext<S>, neighbou
         let started = Instant::now();
         let silent = async {
             let counter = beat_counter(round, neighbour);
-            let latest = live.add(&counter, 0).await?;
+            let latest = live.tally(&counter).await?;
             let next = [Keys::heartbeat(round, neighbour, latest as u64 + 1)];
             if live.wait(&next, Some(window)).await? {
                 return Ok::<_, RendezvousError>(false);
             }
             // a beat whose key write was lost (a link that dropped mid-beat) still counted:
             // any later beat shows the neighbour alive
-            Ok(live.add(&counter, 0).await? == latest)
+            Ok(live.tally(&counter).await? == latest)
         };
         match silent.await {
             Ok(false) => continue,

@@ -77,7 +77,7 @@ pub(crate) struct RoundJoin<'a, C> {
 impl<C: StoreConn> RoundJoin<'_, C> {
     pub async fn run(mut self) -> Result<JoinOutcome> {
         let r = self.round;
-        let arrival = (self.conn.add(&Keys::joined(r), 1).await? - 1) as u64;
+        let arrival = (self.conn.count_up(&Keys::joined(r)).await? - 1) as u64;
         let record = Arrival { v: FORMAT_VERSION, node: Some(self.node.clone()) };
         self.conn.set(&Keys::arrival(r, arrival), &encode(&record)).await?;
         let claim = match self.await_claim(arrival).await {
@@ -144,7 +144,7 @@ impl<C: StoreConn> RoundJoin<'_, C> {
                 continue;
             }
             // last call over: the round starts with everyone who has arrived
-            let count = self.conn.add(&Keys::joined(self.round), 0).await? as u64;
+            let count = self.conn.tally(&Keys::joined(self.round)).await? as u64;
             self.try_claim(Claim { cutoff: count.min(max), claimer: arrival }).await?;
         }
     }
@@ -218,7 +218,7 @@ impl<C: StoreConn> RoundJoin<'_, C> {
     /// How many nodes have arrived, and the names of the first [`NAMED_IN_ERRORS`].
     async fn arrivals(&mut self) -> (u64, Vec<String>) {
         let r = self.round;
-        let arrived = self.conn.add(&Keys::joined(r), 0).await.unwrap_or(0).max(0) as u64;
+        let arrived = self.conn.tally(&Keys::joined(r)).await.unwrap_or(0).max(0) as u64;
         let mut names = Vec::new();
         for i in 0..arrived.min(NAMED_IN_ERRORS) {
             let key = Keys::arrival(r, i);

@@ -87,6 +87,18 @@ pub trait StoreConn: Send + 'static {
     /// Values of keys known to exist.
     fn multi_get(&mut self, keys: &[String]) -> impl Future<Output = Result<Vec<Bytes>>> + Send;
     fn delete(&mut self, key: &str) -> impl Future<Output = Result<bool>> + Send;
+
+    /// Counts one more under `key` and returns the new count. A tally key is only ever
+    /// counted up and read with [`Self::tally`], never set or compared: a store may then keep it
+    /// without a read-modify-write that many nodes would race on (etcd counts writes to it).
+    fn count_up(&mut self, key: &str) -> impl Future<Output = Result<i64>> + Send {
+        self.add(key, 1)
+    }
+
+    /// The count under a tally key (0 before the first).
+    fn tally(&mut self, key: &str) -> impl Future<Output = Result<i64>> + Send {
+        self.add(key, 0)
+    }
     /// False once the connection cannot be used any more (broken, or an operation on it was
     /// abandoned midway); the caller should open a new one.
     fn is_usable(&self) -> bool;
