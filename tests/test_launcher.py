@@ -139,7 +139,7 @@ def test_agent_config_errors_come_from_the_agent_and_name_the_flag():
     cases = [
         (LaunchConfig(3, 2, 1), "--nnodes: need 0 < MIN <= MAX"),
         (LaunchConfig(1, 1, 1, max_restarts=-1), "--max-restarts: invalid value: integer `-1`"),
-        (LaunchConfig(1, 1, 1, rdzv_backend="etcd"), "--rdzv-backend etcd: not available"),
+        (LaunchConfig(1, 1, 1, rdzv_backend="etcd-v2"), "--rdzv-backend etcd-v2: etcd's v2 API is off"),
         (LaunchConfig(1, 1, 1, rdzv_configs={"heartbeat": 10}), 'unknown key "heartbeat"'),
     ]
     for config, needle in cases:
@@ -174,8 +174,8 @@ def test_agent_config_static_and_empty_run_id():
         agent_config(LaunchConfig(1, 1, 1, rdzv_backend="static"), "/bin/true", [])
     with pytest.raises(ValueError, match="rank"):
         agent_config(LaunchConfig(2, 2, 1, rdzv_backend="static", rdzv_endpoint="h:1"), "/bin/true", [])
-    with pytest.raises(ValueError, match="not available in elastix yet"):
-        agent_config(LaunchConfig(1, 1, 1, rdzv_backend="etcd"), "/bin/true", [])
+    with pytest.raises(ValueError, match="v2 API is off by default"):
+        agent_config(LaunchConfig(1, 1, 1, rdzv_backend="etcd-v2"), "/bin/true", [])
 
 
 def test_entrypoint_name():

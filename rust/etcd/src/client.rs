@@ -1,11 +1,12 @@
 //! Connecting to an etcd cluster and its unary requests.
 //!
-//! One tonic channel balances over every listed endpoint and reconnects on its own; a request
-//! that fails for a reason that passes (no leader during an election, a member that just went
-//! away) is retried with backoff until the client's patience runs out, then reported with the
-//! endpoints it was sent to.
+//! Requests go to one member at a time (each member's channel reconnects on its own); one that
+//! fails for a reason that passes (no leader during an election, a member that went away)
+//! moves the client to the next member and is retried with backoff until the client's patience
+//! runs out, then reported with the endpoints it was sent to. (A balancing channel would keep
+//! sending a share of the requests to a dead member, each one failing to connect.)
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,8 +51,10 @@ pub struct EtcdOptions {
 
 #[derive(Clone)]
 pub struct EtcdClient {
-    kv: KvClient<Channel>,
-    watch: WatchClient<Channel>,
+    /// One channel per member, in the order given.
+    members: Arc<[Channel]>,
+    /// The member requests go to; moved on when it fails.
+    current: Arc<AtomicUsize>,
     endpoints: Arc<str>,
     patience: Duration,
 }
@@ -100,10 +103,11 @@ impl EtcdClient {
             }
             endpoints.push(built);
         }
-        let channel = Channel::balance_list(endpoints.into_iter());
+        // a client started at once by every node should not all pick the same member first
+        let first = std::process::id() as usize % endpoints.len();
         Ok(EtcdClient {
-            kv: KvClient::new(channel.clone()),
-            watch: WatchClient::new(channel),
+            members: endpoints.into_iter().map(|endpoint| endpoint.connect_lazy()).collect(),
+            current: Arc::new(AtomicUsize::new(first)),
             endpoints: options.endpoints.join(",").into(),
             patience: options.patience,
         })
@@ -113,8 +117,22 @@ impl EtcdClient {
         &self.endpoints
     }
 
-    pub(crate) fn watch_client(&self) -> WatchClient<Channel> {
-        self.watch.clone()
+    /// The member to ask now, and its number (for [`Self::failed`]).
+    fn member(&self) -> (usize, Channel) {
+        let index = self.current.load(Ordering::Relaxed) % self.members.len();
+        (index, self.members[index].clone())
+    }
+
+    /// Member `index` failed a request: the next one gets the following requests (unless
+    /// another request moved on already).
+    pub(crate) fn failed(&self, index: usize) {
+        let next = (index + 1) % self.members.len();
+        let _ = self.current.compare_exchange(index, next, Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    pub(crate) fn watch_client(&self) -> (usize, WatchClient<Channel>) {
+        let (index, channel) = self.member();
+        (index, WatchClient::new(channel))
     }
 
     pub(crate) fn patience(&self) -> Duration {
@@ -201,7 +219,9 @@ impl EtcdClient {
             // a cluster with no member up leaves a request pending, not failed: bound each try
             let bound = ATTEMPT_TIMEOUT.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
             count_request();
-            let outcome = tokio::time::timeout(bound.max(Duration::from_millis(50)), request(self.kv.clone())).await;
+            let (member, channel) = self.member();
+            let outcome =
+                tokio::time::timeout(bound.max(Duration::from_millis(50)), request(KvClient::new(channel))).await;
             let status = match outcome {
                 Ok(Ok(response)) => return Ok(response.into_inner()),
                 Ok(Err(status)) if !passes(&status) => {
@@ -210,6 +230,7 @@ impl EtcdClient {
                 Ok(Err(status)) => describe(&status),
                 Err(_) => format!("no answer within {bound:?}"),
             };
+            self.failed(member);
             let now = tokio::time::Instant::now();
             if now >= deadline {
                 return Err(EtcdError::Unavailable {

@@ -66,22 +66,33 @@ impl EtcdClient {
             // the channel holds them all: it was made that large
             let _ = requests.try_send(request);
         }
-        let mut client = self.watch_client();
+        let (member, mut client) = self.watch_client();
         count_request();
-        let mut stream = match tokio::time::timeout(self.patience(), client.watch(ReceiverStream::new(receiver))).await
-        {
+        let mut request = tonic::Request::new(ReceiverStream::new(receiver));
+        // a member cut off from the leader ends the watch instead of keeping it silent
+        request.metadata_mut().insert("hasleader", tonic::metadata::MetadataValue::from_static("true"));
+        let mut stream = match tokio::time::timeout(self.patience(), client.watch(request)).await {
             Ok(Ok(stream)) => stream.into_inner(),
-            Ok(Err(status)) if passes(&status) => return Ok(WatchEnd::Broken(describe(&status))),
+            Ok(Err(status)) if passes(&status) => {
+                self.failed(member);
+                return Ok(WatchEnd::Broken(describe(&status)));
+            }
             Ok(Err(status)) => {
                 return Err(EtcdError::Refused { endpoints: self.endpoints().to_owned(), status: describe(&status) })
             }
-            Err(_) => return Ok(WatchEnd::Broken("the watch did not open in time".into())),
+            Err(_) => {
+                self.failed(member);
+                return Ok(WatchEnd::Broken("the watch did not open in time".into()));
+            }
         };
         loop {
             let response = match stream.message().await {
                 Ok(Some(response)) => response,
                 Ok(None) => return Ok(WatchEnd::Broken("the stream closed".into())),
-                Err(status) => return Ok(WatchEnd::Broken(describe(&status))),
+                Err(status) => {
+                    self.failed(member);
+                    return Ok(WatchEnd::Broken(describe(&status)));
+                }
             };
             if response.canceled {
                 let why = if response.compact_revision > 0 {

@@ -53,6 +53,12 @@ impl Contact {
         (now.saturating_duration_since(state.last_ok), first)
     }
 
+    /// Whether a request of this node succeeded within `recent` of `now`: a store that stalls
+    /// (an election, a stopped host) holds requests before any of them fails.
+    pub fn answered_within(&self, now: Instant, recent: Duration) -> bool {
+        now.saturating_duration_since(self.state().last_ok) <= recent
+    }
+
     /// Whether the store answered this node without a failure since `start`.
     pub fn undisturbed_since(&self, start: Instant) -> bool {
         let state = self.state();
@@ -73,6 +79,16 @@ mod tests {
         assert_eq!(contact.failed(t0 + Duration::from_secs(5)), (Duration::from_secs(4), false));
         assert_eq!(contact.succeeded(t0 + Duration::from_secs(6)), Some(Duration::from_secs(5)));
         assert_eq!(contact.succeeded(t0 + Duration::from_secs(7)), None);
+    }
+
+    #[test]
+    fn a_stall_shows_as_an_old_success_before_any_failure() {
+        let t0 = Instant::now();
+        let contact = Contact::new(t0);
+        assert!(contact.answered_within(t0 + Duration::from_secs(1), Duration::from_secs(1)));
+        assert!(!contact.answered_within(t0 + Duration::from_secs(2), Duration::from_secs(1)));
+        contact.succeeded(t0 + Duration::from_secs(2));
+        assert!(contact.answered_within(t0 + Duration::from_secs(2), Duration::from_secs(1)));
     }
 
     #[test]

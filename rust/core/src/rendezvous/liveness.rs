@@ -168,7 +168,9 @@ async fn watch_neighbour<S: RendezvousStore>(context: &RoundContext<S>, neighbou
             Ok(false) => continue,
             Ok(true) => {
                 let answered_in_time = started.elapsed() <= window + ANSWER_SLACK;
-                if !answered_in_time || !contact.undisturbed_since(started) {
+                // this node's own beats must be going through too
+                let beating = contact.answered_within(Instant::now(), settings.keep_alive_interval * 2 + ANSWER_SLACK);
+                if !answered_in_time || !beating || !contact.undisturbed_since(started) {
                     tracing::debug!(round, neighbour, "no beat while the store itself was unresponsive; not blaming");
                     continue;
                 }
