@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -27,8 +28,43 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+class Tls:
+    """A CA and a server certificate for 127.0.0.1 it signed, made with openssl in `directory`."""
+
+    def __init__(self, directory):
+        self.ca, self.cert, self.key = (
+            os.path.join(directory, name) for name in ("ca.pem", "server.pem", "server.key")
+        )
+        ca_key = os.path.join(directory, "ca.key")
+        csr = os.path.join(directory, "server.csr")
+        ext = os.path.join(directory, "san.ext")
+        with open(ext, "w") as f:
+            f.write("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+        ca_subject = ["-subj", "/CN=elastix test CA", "-addext", "basicConstraints=critical,CA:TRUE"]
+        ca_usage = ["-addext", "keyUsage=critical,keyCertSign,cRLSign"]
+        sign_args = ["-out", self.cert, "-days", "1", "-extfile", ext]
+        for argv in (
+            [
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                ca_key,
+                "-out",
+                self.ca,
+                *ca_subject,
+                *ca_usage,
+            ],
+            ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", self.key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+            ["x509", "-req", "-in", csr, "-CA", self.ca, "-CAkey", ca_key, "-CAcreateserial", *sign_args],
+        ):
+            subprocess.run(["openssl", *argv], check=True, capture_output=True, timeout=60)
+
+
 class EtcdCluster:
-    def __init__(self, data_dir, members: int = 3, extra_args: tuple[str, ...] = ()):
+    def __init__(self, data_dir, members: int = 3, extra_args: tuple[str, ...] = (), tls: Tls | None = None):
         self.etcd = shutil.which("etcd")
         if self.etcd is None:
             raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
@@ -36,7 +72,9 @@ class EtcdCluster:
         self.client_ports, self.peer_ports = ports[:members], ports[members:]
         self.names = [f"m{i}" for i in range(members)]
         self.data_dir = data_dir
-        self.extra_args = extra_args
+        self.tls = tls
+        self.scheme = "https" if tls else "http"
+        self.extra_args = (*extra_args, "--cert-file", tls.cert, "--key-file", tls.key) if tls else extra_args
         self.procs: dict[int, subprocess.Popen | None] = {}
         initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports))
         self._initial = initial
@@ -55,8 +93,8 @@ class EtcdCluster:
             [
                 self.etcd,
                 *("--name", self.names[i], "--data-dir", os.path.join(self.data_dir, self.names[i])),
-                *("--listen-client-urls", f"http://127.0.0.1:{client}"),
-                *("--advertise-client-urls", f"http://127.0.0.1:{client}"),
+                *("--listen-client-urls", f"{self.scheme}://127.0.0.1:{client}"),
+                *("--advertise-client-urls", f"{self.scheme}://127.0.0.1:{client}"),
                 *("--listen-peer-urls", f"http://127.0.0.1:{peer}"),
                 *("--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}"),
                 *("--initial-cluster", self._initial, "--initial-cluster-state", state),
@@ -71,12 +109,13 @@ class EtcdCluster:
     def _call(self, i: int, path: str, body: dict) -> dict | None:
         """etcd's JSON gateway on member i (None if it does not answer)."""
         request = urllib.request.Request(
-            f"http://127.0.0.1:{self.client_ports[i]}/v3/{path}",
+            f"{self.scheme}://127.0.0.1:{self.client_ports[i]}/v3/{path}",
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
         try:
-            with urllib.request.urlopen(request, timeout=5) as response:
+            context = ssl.create_default_context(cafile=self.tls.ca) if self.tls else None
+            with urllib.request.urlopen(request, timeout=5, context=context) as response:
                 return json.load(response)
         except (OSError, ValueError):
             return None

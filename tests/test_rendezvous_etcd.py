@@ -15,7 +15,7 @@ import pytest
 
 from agents import agent, finish_all, rounds_of, wait_round
 from conftest import marked_processes
-from etcd_cluster import EtcdCluster
+from etcd_cluster import EtcdCluster, Tls
 from test_run import WORKERS, assert_nothing_left, starts
 
 # A node is lost after 2 s without a heartbeat; short last calls.
@@ -183,3 +183,25 @@ def test_etcd_v2_is_refused_with_the_reason(tmp_path):
         timeout=30,
     )
     assert out.returncode == 2 and "v2 API is off by default since etcd 3.4" in out.stderr
+
+
+def test_a_job_runs_on_etcd_over_tls_and_a_foreign_ca_is_refused(tmp_path, marker):
+    if shutil.which("etcd") is None or shutil.which("openssl") is None:
+        pytest.skip("needs etcd (Debian etcd-server) and openssl")
+    (tmp_path / "tls").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "etcd").mkdir()
+    tls = Tls(str(tmp_path / "tls"))
+    cluster = EtcdCluster(tmp_path / "etcd", members=1, tls=tls)
+    try:
+        conf = f"{FAST},protocol=https,cacert={tls.ca}"
+        agents = nodes(tmp_path, marker, 2, cluster.endpoints, (1, 2), conf)
+        wait_round(tmp_path, 2)
+        finish_all(tmp_path, agents, marker)
+        stranger = Tls(str(tmp_path / "other")).ca  # signed nothing etcd holds
+        conf = f"{FAST.replace('join_timeout=60s', 'join_timeout=2s')},protocol=https,cacert={stranger}"
+        (a,) = nodes(tmp_path, marker, 2, cluster.endpoints, (3,), conf)
+        assert a.finish(timeout=60) == 1, a.output()
+        assert "etcd at 127.0.0.1:" in a.output() and "did not answer" in a.output(), a.output()
+    finally:
+        cluster.close()
