@@ -3,7 +3,7 @@
 //! the watch. A watch that breaks (its member went away) is opened again from the last
 //! revision seen; one whose start was compacted away is answered by reading the keys again.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
@@ -35,6 +35,26 @@ impl EtcdClient {
         Ok((found, revision.unwrap_or(0)))
     }
 
+    /// The value of `key`, waiting up to `timeout` for it to be written (`None`: it was not).
+    pub async fn wait_for_value(&self, key: &[u8], timeout: Option<Duration>) -> Result<Option<Vec<u8>>, EtcdError> {
+        let waiting = async {
+            loop {
+                let (value, revision) = self.get(key).await?;
+                if value.is_some() {
+                    return Ok(value);
+                }
+                match self.watch_until_created(HashSet::from([key.to_vec()]), revision + 1).await? {
+                    WatchEnd::AllCreated(mut values) => return Ok(values.remove(key)),
+                    WatchEnd::Broken(why) => tracing::debug!(endpoints = self.endpoints(), "etcd watch ended: {why}"),
+                }
+            }
+        };
+        match timeout {
+            None => waiting.await,
+            Some(timeout) => tokio::time::timeout(timeout, waiting).await.unwrap_or(Ok(None)),
+        }
+    }
+
     /// Blocks until every key exists (`true`) or `timeout` passes (`false`).
     pub async fn wait_for_keys(&self, keys: &[Vec<u8>], timeout: Option<Duration>) -> Result<bool, EtcdError> {
         let waiting = async {
@@ -46,7 +66,7 @@ impl EtcdClient {
                     return Ok(true);
                 }
                 match self.watch_until_created(missing, revision + 1).await? {
-                    WatchEnd::AllCreated => return Ok(true),
+                    WatchEnd::AllCreated(_) => return Ok(true),
                     // read again, then watch from the new reading
                     WatchEnd::Broken(why) => tracing::debug!(endpoints = self.endpoints(), "etcd watch ended: {why}"),
                 }
@@ -85,6 +105,7 @@ impl EtcdClient {
                 return Ok(WatchEnd::Broken("the watch did not open in time".into()));
             }
         };
+        let mut created = HashMap::new();
         loop {
             let response = match stream.message().await {
                 Ok(Some(response)) => response,
@@ -105,19 +126,22 @@ impl EtcdClient {
             for event in response.events {
                 if event.r#type == EventType::Put as i32 {
                     if let Some(kv) = event.kv {
-                        missing.remove(&kv.key);
+                        if missing.remove(&kv.key) {
+                            created.insert(kv.key, kv.value);
+                        }
                     }
                 }
             }
             if missing.is_empty() {
                 drop(requests);
-                return Ok(WatchEnd::AllCreated);
+                return Ok(WatchEnd::AllCreated(created));
             }
         }
     }
 }
 
 enum WatchEnd {
-    AllCreated,
+    /// Every key was written; the values they were written with.
+    AllCreated(HashMap<Vec<u8>, Vec<u8>>),
     Broken(String),
 }

@@ -590,10 +590,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         }
         self.with_conn(async |conn| {
             let key = Keys::CLOSED.to_owned();
-            if !conn.check(std::slice::from_ref(&key)).await? {
-                return Ok(None);
-            }
-            Ok(Some(String::from_utf8_lossy(&conn.get(&key).await?).into_owned()))
+            Ok(conn.try_get(&key).await?.map(|reason| String::from_utf8_lossy(&reason).into_owned()))
         })
         .await
     }

@@ -254,6 +254,18 @@ impl StoreConn for EtcdConn {
         }
     }
 
+    /// One read.
+    async fn try_get(&mut self, key: &str) -> Result<Option<Bytes>> {
+        let key = self.key(key);
+        Ok(self.client.get(&key).await.map_err(|err| self.error(err))?.0.map(Bytes::from))
+    }
+
+    /// A read, and if the key is missing a watch whose event carries the value.
+    async fn wait_get(&mut self, key: &str, timeout: Option<Duration>) -> Result<Option<Bytes>> {
+        let key = self.key(key);
+        Ok(self.client.wait_for_value(&key, timeout).await.map_err(|err| self.error(err))?.map(Bytes::from))
+    }
+
     async fn wait(&mut self, keys: &[String], timeout: Option<Duration>) -> Result<bool> {
         let keys: Vec<Vec<u8>> = keys.iter().map(|key| self.key(key)).collect();
         self.client.wait_for_keys(&keys, timeout).await.map_err(|err| self.error(err))

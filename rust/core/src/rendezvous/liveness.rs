@@ -207,8 +207,8 @@ async fn blame<C: StoreConn>(conn: &mut C, settings: &RendezvousSettings, round:
 /// The node holding `rank` in `round`, if it published itself.
 async fn member<C: StoreConn>(conn: &mut C, round: u64, rank: u32) -> Option<NodeDesc> {
     let key = member_key(round, rank);
-    match conn.check(std::slice::from_ref(&key)).await {
-        Ok(true) => conn.get(&key).await.ok().and_then(|bytes| decode::<Arrival>(&bytes, "member").ok()?.node),
+    match conn.try_get(&key).await {
+        Ok(Some(bytes)) => decode::<Arrival>(&bytes, "member").ok()?.node,
         _ => None,
     }
 }

@@ -85,11 +85,10 @@ pub(crate) fn choose(probes: &[Probe], known: Option<Known>) -> Choice {
 
 /// The run's metadata at the store `conn` is connected to, if any.
 pub(crate) async fn read_meta<C: StoreConn>(conn: &mut C) -> Result<Option<Meta>> {
-    let key = [Keys::META.to_owned()];
-    if !conn.check(&key).await? {
-        return Ok(None);
+    match conn.try_get(Keys::META).await? {
+        Some(bytes) => Ok(Some(decode(&bytes, "metadata")?)),
+        None => Ok(None),
     }
-    Ok(Some(decode(&conn.get(Keys::META).await?, "metadata")?))
 }
 
 /// What `site` holds, asked over a new connection that may take [`PROBE_PATIENCE`].

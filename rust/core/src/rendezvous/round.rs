@@ -98,10 +98,10 @@ impl<C: StoreConn> RoundJoin<'_, C> {
         }
         let rank_key = Keys::rank(r, arrival);
         // below the cutoff but left out by the sealer (its record came too late): late too
-        if arrival >= claim.cutoff || !self.conn.check(std::slice::from_ref(&rank_key)).await? {
-            return Ok(JoinOutcome::Late { world_size: seal.world_size });
-        }
-        let rank = self.conn.get(&rank_key).await?;
+        let rank = match self.conn.try_get(&rank_key).await? {
+            Some(rank) if arrival < claim.cutoff => rank,
+            _ => return Ok(JoinOutcome::Late { world_size: seal.world_size }),
+        };
         let rank = String::from_utf8_lossy(&rank)
             .parse()
             .map_err(|_| RendezvousError::State(format!("unreadable rank {:?} in round {r}", rank)))?;
@@ -112,11 +112,8 @@ impl<C: StoreConn> RoundJoin<'_, C> {
     /// of a re-forming round when that lies within the bounds.
     async fn full_at(&mut self) -> Result<u64> {
         let (min, max) = (u64::from(self.settings.min_nodes), u64::from(self.settings.max_nodes));
-        let key = Keys::expected(self.round);
-        if !self.conn.check(std::slice::from_ref(&key)).await? {
-            return Ok(max);
-        }
-        let expected = String::from_utf8_lossy(&self.conn.get(&key).await?).parse::<u64>().ok();
+        let Some(expected) = self.conn.try_get(&Keys::expected(self.round)).await? else { return Ok(max) };
+        let expected = String::from_utf8_lossy(&expected).parse::<u64>().ok();
         Ok(expected.filter(|e| (min..=max).contains(e)).unwrap_or(max))
     }
 
@@ -126,15 +123,17 @@ impl<C: StoreConn> RoundJoin<'_, C> {
         if arrived == self.full_at().await? {
             self.try_claim(Claim { cutoff: arrived, claimer: arrival }).await?;
         }
-        let claim_key = [Keys::claim(self.round)];
+        let claim_key = Keys::claim(self.round);
         let last_call_ends = (arrived >= min).then(|| Instant::now() + self.settings.last_call_timeout);
         loop {
             let until = last_call_ends.map_or(self.deadline, |end| end.min(self.deadline));
             // never silent for long: wake to say who is still awaited
             let report_at = Instant::now() + self.settings.progress_interval;
             let wake = until.min(report_at);
-            if self.conn.wait(&claim_key, Some(wake.saturating_duration_since(Instant::now()))).await? {
-                return Claim::decode(&self.conn.get(&claim_key[0]).await?);
+            if let Some(claim) =
+                self.conn.wait_get(&claim_key, Some(wake.saturating_duration_since(Instant::now()))).await?
+            {
+                return Claim::decode(&claim);
             }
             if Instant::now() >= self.deadline {
                 return Err(self.timeout_error().await);
@@ -222,7 +221,7 @@ impl<C: StoreConn> RoundJoin<'_, C> {
         let mut names = Vec::new();
         for i in 0..arrived.min(NAMED_IN_ERRORS) {
             let key = Keys::arrival(r, i);
-            if let Ok(Some(bytes)) = self.conn.wait_get(&key, Some(Duration::ZERO)).await {
+            if let Ok(Some(bytes)) = self.conn.try_get(&key).await {
                 if let Ok(Arrival { node: Some(node), .. }) = decode::<Arrival>(&bytes, "arrival record") {
                     names.push(node.to_string());
                 }

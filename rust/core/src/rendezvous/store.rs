@@ -103,6 +103,18 @@ pub trait StoreConn: Send + 'static {
     /// abandoned midway); the caller should open a new one.
     fn is_usable(&self) -> bool;
 
+    /// The value of `key`, or `None` if it is missing.
+    fn try_get(&mut self, key: &str) -> impl Future<Output = Result<Option<Bytes>>> + Send {
+        let keys = [key.to_owned()];
+        async move {
+            if self.check(&keys).await? {
+                Ok(Some(self.multi_get(&keys).await?.remove(0)))
+            } else {
+                Ok(None)
+            }
+        }
+    }
+
     /// The value of a key known to exist.
     fn get(&mut self, key: &str) -> impl Future<Output = Result<Bytes>> + Send {
         let keys = [key.to_owned()];
