@@ -11,14 +11,14 @@ use super::dynamic::DynamicRendezvous;
 use super::endpoint::parse_endpoints;
 use super::error::{RendezvousError, Result};
 use super::etcd_store::EtcdRendezvousStore;
-use super::handler::{dynamic_settings, Rendezvous, RendezvousParams};
 use super::keys::Keys;
+use super::params::{dynamic_settings, RendezvousParams};
 
 /// etcd's client port.
 pub const DEFAULT_ETCD_PORT: u16 = 2379;
 const DEFAULT_KEY_PREFIX: &str = "/elastix/rdzv/";
 
-pub(crate) async fn create_etcd(params: RendezvousParams) -> Result<Rendezvous> {
+pub(crate) async fn create_etcd(params: RendezvousParams) -> Result<DynamicRendezvous<EtcdRendezvousStore>> {
     let mut conf = RendezvousConf::from_input(&params.conf, ETCD_KEYS)?;
     if let Some(timeout) = conf.get("timeout").map(str::to_owned) {
         if conf.get("join_timeout").is_none() {
@@ -68,7 +68,7 @@ pub(crate) async fn create_etcd(params: RendezvousParams) -> Result<Rendezvous> 
     let prefix = format!("{prefix}{}/", params.run_id);
     let store = EtcdRendezvousStore::new(client, sites, prefix.clone());
     store.check_prefix(Keys::META).await?;
-    Ok(Rendezvous::Etcd(DynamicRendezvous::new(store, settings, prefix)?))
+    DynamicRendezvous::new(store, settings, prefix)
 }
 
 fn tls_files(conf: &RendezvousConf) -> Result<TlsFiles> {

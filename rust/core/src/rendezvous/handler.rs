@@ -5,14 +5,15 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::conf::{parse_duration, ConfInput, RendezvousConf, DYNAMIC_KEYS, STATIC_KEYS};
+use super::conf::{RendezvousConf, DYNAMIC_KEYS, STATIC_KEYS};
 use super::dynamic::{DynamicRendezvous, MembershipChange, RendezvousInfo};
 use super::endpoint::{is_local_addr, is_this_machine, parse_endpoint, parse_endpoints, DEFAULT_PORT};
 use super::error::{RendezvousError, Result};
 use super::etcd::create_etcd;
 use super::etcd_store::EtcdRendezvousStore;
 use super::keys::run_prefix;
-use super::settings::RendezvousSettings;
+use super::params::dynamic_settings;
+pub use super::params::{RendezvousParams, PROGRESS_INTERVAL_VAR};
 use super::static_rdzv::StaticRendezvous;
 use super::store::TcpRendezvousStore;
 use crate::store::{ServerConfig, StoreServer};
@@ -23,21 +24,6 @@ const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(60);
 const DEFAULT_STATIC_TIMEOUT: Duration = Duration::from_secs(600);
 /// torch's default master port for the static backend.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
-
-/// What the launcher knows (`--rdzv-backend`, `--rdzv-endpoint`, `--rdzv-id`, `--nnodes`,
-/// `--local-addr`, `--rdzv-conf`, `--node-rank`).
-#[derive(Clone, Debug)]
-pub struct RendezvousParams {
-    pub backend: String,
-    pub endpoint: String,
-    pub run_id: String,
-    pub min_nodes: u32,
-    pub max_nodes: u32,
-    pub local_addr: Option<String>,
-    pub conf: ConfInput,
-    /// The node's rank, for the static backend.
-    pub node_rank: Option<u32>,
-}
 
 #[allow(clippy::large_enum_variant, reason = "one per agent; boxing buys nothing")]
 pub enum Rendezvous {
@@ -58,7 +44,7 @@ impl Rendezvous {
         match params.backend.as_str() {
             "c10d" => create_c10d(params).await,
             "static" => create_static(params),
-            "etcd" | "etcd-v3" => create_etcd(params).await,
+            "etcd" | "etcd-v3" => Ok(Rendezvous::Etcd(create_etcd(params).await?)),
             "etcd-v2" => Err(RendezvousError::Config(
                 "--rdzv-backend etcd-v2: etcd's v2 API is off by default since etcd 3.4; use etcd (the v3 API)".into(),
             )),
@@ -207,22 +193,6 @@ impl Rendezvous {
             Rendezvous::Static(_) => {}
         }
     }
-}
-
-/// How often a waiting node reports (default 15 s); mostly for tests and impatient operators.
-pub const PROGRESS_INTERVAL_VAR: &str = "ELASTIX_RDZV_PROGRESS_INTERVAL";
-
-/// The settings of a dynamic backend: the node bounds, `--local-addr` and the conf's timings.
-pub(crate) fn dynamic_settings(params: &RendezvousParams, conf: &RendezvousConf) -> Result<RendezvousSettings> {
-    let mut settings = RendezvousSettings::new(&params.run_id, params.min_nodes, params.max_nodes)?.with_conf(conf)?;
-    settings.local_addr = params.local_addr.clone();
-    if let Ok(text) = std::env::var(PROGRESS_INTERVAL_VAR) {
-        settings.progress_interval =
-            parse_duration(&text).ok().filter(|interval| !interval.is_zero()).ok_or_else(|| {
-                RendezvousError::Config(format!("{PROGRESS_INTERVAL_VAR}={text:?} is not a positive duration"))
-            })?;
-    }
-    Ok(settings)
 }
 
 async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {

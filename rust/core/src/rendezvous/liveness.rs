@@ -11,8 +11,8 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::{sleep, timeout, Instant};
 
+use super::change::MembershipChange;
 use super::contact::Contact;
-use super::dynamic::MembershipChange;
 use super::error::{RendezvousError, Result};
 use super::events;
 use super::keys::Keys;

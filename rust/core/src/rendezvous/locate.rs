@@ -21,7 +21,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::dynamic::MembershipChange;
+use super::change::MembershipChange;
 use super::error::Result;
 use super::keys::Keys;
 use super::records::{decode, Meta};

@@ -8,6 +8,7 @@
 //! * [`settings`], [`conf`], [`endpoint`]: configuration; [`records`], [`keys`]: the
 //!   versioned JSON state and where it lives.
 
+mod change;
 pub mod conf;
 mod contact;
 pub mod dynamic;
@@ -21,6 +22,7 @@ pub mod keys;
 mod liveness;
 mod locate;
 pub mod node;
+mod params;
 pub mod records;
 mod round;
 pub mod settings;

@@ -1,0 +1,44 @@
+//! What a rendezvous tells its agent: the node's place in a round, and why a round ends.
+
+use std::time::Duration;
+
+use super::node::NodeDesc;
+
+/// What a completed rendezvous gives its node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RendezvousInfo {
+    pub run_id: String,
+    pub round: u64,
+    /// This node's rank among the round's nodes (its group rank).
+    pub rank: u32,
+    /// Nodes in the round (the group world size).
+    pub world_size: u32,
+    /// Where this round's workers find their store (served by rank 0's agent).
+    pub master_addr: String,
+    pub master_port: u16,
+    /// The rendezvous store, and this round's namespace in it: keys `{store_prefix}/{key}`
+    /// (torch's PrefixStore convention, before the TCPStore's own `/`).
+    pub store_host: String,
+    pub store_port: u16,
+    pub store_prefix: String,
+}
+
+/// Why the running round should end.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MembershipChange {
+    /// Late nodes want to join: re-form with them (this does not use the restart budget).
+    NodesWaiting,
+    /// A member stopped sending heartbeats.
+    NodeLost { rank: u32, node: Option<NodeDesc> },
+    /// Another member opened a newer round (it restarted).
+    RoundSuperseded { round: u64 },
+    /// The store came back without the job's state (it restarted empty): re-form there.
+    StoreReset,
+    /// This node has not reached the store for as long as the others take to count a node
+    /// lost: they re-form without it, so its workers must stop; it re-joins when it can.
+    StoreUnreachable { store: String, silent_for: Duration },
+    /// The job's state moved to another site (its store was lost by the others).
+    StoreMoved { to: String },
+    /// The job is over.
+    Closed,
+}

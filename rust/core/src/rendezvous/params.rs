@@ -1,0 +1,36 @@
+//! What the launcher gives a rendezvous backend, and the settings of the dynamic backends.
+
+use super::conf::{parse_duration, ConfInput, RendezvousConf};
+use super::error::{RendezvousError, Result};
+use super::settings::RendezvousSettings;
+
+/// What the launcher knows (`--rdzv-backend`, `--rdzv-endpoint`, `--rdzv-id`, `--nnodes`,
+/// `--local-addr`, `--rdzv-conf`, `--node-rank`).
+#[derive(Clone, Debug)]
+pub struct RendezvousParams {
+    pub backend: String,
+    pub endpoint: String,
+    pub run_id: String,
+    pub min_nodes: u32,
+    pub max_nodes: u32,
+    pub local_addr: Option<String>,
+    pub conf: ConfInput,
+    /// The node's rank, for the static backend.
+    pub node_rank: Option<u32>,
+}
+
+/// How often a waiting node reports (default 15 s); mostly for tests and impatient operators.
+pub const PROGRESS_INTERVAL_VAR: &str = "ELASTIX_RDZV_PROGRESS_INTERVAL";
+
+/// The settings of a dynamic backend: the node bounds, `--local-addr` and the conf's timings.
+pub(crate) fn dynamic_settings(params: &RendezvousParams, conf: &RendezvousConf) -> Result<RendezvousSettings> {
+    let mut settings = RendezvousSettings::new(&params.run_id, params.min_nodes, params.max_nodes)?.with_conf(conf)?;
+    settings.local_addr = params.local_addr.clone();
+    if let Ok(text) = std::env::var(PROGRESS_INTERVAL_VAR) {
+        settings.progress_interval =
+            parse_duration(&text).ok().filter(|interval| !interval.is_zero()).ok_or_else(|| {
+                RendezvousError::Config(format!("{PROGRESS_INTERVAL_VAR}={text:?} is not a positive duration"))
+            })?;
+    }
+    Ok(settings)
+}
