@@ -16,7 +16,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use elastix_etcd::pb::etcdserverpb::compare::{CompareResult, CompareTarget, TargetUnion};
 use elastix_etcd::pb::etcdserverpb::response_op::Response;
-use elastix_etcd::pb::etcdserverpb::{Compare, RangeRequest, TxnRequest};
+use elastix_etcd::pb::etcdserverpb::{request_op, Compare, RangeRequest, RequestOp, TxnRequest};
 use elastix_etcd::{put_op, range_op, EtcdClient, EtcdError, MAX_TXN_OPS};
 
 use super::error::{RendezvousError, Result};
@@ -45,8 +45,8 @@ impl EtcdRendezvousStore {
         let request = TxnRequest {
             success: vec![
                 range_op(format!("{}{meta_key}", self.prefix).as_bytes()),
-                elastix_etcd::pb::etcdserverpb::RequestOp {
-                    request: Some(elastix_etcd::pb::etcdserverpb::request_op::Request::RequestRange(RangeRequest {
+                RequestOp {
+                    request: Some(request_op::Request::RequestRange(RangeRequest {
                         range_end: prefix_end(&start),
                         key: start,
                         count_only: true,
