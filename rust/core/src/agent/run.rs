@@ -444,7 +444,8 @@ impl Agent {
                     return Ok(None);
                 }
                 change = next_change(changes) => {
-                    if !is_about_the_store(&change) {
+                    // workers that have finished are not concerned
+                    if !change.is_about_the_store() {
                         return Ok(Some(Event::Change(change)));
                     }
                 }
@@ -472,14 +473,6 @@ async fn connect_store<'a>(
         *slot = Some(TcpStore::open(options).await?);
     }
     Ok(slot.as_mut().expect("opened above"))
-}
-
-/// Changes about the store alone, which do not concern workers that have finished.
-fn is_about_the_store(change: &MembershipChange) -> bool {
-    matches!(
-        change,
-        MembershipChange::StoreReset | MembershipChange::StoreUnreachable { .. } | MembershipChange::StoreMoved { .. }
-    )
 }
 
 /// The next membership change (never, for a backend without any).

@@ -42,3 +42,15 @@ pub enum MembershipChange {
     /// The job is over.
     Closed,
 }
+
+impl MembershipChange {
+    /// A change about the store alone, not about the nodes.
+    pub fn is_about_the_store(&self) -> bool {
+        matches!(
+            self,
+            MembershipChange::StoreReset
+                | MembershipChange::StoreUnreachable { .. }
+                | MembershipChange::StoreMoved { .. }
+        )
+    }
+}

@@ -287,17 +287,11 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
 
     /// Works with the copy `meta` at `site` from now on.
     async fn settle(&mut self, site: usize, meta: Meta) -> Result<()> {
-        let ours = Meta {
-            v: FORMAT_VERSION,
-            min_nodes: self.settings.min_nodes,
-            max_nodes: self.settings.max_nodes,
-            incarnation: 0,
-            generation: 0,
-        };
-        if !meta.same_bounds(&ours) {
+        let (min, max) = (self.settings.min_nodes, self.settings.max_nodes);
+        if (meta.min_nodes, meta.max_nodes) != (min, max) {
             return Err(RendezvousError::Config(format!(
-                "this node was started with --nnodes {}:{} but rendezvous {:?} runs with --nnodes {}:{}",
-                ours.min_nodes, ours.max_nodes, self.settings.run_id, meta.min_nodes, meta.max_nodes
+                "this node was started with --nnodes {min}:{max} but rendezvous {:?} runs with --nnodes {}:{}",
+                self.settings.run_id, meta.min_nodes, meta.max_nodes
             )));
         }
         self.move_to(site);

@@ -25,6 +25,18 @@ const DEFAULT_STATIC_TIMEOUT: Duration = Duration::from_secs(600);
 /// torch's default master port for the static backend.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
+/// `$body` with `$h` bound to the dynamic handler, whichever store it runs on (the c10d TCP
+/// store or etcd); `$other` for the static backend.
+macro_rules! on_dynamic {
+    ($self:expr, $h:ident => $body:expr, static $s:pat => $other:expr) => {
+        match $self {
+            Rendezvous::Dynamic { handler: $h, .. } => $body,
+            Rendezvous::Etcd($h) => $body,
+            Rendezvous::Static($s) => $other,
+        }
+    };
+}
+
 #[allow(clippy::large_enum_variant, reason = "one per agent; boxing buys nothing")]
 pub enum Rendezvous {
     Dynamic {
@@ -63,11 +75,7 @@ impl Rendezvous {
     }
 
     pub fn run_id(&self) -> &str {
-        match self {
-            Rendezvous::Dynamic { handler, .. } => handler.run_id(),
-            Rendezvous::Etcd(handler) => handler.run_id(),
-            Rendezvous::Static(handler) => handler.run_id(),
-        }
+        on_dynamic!(self, handler => handler.run_id(), static handler => handler.run_id())
     }
 
     /// The rendezvous store's port when this agent serves it (the first site it hosts).
@@ -82,11 +90,8 @@ impl Rendezvous {
     /// Before an agent that hosts the store exits: gives the other nodes up to `within` to
     /// read how the job ended and disconnect, so that the store does not vanish under them.
     pub async fn linger(&mut self, within: Duration) {
-        if let Rendezvous::Etcd(handler) = self {
-            handler.disconnect();
-        }
-        let Rendezvous::Dynamic { handler, servers } = self else { return };
-        handler.disconnect();
+        on_dynamic!(self, handler => handler.disconnect(), static _ => {});
+        let Rendezvous::Dynamic { servers, .. } = self else { return };
         let deadline = tokio::time::Instant::now() + within;
         for server in servers.iter() {
             if server.connections() > 0 {
@@ -103,95 +108,51 @@ impl Rendezvous {
     }
 
     pub async fn next_rendezvous(&mut self) -> Result<RendezvousInfo> {
-        match self {
-            Rendezvous::Dynamic { handler, .. } => handler.next_rendezvous().await,
-            Rendezvous::Etcd(handler) => handler.next_rendezvous().await,
-            Rendezvous::Static(handler) => handler.next_rendezvous().await,
-        }
+        on_dynamic!(self, handler => handler.next_rendezvous().await, static handler => handler.next_rendezvous().await)
     }
 
     pub async fn num_nodes_waiting(&mut self) -> Result<u32> {
-        match self {
-            Rendezvous::Dynamic { handler, .. } => handler.num_nodes_waiting().await,
-            Rendezvous::Etcd(handler) => handler.num_nodes_waiting().await,
-            Rendezvous::Static(_) => Ok(0),
-        }
+        on_dynamic!(self, handler => handler.num_nodes_waiting().await, static _ => Ok(0))
     }
 
     pub async fn is_closed(&mut self) -> Result<bool> {
-        match self {
-            Rendezvous::Dynamic { handler, .. } => handler.is_closed().await,
-            Rendezvous::Etcd(handler) => handler.is_closed().await,
-            Rendezvous::Static(_) => Ok(false),
-        }
+        on_dynamic!(self, handler => handler.is_closed().await, static _ => Ok(false))
     }
 
     pub async fn set_closed(&mut self) -> Result<()> {
-        match self {
-            Rendezvous::Dynamic { handler, .. } => handler.set_closed().await,
-            Rendezvous::Etcd(handler) => handler.set_closed().await,
-            Rendezvous::Static(_) => Ok(()),
-        }
+        on_dynamic!(self, handler => handler.set_closed().await, static _ => Ok(()))
     }
 
     /// Changes that should end the current round (dynamic backend only).
     pub fn changes(&self) -> Option<watch::Receiver<Option<MembershipChange>>> {
-        match self {
-            Rendezvous::Dynamic { handler, .. } => handler.changes(),
-            Rendezvous::Etcd(handler) => handler.changes(),
-            Rendezvous::Static(_) => None,
-        }
+        on_dynamic!(self, handler => handler.changes(), static _ => None)
     }
 
     pub async fn set_closed_with(&mut self, reason: &str) -> Result<()> {
-        match self {
-            Rendezvous::Dynamic { handler, .. } => handler.set_closed_with(reason).await,
-            Rendezvous::Etcd(handler) => handler.set_closed_with(reason).await,
-            Rendezvous::Static(_) => Ok(()),
-        }
+        on_dynamic!(self, handler => handler.set_closed_with(reason).await, static _ => Ok(()))
     }
 
     pub async fn closed_reason(&mut self) -> Result<Option<String>> {
-        match self {
-            Rendezvous::Dynamic { handler, .. } => handler.closed_reason().await,
-            Rendezvous::Etcd(handler) => handler.closed_reason().await,
-            Rendezvous::Static(_) => Ok(None),
-        }
+        on_dynamic!(self, handler => handler.closed_reason().await, static _ => Ok(None))
     }
 
     /// Reports that the current round ended in a failure; returns the restarts so far
     /// (job-wide for c10d, this node's for static).
     pub async fn report_failure(&mut self) -> Result<i64> {
-        match self {
-            Rendezvous::Dynamic { handler, .. } => handler.report_failure().await,
-            Rendezvous::Etcd(handler) => handler.report_failure().await,
-            Rendezvous::Static(handler) => Ok(handler.report_failure()),
-        }
+        on_dynamic!(self, handler => handler.report_failure().await, static handler => Ok(handler.report_failure()))
     }
 
     pub async fn record_restart(&mut self) -> Result<i64> {
-        match self {
-            Rendezvous::Dynamic { handler, .. } => handler.record_restart().await,
-            Rendezvous::Etcd(handler) => handler.record_restart().await,
-            Rendezvous::Static(handler) => Ok(handler.report_failure()),
-        }
+        on_dynamic!(self, handler => handler.record_restart().await, static handler => Ok(handler.report_failure()))
     }
 
     pub async fn restart_count(&mut self) -> Result<i64> {
-        match self {
-            Rendezvous::Dynamic { handler, .. } => handler.restart_count().await,
-            Rendezvous::Etcd(handler) => handler.restart_count().await,
-            Rendezvous::Static(handler) => Ok(handler.restart_count()),
-        }
+        on_dynamic!(self, handler => handler.restart_count().await, static handler => Ok(handler.restart_count()))
     }
 
     /// Stops this node's part (heartbeats, the workers' store); the rendezvous stays open.
     pub fn shutdown(&mut self) {
-        match self {
-            Rendezvous::Dynamic { handler, .. } => handler.shutdown(),
-            Rendezvous::Etcd(handler) => handler.shutdown(),
-            Rendezvous::Static(_) => {}
-        }
+        on_dynamic!(self, handler => handler.shutdown(), static _ => {})
     }
 }
 
@@ -215,11 +176,12 @@ async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
                 .into(),
         ));
     }
+    let listed = sites.len() > 1;
     let mut servers = Vec::new();
     for site in sites.iter_mut() {
         let hosting = match (explicit, &params.local_addr) {
             (Some(explicit), _) => explicit,
-            (None, Some(local_addr)) if params.endpoint.contains(',') => is_local_addr(&site.0, local_addr).await,
+            (None, Some(local_addr)) if listed => is_local_addr(&site.0, local_addr).await,
             (None, _) => is_this_machine(&site.0).await,
         };
         if !hosting {

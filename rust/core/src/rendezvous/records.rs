@@ -26,13 +26,6 @@ pub struct Meta {
     pub generation: u64,
 }
 
-impl Meta {
-    /// Whether `other` was written by agents with the same bounds (and format).
-    pub fn same_bounds(&self, other: &Meta) -> bool {
-        (self.v, self.min_nodes, self.max_nodes) == (other.v, other.min_nodes, other.max_nodes)
-    }
-}
-
 /// What an arrival slot holds: the node, or nothing if it gave up before the round sealed.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Arrival {
