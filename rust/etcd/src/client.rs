@@ -16,7 +16,8 @@ use tonic::{Code, Status};
 use crate::pb::etcdserverpb::kv_client::KvClient;
 use crate::pb::etcdserverpb::watch_client::WatchClient;
 use crate::pb::etcdserverpb::{
-    request_op, DeleteRangeRequest, PutRequest, RangeRequest, RangeResponse, RequestOp, TxnRequest, TxnResponse,
+    request_op, DeleteRangeRequest, PutRequest, PutResponse, RangeRequest, RangeResponse, RequestOp, TxnRequest,
+    TxnResponse,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -141,13 +142,7 @@ impl EtcdClient {
 
     /// The value of `key` (if any) and the store's revision at the time of reading.
     pub async fn get(&self, key: &[u8]) -> Result<(Option<Vec<u8>>, i64), EtcdError> {
-        let request = RangeRequest { key: key.to_vec(), ..Default::default() };
-        let response: RangeResponse = self
-            .retry(|mut kv| {
-                let request = request.clone();
-                async move { kv.range(request).await }
-            })
-            .await?;
+        let response = self.range(RangeRequest { key: key.to_vec(), ..Default::default() }).await?;
         let revision = response.header.map_or(0, |header| header.revision);
         Ok((response.kvs.into_iter().next().map(|kv| kv.value), revision))
     }
@@ -155,35 +150,18 @@ impl EtcdClient {
     /// Writes `key` once more and returns how many times it has been written since it was
     /// created (its version): a counter that needs no read-modify-write.
     pub async fn put_counted(&self, key: &[u8]) -> Result<i64, EtcdError> {
-        let request = PutRequest { key: key.to_vec(), prev_kv: true, ..Default::default() };
-        let response = self
-            .retry(|mut kv| {
-                let request = request.clone();
-                async move { kv.put(request).await }
-            })
-            .await?;
+        let response = self.put_request(PutRequest { key: key.to_vec(), prev_kv: true, ..Default::default() }).await?;
         Ok(response.prev_kv.map_or(0, |previous| previous.version) + 1)
     }
 
     /// How many times `key` has been written since it was created (0 if it does not exist).
     pub async fn version(&self, key: &[u8]) -> Result<i64, EtcdError> {
-        let request = RangeRequest { key: key.to_vec(), keys_only: true, ..Default::default() };
-        let response: RangeResponse = self
-            .retry(|mut kv| {
-                let request = request.clone();
-                async move { kv.range(request).await }
-            })
-            .await?;
+        let response = self.range(RangeRequest { key: key.to_vec(), keys_only: true, ..Default::default() }).await?;
         Ok(response.kvs.first().map_or(0, |kv| kv.version))
     }
 
     pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<(), EtcdError> {
-        let request = PutRequest { key: key.to_vec(), value: value.to_vec(), ..Default::default() };
-        self.retry(|mut kv| {
-            let request = request.clone();
-            async move { kv.put(request).await }
-        })
-        .await?;
+        self.put_request(PutRequest { key: key.to_vec(), value: value.to_vec(), ..Default::default() }).await?;
         Ok(())
     }
 
@@ -203,6 +181,22 @@ impl EtcdClient {
         self.retry(|mut kv| {
             let request = request.clone();
             async move { kv.txn(request).await }
+        })
+        .await
+    }
+
+    async fn range(&self, request: RangeRequest) -> Result<RangeResponse, EtcdError> {
+        self.retry(|mut kv| {
+            let request = request.clone();
+            async move { kv.range(request).await }
+        })
+        .await
+    }
+
+    async fn put_request(&self, request: PutRequest) -> Result<PutResponse, EtcdError> {
+        self.retry(|mut kv| {
+            let request = request.clone();
+            async move { kv.put(request).await }
         })
         .await
     }
