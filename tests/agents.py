@@ -3,11 +3,52 @@ through the records that tests/workers/elastic_loop.py leaves (one per start).""
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import subprocess
 import sys
+import time
 
-from test_run import assert_nothing_left, starts, wait_for
+from conftest import REPO, marked_processes
+
+WORKERS = os.path.join(REPO, "tests", "workers")
+
+
+def node_args(nnodes, endpoint, addr, conf, program, *program_args, run_id, backend="c10d", max_restarts=None):
+    """`elastix run`'s flags (after `run`) for one node of a multi-node job."""
+    restarts = [] if max_restarts is None else ["--max-restarts", max_restarts]
+    return [
+        *("--nnodes", nnodes, "--nproc-per-node", 1, "--rdzv-backend", backend),
+        *("--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--local-addr", addr),
+        *restarts,
+        *("--rdzv-conf", conf, program, *program_args),
+    ]
+
+
+def assert_nothing_left(marker, within=5.0):
+    deadline = time.monotonic() + within
+    while marked_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marked_processes(marker) == [], "processes were left behind"
+
+
+def starts(out_dir):
+    records = []
+    for path in glob.glob(os.path.join(out_dir, "start_*.json")):
+        with open(path) as f:
+            records.append(json.load(f))
+    return records
+
+
+def wait_for(predicate, timeout=60, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Agent:

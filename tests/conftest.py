@@ -59,20 +59,26 @@ def run_python(code: str, timeout: float = 60, **kwargs) -> subprocess.Completed
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
+def alive(pid):
+    """Runs (a zombie has exited and counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def marked_processes(marker):
-    """Live processes started with our marker in their environment (workers, agents)."""
+    """Live processes started with our marker in their environment (agents, workers, theirs)."""
     found = []
     for environ in glob.glob("/proc/[0-9]*/environ"):
         try:
             with open(environ, "rb") as f:
                 if f"ELASTIX_TEST_MARKER={marker}".encode() in f.read().split(b"\0"):
-                    pid = int(environ.split("/")[2])
-                    with open(f"/proc/{pid}/stat") as stat:
-                        if stat.read().split(") ")[1].split()[0] != "Z":
-                            found.append(pid)
+                    found.append(int(environ.split("/")[2]))
         except OSError:
             pass
-    return found
+    return [pid for pid in found if alive(pid)]
 
 
 @pytest.fixture

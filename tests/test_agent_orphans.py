@@ -7,10 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import uuid
 
 import pytest
+
+from agents import wait_for
+from conftest import alive, marked_processes
 
 # Each worker starts the descendants named in DESCENDANTS and records their pids as
 # <kind>_<local rank>.pid in OUT_DIR (written whole, then renamed), then runs or exits.
@@ -81,37 +82,6 @@ CGROUP_PARENT = cgroup_parent()
 needs_cgroup = pytest.mark.skipif(CGROUP_PARENT is None, reason="no writable cgroup v2 with cgroup.kill here")
 
 
-def alive(pid):
-    """Runs (a zombie has exited and counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def marked(marker):
-    """Live processes with our marker in their environment (agent, watchdog, workers, theirs)."""
-    found = []
-    for environ in glob.glob("/proc/[0-9]*/environ"):
-        try:
-            with open(environ, "rb") as f:
-                if f"ELASTIX_TEST_MARKER={marker}".encode() in f.read().split(b"\0"):
-                    found.append(int(environ.split("/")[2]))
-        except OSError:
-            pass
-    return [pid for pid in found if alive(pid)]
-
-
-def wait_until(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 def recorded(out_dir):
     pids = {}
     for path in glob.glob(os.path.join(out_dir, "*.pid")):
@@ -121,10 +91,10 @@ def recorded(out_dir):
 
 
 @pytest.fixture
-def agent(tmp_path):
+def agent(tmp_path, marker):
     """Starts `elastix run --standalone --nproc-per-node 2 worker.py` with the given
-    descendants; kills every process with the test's marker at the end."""
-    marker = uuid.uuid4().hex
+    descendants; every process with the test's marker is killed at the end (the marker
+    fixture)."""
     procs = []
 
     def start(descendants, exit_after_start=False):
@@ -158,11 +128,6 @@ def agent(tmp_path):
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=30)
-        for pid in marked(marker):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def log_of(tmp_path):
@@ -171,23 +136,25 @@ def log_of(tmp_path):
 
 def assert_all_gone(pids, marker, tmp_path, within=10.0):
     try:
-        wait_until(lambda: not any(alive(pid) for pid in pids.values()) and not marked(marker), within, "cleanup")
+        wait_for(
+            lambda: not any(alive(pid) for pid in pids.values()) and not marked_processes(marker), within, "cleanup"
+        )
     except AssertionError:
         left = {kind: pid for kind, pid in pids.items() if alive(pid)}
-        raise AssertionError(f"left behind: {left}, marked: {marked(marker)}\n{log_of(tmp_path)}") from None
+        raise AssertionError(f"left behind: {left}, marked: {marked_processes(marker)}\n{log_of(tmp_path)}") from None
 
 
 def assert_no_cgroup_left(agent_pid):
     if CGROUP_PARENT is not None:
         job = os.path.join(CGROUP_PARENT, f"elastix-{agent_pid}")
-        wait_until(lambda: not os.path.exists(job), 10, f"the removal of {job}")
+        wait_for(lambda: not os.path.exists(job), 10, f"the removal of {job}")
 
 
 def sigkill_agent_and_check(agent, tmp_path, descendants):
     proc, out_dir, marker = agent(descendants)
     expected = NPROC * (1 + len(descendants))
     try:
-        wait_until(lambda: len(recorded(out_dir)) == expected or proc.poll() is not None, 60, "the workers' pid files")
+        wait_for(lambda: len(recorded(out_dir)) == expected or proc.poll() is not None, 60, "the workers' pid files")
     except AssertionError:
         raise AssertionError(f"recorded: {recorded(out_dir)}\n{log_of(tmp_path)}") from None
     assert proc.poll() is None, log_of(tmp_path)

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from test_run import FAST_RDZV, assert_nothing_left, finish, wait_for
+from agents import assert_nothing_left, wait_for
+from test_run import FAST_RDZV, finish
 
 LOGS_INCOMPLETE = 3
 

@@ -16,10 +16,9 @@ import time
 
 import pytest
 
-from agents import agent, finish_all, rounds_of, wait_round
+from agents import WORKERS, agent, assert_nothing_left, finish_all, node_args, rounds_of, starts, wait_for, wait_round
 from conftest import marked_processes
 from netns import Hosts
-from test_run import WORKERS, assert_nothing_left, starts, wait_for
 
 # A node is lost after 2 s without a heartbeat; one beat may take 1 s; short last calls.
 FAST = (
@@ -29,27 +28,7 @@ LOOP = os.path.join(WORKERS, "elastic_loop.py")
 
 
 def run_args(nnodes, endpoint, addr, conf=FAST, *worker_args):
-    return [
-        "run",
-        "--nnodes",
-        nnodes,
-        "--nproc-per-node",
-        1,
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        "faults",
-        "--local-addr",
-        addr,
-        "--max-restarts",
-        3,
-        "--rdzv-conf",
-        conf,
-        LOOP,
-        *worker_args,
-    ]
+    return ["run", *node_args(nnodes, endpoint, addr, conf, LOOP, *worker_args, run_id="faults", max_restarts=3)]
 
 
 def store_server(port, tmp_path):

@@ -13,10 +13,9 @@ import time
 
 import pytest
 
-from agents import agent, finish_all, rounds_of, wait_round
+from agents import WORKERS, agent, assert_nothing_left, finish_all, node_args, rounds_of, starts, wait_round
 from conftest import marked_processes
 from etcd_cluster import EtcdCluster, Tls
-from test_run import WORKERS, assert_nothing_left, starts
 
 # A node is lost after 2 s without a heartbeat; short last calls.
 FAST = (
@@ -38,11 +37,7 @@ def etcd(tmp_path):
 
 
 def etcd_args(nnodes, endpoints, addr, conf=FAST, script=LOOP):
-    return [
-        *("run", "--nnodes", nnodes, "--nproc-per-node", 1, "--rdzv-backend", "etcd"),
-        *("--rdzv-endpoint", endpoints, "--rdzv-id", RUN_ID, "--local-addr", addr),
-        *("--max-restarts", 3, "--rdzv-conf", conf, script),
-    ]
+    return ["run", *node_args(nnodes, endpoints, addr, conf, script, backend="etcd", run_id=RUN_ID, max_restarts=3)]
 
 
 def nodes(tmp_path, marker, nnodes, endpoints, addrs, conf=FAST):

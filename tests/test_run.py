@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from conftest import REPO, closed_port, marked_processes
+from agents import WORKERS, assert_nothing_left, node_args, starts, wait_for
+from conftest import closed_port
 
-WORKERS = os.path.join(REPO, "tests", "workers")
 # Short last calls so that membership changes happen within a test's time; a live node is
 # lost only after 2 s without a heartbeat, which a loaded machine does not reach. The agents
 # use the test's own rendezvous store (is_host=false), as torchrun users do with a standalone
@@ -42,31 +42,6 @@ def finish(proc, timeout=90):
         out, err = proc.communicate()
         raise AssertionError(f"elastix run did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}") from None
     return proc.returncode, out, err
-
-
-def assert_nothing_left(marker, within=5.0):
-    deadline = time.monotonic() + within
-    while marked_processes(marker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert marked_processes(marker) == [], "processes were left behind"
-
-
-def starts(out_dir):
-    records = []
-    for path in glob.glob(os.path.join(out_dir, "start_*.json")):
-        with open(path) as f:
-            records.append(json.load(f))
-    return records
-
-
-def wait_for(predicate, timeout=60, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_each_rank_gets_the_environment_contract(tmp_path, marker):
@@ -203,23 +178,9 @@ def test_restarted_workers_start_from_warm_standbys_unless_turned_off(tmp_path, 
 
 
 def two_node_args(port, nnodes, addr):
-    return [
-        "--nnodes",
-        nnodes,
-        "--nproc-per-node",
-        1,
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
-        "--rdzv-id",
-        "two-nodes",
-        "--local-addr",
-        addr,
-        "--rdzv-conf",
-        FAST_RDZV,
-        os.path.join(WORKERS, "elastic_loop.py"),
-    ]
+    return node_args(
+        nnodes, f"127.0.0.1:{port}", addr, FAST_RDZV, os.path.join(WORKERS, "elastic_loop.py"), run_id="two-nodes"
+    )
 
 
 def test_two_agents_on_one_machine_form_one_job(tmp_path, marker, rdzv_port):
