@@ -29,12 +29,18 @@ def _free_ports(n: int) -> list[int]:
 
 
 class Tls:
-    """A CA and a server certificate for 127.0.0.1 it signed, made with openssl in `directory`."""
+    """A CA, and a server certificate for 127.0.0.1 and a client certificate it signed, made
+    with openssl in `directory`."""
 
     def __init__(self, directory):
         self.ca, self.cert, self.key = (
             os.path.join(directory, name) for name in ("ca.pem", "server.pem", "server.key")
         )
+        self.client_cert, self.client_key = (os.path.join(directory, name) for name in ("client.pem", "client.key"))
+        client_csr = os.path.join(directory, "client.csr")
+        client_ext = os.path.join(directory, "client.ext")
+        with open(client_ext, "w") as f:
+            f.write("extendedKeyUsage=clientAuth\nbasicConstraints=CA:FALSE\n")
         ca_key = os.path.join(directory, "ca.key")
         csr = os.path.join(directory, "server.csr")
         ext = os.path.join(directory, "san.ext")
@@ -59,12 +65,28 @@ class Tls:
             ],
             ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", self.key, "-out", csr, "-subj", "/CN=127.0.0.1"],
             ["x509", "-req", "-in", csr, "-CA", self.ca, "-CAkey", ca_key, "-CAcreateserial", *sign_args],
+            [
+                *("req", "-newkey", "rsa:2048", "-nodes", "-keyout", self.client_key),
+                *("-out", client_csr, "-subj", "/CN=elastix agent"),
+            ],
+            [
+                *("x509", "-req", "-in", client_csr, "-CA", self.ca, "-CAkey", ca_key, "-CAcreateserial"),
+                *("-out", self.client_cert, "-days", "1", "-extfile", client_ext),
+            ],
         ):
             subprocess.run(["openssl", *argv], check=True, capture_output=True, timeout=60)
 
 
 class EtcdCluster:
-    def __init__(self, data_dir, members: int = 3, extra_args: tuple[str, ...] = (), tls: Tls | None = None):
+    def __init__(
+        self,
+        data_dir,
+        members: int = 3,
+        extra_args: tuple[str, ...] = (),
+        tls: Tls | None = None,
+        client_certs: bool = False,
+    ):
+        """`client_certs`: clients must show a certificate signed by the TLS CA (mutual TLS)."""
         self.etcd = shutil.which("etcd")
         if self.etcd is None:
             raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
@@ -75,6 +97,10 @@ class EtcdCluster:
         self.tls = tls
         self.scheme = "https" if tls else "http"
         self.extra_args = (*extra_args, "--cert-file", tls.cert, "--key-file", tls.key) if tls else extra_args
+        self.client_certs = client_certs
+        if client_certs:
+            assert tls is not None, "client certificates need TLS"
+            self.extra_args = (*self.extra_args, "--client-cert-auth", "--trusted-ca-file", tls.ca)
         self.procs: dict[int, subprocess.Popen | None] = {}
         initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports))
         self._initial = initial
@@ -115,6 +141,8 @@ class EtcdCluster:
         )
         try:
             context = ssl.create_default_context(cafile=self.tls.ca) if self.tls else None
+            if context is not None and self.client_certs:
+                context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
             with urllib.request.urlopen(request, timeout=5, context=context) as response:
                 return json.load(response)
         except (OSError, ValueError):

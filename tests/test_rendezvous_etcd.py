@@ -180,23 +180,39 @@ def test_etcd_v2_is_refused_with_the_reason(tmp_path):
     assert out.returncode == 2 and "v2 API is off by default since etcd 3.4" in out.stderr
 
 
-def test_a_job_runs_on_etcd_over_tls_and_a_foreign_ca_is_refused(tmp_path, marker):
+@pytest.fixture
+def tls(tmp_path):
     if shutil.which("etcd") is None or shutil.which("openssl") is None:
         pytest.skip("needs etcd (Debian etcd-server) and openssl")
     (tmp_path / "tls").mkdir()
-    (tmp_path / "other").mkdir()
     (tmp_path / "etcd").mkdir()
-    tls = Tls(str(tmp_path / "tls"))
-    cluster = EtcdCluster(tmp_path / "etcd", members=1, tls=tls)
+    return Tls(str(tmp_path / "tls"))
+
+
+def a_tls_job_runs_and_a_refused_agent_says_so(tmp_path, marker, cluster, conf, refused_conf):
+    """Two agents with `conf` complete a job; a third with `refused_conf` stops with etcd's error."""
     try:
-        conf = f"{FAST},protocol=https,cacert={tls.ca}"
-        agents = nodes(tmp_path, marker, 2, cluster.endpoints, (1, 2), conf)
+        agents = nodes(tmp_path, marker, 2, cluster.endpoints, (1, 2), f"{FAST},{conf}")
         wait_round(tmp_path, 2)
         finish_all(tmp_path, agents, marker)
-        stranger = Tls(str(tmp_path / "other")).ca  # signed nothing etcd holds
-        conf = f"{FAST.replace('join_timeout=60s', 'join_timeout=2s')},protocol=https,cacert={stranger}"
-        (a,) = nodes(tmp_path, marker, 2, cluster.endpoints, (3,), conf)
+        quick = FAST.replace("join_timeout=60s", "join_timeout=2s")
+        (a,) = nodes(tmp_path, marker, 2, cluster.endpoints, (3,), f"{quick},{refused_conf}")
         assert a.finish(timeout=60) == 1, a.output()
         assert "etcd at 127.0.0.1:" in a.output() and "did not answer" in a.output(), a.output()
     finally:
         cluster.close()
+
+
+def test_a_job_runs_on_etcd_over_tls_and_a_foreign_ca_is_refused(tmp_path, marker, tls):
+    cluster = EtcdCluster(tmp_path / "etcd", members=1, tls=tls)
+    (tmp_path / "other").mkdir()
+    stranger = Tls(str(tmp_path / "other")).ca  # signed nothing etcd holds
+    conf, refused = f"protocol=https,cacert={tls.ca}", f"protocol=https,cacert={stranger}"
+    a_tls_job_runs_and_a_refused_agent_says_so(tmp_path, marker, cluster, conf, refused)
+
+
+def test_mutual_tls_admits_an_agent_with_a_client_certificate_and_refuses_one_without(tmp_path, marker, tls):
+    cluster = EtcdCluster(tmp_path / "etcd", members=1, tls=tls, client_certs=True)
+    refused = f"protocol=https,cacert={tls.ca}"
+    conf = f"{refused},cert={tls.client_cert},key={tls.client_key}"
+    a_tls_job_runs_and_a_refused_agent_says_so(tmp_path, marker, cluster, conf, refused)

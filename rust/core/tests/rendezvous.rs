@@ -182,7 +182,7 @@ async fn a_node_whose_heartbeats_stop_is_dropped_and_the_rest_re_form() {
     for (survivor, _) in &joined {
         match next_change(survivor, PATIENCE).await {
             Some(MembershipChange::NodeLost { rank, node }) => {
-                assert_eq!(rank, dead_info.rank);
+                assert_eq!(rank, Some(dead_info.rank));
                 assert!(node.is_some(), "the lost node is named");
             }
             other => panic!("expected NodeLost, got {other:?}"),

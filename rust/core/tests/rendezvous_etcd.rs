@@ -1,14 +1,15 @@
-//! The dynamic rendezvous on a real etcd: a round larger than etcd lets one transaction hold
-//! (its `--max-txn-ops`, 128), which batch reads and writes must handle. Needs `etcd` on PATH
-//! (Debian's etcd-server, which `.ci/run` installs); says so and passes trivially without it.
+//! The etcd rendezvous on a real etcd: a large round, late nodes and spares, a lost member
+//! (its lease expires), the restart count and the close. Needs `etcd` on PATH (Debian's
+//! etcd-server, which `.ci/run` installs); says so and passes trivially without it.
 
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use elastix_core::rendezvous::etcd_store::EtcdRendezvousStore;
-use elastix_core::rendezvous::{DynamicRendezvous, RendezvousSettings};
+use elastix_core::rendezvous::etcd::EtcdRendezvous;
+use elastix_core::rendezvous::{MembershipChange, RendezvousError, RendezvousInfo, RendezvousSettings};
 use elastix_etcd::{EtcdClient, EtcdOptions};
+use tokio::task::JoinHandle;
 
 /// One etcd member on free ports, with its data in a temporary directory; killed on drop.
 struct Etcd {
@@ -41,6 +42,52 @@ impl Etcd {
             .expect("start etcd");
         Some(Etcd { child, data, endpoint: format!("127.0.0.1:{client}") })
     }
+
+    fn client(&self) -> EtcdClient {
+        let options =
+            EtcdOptions { endpoints: vec![self.endpoint.clone()], tls: None, patience: Duration::from_secs(30) };
+        EtcdClient::new(&options).unwrap()
+    }
+
+    /// A node of run `run_id` with `min..max` nodes, lost 2 s (etcd's shortest lease) after
+    /// its agent stops, with a short last call.
+    fn node(&self, run_id: &str, min: u32, max: u32) -> EtcdRendezvous {
+        let mut settings = RendezvousSettings::new(run_id, min, max).unwrap();
+        settings.join_timeout = Duration::from_secs(30);
+        settings.last_call_timeout = Duration::from_millis(300);
+        settings.keep_alive_interval = Duration::from_millis(500);
+        settings.keep_alive_max_attempt = 4;
+        settings.local_addr = Some("127.0.0.1".into());
+        EtcdRendezvous::new(self.client(), settings, format!("/elastix/rdzv/{run_id}/")).unwrap()
+    }
+}
+
+type Joining = JoinHandle<(EtcdRendezvous, Result<RendezvousInfo, RendezvousError>)>;
+
+fn join(mut node: EtcdRendezvous) -> Joining {
+    tokio::spawn(async move {
+        let info = node.next_rendezvous().await;
+        (node, info)
+    })
+}
+
+async fn formed(task: Joining) -> (EtcdRendezvous, RendezvousInfo) {
+    let (node, info) = tokio::time::timeout(Duration::from_secs(30), task).await.expect("in time").unwrap();
+    (node, info.expect("rendezvous"))
+}
+
+/// The first change of `node`'s round, up to `within`.
+async fn change(node: &EtcdRendezvous, within: Duration) -> Option<MembershipChange> {
+    let mut changes = node.changes().expect("a member");
+    let waiting = async {
+        loop {
+            if let Some(change) = changes.borrow_and_update().clone() {
+                return change;
+            }
+            changes.changed().await.expect("the round's watch runs");
+        }
+    };
+    tokio::time::timeout(within, waiting).await.ok()
 }
 
 impl Drop for Etcd {
@@ -61,13 +108,10 @@ async fn a_round_of_more_nodes_than_one_etcd_transaction_holds_forms() {
     settings.join_timeout = Duration::from_secs(120);
     settings.local_addr = Some("127.0.0.1".into());
     let prefix = "/elastix/rdzv/big/".to_owned();
-    let (host, port) = etcd.endpoint.rsplit_once(':').unwrap();
-    let sites = vec![(host.to_owned(), port.parse().unwrap())];
     let started = Instant::now();
     let tasks: Vec<_> = (0..NODES)
         .map(|_| {
-            let store = EtcdRendezvousStore::new(client.clone(), sites.clone(), prefix.clone());
-            let mut node = DynamicRendezvous::new(store, settings.clone(), prefix.clone()).unwrap();
+            let mut node = EtcdRendezvous::new(client.clone(), settings.clone(), prefix.clone()).unwrap();
             tokio::spawn(async move {
                 let info = node.next_rendezvous().await;
                 node.shutdown();
@@ -85,4 +129,63 @@ async fn a_round_of_more_nodes_than_one_etcd_transaction_holds_forms() {
     ranks.sort_unstable();
     assert_eq!(ranks, (0..NODES).collect::<Vec<_>>(), "every node has its own rank");
     eprintln!("{NODES} nodes formed a round on etcd in {:.2?}", started.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spare_waits_quietly_and_takes_the_place_of_a_lost_member() {
+    let Some(etcd) = Etcd::start() else { return };
+    let (a, b) = (join(etcd.node("spare", 1, 2)), join(etcd.node("spare", 1, 2)));
+    let ((a, a_info), (mut b, b_info)) = (formed(a).await, formed(b).await);
+    assert_eq!((a_info.round, a_info.world_size, b_info.world_size), (0, 2, 2));
+    let spare = join(etcd.node("spare", 1, 2));
+    assert_eq!(change(&a, Duration::from_secs(1)).await, None, "a spare does not disturb a full round");
+
+    b.shutdown(); // its lease is no longer renewed: it expires, and its key with it
+    match change(&a, Duration::from_secs(10)).await {
+        Some(MembershipChange::NodeLost { rank, node }) => {
+            assert_eq!(rank, Some(b_info.rank));
+            assert_eq!(node.as_ref(), Some(b.node()));
+        }
+        other => panic!("expected the loss of the stopped node, got {other:?}"),
+    }
+    let (mut a, a_info) = formed(join(a)).await;
+    let (spare, spare_info) = formed(spare).await;
+    assert_eq!((a_info.round, spare_info.round), (1, 1));
+    assert_eq!((a_info.world_size, spare_info.world_size), (2, 2));
+    assert_ne!(a_info.rank, spare_info.rank);
+
+    a.set_closed_with("succeeded").await.unwrap();
+    assert_eq!(change(&spare, Duration::from_secs(5)).await, Some(MembershipChange::Closed));
+    let mut spare = spare;
+    assert_eq!(spare.closed_reason().await.unwrap().as_deref(), Some("succeeded"));
+    let late = formed_or_error(join(etcd.node("spare", 1, 2))).await;
+    assert!(matches!(late, Err(RendezvousError::Closed { .. })), "{late:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_node_makes_the_round_re_form_with_it_and_failures_count_once_per_round() {
+    let Some(etcd) = Etcd::start() else { return };
+    let (a, b) = (join(etcd.node("late", 1, 3)), join(etcd.node("late", 1, 3)));
+    let ((mut a, a_info), (b, _)) = (formed(a).await, formed(b).await);
+    assert_eq!(a_info.world_size, 2, "the last call ended with two");
+    let late = join(etcd.node("late", 1, 3));
+    assert_eq!(change(&a, Duration::from_secs(5)).await, Some(MembershipChange::NodesWaiting));
+    assert_eq!(change(&b, Duration::from_secs(5)).await, Some(MembershipChange::NodesWaiting));
+
+    // two nodes report the same round's failure: one restart
+    assert_eq!(a.report_failure().await.unwrap(), 1);
+    let mut b = b;
+    assert_eq!(b.report_failure().await.unwrap(), 1);
+    assert_eq!(a.restart_count().await.unwrap(), 1);
+
+    let (a, b) = (join(a), join(b));
+    let infos = [formed(a).await.1, formed(b).await.1, formed(late).await.1];
+    assert!(infos.iter().all(|info| info.round == 1 && info.world_size == 3), "{infos:?}");
+    let mut ranks: Vec<u32> = infos.iter().map(|info| info.rank).collect();
+    ranks.sort_unstable();
+    assert_eq!(ranks, vec![0, 1, 2]);
+}
+
+async fn formed_or_error(task: Joining) -> Result<RendezvousInfo, RendezvousError> {
+    tokio::time::timeout(Duration::from_secs(30), task).await.expect("in time").unwrap().1
 }

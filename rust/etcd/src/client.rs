@@ -14,7 +14,6 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 use tonic::{Code, Status};
 
 use crate::pb::etcdserverpb::kv_client::KvClient;
-use crate::pb::etcdserverpb::watch_client::WatchClient;
 use crate::pb::etcdserverpb::{
     request_op, DeleteRangeRequest, PutRequest, PutResponse, RangeRequest, RangeResponse, RequestOp, TxnRequest,
     TxnResponse,
@@ -118,12 +117,6 @@ impl EtcdClient {
         &self.endpoints
     }
 
-    /// The member to ask now, and its number (for [`Self::failed`]).
-    fn member(&self) -> (usize, Channel) {
-        let index = self.current.load(Ordering::Relaxed) % self.members.len();
-        (index, self.members[index].clone())
-    }
-
     /// Member `index` failed a request: the next one gets the following requests (unless
     /// another request moved on already).
     pub(crate) fn failed(&self, index: usize) {
@@ -131,13 +124,14 @@ impl EtcdClient {
         let _ = self.current.compare_exchange(index, next, Ordering::Relaxed, Ordering::Relaxed);
     }
 
-    pub(crate) fn watch_client(&self) -> (usize, WatchClient<Channel>) {
-        let (index, channel) = self.member();
-        (index, WatchClient::new(channel))
-    }
-
     pub(crate) fn patience(&self) -> Duration {
         self.patience
+    }
+
+    /// The member to ask now, and its number (for [`Self::failed`]).
+    pub(crate) fn member(&self) -> (usize, Channel) {
+        let index = self.current.load(Ordering::Relaxed) % self.members.len();
+        (index, self.members[index].clone())
     }
 
     /// The value of `key` (if any) and the store's revision at the time of reading.
@@ -169,42 +163,42 @@ impl EtcdClient {
     pub async fn delete(&self, key: &[u8]) -> Result<bool, EtcdError> {
         let request = DeleteRangeRequest { key: key.to_vec(), ..Default::default() };
         let response = self
-            .retry(|mut kv| {
+            .retry(|channel| {
                 let request = request.clone();
-                async move { kv.delete_range(request).await }
+                async move { KvClient::new(channel).delete_range(request).await }
             })
             .await?;
         Ok(response.deleted > 0)
     }
 
     pub async fn txn(&self, request: TxnRequest) -> Result<TxnResponse, EtcdError> {
-        self.retry(|mut kv| {
+        self.retry(|channel| {
             let request = request.clone();
-            async move { kv.txn(request).await }
+            async move { KvClient::new(channel).txn(request).await }
         })
         .await
     }
 
-    async fn range(&self, request: RangeRequest) -> Result<RangeResponse, EtcdError> {
-        self.retry(|mut kv| {
+    pub async fn range(&self, request: RangeRequest) -> Result<RangeResponse, EtcdError> {
+        self.retry(|channel| {
             let request = request.clone();
-            async move { kv.range(request).await }
+            async move { KvClient::new(channel).range(request).await }
         })
         .await
     }
 
     async fn put_request(&self, request: PutRequest) -> Result<PutResponse, EtcdError> {
-        self.retry(|mut kv| {
+        self.retry(|channel| {
             let request = request.clone();
-            async move { kv.put(request).await }
+            async move { KvClient::new(channel).put(request).await }
         })
         .await
     }
 
     /// Runs one request, retrying passing failures with backoff until the patience runs out.
-    async fn retry<T, F, Fut>(&self, mut request: F) -> Result<T, EtcdError>
+    pub(crate) async fn retry<T, F, Fut>(&self, mut request: F) -> Result<T, EtcdError>
     where
-        F: FnMut(KvClient<Channel>) -> Fut,
+        F: FnMut(Channel) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let deadline = tokio::time::Instant::now() + self.patience;
@@ -214,8 +208,7 @@ impl EtcdClient {
             let bound = ATTEMPT_TIMEOUT.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
             count_request();
             let (member, channel) = self.member();
-            let outcome =
-                tokio::time::timeout(bound.max(Duration::from_millis(50)), request(KvClient::new(channel))).await;
+            let outcome = tokio::time::timeout(bound.max(Duration::from_millis(50)), request(channel)).await;
             let status = match outcome {
                 Ok(Ok(response)) => return Ok(response.into_inner()),
                 Ok(Err(status)) if !passes(&status) => {

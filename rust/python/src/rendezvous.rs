@@ -106,10 +106,13 @@ impl RendezvousCore {
 fn describe(change: &MembershipChange) -> String {
     match change {
         MembershipChange::NodesWaiting => "nodes_waiting".to_owned(),
-        MembershipChange::NodeLost { rank, node } => match node {
-            Some(node) => format!("node_lost:{rank}:{node}"),
-            None => format!("node_lost:{rank}"),
-        },
+        MembershipChange::NodeLost { rank, node } => {
+            let rank = rank.map_or_else(|| "?".to_owned(), |rank| rank.to_string());
+            match node {
+                Some(node) => format!("node_lost:{rank}:{node}"),
+                None => format!("node_lost:{rank}"),
+            }
+        }
         MembershipChange::RoundSuperseded { round } => format!("round_superseded:{round}"),
         MembershipChange::StoreReset => "store_reset".to_owned(),
         MembershipChange::StoreUnreachable { store, .. } => format!("store_unreachable:{store}"),

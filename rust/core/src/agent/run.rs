@@ -491,9 +491,11 @@ async fn next_change(changes: &mut Option<watch::Receiver<Option<MembershipChang
 fn describe(change: &MembershipChange) -> String {
     match change {
         MembershipChange::NodesWaiting => "new nodes are waiting to join".to_owned(),
-        MembershipChange::NodeLost { rank, node } => match node {
-            Some(node) => format!("node {node} (group rank {rank}) stopped responding"),
-            None => format!("group rank {rank} stopped responding"),
+        MembershipChange::NodeLost { rank, node } => match (node, rank) {
+            (Some(node), Some(rank)) => format!("node {node} (group rank {rank}) stopped responding"),
+            (Some(node), None) => format!("node {node} stopped responding"),
+            (None, Some(rank)) => format!("group rank {rank} stopped responding"),
+            (None, None) => "a node stopped responding".to_owned(),
         },
         MembershipChange::RoundSuperseded { round } => format!("another node restarted (round {round})"),
         MembershipChange::StoreReset => "the rendezvous store restarted without the job's state".to_owned(),

@@ -28,8 +28,9 @@ pub struct RendezvousInfo {
 pub enum MembershipChange {
     /// Late nodes want to join: re-form with them (this does not use the restart budget).
     NodesWaiting,
-    /// A member stopped sending heartbeats.
-    NodeLost { rank: u32, node: Option<NodeDesc> },
+    /// A member stopped sending heartbeats (or its lease expired). `rank`: its group rank,
+    /// when it could be told.
+    NodeLost { rank: Option<u32>, node: Option<NodeDesc> },
     /// Another member opened a newer round (it restarted).
     RoundSuperseded { round: u64 },
     /// The store came back without the job's state (it restarted empty): re-form there.

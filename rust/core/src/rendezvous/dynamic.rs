@@ -678,7 +678,7 @@ fn relevance(event: &Event, round: u64) -> Option<MembershipChange> {
         }
         Event::Waiting { round: r, .. } if *r == round => Some(MembershipChange::NodesWaiting),
         Event::Lost { round: r, rank, node, .. } if *r == round => {
-            Some(MembershipChange::NodeLost { rank: *rank, node: node.clone() })
+            Some(MembershipChange::NodeLost { rank: Some(*rank), node: node.clone() })
         }
         Event::Closed { .. } => Some(MembershipChange::Closed),
         _ => None,

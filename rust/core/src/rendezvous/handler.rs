@@ -9,8 +9,7 @@ use super::conf::{RendezvousConf, DYNAMIC_KEYS, STATIC_KEYS};
 use super::dynamic::{DynamicRendezvous, MembershipChange, RendezvousInfo};
 use super::endpoint::{is_local_addr, is_this_machine, parse_endpoint, parse_endpoints, DEFAULT_PORT};
 use super::error::{RendezvousError, Result};
-use super::etcd::create_etcd;
-use super::etcd_store::EtcdRendezvousStore;
+use super::etcd::{create_etcd, EtcdRendezvous};
 use super::keys::run_prefix;
 use super::params::dynamic_settings;
 pub use super::params::{RendezvousParams, PROGRESS_INTERVAL_VAR};
@@ -44,8 +43,8 @@ pub enum Rendezvous {
         /// The rendezvous store sites this agent hosts (none, or one per listed address of its own).
         servers: Vec<StoreServer>,
     },
-    /// The dynamic rendezvous on an etcd v3 cluster.
-    Etcd(DynamicRendezvous<EtcdRendezvousStore>),
+    /// The elastic rendezvous on an etcd v3 cluster.
+    Etcd(EtcdRendezvous),
     Static(StaticRendezvous),
 }
 

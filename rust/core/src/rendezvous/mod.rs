@@ -1,7 +1,8 @@
 //! Rendezvous: how the agents of a job find each other, agree on membership and ranks, and
 //! re-form when nodes join, leave or die.
 //!
-//! * [`handler`]: creating a rendezvous (`c10d`, `static`) and its common interface.
+//! * [`handler`]: creating a rendezvous (`c10d`, `etcd`, `static`) and its common interface.
+//! * [`etcd`]: the elastic rendezvous on an etcd v3 cluster, on leases, transactions and watches.
 //! * [`dynamic`]: the elastic handler; [`round`]: forming one round; [`liveness`]:
 //!   heartbeats; [`events`]: the run's event log.
 //! * [`store`]: the store operations it needs, as a backend trait (TCPStore protocol here).
@@ -14,8 +15,7 @@ mod contact;
 pub mod dynamic;
 pub mod endpoint;
 pub mod error;
-mod etcd;
-pub mod etcd_store;
+pub mod etcd;
 mod events;
 pub mod handler;
 pub mod keys;

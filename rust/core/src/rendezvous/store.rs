@@ -1,5 +1,6 @@
-//! The store operations the rendezvous is built from, as a backend trait: implemented here over
-//! the TCPStore protocol (elastix's server or torch's), and open to other engines (etcd) later.
+//! The store operations the c10d rendezvous is built from, as a backend trait: implemented here
+//! over the TCPStore protocol (elastix's server or torch's). (etcd has a rendezvous of its own,
+//! built on leases and watches: [`super::etcd`].)
 //!
 //! Every key is relative to the run's prefix. Reads of keys that may be missing go through
 //! `wait`/`check` first: torch's legacy server drops a connection that GETs a missing key.
@@ -89,8 +90,7 @@ pub trait StoreConn: Send + 'static {
     fn delete(&mut self, key: &str) -> impl Future<Output = Result<bool>> + Send;
 
     /// Counts one more under `key` and returns the new count. A tally key is only ever
-    /// counted up and read with [`Self::tally`], never set or compared: a store may then keep it
-    /// without a read-modify-write that many nodes would race on (etcd counts writes to it).
+    /// counted up and read with [`Self::tally`], never set or compared.
     fn count_up(&mut self, key: &str) -> impl Future<Output = Result<i64>> + Send {
         self.add(key, 1)
     }

@@ -1,24 +1,33 @@
-//! `--rdzv-backend etcd` (alias `etcd-v3`): the dynamic rendezvous on an etcd v3 cluster,
-//! from `--rdzv-endpoint host1:2379,host2:2379,...` and `--rdzv-conf` (torch's key names where
-//! torch has them; see [`super::conf::ETCD_KEYS`]).
+//! `--rdzv-backend etcd` (alias `etcd-v3`): the elastic rendezvous on an etcd v3 cluster, from
+//! `--rdzv-endpoint host1:2379,host2:2379,...` and `--rdzv-conf` (torch's key names where torch
+//! has them; see [`super::conf::ETCD_KEYS`]).
+//!
+//! * [`handler`]: the handler ([`EtcdRendezvous`]); [`join`]: forming one round;
+//!   [`member`]: what a member of a running round watches;
+//! * [`keys`]: where the state lives; [`ops`]: transactions and their answers.
+
+mod handler;
+mod join;
+mod keys;
+mod member;
+mod ops;
+
+pub use handler::EtcdRendezvous;
 
 use std::time::Duration;
 
 use elastix_etcd::{EtcdClient, EtcdOptions, TlsFiles};
 
 use super::conf::{RendezvousConf, ETCD_KEYS};
-use super::dynamic::DynamicRendezvous;
 use super::endpoint::parse_endpoints;
 use super::error::{RendezvousError, Result};
-use super::etcd_store::EtcdRendezvousStore;
-use super::keys::Keys;
 use super::params::{dynamic_settings, RendezvousParams};
 
 /// etcd's client port.
 pub const DEFAULT_ETCD_PORT: u16 = 2379;
 const DEFAULT_KEY_PREFIX: &str = "/elastix/rdzv/";
 
-pub(crate) async fn create_etcd(params: RendezvousParams) -> Result<DynamicRendezvous<EtcdRendezvousStore>> {
+pub(crate) async fn create_etcd(params: RendezvousParams) -> Result<EtcdRendezvous> {
     let mut conf = RendezvousConf::from_input(&params.conf, ETCD_KEYS)?;
     if let Some(timeout) = conf.get("timeout").map(str::to_owned) {
         if conf.get("join_timeout").is_none() {
@@ -41,8 +50,8 @@ pub(crate) async fn create_etcd(params: RendezvousParams) -> Result<DynamicRende
     }
     let mut settings = dynamic_settings(&params, &conf)?;
     // Out of contact with etcd, a node cannot tell its own cut link from a cluster that is
-    // down for everyone (then no node can count another lost): its workers keep running, up
-    // to the join timeout, and a loss reported meanwhile is read once etcd answers again.
+    // down for everyone (a new leader renews every lease, so nobody is counted lost): its
+    // workers keep running, up to the join timeout, unless etcd says its lease expired.
     settings.store_outage_limit = Some(settings.join_timeout);
 
     let tls = match conf.get("protocol").unwrap_or("http") {
@@ -66,9 +75,7 @@ pub(crate) async fn create_etcd(params: RendezvousParams) -> Result<DynamicRende
         prefix.push('/');
     }
     let prefix = format!("{prefix}{}/", params.run_id);
-    let store = EtcdRendezvousStore::new(client, sites, prefix.clone());
-    store.check_prefix(Keys::META).await?;
-    DynamicRendezvous::new(store, settings, prefix)
+    EtcdRendezvous::new(client, settings, prefix)
 }
 
 fn tls_files(conf: &RendezvousConf) -> Result<TlsFiles> {

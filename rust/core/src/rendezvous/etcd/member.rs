@@ -1,0 +1,272 @@
+//! What a member of a running round watches, with one watch: its fellow members' keys (a key
+//! that vanishes without its node entering the next round is a node whose lease expired: lost),
+//! the next round's arrivals (late nodes, or members that went on), the close, and its own
+//! lease. No heartbeat keys: etcd's lease is the liveness.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use elastix_etcd::pb::etcdserverpb::TxnRequest;
+use elastix_etcd::pb::mvccpb::event::EventType;
+use elastix_etcd::pb::mvccpb::Event;
+use elastix_etcd::{EtcdClient, LeaseState, WatchItem};
+
+use super::keys::{EtcdKeys, KeyKind};
+use super::ops;
+use crate::rendezvous::change::MembershipChange;
+use crate::rendezvous::node::NodeDesc;
+use crate::rendezvous::records::{decode, Arrival};
+
+/// What one batch of writes in a round's watch means.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Seen {
+    Closed(String),
+    /// This node's own key vanished: its lease expired.
+    SelfLost,
+    /// A member's key vanished with no entry into the next round.
+    Lost {
+        created: i64,
+        node: Option<NodeDesc>,
+    },
+    /// A member entered the next round (it restarted).
+    Moved,
+    /// A node that was not a member entered the next round.
+    Arrived,
+}
+
+/// Reads a batch of events of round `r`'s watch. `last_member` is the creation revision of the
+/// round's last member: keys created after it belong to nodes left out of a full round.
+pub(super) fn read_events(keys: &EtcdKeys, r: u64, me: &str, last_member: i64, events: &[Event]) -> Vec<Seen> {
+    let member_of = |event: &Event, round: u64| -> Option<String> {
+        let key = event.kv.as_ref().map(|kv| kv.key.as_slice())?;
+        match keys.kind(key) {
+            KeyKind::Member { round: of, id } if of == round => Some(id),
+            _ => None,
+        }
+    };
+    let is_put = |event: &Event| event.r#type == EventType::Put as i32;
+    let entered: HashSet<String> =
+        events.iter().filter(|event| is_put(event)).filter_map(|event| member_of(event, r + 1)).collect();
+    let left: HashSet<String> =
+        events.iter().filter(|event| !is_put(event)).filter_map(|event| member_of(event, r)).collect();
+    let mut seen = Vec::new();
+    for event in events {
+        let Some(kv) = &event.kv else { continue };
+        if is_put(event) {
+            if let KeyKind::Closed { round } = keys.kind(&kv.key) {
+                if round == r {
+                    seen.push(Seen::Closed(String::from_utf8_lossy(&kv.value).into_owned()));
+                }
+            } else if member_of(event, r + 1).is_some_and(|id| !left.contains(&id)) {
+                seen.push(Seen::Arrived);
+            }
+            continue;
+        }
+        let Some(id) = member_of(event, r) else { continue };
+        let previous = event.prev_kv.as_ref();
+        if previous.is_some_and(|kv| kv.create_revision > last_member) {
+            continue; // a node left out of the full round went on to the next one
+        }
+        seen.push(if id == me {
+            Seen::SelfLost
+        } else if entered.contains(&id) {
+            Seen::Moved
+        } else {
+            let node = previous.and_then(|kv| decode::<Arrival>(&kv.value, "member record").ok()).and_then(|a| a.node);
+            Seen::Lost { created: previous.map_or(0, |kv| kv.create_revision), node }
+        });
+    }
+    seen
+}
+
+/// A member's view of its round, for [`spawn`].
+pub(super) struct RoundWatch {
+    pub client: EtcdClient,
+    pub keys: EtcdKeys,
+    pub round: u64,
+    pub world_size: u32,
+    pub max_nodes: u32,
+    pub me: String,
+    /// The seal's revision, and the last member's creation revision.
+    pub sealed_at: i64,
+    pub last_member: i64,
+    pub lease_ttl: Duration,
+    pub lease_state: watch::Receiver<LeaseState>,
+    pub changes: Arc<watch::Sender<Option<MembershipChange>>>,
+    pub closed_reason: Arc<Mutex<Option<String>>>,
+}
+
+/// Watches round `watch.round` from its seal on and reports what ends it; after the first
+/// such change, only the close still matters (it tells a node at its exit barrier).
+pub(super) fn spawn(round: RoundWatch) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let r = round.round;
+        let range = round.keys.round_watch(r);
+        let mut watcher = round.client.watch(&range.key, &range.end, round.sealed_at + 1, true);
+        let mut lease_state = round.lease_state.clone();
+        let mut ended = false;
+        loop {
+            tokio::select! {
+                item = watcher.next() => match item {
+                    Ok(WatchItem::Events(events)) => {
+                        let last = events.iter().filter_map(|event| event.kv.as_ref()).map(|kv| kv.mod_revision).max();
+                        for seen in read_events(&round.keys, r, &round.me, round.last_member, &events) {
+                            if let Some(change) = round.change(seen).await {
+                                ended |= change != MembershipChange::Closed;
+                                if round.changes.send(Some(change)).is_err() {
+                                    return; // nobody listens any more
+                                }
+                            }
+                        }
+                        if ended {
+                            // from here on only the close matters: watch the round's outcome alone
+                            let outcome = round.keys.outcome(r);
+                            let from = last.map_or(round.sealed_at, |last| last) + 1;
+                            watcher = round.client.watch(&outcome.key, &outcome.end, from, false);
+                            ended = false;
+                            lease_state = watch::channel(LeaseState::Alive).1;
+                        }
+                    }
+                    Ok(WatchItem::Compacted { .. }) => match round.resync().await {
+                        Ok((change, revision)) => {
+                            if let Some(change) = change {
+                                let _ = round.changes.send(Some(change));
+                            }
+                            watcher.restart(revision + 1);
+                        }
+                        Err(err) => tracing::debug!(round = r, "reading the round again after a compaction: {err}"),
+                    },
+                    Err(err) => {
+                        tracing::warn!(round = r, "etcd refused the round's watch: {err}");
+                        return;
+                    }
+                },
+                Ok(()) = lease_state.changed() => {
+                    let state = lease_state.borrow().clone();
+                    if let Some(change) = round.lease_change(&state) {
+                        let _ = round.changes.send(Some(change));
+                        lease_state = watch::channel(LeaseState::Alive).1;
+                    }
+                },
+            }
+        }
+    })
+}
+
+impl RoundWatch {
+    async fn change(&self, seen: Seen) -> Option<MembershipChange> {
+        match seen {
+            Seen::Closed(reason) => {
+                *self.closed_reason.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(reason);
+                Some(MembershipChange::Closed)
+            }
+            Seen::SelfLost => self.lease_change(&LeaseState::Expired),
+            Seen::Moved => Some(MembershipChange::RoundSuperseded { round: self.round + 1 }),
+            Seen::Arrived => (self.world_size < self.max_nodes).then_some(MembershipChange::NodesWaiting),
+            Seen::Lost { created, node } => {
+                let rank = self.rank_of(created).await;
+                Some(MembershipChange::NodeLost { rank, node })
+            }
+        }
+    }
+
+    fn lease_change(&self, state: &LeaseState) -> Option<MembershipChange> {
+        let silent_for = match state {
+            LeaseState::Alive => return None,
+            LeaseState::Expired => self.lease_ttl,
+            LeaseState::Unreachable { silent_for, .. } => *silent_for,
+        };
+        Some(MembershipChange::StoreUnreachable { store: format!("etcd {}", self.client.endpoints()), silent_for })
+    }
+
+    /// The rank of the member whose key was created at `created`: the members created before it.
+    async fn rank_of(&self, created: i64) -> Option<u32> {
+        let request = ops::keys_created_before(&self.keys.members(self.round), self.sealed_at, created);
+        match self.client.range(request).await {
+            Ok(response) => Some(response.kvs.len() as u32),
+            Err(err) => {
+                tracing::debug!(round = self.round, "cannot tell the lost node's rank: {err}");
+                None
+            }
+        }
+    }
+
+    /// After the watch's history was compacted: reads what it may have missed.
+    async fn resync(&self) -> Result<(Option<MembershipChange>, i64), elastix_etcd::EtcdError> {
+        let (keys, r) = (&self.keys, self.round);
+        let request = TxnRequest {
+            success: vec![
+                ops::get(&keys.closed_marker(r)),
+                ops::count(&keys.members(r), 0),
+                ops::count(&keys.members(r + 1), 0),
+            ],
+            ..Default::default()
+        };
+        let response = self.client.txn(request).await?;
+        let revision = ops::revision(&response);
+        if let Some(reason) = ops::value(&response, 0) {
+            return Ok((self.change(Seen::Closed(String::from_utf8_lossy(&reason).into_owned())).await, revision));
+        }
+        let change = if ops::counted(&response, 1) < u64::from(self.world_size) {
+            Some(MembershipChange::RoundSuperseded { round: r + 1 })
+        } else if ops::counted(&response, 2) > 0 {
+            self.change(Seen::Arrived).await
+        } else {
+            None
+        };
+        Ok((change, revision))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use elastix_etcd::pb::mvccpb::KeyValue;
+
+    use super::*;
+    use crate::rendezvous::records::{encode, FORMAT_VERSION};
+
+    fn put(key: Vec<u8>, value: &[u8]) -> Event {
+        Event {
+            r#type: EventType::Put as i32,
+            kv: Some(KeyValue { key, value: value.to_vec(), ..Default::default() }),
+            prev_kv: None,
+        }
+    }
+
+    fn delete(key: Vec<u8>, created: i64, node: Option<NodeDesc>) -> Event {
+        let value = encode(&Arrival { v: FORMAT_VERSION, node });
+        Event {
+            r#type: EventType::Delete as i32,
+            kv: Some(KeyValue { key: key.clone(), ..Default::default() }),
+            prev_kv: Some(KeyValue { key, value, create_revision: created, ..Default::default() }),
+        }
+    }
+
+    #[test]
+    fn a_member_that_vanishes_is_lost_and_one_that_went_on_restarted() {
+        let keys = EtcdKeys::new("/p/".into());
+        let node = NodeDesc { addr: "b".into(), pid: 7, local_id: 0 };
+        let lost = read_events(&keys, 4, "me", 100, &[delete(keys.member(4, "b"), 20, Some(node.clone()))]);
+        assert_eq!(lost, vec![Seen::Lost { created: 20, node: Some(node) }]);
+        let moved = [delete(keys.member(4, "c"), 21, None), put(keys.member(5, "c"), b"{}")];
+        assert_eq!(read_events(&keys, 4, "me", 100, &moved), vec![Seen::Moved]);
+        assert_eq!(read_events(&keys, 4, "me", 100, &[delete(keys.member(4, "me"), 22, None)]), vec![Seen::SelfLost]);
+    }
+
+    #[test]
+    fn newcomers_closes_and_nodes_left_out_of_a_full_round_are_told_apart() {
+        let keys = EtcdKeys::new("/p/".into());
+        assert_eq!(read_events(&keys, 4, "me", 100, &[put(keys.member(5, "new"), b"{}")]), vec![Seen::Arrived]);
+        let closed = read_events(&keys, 4, "me", 100, &[put(keys.closed_marker(4), b"succeeded")]);
+        assert_eq!(closed, vec![Seen::Closed("succeeded".into())]);
+        // a spare (created after the last member) moving on disturbs nobody
+        let spare = [delete(keys.member(4, "s"), 101, None), put(keys.member(5, "s"), b"{}")];
+        assert_eq!(read_events(&keys, 4, "me", 100, &spare), vec![]);
+        // the outcome keys the round already knows are not news
+        assert_eq!(read_events(&keys, 4, "me", 100, &[put(keys.master(4), b"{}"), put(keys.size(4), b"{}")]), vec![]);
+    }
+}
