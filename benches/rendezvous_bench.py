@@ -55,8 +55,8 @@ print(max(finished), flush=True)
 
 
 def elastix_bench(nodes: int, *extra: str) -> dict:
-    if not os.path.exists(BENCH):
-        subprocess.run(["cargo", "build", "--release", "-p", "elastix-rdzv-bench"], cwd=REPO, check=True)
+    # always: a stale binary would measure old code (cargo does nothing when it is current)
+    subprocess.run(["cargo", "build", "--release", "-q", "-p", "elastix-rdzv-bench"], cwd=REPO, check=True)
     out = subprocess.run(
         [BENCH, "--nodes", str(nodes), *extra], capture_output=True, text=True, check=True, timeout=600
     )

@@ -7,10 +7,10 @@
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use elastix_core::rendezvous::etcd_store::EtcdRendezvousStore;
+use elastix_core::rendezvous::etcd::EtcdRendezvous;
 use elastix_core::rendezvous::keys::run_prefix;
 use elastix_core::rendezvous::store::{RendezvousStore, TcpRendezvousStore};
-use elastix_core::rendezvous::{DynamicRendezvous, RendezvousSettings};
+use elastix_core::rendezvous::{DynamicRendezvous, RendezvousError, RendezvousInfo, RendezvousSettings};
 use elastix_core::store::{BackgroundServer, ConnectOptions, ServerConfig};
 use elastix_etcd::{EtcdClient, EtcdOptions};
 
@@ -60,11 +60,13 @@ fn main() {
     let run_id = format!("bench-{}-{}", args.nodes, std::process::id());
     let seconds = runtime.block_on(async {
         let prefix = run_prefix(&run_id);
-        let stores = (0..args.nodes).map(|_| {
+        let settings = settings(&run_id, args.nodes);
+        let nodes = (0..args.nodes).map(|_| {
             let options = ConnectOptions::new(host.clone(), port, Some(Duration::from_secs(60)));
-            TcpRendezvousStore::new(options, prefix.clone(), Duration::from_secs(60))
+            let store = TcpRendezvousStore::new(options, prefix.clone(), Duration::from_secs(60));
+            DynamicRendezvous::new(store, settings.clone(), prefix.clone()).expect("handler")
         });
-        one_round(&run_id, args.nodes, stores.collect()).await
+        one_round(args.nodes, nodes.collect()).await
     });
     println!(r#"{{"nodes": {}, "seconds": {seconds:.4}}}"#, args.nodes);
 }
@@ -76,17 +78,38 @@ fn settings(run_id: &str, nodes: u32) -> RendezvousSettings {
     settings
 }
 
+/// A simulated node: a rendezvous handler of either backend.
+trait Node: Send + 'static {
+    fn join(&mut self) -> impl std::future::Future<Output = Result<RendezvousInfo, RendezvousError>> + Send;
+    fn stop(&mut self);
+}
+
+impl<S: RendezvousStore> Node for DynamicRendezvous<S> {
+    async fn join(&mut self) -> Result<RendezvousInfo, RendezvousError> {
+        self.next_rendezvous().await
+    }
+    fn stop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Node for EtcdRendezvous {
+    async fn join(&mut self) -> Result<RendezvousInfo, RendezvousError> {
+        self.next_rendezvous().await
+    }
+    fn stop(&mut self) {
+        self.shutdown();
+    }
+}
+
 /// Every node joins one round at once; seconds until the last has its rank.
-async fn one_round<S: RendezvousStore>(run_id: &str, nodes: u32, stores: Vec<S>) -> f64 {
-    let settings = settings(run_id, nodes);
-    let prefix = run_prefix(run_id);
+async fn one_round<N: Node>(nodes: u32, handlers: Vec<N>) -> f64 {
     let start = Instant::now();
-    let tasks: Vec<_> = stores
+    let tasks: Vec<_> = handlers
         .into_iter()
-        .map(|store| {
-            let mut node = DynamicRendezvous::new(store, settings.clone(), prefix.clone()).expect("handler");
+        .map(|mut node| {
             tokio::spawn(async move {
-                let info = node.next_rendezvous().await.expect("rendezvous");
+                let info = node.join().await.expect("rendezvous");
                 (node, info)
             })
         })
@@ -100,7 +123,7 @@ async fn one_round<S: RendezvousStore>(run_id: &str, nodes: u32, stores: Vec<S>)
     ranks.sort();
     assert_eq!(ranks, (0..nodes).collect::<Vec<_>>(), "every node has a distinct rank");
     for (node, _) in &mut joined {
-        node.shutdown();
+        node.stop();
     }
     elapsed
 }
@@ -109,26 +132,20 @@ async fn one_round<S: RendezvousStore>(run_id: &str, nodes: u32, stores: Vec<S>)
 async fn etcd_round(nodes: u32, endpoints: &str, shared_client: bool) -> (f64, u64) {
     let run_id = format!("bench-{nodes}-{}", std::process::id());
     let prefix = format!("/elastix/rdzv/{run_id}/");
-    let sites: Vec<(String, u16)> = endpoints
-        .split(',')
-        .map(|endpoint| {
-            let (host, port) = endpoint.rsplit_once(':').expect("--etcd host:port,...");
-            (host.to_owned(), port.parse().expect("a port number"))
-        })
-        .collect();
     let options = EtcdOptions {
         endpoints: endpoints.split(',').map(str::to_owned).collect(),
         tls: None,
         patience: Duration::from_secs(30),
     };
     let shared = EtcdClient::new(&options).expect("etcd client");
-    let stores = (0..nodes)
+    let settings = settings(&run_id, nodes);
+    let handlers = (0..nodes)
         .map(|_| {
             let client = if shared_client { shared.clone() } else { EtcdClient::new(&options).expect("etcd client") };
-            EtcdRendezvousStore::new(client, sites.clone(), prefix.clone())
+            EtcdRendezvous::new(client, settings.clone(), prefix.clone()).expect("handler")
         })
         .collect();
     let before = elastix_etcd::requests_sent();
-    let seconds = one_round(&run_id, nodes, stores).await;
+    let seconds = one_round(nodes, handlers).await;
     (seconds, elastix_etcd::requests_sent() - before)
 }
