@@ -162,6 +162,12 @@ class EtcdCluster:
     def put(self, key: bytes, value: bytes) -> None:
         self._any("kv/put", {"key": _b64(key), "value": _b64(value)})
 
+    def compact(self) -> int:
+        """Writes a key, then drops the history up to that write's revision; returns it."""
+        revision = int(self._any("kv/put", {"key": _b64(b"/compaction-mark"), "value": ""})["header"]["revision"])
+        self._any("kv/compaction", {"revision": revision, "physical": True})
+        return revision
+
     def keys(self) -> list[bytes]:
         """Every key in the cluster."""
         answer = self._any("kv/range", {"key": _b64(b"\0"), "range_end": _b64(b"\0"), "keys_only": True})

@@ -123,6 +123,37 @@ def test_a_node_whose_agent_is_stopped_past_its_ttl_is_dropped(tmp_path, marker,
     finish_all(tmp_path, agents, marker)
 
 
+def test_a_node_whose_watch_history_was_compacted_reads_the_round_again(tmp_path, marker, etcd):
+    """A waits for B; while A is stopped, etcd restarts (A's watch breaks), B seals the round
+    and the history is compacted: A's watch reopens from a compacted revision, and A must
+    read the round's outcome afresh (and later its round, likewise)."""
+    conf = FAST.replace("keep_alive_interval=250ms,keep_alive_max_attempt=8,", "lease_ttl=20s,")
+    (a,) = nodes(tmp_path, marker, 2, etcd.endpoints, (1,), conf)
+    member = f"/elastix/rdzv/{RUN_ID}/r/000000000000/m/".encode()
+    deadline = time.monotonic() + 30
+    while not any(key.startswith(member) for key in etcd.keys()):
+        assert time.monotonic() < deadline, a.output()
+        time.sleep(0.1)
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        for i in range(3):
+            etcd.kill(i)
+        for i in range(3):
+            etcd.start(i)
+        etcd.wait_healthy()
+        (b,) = nodes(tmp_path, marker, 2, etcd.endpoints, (2,), conf)
+        sealed = f"/elastix/rdzv/{RUN_ID}/r/000000000000/s/size".encode()
+        while sealed not in etcd.keys():
+            assert time.monotonic() < deadline, b.output()
+            time.sleep(0.1)
+        etcd.compact()
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    finish_all(tmp_path, [a, b], marker)
+    assert "compacted the history" in a.output(), a.output()
+    assert rounds_of(tmp_path, 2) == [0], starts(tmp_path)
+
+
 def test_an_unreachable_endpoint_list_is_a_clear_error_within_the_join_timeout(tmp_path, marker):
     from conftest import closed_port
 

@@ -56,9 +56,9 @@ impl Drop for KeepAlive {
 }
 
 impl EtcdClient {
-    /// A new lease of `ttl` (whole seconds, at least one).
+    /// A new lease of `ttl`, rounded up to whole seconds (etcd may grant more: its minimum).
     pub async fn grant_lease(&self, ttl: Duration) -> Result<Lease, EtcdError> {
-        let request = LeaseGrantRequest { ttl: ttl.as_secs().max(1) as i64, id: 0 };
+        let request = LeaseGrantRequest { ttl: (ttl.as_secs_f64().ceil() as i64).max(1), id: 0 };
         let response =
             self.retry(|channel| async move { LeaseClient::new(channel).lease_grant(request).await }).await?;
         if !response.error.is_empty() {

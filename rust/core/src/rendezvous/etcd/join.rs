@@ -238,7 +238,8 @@ impl Ctx<'_> {
                             }
                         }
                     }
-                    WatchItem::Compacted { .. } => {
+                    WatchItem::Compacted { revision } => {
+                        tracing::info!(round = r, "etcd compacted the history up to revision {revision}; reading the round's outcome again");
                         let (read, revision) = self.read_outcome(r).await?;
                         if let Some(reason) = read.closed {
                             return Ok(Outcome::Closed { reason, spare });

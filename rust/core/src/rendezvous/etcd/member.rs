@@ -131,12 +131,13 @@ pub(super) fn spawn(round: RoundWatch) -> JoinHandle<()> {
                             lease_state = watch::channel(LeaseState::Alive).1;
                         }
                     }
-                    Ok(WatchItem::Compacted { .. }) => match round.resync().await {
-                        Ok((change, revision)) => {
+                    Ok(WatchItem::Compacted { revision }) => match round.resync().await {
+                        Ok((change, read_at)) => {
+                            tracing::info!(round = r, "etcd compacted the history up to revision {revision}; read the round again at {read_at}");
                             if let Some(change) = change {
                                 let _ = round.changes.send(Some(change));
                             }
-                            watcher.restart(revision + 1);
+                            watcher.restart(read_at + 1);
                         }
                         Err(err) => tracing::debug!(round = r, "reading the round again after a compaction: {err}"),
                     },
