@@ -6,6 +6,7 @@ wire protocol, so torch code and elastix code can share one store.
 
 from ._core import __version__, reset_log_cache
 from .errors import (
+    AuthenticationError,
     DistBackendError,
     DistError,
     DistNetworkError,
@@ -59,6 +60,7 @@ __all__ = [
     "QueueEmptyError",
     "StoreTimeoutError",
     "NetworkTimeoutError",
+    "AuthenticationError",
     "record",
     "launch",
     "elastic_launch",

@@ -82,7 +82,8 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = _ag
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         node_rank=args.node_rank,
-        local_addr=args.local_addr,
+        # a standalone job is reachable from this machine alone: its stores listen on loopback
+        local_addr=args.local_addr or ("127.0.0.1" if endpoint == STANDALONE_ENDPOINT else None),
         master_addr=master_addr,
         master_port=master_port,
         max_restarts=args.max_restarts,
@@ -102,10 +103,13 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = _ag
     )
 
 
+STANDALONE_ENDPOINT = "localhost:0"
+
+
 def _standalone() -> "tuple[str, str, str]":
     import uuid
 
-    return "c10d", "localhost:0", uuid.uuid4().hex
+    return "c10d", STANDALONE_ENDPOINT, uuid.uuid4().hex
 
 
 def _command(args: argparse.Namespace, warn: Callable[[str], None]) -> "tuple[str, List[str]]":

@@ -35,6 +35,11 @@ class NetworkTimeoutError(DistNetworkError, TimeoutError):
     """No connection could be made, or the server sent no reply, before the deadline."""
 
 
+class AuthenticationError(DistNetworkError):
+    """The store and this process do not share the job secret (one lacks it, or they hold
+    different ones): set ``ELASTIX_AUTH_TOKEN_FILE`` to the job's secret file."""
+
+
 class RendezvousError(RuntimeError):
     """Base class of rendezvous errors (torch's names)."""
 
@@ -81,6 +86,7 @@ __all__ = [
     "QueueEmptyError",
     "StoreTimeoutError",
     "NetworkTimeoutError",
+    "AuthenticationError",
     "RendezvousError",
     "RendezvousClosedError",
     "RendezvousTimeoutError",

@@ -9,6 +9,7 @@
 //!   (the algorithms themselves are in the Python package).
 
 pub mod agent;
+pub mod auth;
 pub mod collectives;
 pub mod logging;
 pub mod rendezvous;

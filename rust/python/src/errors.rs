@@ -13,6 +13,7 @@ import_exception!(elastix.errors, DistNetworkError);
 import_exception!(elastix.errors, QueueEmptyError);
 import_exception!(elastix.errors, StoreTimeoutError);
 import_exception!(elastix.errors, NetworkTimeoutError);
+import_exception!(elastix.errors, AuthenticationError);
 
 pub fn to_py(err: StoreError, pending: &PendingSignal) -> PyErr {
     let message = err.to_string();
@@ -26,6 +27,7 @@ pub fn to_py(err: StoreError, pending: &PendingSignal) -> PyErr {
             DistStoreError::new_err(message)
         }
         StoreError::QueueEmpty => QueueEmptyError::new_err(message),
+        StoreError::Auth { .. } => AuthenticationError::new_err(message),
         StoreError::Interrupted => {
             pending.take().unwrap_or_else(|| PyKeyboardInterrupt::new_err("interrupted while waiting"))
         }

@@ -103,6 +103,9 @@ impl TcpStoreCore {
         listen_fd: Option<i32>,
         client_if_port_taken: bool,
     ) -> PyResult<Self> {
+        // an unusable job secret file is this call's error, not a silent connection without it
+        elastix_core::auth::process_secret()
+            .map_err(|err| pyo3::exceptions::PyPermissionError::new_err(err.to_string()))?;
         // A descriptor of our own: the caller's stays theirs to close.
         let listen_fd = listen_fd
             .map(duplicate_socket_fd)

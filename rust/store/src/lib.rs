@@ -6,6 +6,7 @@ use std::ffi::OsString;
 use std::time::Duration;
 
 use clap::Parser;
+use elastix_core::auth::{PlainClients, Secret, SecretError};
 use elastix_core::store::{Limits, ServerConfig, StoreServer};
 
 /// How long connections get to close after a stop signal before the process exits anyway.
@@ -55,10 +56,15 @@ pub struct Args {
     /// thousands of clients.
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
+    /// A file holding the job secret (only its owner may read it): every client must prove
+    /// it before any request. torch's clients cannot, so they are refused. Default: the file
+    /// ELASTIX_AUTH_TOKEN_FILE names, if set.
+    #[arg(long)]
+    pub auth_token_file: Option<std::path::PathBuf>,
 }
 
 impl Args {
-    fn server_config(&self) -> ServerConfig {
+    fn server_config(&self, secret: Option<Secret>) -> ServerConfig {
         ServerConfig {
             host: self.host.clone(),
             port: self.port,
@@ -70,6 +76,15 @@ impl Args {
             },
             max_connections: self.max_connections.unwrap_or_else(ServerConfig::default_max_connections),
             idle_timeout: self.idle_timeout,
+            auth: secret.map(|secret| (secret, PlainClients::Refuse)),
+        }
+    }
+
+    /// The job secret: `--auth-token-file`, else the environment's.
+    fn secret(&self) -> Result<Option<Secret>, SecretError> {
+        match &self.auth_token_file {
+            Some(path) => Secret::from_file(path).map(Some),
+            None => Secret::from_env(),
         }
     }
 }
@@ -97,7 +112,14 @@ where
     if let Err(err) = elastix_core::store::server::listener::raise_open_file_limit() {
         tracing::warn!("cannot raise the open-file limit: {err}; serving within the current one");
     }
-    match serve(&args) {
+    let secret = match args.secret() {
+        Ok(secret) => secret,
+        Err(err) => {
+            eprintln!("elastix-store: {err}");
+            return 2;
+        }
+    };
+    match serve(&args, secret) {
         Ok(()) => 0,
         Err(err) => {
             eprintln!("elastix-store: {err}");
@@ -106,7 +128,7 @@ where
     }
 }
 
-fn serve(args: &Args) -> std::io::Result<()> {
+fn serve(args: &Args, secret: Option<Secret>) -> std::io::Result<()> {
     let mut runtime = match args.threads {
         0 | 1 => tokio::runtime::Builder::new_current_thread(),
         threads => {
@@ -119,8 +141,17 @@ fn serve(args: &Args) -> std::io::Result<()> {
     runtime.block_on(async {
         // Handlers first: a signal right after the address is printed must not kill us.
         let stop = StopSignals::install()?;
-        let server = StoreServer::start(&args.server_config())?;
+        let open = secret.is_none();
+        let server = StoreServer::start(&args.server_config(secret))?;
         println!("elastix-store listening on {}", server.local_addr());
+        if open && !server.local_addr().ip().is_loopback() {
+            tracing::warn!(
+                "no job secret: anyone who can reach port {} of this host can read and change the jobs' \
+                 rendezvous; give --auth-token-file (a file only you can read; the agents take the same file \
+                 as ELASTIX_AUTH_TOKEN_FILE)",
+                server.port()
+            );
+        }
         use std::io::Write;
         std::io::stdout().flush()?;
         let signal = stop.recv().await;

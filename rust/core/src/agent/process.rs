@@ -40,6 +40,8 @@ impl SupervisedCommand {
         command
             .args(args)
             .envs(env)
+            // the secret itself never reaches a child: it gets the file (ELASTIX_AUTH_TOKEN_FILE)
+            .env_remove(crate::auth::TOKEN_VAR)
             .stdin(Stdio::inherit())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

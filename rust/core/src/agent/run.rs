@@ -69,6 +69,7 @@ pub async fn run_agent(config: AgentConfig) -> AgentResult {
             End::Failed
         }
     };
+    crate::auth::remove_children_file();
     if let Some(agent) = agent.as_mut() {
         agent.store = None;
         if !matches!(end, End::Interrupted(_)) {
@@ -212,7 +213,7 @@ struct Agent {
 }
 
 impl Agent {
-    async fn start(config: AgentConfig, report: &mut Report) -> Result<Agent> {
+    async fn start(mut config: AgentConfig, report: &mut Report) -> Result<Agent> {
         // signals first: one that arrives during the rendezvous is handled like any other
         let mut signals = Signals::install(&config.signals_to_handle)?;
         let logs = LogDirs::create(config.log_dir.as_deref(), &config.run_id)?;
@@ -225,6 +226,7 @@ impl Agent {
             (signal, _) = signals.recv() => return Err(AgentError::Interrupted(signal)),
         };
         let host = config.local_addr.clone().unwrap_or_else(host_name);
+        point_workers_at_the_secret(&mut config, &host)?;
         let standbys = StandbyPool::new(config.standby.clone(), config.env.clone(), config.local_world_size);
         Ok(Agent { config, rdzv, signals, logs, log_writer, host, attempt: 0, store: None, standbys })
     }
@@ -473,6 +475,24 @@ async fn connect_store<'a>(
         *slot = Some(TcpStore::open(options).await?);
     }
     Ok(slot.as_mut().expect("opened above"))
+}
+
+/// Gives the workers the job secret's file (never the secret itself), or, without a secret on
+/// a node others can reach, says once who can reach the job and how to close it.
+fn point_workers_at_the_secret(config: &mut AgentConfig, host: &str) -> Result<()> {
+    let file = crate::auth::children_file().map_err(|err| RendezvousError::Config(err.to_string()))?;
+    match file {
+        Some(path) => {
+            config.env.insert(crate::auth::TOKEN_FILE_VAR.to_owned(), path.to_string_lossy().into_owned());
+        }
+        None if !crate::rendezvous::endpoint::is_loopback_name(host) => tracing::warn!(
+            "no job secret: anyone who can reach {host} can join this job, end it or feed its workers' \
+             collectives; give every node {}=<a file only you can read> (or --rdzv-conf auth_token_file=...)",
+            crate::auth::TOKEN_FILE_VAR
+        ),
+        None => {}
+    }
+    Ok(())
 }
 
 /// The next membership change (never, for a backend without any).

@@ -25,6 +25,7 @@ pub const DYNAMIC_KEYS: &[(&str, &str)] = &[
     ("store_type", "tcp (default) or file"),
     ("is_host", "host the store in this agent (default: if the endpoint is this machine)"),
     ("timeout", "accepted for torch compatibility; dynamic rendezvous uses join_timeout"),
+    ("auth_token_file", "file holding the job secret, readable only by its owner (or ELASTIX_AUTH_TOKEN_FILE)"),
 ];
 
 pub const ETCD_KEYS: &[(&str, &str)] = &[
@@ -37,16 +38,18 @@ pub const ETCD_KEYS: &[(&str, &str)] = &[
     ("last_call_timeout", "extra wait for more nodes once min_nodes joined (default 30s)"),
     ("close_timeout", "deadline for closing the rendezvous (default 30s)"),
     ("heartbeat_timeout", "how long one etcd request may keep failing before it is reported (default 5s)"),
-    ("keep_alive_interval", "time between heartbeats (default 5s)"),
-    ("keep_alive_max_attempt", "missed heartbeats before a node counts as dead (default 3)"),
-    ("lease_ttl", "a node counts as dead after this long without a heartbeat (sets keep_alive_*)"),
+    ("keep_alive_interval", "with keep_alive_max_attempt, the lease TTL: their product (default 5s)"),
+    ("keep_alive_max_attempt", "with keep_alive_interval, the lease TTL: their product (default 3)"),
+    ("lease_ttl", "a node counts as dead after this long without renewing its lease (sets keep_alive_*)"),
     ("key_prefix", "where the rendezvous keys live in etcd (default /elastix/rdzv/)"),
+    ("auth_token_file", "file holding the job secret, readable only by its owner (or ELASTIX_AUTH_TOKEN_FILE)"),
 ];
 
 pub const STATIC_KEYS: &[(&str, &str)] = &[
     ("rank", "this node's rank (set from --node-rank)"),
     ("timeout", "store timeout (default 600s)"),
     ("read_timeout", "store operation timeout (default 60s)"),
+    ("auth_token_file", "file holding the job secret, readable only by its owner (or ELASTIX_AUTH_TOKEN_FILE)"),
 ];
 
 /// Rendezvous configuration as given: torch's `k=v,k=v` text, or a map of values (no quoting

@@ -426,7 +426,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         let member = Arrival { v: FORMAT_VERSION, node: Some(self.node.clone()) };
         let master_server = if rank == 0 {
             Some(
-                StoreServer::start(&ServerConfig::default())
+                StoreServer::start(&ServerConfig::for_address(&self.node.addr))
                     .map_err(|err| RendezvousError::Config(format!("cannot start the workers' store: {err}")))?,
             )
         } else {

@@ -7,14 +7,17 @@ use tokio::sync::watch;
 
 use super::conf::{RendezvousConf, DYNAMIC_KEYS, STATIC_KEYS};
 use super::dynamic::{DynamicRendezvous, MembershipChange, RendezvousInfo};
-use super::endpoint::{is_local_addr, is_this_machine, parse_endpoint, parse_endpoints, DEFAULT_PORT};
+use super::endpoint::{
+    is_local_addr, is_loopback_name, is_this_machine, parse_endpoint, parse_endpoints, DEFAULT_PORT,
+};
 use super::error::{RendezvousError, Result};
 use super::etcd::{create_etcd, EtcdRendezvous};
 use super::keys::run_prefix;
-use super::params::dynamic_settings;
+use super::params::{apply_secret, dynamic_settings};
 pub use super::params::{RendezvousParams, PROGRESS_INTERVAL_VAR};
 use super::static_rdzv::StaticRendezvous;
 use super::store::TcpRendezvousStore;
+use crate::auth::PlainClients;
 use crate::store::{ServerConfig, StoreServer};
 
 /// torch's store operation timeout for the rendezvous store (`read_timeout`).
@@ -157,6 +160,7 @@ impl Rendezvous {
 
 async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
     let conf = RendezvousConf::from_input(&params.conf, DYNAMIC_KEYS)?;
+    apply_secret(&conf)?;
     if let Some(store_type) = conf.get("store_type") {
         if store_type != "tcp" {
             return Err(RendezvousError::Config(format!(
@@ -186,7 +190,11 @@ async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
         if !hosting {
             continue;
         }
-        match StoreServer::start(&ServerConfig { port: site.1, ..ServerConfig::default() }) {
+        // only agents connect to the rendezvous store, and with a secret they all prove it
+        let auth = crate::auth::process_secret().ok().flatten().map(|secret| (secret, PlainClients::Refuse));
+        // a store for agents on this machine alone (--standalone) is reachable from it alone
+        let host = is_loopback_name(&site.0).then(|| site.0.clone());
+        match StoreServer::start(&ServerConfig { host, port: site.1, auth, ..ServerConfig::default() }) {
             Ok(server) => {
                 site.1 = server.port();
                 servers.push(server);
@@ -212,6 +220,7 @@ async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
 
 fn create_static(params: RendezvousParams) -> Result<Rendezvous> {
     let mut conf = RendezvousConf::from_input(&params.conf, STATIC_KEYS)?;
+    apply_secret(&conf)?;
     if let Some(rank) = params.node_rank {
         conf.insert("rank", &rank.to_string(), STATIC_KEYS)?;
     }

@@ -34,3 +34,15 @@ pub(crate) fn dynamic_settings(params: &RendezvousParams, conf: &RendezvousConf)
     }
     Ok(settings)
 }
+
+/// Makes the job secret `--rdzv-conf auth_token_file` names this process's (and checks the
+/// environment's): an unusable secret is a configuration error, before anything connects.
+pub(crate) fn apply_secret(conf: &RendezvousConf) -> Result<()> {
+    let config = |err: crate::auth::SecretError| RendezvousError::Config(err.to_string());
+    if let Some(path) = conf.get("auth_token_file") {
+        let secret = crate::auth::Secret::from_file(std::path::Path::new(path)).map_err(config)?;
+        crate::auth::use_secret(secret).map_err(config)?;
+    }
+    crate::auth::process_secret().map_err(config)?;
+    Ok(())
+}

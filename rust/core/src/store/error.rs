@@ -35,6 +35,11 @@ pub enum StoreError {
     #[error("connection to the store at {peer} lost: {reason}")]
     ConnectionLost { peer: String, reason: String },
 
+    /// This client and the server do not share the job secret (one lacks it, or they hold
+    /// different ones); retrying cannot help.
+    #[error("the store at {peer} refused this client: {reason}")]
+    Auth { peer: String, reason: String },
+
     /// The server answered something the protocol does not allow.
     #[error("protocol error from the store at {peer}: {detail}")]
     Protocol { peer: String, detail: String },

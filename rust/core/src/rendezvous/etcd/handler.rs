@@ -256,7 +256,7 @@ impl EtcdRendezvous {
         if rank != 0 {
             return Ok(None);
         }
-        let server = StoreServer::start(&ServerConfig::default())
+        let server = StoreServer::start(&ServerConfig::for_address(&self.node.addr))
             .map_err(|err| RendezvousError::Config(format!("cannot start the workers' store: {err}")))?;
         let master = Master { v: FORMAT_VERSION, addr: self.node.addr.clone(), port: server.port() };
         self.client.put(&self.keys.master(round), &encode(&master)).await.map_err(|err| self.error(err))?;

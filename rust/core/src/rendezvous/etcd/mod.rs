@@ -21,7 +21,7 @@ use elastix_etcd::{EtcdClient, EtcdOptions, TlsFiles};
 use super::conf::{RendezvousConf, ETCD_KEYS};
 use super::endpoint::parse_endpoints;
 use super::error::{RendezvousError, Result};
-use super::params::{dynamic_settings, RendezvousParams};
+use super::params::{apply_secret, dynamic_settings, RendezvousParams};
 
 /// etcd's client port.
 pub const DEFAULT_ETCD_PORT: u16 = 2379;
@@ -29,6 +29,7 @@ const DEFAULT_KEY_PREFIX: &str = "/elastix/rdzv/";
 
 pub(crate) async fn create_etcd(params: RendezvousParams) -> Result<EtcdRendezvous> {
     let mut conf = RendezvousConf::from_input(&params.conf, ETCD_KEYS)?;
+    apply_secret(&conf)?;
     if let Some(timeout) = conf.get("timeout").map(str::to_owned) {
         if conf.get("join_timeout").is_none() {
             conf.insert("join_timeout", &timeout, ETCD_KEYS)?;

@@ -12,9 +12,12 @@ use tokio::net::{lookup_host, TcpStream};
 use tokio::time::Instant;
 
 use super::backoff::Backoff;
+use crate::auth::handshake::{self, HandshakeError, SECRET_REQUIRED};
+use crate::auth::{Secret, TOKEN_FILE_VAR};
 use crate::store::error::{Result, StoreError};
 use crate::store::protocol::VALIDATION_MAGIC;
 use crate::store::request::Request;
+use crate::store::server::process_secret_or_log;
 
 /// Where and how long to try.
 #[derive(Clone, Debug)]
@@ -27,11 +30,21 @@ pub struct ConnectOptions {
     /// Give up after this many attempts even before the deadline (`None`: no limit). A probe
     /// that only asks whether a server is up uses it: a refusal is answer enough.
     pub max_attempts: Option<u32>,
+    /// The job secret to prove to the server before any request. Default: this process's
+    /// ([`crate::auth::process_secret`]).
+    pub secret: Option<Secret>,
 }
 
 impl ConnectOptions {
     pub fn new(host: impl Into<String>, port: u16, timeout: Option<Duration>) -> Self {
-        ConnectOptions { host: host.into(), port, timeout, backoff: Backoff::default(), max_attempts: None }
+        ConnectOptions {
+            host: host.into(),
+            port,
+            timeout,
+            backoff: Backoff::default(),
+            max_attempts: None,
+            secret: process_secret_or_log(),
+        }
     }
 }
 
@@ -63,6 +76,10 @@ pub(super) async fn connect(options: &ConnectOptions) -> Result<(TcpStream, Sock
                     );
                 }
                 return Ok(connected);
+            }
+            // the server answered: it and this client do not share the secret
+            Err(AttemptFailure { refused: Some(reason), .. }) => {
+                return Err(StoreError::Auth { peer: format!("{}:{}", options.host, options.port), reason });
             }
             // An attempt cut short by the deadline says less than the failure before it.
             Err(failure) if failure.deadline_hit && !last_error.is_empty() => {}
@@ -101,6 +118,8 @@ struct AttemptFailure {
     message: String,
     /// The attempt was cut short by the connect deadline.
     deadline_hit: bool,
+    /// The server and this client do not share the job secret: why.
+    refused: Option<String>,
 }
 
 /// One pass over every address the host resolves to. The error describes each failure.
@@ -113,6 +132,7 @@ async fn attempt(
         within(deadline, lookup_host((options.host.as_str(), options.port))).await.map_err(|err| AttemptFailure {
             message: format!("cannot resolve {:?}: {err}", options.host),
             deadline_hit: err.kind() == io::ErrorKind::TimedOut,
+            refused: None,
         })?;
     let mut failures = Vec::new();
     let mut deadline_hit = false;
@@ -122,40 +142,78 @@ async fn attempt(
             tried.push(shown);
         }
         let connected = async {
-            let stream = within(deadline, TcpStream::connect(addr)).await?;
-            stream.set_nodelay(true)?;
-            crate::store::server::listener::set_keepalive(&stream)?;
-            handshake(stream, deadline).await
+            let mut stream = within(deadline, TcpStream::connect(addr)).await.map_err(Failed::Io)?;
+            stream.set_nodelay(true).map_err(Failed::Io)?;
+            crate::store::server::listener::set_keepalive(&stream).map_err(Failed::Io)?;
+            if let Some(secret) = &options.secret {
+                authenticate(&mut stream, secret, deadline).await?;
+            }
+            validate(stream, deadline).await
         };
         match connected.await {
             Ok(stream) => return Ok((stream, addr)),
-            Err(err) => {
+            Err(Failed::Refused(reason)) => {
+                return Err(AttemptFailure { message: reason.clone(), deadline_hit: false, refused: Some(reason) })
+            }
+            Err(Failed::Io(err)) => {
                 deadline_hit |= err.kind() == io::ErrorKind::TimedOut;
                 failures.push(format!("{addr}: {err}"));
             }
         }
     }
     let message = if failures.is_empty() { "no addresses".into() } else { failures.join("; ") };
-    Err(AttemptFailure { message, deadline_hit })
+    Err(AttemptFailure { message, deadline_hit, refused: None })
+}
+
+/// Why a connection to one address failed.
+enum Failed {
+    Io(io::Error),
+    /// Over the job secret: final.
+    Refused(String),
+}
+
+/// Proves the job secret to the server (and checks that it holds it too).
+async fn authenticate(stream: &mut TcpStream, secret: &Secret, deadline: Option<Instant>) -> Result<(), Failed> {
+    let exchange = async { Ok::<_, io::Error>(handshake::client(stream, secret).await) };
+    match within(deadline, exchange).await.map_err(Failed::Io)? {
+        Ok(()) => Ok(()),
+        Err(HandshakeError::Closed) => Err(Failed::Refused(
+            "it closed the connection during authentication: it runs without a job secret, or refused this \
+             client"
+                .into(),
+        )),
+        Err(HandshakeError::WrongProof) => Err(Failed::Refused(
+            "it does not hold this job's secret (is the same secret file given to every node?)".into(),
+        )),
+        Err(HandshakeError::Io(err)) => Err(Failed::Io(err)),
+        Err(other) => Err(Failed::Refused(other.to_string())),
+    }
 }
 
 /// VALIDATE, then PING with our pid as nonce, which the server must echo. Written as two
 /// separate sends, as torch's client does (torch's libuv server has trouble with both in one
 /// segment); the reply is bounded by the connect deadline.
-async fn handshake(mut stream: TcpStream, deadline: Option<Instant>) -> io::Result<TcpStream> {
+async fn validate(mut stream: TcpStream, deadline: Option<Instant>) -> Result<TcpStream, Failed> {
     let nonce = std::process::id();
     for request in [Request::Validate { magic: VALIDATION_MAGIC }, Request::Ping { nonce }] {
         let mut bytes = BytesMut::with_capacity(5);
         request.encode(&mut bytes);
-        within(deadline, stream.write_all(&bytes)).await?;
+        within(deadline, stream.write_all(&bytes)).await.map_err(Failed::Io)?;
     }
     let mut echo = [0u8; 4];
     within(deadline, stream.read_exact(&mut echo))
         .await
-        .map_err(|err| io::Error::new(err.kind(), format!("no PING reply: {err}")))?;
+        .map_err(|err| Failed::Io(io::Error::new(err.kind(), format!("no PING reply: {err}"))))?;
     let echoed = u32::from_le_bytes(echo);
+    if echoed == SECRET_REQUIRED {
+        return Err(Failed::Refused(format!(
+            "it requires the job's secret, which this process does not have (set {TOKEN_FILE_VAR}, or \
+             --rdzv-conf auth_token_file, to a file holding it)"
+        )));
+    }
     if echoed != nonce {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("ping failed: expected {nonce}, got {echoed}")));
+        let detail = format!("ping failed: expected {nonce}, got {echoed}");
+        return Err(Failed::Io(io::Error::new(io::ErrorKind::InvalidData, detail)));
     }
     Ok(stream)
 }

@@ -24,6 +24,7 @@ use self::shutdown::Shutdown;
 use super::counter::parse_counter;
 use super::db::Db;
 use super::limits::Limits;
+use crate::auth::{Gate, PlainClients, Secret};
 
 /// How to run a server.
 #[derive(Clone, Debug)]
@@ -41,9 +42,20 @@ pub struct ServerConfig {
     /// Closes a connection that sent nothing for this long while holding no wait. `None`
     /// (the default): never, as torch's clients stay connected and idle for hours.
     pub idle_timeout: Option<Duration>,
+    /// With a job secret, clients must prove it (plain clients only as the policy allows).
+    /// Default: this process's secret ([`crate::auth::process_secret`]), if any, admitting
+    /// plain clients from loopback and from where an authenticated client came.
+    pub auth: Option<(Secret, PlainClients)>,
 }
 
 impl ServerConfig {
+    /// The defaults, for a server its clients reach at `addr`: one reached at a loopback
+    /// address listens there alone (nobody off this machine can connect).
+    pub fn for_address(addr: &str) -> ServerConfig {
+        let loopback = crate::rendezvous::endpoint::is_loopback_name(addr);
+        ServerConfig { host: loopback.then(|| addr.to_owned()), ..ServerConfig::default() }
+    }
+
     /// Most connections served by default, however many descriptors the process may open.
     pub const MOST_CONNECTIONS: usize = 65_536;
     /// Descriptors kept for everything else the process opens (files, its own clients).
@@ -67,6 +79,7 @@ impl Default for ServerConfig {
             limits: Limits::default(),
             max_connections: Self::default_max_connections(),
             idle_timeout: None,
+            auth: process_secret_or_log().map(|secret| (secret, PlainClients::LoopbackAndAuthenticated)),
         }
     }
 }
@@ -79,6 +92,8 @@ pub(crate) struct Shared {
     /// Who is served (the connection cap) and how many are.
     admission: Admission,
     idle_timeout: Option<Duration>,
+    /// Present when clients must prove the job secret.
+    gate: Option<Gate>,
 }
 
 impl Shared {
@@ -130,6 +145,7 @@ impl StoreServer {
             next_id: AtomicU64::new(1),
             admission: Admission::new(config.max_connections),
             idle_timeout: config.idle_timeout,
+            gate: config.auth.clone().map(|(secret, plain)| Gate::new(secret, plain)),
         });
         let (stop, stop_signal) = watch::channel(false);
         let (task_done, finished) = mpsc::channel(1);
@@ -154,6 +170,11 @@ impl StoreServer {
     /// Connections refused so far because `max_connections` were being served.
     pub fn refused(&self) -> u64 {
         self.shared.admission.refused()
+    }
+
+    /// Connections refused so far because they did not prove the job secret.
+    pub fn refused_unauthenticated(&self) -> u64 {
+        self.shared.gate.as_ref().map_or(0, Gate::refused)
     }
 
     /// Clients blocked in WAIT or BARRIER right now.
@@ -238,11 +259,20 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut shutdown: S
         if let Err(err) = stream.set_nodelay(true).and_then(|()| listener::set_keepalive(&stream)) {
             tracing::debug!(%peer, "could not set TCP_NODELAY or keepalive: {err}");
         }
-        let connection = Connection::new(stream, peer, shared.clone());
-        let shutdown = shutdown.clone();
-        let task_done = task_done.clone();
+        let (shared, mut shutdown, task_done) = (shared.clone(), shutdown.clone(), task_done.clone());
         tokio::spawn(async move {
-            connection.run(shutdown).await;
+            let mut stream = stream;
+            // authentication runs here, not in the accept loop: a slow client holds up nobody
+            let admitted_by_gate = match &shared.gate {
+                None => true,
+                Some(gate) => tokio::select! {
+                    admitted = gate.admit(&mut stream, peer) => admitted,
+                    _ = shutdown.recv() => false,
+                },
+            };
+            if admitted_by_gate {
+                Connection::new(stream, peer, shared).run(shutdown).await;
+            }
             drop(admitted);
             drop(task_done);
         });
@@ -304,4 +334,13 @@ fn dispose(runtime: Runtime) {
     } else {
         runtime.shutdown_timeout(Duration::from_secs(2));
     }
+}
+
+/// This process's job secret for a server's or client's default; an unusable secret file is
+/// logged (the agent and the Python bindings check it first and fail with the error).
+pub(crate) fn process_secret_or_log() -> Option<Secret> {
+    crate::auth::process_secret().unwrap_or_else(|err| {
+        tracing::error!("{err}; connections made without the job secret will be refused by servers that hold it");
+        None
+    })
 }

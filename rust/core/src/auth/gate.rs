@@ -1,0 +1,140 @@
+//! What a server holding the job secret admits. A client that starts with elastix's
+//! authentication must prove the secret; a plain client (torch's TCPStore client, which has no
+//! authentication) is admitted only where the server's [`PlainClients`] policy allows. A
+//! refused or slow connection is closed, counted, and logged once per address per minute.
+
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::handshake::{self, MAGIC, SECRET_REQUIRED};
+use super::secret::Secret;
+
+/// Bound on a client's authentication, from its connection on.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// A refusal is logged at WARN at most this often per address.
+const LOG_EVERY: Duration = Duration::from_secs(60);
+/// The plain handshake a refused torch client sends (VALIDATE, PING), read before answering.
+const PLAIN_HELLO: usize = 10;
+
+/// Who may connect without proving the secret.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlainClients {
+    /// Nobody (the rendezvous store: only agents connect, and they authenticate).
+    Refuse,
+    /// Loopback, and the addresses an authenticated client came from (a round's workers' store:
+    /// every member's agent authenticates before its torch workers connect).
+    LoopbackAndAuthenticated,
+}
+
+pub struct Gate {
+    secret: Secret,
+    plain: PlainClients,
+    /// Addresses that authenticated.
+    trusted: Mutex<HashSet<IpAddr>>,
+    refused: AtomicU64,
+    /// When each address's refusal was last logged at WARN.
+    logged: Mutex<HashMap<IpAddr, Instant>>,
+}
+
+impl Gate {
+    pub fn new(secret: Secret, plain: PlainClients) -> Gate {
+        Gate { secret, plain, trusted: Mutex::default(), refused: AtomicU64::new(0), logged: Mutex::default() }
+    }
+
+    /// Connections refused so far.
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Whether to serve the client at `peer` (`false`: close the connection), deciding within
+    /// [`HANDSHAKE_TIMEOUT`].
+    pub async fn admit(&self, stream: &mut TcpStream, peer: SocketAddr) -> bool {
+        let verdict = match tokio::time::timeout(HANDSHAKE_TIMEOUT, self.screen(stream, peer)).await {
+            Ok(verdict) => verdict,
+            Err(_) => Err(format!("no authentication within {HANDSHAKE_TIMEOUT:?}")),
+        };
+        match verdict {
+            Ok(()) => true,
+            Err(reason) => {
+                if !reason.is_empty() {
+                    self.refuse(peer, &reason);
+                }
+                false
+            }
+        }
+    }
+
+    /// `Ok`: serve the client; `Err`: why not (a plain client was told already).
+    async fn screen(&self, stream: &mut TcpStream, peer: SocketAddr) -> Result<(), String> {
+        let mut first = [0u8; 1];
+        match stream.peek(&mut first).await {
+            Ok(0) => return Err("closed before saying anything".into()),
+            Ok(_) => {}
+            Err(err) => return Err(err.to_string()),
+        }
+        if first[0] == MAGIC[0] {
+            handshake::server(stream, &self.secret).await.map_err(|err| match err {
+                // it saw this server's proof and left: it holds another secret
+                handshake::HandshakeError::Closed => {
+                    "it closed the connection during authentication (it holds another job secret?)".to_owned()
+                }
+                handshake::HandshakeError::WrongProof => "it does not hold this job's secret".to_owned(),
+                other => other.to_string(),
+            })?;
+            self.trusted.lock().unwrap_or_else(PoisonError::into_inner).insert(peer.ip());
+            return Ok(());
+        }
+        if self.admits_plain(peer.ip()) {
+            return Ok(());
+        }
+        let reason: String = match self.plain {
+            PlainClients::Refuse => "a client without the job's secret".into(),
+            PlainClients::LoopbackAndAuthenticated => {
+                "a client without the job's secret (a torch client?) from an address no agent of the job \
+                 authenticated from"
+                    .into()
+            }
+        };
+        // counted before the client hears of it; then an elastix client without the secret
+        // learns why (a torch client just sees a PING that fails)
+        self.refuse(peer, &reason);
+        let mut hello = [0u8; PLAIN_HELLO];
+        if stream.read_exact(&mut hello).await.is_ok() {
+            let _ = stream.write_all(&SECRET_REQUIRED.to_le_bytes()).await;
+        }
+        Err(String::new())
+    }
+
+    fn admits_plain(&self, ip: IpAddr) -> bool {
+        match self.plain {
+            PlainClients::Refuse => false,
+            PlainClients::LoopbackAndAuthenticated => {
+                ip.is_loopback()
+                    || ip.to_canonical().is_loopback()
+                    || self.trusted.lock().unwrap_or_else(PoisonError::into_inner).contains(&ip)
+            }
+        }
+    }
+
+    fn refuse(&self, peer: SocketAddr, reason: &str) {
+        let count = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
+        let now = Instant::now();
+        let mut logged = self.logged.lock().unwrap_or_else(PoisonError::into_inner);
+        let due = logged.get(&peer.ip()).map_or(true, |last| now.duration_since(*last) >= LOG_EVERY);
+        if due {
+            logged.insert(peer.ip(), now);
+            tracing::warn!(
+                "refused a connection from {peer}: {reason} ({count} refused so far; said at most once a minute per address)"
+            );
+        } else {
+            tracing::debug!("refused a connection from {peer}: {reason}");
+        }
+    }
+}

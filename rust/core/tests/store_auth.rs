@@ -1,0 +1,130 @@
+//! A store server holding the job secret: clients that prove it are served; a client with
+//! another secret, without one, or sending a truncated, garbage, replayed or silent handshake
+//! is refused with a clear error, and only its own connection is closed.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use elastix_core::auth::{PlainClients, Secret};
+use elastix_core::store::{BackgroundServer, Client, ConnectOptions, ServerConfig, StoreError};
+
+fn secret(text: &str) -> Secret {
+    Secret::from_bytes(text).unwrap()
+}
+
+fn server(plain: PlainClients) -> BackgroundServer {
+    let config = ServerConfig { auth: Some((secret("the job's"), plain)), ..ServerConfig::default() };
+    BackgroundServer::start(&config, 1).unwrap()
+}
+
+fn options(server: &BackgroundServer, secret: Option<Secret>) -> ConnectOptions {
+    ConnectOptions { secret, ..ConnectOptions::new("127.0.0.1", server.port(), Some(Duration::from_secs(10))) }
+}
+
+/// Waits (bounded) for the server to have counted `expected` refusals: it counts a refusal
+/// once the client's side is over, which the client may see first.
+async fn refused_in_the_end(server: &BackgroundServer, expected: u64) {
+    for _ in 0..500 {
+        if server.server().refused_unauthenticated() >= expected {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(server.server().refused_unauthenticated(), expected);
+}
+
+fn refusal(connected: Result<Client, StoreError>) -> StoreError {
+    match connected {
+        Ok(_) => panic!("the client was served"),
+        Err(err) => err,
+    }
+}
+
+/// A torch client's opening (VALIDATE, then PING 7): whether the echo comes back.
+fn plain_ping(port: u16) -> bool {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    stream.write_all(&[0x00, 0xce, 0xf7, 0x85, 0x3c, 0x0d, 7, 0, 0, 0]).unwrap();
+    let mut echo = [0u8; 4];
+    stream.read_exact(&mut echo).is_ok() && echo == [7, 0, 0, 0]
+}
+
+/// Sends `bytes` and reports whether the server then closed the connection.
+fn closed_after(port: u16, bytes: &[u8]) -> bool {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let _ = stream.write_all(bytes);
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    let mut rest = Vec::new();
+    // the server answers a hello with its nonce and proof, then closes
+    match stream.read_to_end(&mut rest) {
+        Ok(_) => true,
+        Err(err) => matches!(err.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_proves_the_secret_is_served_and_others_are_refused_with_the_reason() {
+    let server = server(PlainClients::Refuse);
+    let mut good = Client::connect(&options(&server, Some(secret("the job's")))).await.unwrap();
+    good.set(b"k", b"v").await.unwrap();
+
+    let err = refusal(Client::connect(&options(&server, Some(secret("another")))).await);
+    assert!(matches!(&err, StoreError::Auth { .. }), "{err}");
+    assert!(err.to_string().contains("does not hold this job's secret"), "{err}");
+    assert!(!err.is_unreachable(), "a wrong secret is final, not retried");
+
+    let err = refusal(Client::connect(&options(&server, None)).await);
+    assert!(err.to_string().contains("requires the job's secret"), "{err}");
+
+    assert!(!plain_ping(server.port()), "a plain (torch) client is refused by a store that admits none");
+    refused_in_the_end(&server, 3).await;
+    assert_eq!(&good.get(b"k", None).await.unwrap()[..], b"v", "the good client was not disturbed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_store_admits_plain_clients_from_loopback() {
+    let server = server(PlainClients::LoopbackAndAuthenticated);
+    assert!(plain_ping(server.port()), "a torch worker on this machine connects without the secret");
+    let mut good = Client::connect(&options(&server, Some(secret("the job's")))).await.unwrap();
+    good.set(b"k", b"v").await.unwrap();
+    assert_eq!(server.server().refused_unauthenticated(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fuzzed_handshakes_close_only_their_own_connection() {
+    let server = server(PlainClients::Refuse);
+    let mut good = Client::connect(&options(&server, Some(secret("the job's")))).await.unwrap();
+    let port = server.port();
+    let magic: &[u8] = b"\xe1elxauth";
+    let oversized = [magic, &[1u8], &vec![0x5a; 1 << 20]].concat();
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("truncated magic", magic[..3].to_vec()),
+        ("truncated nonce", [magic, &[1u8], &[7u8; 10]].concat()),
+        ("garbage after the first byte", b"\xe1GET / HTTP/1.1\r\n\r\n".to_vec()),
+        ("an unknown version", [magic, &[9u8], &[7u8; 32]].concat()),
+        ("oversized: a megabyte where the proof goes", oversized),
+        ("a replayed proof", [magic, &[1u8], &[7u8; 32], &[3u8; 32]].concat()),
+    ];
+    for (what, bytes) in &cases {
+        let closed = tokio::task::spawn_blocking({
+            let bytes = bytes.clone();
+            move || closed_after(port, &bytes)
+        })
+        .await
+        .unwrap();
+        assert!(closed, "{what}: the connection must be closed");
+        good.set(b"after", what.as_bytes()).await.unwrap();
+    }
+    // a client that connects and says nothing is closed after the handshake timeout
+    let silent = tokio::task::spawn_blocking(move || {
+        let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut byte = [0u8; 1];
+        matches!(stream.read(&mut byte), Ok(0))
+    });
+    assert!(silent.await.unwrap(), "a silent client is closed, not served forever");
+    refused_in_the_end(&server, cases.len() as u64 + 1).await;
+    assert_eq!(&good.get(b"after", None).await.unwrap()[..], cases.last().unwrap().0.as_bytes());
+}
