@@ -1,0 +1,227 @@
+"""Only members of a job can join, steer or feed it: end to end with real agents, workers and
+strangers on 127.0.0.x addresses and in network namespaces. A job with a secret completes; an
+agent with a wrong or missing secret is refused with a clear error on both sides while the job
+goes on; a stranger's forged write is refused; a plain (torch) client is served by a round's
+workers' store only from a member's address; the secret never shows in logs, workers'
+environments or files."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from agents import WORKERS, agent, finish_all, node_args, rounds_of, starts, wait_round
+from conftest import reserved_port as reserve
+from netns import Hosts
+
+WORKER = os.path.join(WORKERS, "store_member.py")
+FAST = "keep_alive_interval=250ms,keep_alive_max_attempt=8,last_call_timeout=500ms,join_timeout=30s"
+# VALIDATE, then PING 7: how every TCPStore client (torch's included) opens a connection
+PLAIN_HELLO = bytes([0x00, 0xCE, 0xF7, 0x85, 0x3C, 0x0D, 7, 0, 0, 0])
+
+
+def secret_file(path, text=None):
+    text = text or f"s3cr3t-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    return str(path), text
+
+
+def node(tmp_path, marker, monkeypatch, name, addr, endpoint, secret, nnodes="2:3", python=(sys.executable,)):
+    """An agent whose environment names `secret`'s file (or no secret)."""
+    monkeypatch.delenv("ELASTIX_AUTH_TOKEN", raising=False)
+    if secret is None:
+        monkeypatch.delenv("ELASTIX_AUTH_TOKEN_FILE", raising=False)
+    else:
+        monkeypatch.setenv("ELASTIX_AUTH_TOKEN_FILE", secret)
+    args = node_args(nnodes, endpoint, addr, FAST, WORKER, run_id="authjob")
+    return agent(tmp_path, marker, name, "run", *args, python=python)
+
+
+@pytest.fixture
+def reserved_port():
+    with reserve() as port:
+        yield port
+
+
+@pytest.fixture
+def secured(tmp_path):
+    """The job secret's file and text, and `elastix-store --auth-token-file` serving it on
+    127.0.0.1 (its port): the rendezvous store the test's agents meet at."""
+    path, text = secret_file(tmp_path / "secret")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIX_AUTH")}
+    store = subprocess.Popen(
+        ["elastix-store", "--host", "127.0.0.1", "--port", "0", "--auth-token-file", path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    first = store.stdout.readline()
+    assert "listening on" in first, first
+    port = int(first.strip().rsplit(":", 1)[1])
+    yield path, text, port
+    store.terminate()
+    store.wait(timeout=30)
+
+
+def plain_client_served(host, port, python=()):
+    """Whether a client without the secret (a torch client's opening) gets its PING echoed."""
+    code = (
+        "import socket,sys\n"
+        f"s = socket.create_connection(({host!r}, {port}), timeout=10)\n"
+        f"s.sendall({PLAIN_HELLO!r})\n"
+        "try:\n    echo = s.recv(4)\nexcept OSError:\n    echo = b''\n"
+        "sys.exit(0 if echo == bytes([7, 0, 0, 0]) else 3)\n"
+    )
+    argv = [*python, "-c", code] if python else [sys.executable, "-c", code]
+    return subprocess.run(argv, timeout=30).returncode == 0
+
+
+def files_holding(root, text):
+    hits = []
+    for directory, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(directory, name)
+            try:
+                with open(path, "rb") as f:
+                    if text.encode() in f.read():
+                        hits.append(path)
+            except OSError:
+                pass
+    return hits
+
+
+def test_a_job_with_a_secret_completes_and_the_secret_never_shows(tmp_path, marker, monkeypatch, secured):
+    path, text, port = secured
+    endpoint = f"127.0.0.1:{port}"
+    agents = [node(tmp_path, marker, monkeypatch, f"n{i}", f"127.0.0.{i + 1}", endpoint, path) for i in range(2)]
+    formed = wait_round(tmp_path, 2)
+    for record in [r for r in starts(tmp_path) if r["round"] == formed]:
+        with open(f"/proc/{record['pid']}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+        assert f"ELASTIX_AUTH_TOKEN_FILE={path}".encode() in environ, "workers are pointed at the file"
+        assert not any(text.encode() in entry for entry in environ), "the secret itself never reaches a worker"
+    finish_all(tmp_path, agents, marker)
+    for a in agents:
+        assert text not in a.output()
+    assert files_holding(tmp_path, text) == [path], "no log, record or error file holds the secret"
+
+
+def test_a_secret_from_the_environment_reaches_workers_only_as_a_private_file(
+    tmp_path, marker, monkeypatch, reserved_port
+):
+    text = f"s3cr3t-{uuid.uuid4().hex}"
+    monkeypatch.setenv("ELASTIX_AUTH_TOKEN", text)
+    monkeypatch.delenv("ELASTIX_AUTH_TOKEN_FILE", raising=False)
+    # the agent hosts the rendezvous store (the endpoint is this machine)
+    args = node_args("1", f"127.0.0.1:{reserved_port}", "127.0.0.1", FAST, WORKER, run_id="envjob")
+    a = agent(tmp_path, marker, "n0", "run", *args)
+    formed = wait_round(tmp_path, 1)
+    (record,) = [r for r in starts(tmp_path) if r["round"] == formed]
+    with open(f"/proc/{record['pid']}/environ", "rb") as f:
+        environ = dict(entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry)
+    assert b"ELASTIX_AUTH_TOKEN" not in environ
+    given = environ[b"ELASTIX_AUTH_TOKEN_FILE"].decode()
+    assert os.stat(given).st_mode & 0o077 == 0
+    with open(given) as f:
+        assert f.read() == text
+    finish_all(tmp_path, [a], marker)
+    assert "environment variables leak" in a.output()
+    assert text not in a.output()
+    assert not os.path.exists(given), "the agent removes the file it wrote"
+
+
+def test_an_agent_with_a_wrong_or_missing_secret_is_refused_and_the_job_goes_on(
+    tmp_path, marker, monkeypatch, reserved_port
+):
+    path, _ = secret_file(tmp_path / "secret")
+    wrong, _ = secret_file(tmp_path / "wrong")
+    endpoint = f"127.0.0.1:{reserved_port}"  # the first agent hosts the rendezvous store
+    agents = [node(tmp_path, marker, monkeypatch, f"n{i}", f"127.0.0.{i + 1}", endpoint, path) for i in range(2)]
+    formed = wait_round(tmp_path, 2)
+    intruder = node(tmp_path, marker, monkeypatch, "wrong", "127.0.0.3", endpoint, wrong)
+    assert intruder.finish(timeout=60) == 1, intruder.output()
+    assert "does not hold this job's secret" in intruder.output(), intruder.output()
+    stranger = node(tmp_path, marker, monkeypatch, "none", "127.0.0.4", endpoint, None)
+    assert stranger.finish(timeout=60) == 1, stranger.output()
+    assert "requires the job's secret" in stranger.output(), stranger.output()
+    host_log = next(a.output() for a in agents if "refused a connection from" in a.output())
+    # both came from 127.0.0.1 (a client does not bind its --local-addr): said once a minute
+    assert host_log.count("refused a connection from 127.0.0.1") == 1, host_log
+    finish_all(tmp_path, agents, marker)
+    assert rounds_of(tmp_path, 2) == [formed], "the job ran on, without a re-form"
+    assert rounds_of(tmp_path, 3) == []
+
+
+def test_a_strangers_forged_write_to_the_rendezvous_store_is_refused(tmp_path, marker, monkeypatch, secured):
+    path, _, rdzv_port = secured
+    endpoint = f"127.0.0.1:{rdzv_port}"
+    agents = [node(tmp_path, marker, monkeypatch, f"n{i}", f"127.0.0.{i + 1}", endpoint, path) for i in range(2)]
+    formed = wait_round(tmp_path, 2)
+    # a torch-style client opening the rendezvous store: closed before any request is served
+    assert not plain_client_served("127.0.0.1", rdzv_port)
+    # an elastix client without the secret: told why, nothing written
+    code = (
+        "import elastix\n"
+        "try:\n"
+        f"    elastix.TCPStore('127.0.0.1', {rdzv_port}, timeout=10).set('/elastix/rdzv/authjob/closed', 'x')\n"
+        "except elastix.AuthenticationError as err:\n"
+        "    print('refused:', err)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIX_AUTH")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "refused:" in out.stdout and "requires the job's secret" in out.stdout, out.stdout + out.stderr
+    time.sleep(1)  # a forged close would have ended the workers by now
+    assert all(a.proc.poll() is None for a in agents), "the job runs on"
+    finish_all(tmp_path, agents, marker)
+    assert rounds_of(tmp_path, 2) == [formed]
+
+
+@pytest.fixture
+def hosts():
+    why = Hosts.available()
+    if why:
+        pytest.skip(why)
+    hosts = Hosts(2)
+    yield hosts
+    hosts.close()
+
+
+def test_a_workers_store_serves_plain_clients_from_members_only(tmp_path, marker, monkeypatch, hosts):
+    """A one-node job on host 0: a plain (torch) client is served on host 0 (the member's
+    address, from which its agent authenticated) and refused from host 1 (a stranger)."""
+    path, _ = secret_file(tmp_path / "secret")
+    addr = hosts.addr(0)
+    a = node(tmp_path, marker, monkeypatch, "n0", addr, f"{addr}:29400", path, nnodes="1", python=hosts.python(0))
+    formed = wait_round(tmp_path, 1)
+    (record,) = [r for r in starts(tmp_path) if r["round"] == formed]
+    host, port = record["master"]
+    assert host == addr
+    assert plain_client_served(host, port, python=hosts.python(0)), "a member's torch worker connects"
+    assert not plain_client_served(host, port, python=hosts.python(1)), "a stranger's plain client is refused"
+    finish_all(tmp_path, [a], marker)
+    assert "refused a connection from" in a.output() and hosts.addr(1) in a.output(), a.output()
+
+
+def test_a_secret_file_others_can_read_is_refused(tmp_path, marker, monkeypatch, reserved_port):
+    path, text = secret_file(tmp_path / "secret")
+    os.chmod(path, 0o644)
+    a = node(tmp_path, marker, monkeypatch, "n0", "127.0.0.1", f"127.0.0.1:{reserved_port}", path, nnodes="1")
+    assert a.finish(timeout=60) != 0
+    assert "chmod 600" in a.output() and text not in a.output(), a.output()
+
+
+def test_without_a_secret_a_reachable_agent_says_who_can_reach_the_job(tmp_path, marker, monkeypatch, rdzv_port):
+    endpoint = f"127.0.0.1:{rdzv_port}"
+    a = node(tmp_path, marker, monkeypatch, "n0", socket.gethostname(), endpoint, None, nnodes="1")
+    wait_round(tmp_path, 1)
+    finish_all(tmp_path, [a], marker)
+    assert "no job secret: anyone who can reach" in a.output(), a.output()
