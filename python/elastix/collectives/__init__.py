@@ -37,6 +37,7 @@ from .api import (
     send,
 )
 from .errors import (
+    AuthenticationError,
     BackendUnavailableError,
     CollectiveError,
     CollectiveTimeoutError,
@@ -203,6 +204,7 @@ __all__ = [
     "MismatchError",
     "PeerError",
     "CollectiveTimeoutError",
+    "AuthenticationError",
     "NotInitializedError",
     "GroupError",
     "BackendUnavailableError",

@@ -33,6 +33,17 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
         self.ranks = list(ranks)
 
 
+class AuthenticationError(PeerError):
+    """A connection failed the group's handshake: the other end does not hold this group's key
+    (a stranger, a process of another job or round, or a garbled stream). ``address`` is the
+    other end's ``host:port``; ``rank`` the global rank it claimed or was expected to be (None when
+    the claim is not a rank of the group)."""
+
+    def __init__(self, message: str, address: str, rank: Optional[int] = None) -> None:
+        super().__init__(message, rank)
+        self.address = address
+
+
 class NotInitializedError(DistError, ValueError):
     """A collective was called before ``init_process_group`` (torch raises ValueError too)."""
 
@@ -51,6 +62,7 @@ __all__ = [
     "MismatchError",
     "PeerError",
     "CollectiveTimeoutError",
+    "AuthenticationError",
     "NotInitializedError",
     "GroupError",
     "BackendUnavailableError",

@@ -2,7 +2,7 @@
 
 Every rank listens on a port chosen by the kernel and publishes ``host:port`` in the group's
 store; a connection between two ranks is made the first time they talk, by the lower rank
-(the higher one accepts, and files connections that arrive for other pairs meanwhile). Each
+(the higher one's accept thread takes it, whenever it comes, and files it by rank). Each
 message of a collective starts with a 128-byte header (magic + the sender's descriptor), which
 the receiver compares with its own: ranks that disagree raise ``MismatchError``.
 
@@ -11,22 +11,63 @@ to its right neighbour while it receives from its left one and reduces what arri
 that closes its connection (it died or failed) is an EOF here, a ``PeerError`` naming it; a
 peer that sends nothing is a ``CollectiveTimeoutError`` after the group's timeout. Any error
 breaks the group: this rank closes its connections, so the peers fail fast too.
+
+Only members of the group may connect. When the comm is made, group rank 0 puts a fresh random
+nonce in the group's store (``tcp/nonce``: the store is prefixed per group, and per rendezvous
+round under ``elastix run``); the group key is HMAC-SHA256(job secret, label + nonce) when the job
+has a secret (``elastix._auth``), else the nonce itself (then the key is as private as the store:
+enough to stop a stranger who can reach the port but not the store). Every connection starts
+with a mutual challenge-response under that key, before any data flows::
+
+    connector -> acceptor   MAGIC, connector rank, nonce_c              (HELLO, 48 bytes)
+    acceptor  -> connector  nonce_a, HMAC(key, "accept"  + nonce_c + nonce_a + ranks)
+    connector -> acceptor            HMAC(key, "connect" + nonce_c + nonce_a + ranks)
+
+"ranks" is (connector, acceptor), so a proof binds the connection to its pair; fresh nonces on
+both sides make a recorded handshake worthless (a replay meets a new nonce_a). Proofs are
+compared with ``hmac.compare_digest``. A connector whose listener fails the check raises
+``AuthenticationError`` naming the address: the store sent it to something that is not its peer.
+
+The listener is served by a thread that runs every pending handshake at once (non-blocking
+sockets, each bounded by min(group timeout, 10 s)), so a silent or slow stranger holds up no
+one, and a connector never waits for the acceptor's main thread to reach an accept: sends stay
+as eager as with plain TCP, and programs that rely on that do not deadlock. A connection that
+fails (bad magic, truncated, wrong proof, a rank out of range or that does not connect to this
+one, a rank already connected) is closed, its address logged once per host, and it is never
+used. The acceptor then keeps waiting for the genuine rank rather than raising at once: a
+stranger who could break a group with one packet would turn this check into a way to kill jobs.
+If the genuine rank does not come in time, the ``CollectiveTimeoutError`` names the refused
+connections, so an intruder (or a peer with the wrong secret) is never silent.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
 import os
 import queue
+import secrets
+import selectors
 import socket
 import struct
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set
 
-from .errors import CollectiveError, CollectiveTimeoutError, MismatchError, PeerError
+from .._auth import load_secret
+from .errors import AuthenticationError, CollectiveError, CollectiveTimeoutError, MismatchError, PeerError
+
+log = logging.getLogger(__name__)
 
 MAGIC = 0x454C4153_54495843  # "ELASTIXC"
-HELLO = struct.Struct("<QQ")
+NONCE_BYTES = 32
+PROOF_BYTES = 32  # HMAC-SHA256
+HELLO = struct.Struct(f"<QQ{NONCE_BYTES}s")  # magic, the connector's group rank, its nonce
+PAIR = struct.Struct("<QQ")  # (connector, acceptor) group ranks, inside the proofs
+KEY_LABEL = b"elastix collectives v1\0"
+HANDSHAKE_LIMIT = 10.0  # seconds a connection may take to prove itself
+MAX_PENDING = 64  # handshakes in progress at once; more are refused (a flood, not a group)
 HEADER = struct.Struct("<QQ14q")
 INLINE_BYTES = 64 << 10  # sends up to this size fit in socket buffers: sent from the caller
 
@@ -59,6 +100,47 @@ class Ticket:
         self.error: Optional[BaseException] = None
 
 
+def group_key(store, me: int) -> bytes:
+    """This group's key for this round: rank 0 draws the nonce, everyone reads it (the read
+    waits for it, as the address reads do)."""
+    secret = load_secret()  # first: a bad secret file fails here, before anyone waits
+    if me == 0:
+        store.set("tcp/nonce", secrets.token_bytes(NONCE_BYTES).hex())
+    try:
+        nonce = bytes.fromhex(store.get("tcp/nonce").decode())
+    except ValueError:
+        nonce = b""
+    if len(nonce) != NONCE_BYTES:
+        raise CollectiveError("the group's store holds a malformed tcp/nonce; the store is shared with something else")
+    if secret is None:
+        return nonce
+    return hmac.new(secret, KEY_LABEL + nonce, hashlib.sha256).digest()
+
+
+def _proof(key: bytes, side: bytes, nonce_c: bytes, nonce_a: bytes, connector: int, acceptor: int) -> bytes:
+    return hmac.new(key, side + nonce_c + nonce_a + PAIR.pack(connector, acceptor), hashlib.sha256).digest()
+
+
+def _address(addr) -> str:
+    host, port = addr[0], addr[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class _Handshake:
+    """A connection on the accept side that has not proven itself yet."""
+
+    __slots__ = ("addr", "buf", "claimed", "deadline", "nonce_a", "nonce_c", "sock")
+
+    def __init__(self, sock: socket.socket, addr: str, deadline: float) -> None:
+        self.sock = sock
+        self.addr = addr
+        self.deadline = deadline
+        self.buf = bytearray()
+        self.claimed: Optional[int] = None  # set once the HELLO is in
+        self.nonce_c = b""
+        self.nonce_a = b""
+
+
 class TcpComm:
     def __init__(self, store, me: int, ranks: Sequence[int], timeout: Optional[float]):
         self.store = store
@@ -66,17 +148,29 @@ class TcpComm:
         self.ranks = list(ranks)  # global ranks of the group, for messages
         self.timeout = timeout
         self.broken: Optional[str] = None
+        self._key = group_key(store, me)
         addr = local_address()
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         self.listener = socket.socket(family, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.listener.bind((addr, 0))
         self.listener.listen(256)
+        self.listener.setblocking(False)
         port = self.listener.getsockname()[1]
-        store.set(f"tcp/addr/{me}", f"{addr}|{port}")
         self._conn_store = store.clone()  # connections may be made from the send thread
         self.conns: Dict[int, socket.socket] = {}
+        # authenticated connections not yet taken by _accept, and the latest refused ones,
+        # filled by the accept thread; _cond guards both
         self._stash: Dict[int, socket.socket] = {}
+        self._refused: List[AuthenticationError] = []
+        self._refused_hosts: Set[str] = set()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._serve_error: Optional[BaseException] = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._acceptor = threading.Thread(target=self._serve, name="elastix-tcp-accept", daemon=True)
+        self._acceptor.start()
+        store.set(f"tcp/addr/{me}", f"{addr}|{port}")
         self._queue: "queue.Queue" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.RLock()
@@ -85,6 +179,9 @@ class TcpComm:
 
     def _deadline(self) -> Optional[float]:
         return None if self.timeout is None else time.monotonic() + self.timeout
+
+    def _handshake_limit(self) -> float:
+        return HANDSHAKE_LIMIT if self.timeout is None else min(self.timeout, HANDSHAKE_LIMIT)
 
     def conn(self, peer: int) -> socket.socket:
         sock = self.conns.get(peer)
@@ -117,9 +214,15 @@ class TcpComm:
             try:
                 left = None if deadline is None else max(0.1, deadline - time.monotonic())
                 sock = socket.create_connection((host, int(port)), timeout=left)
-                sock.sendall(HELLO.pack(MAGIC, self.me))
+                try:
+                    self._prove(sock, peer, host, port)
+                except BaseException:
+                    sock.close()
+                    raise
                 return sock
             except OSError as err:
+                # refused, reset, or closed mid-handshake: the peer is not listening yet, or
+                # gone (then the deadline ends the retries)
                 if deadline is not None and time.monotonic() > deadline:
                     raise CollectiveTimeoutError(
                         f"cannot connect to rank {self.ranks[peer]} at {host}:{port}: {err}", [self.ranks[peer]]
@@ -127,30 +230,196 @@ class TcpComm:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
+    def _prove(self, sock: socket.socket, peer: int, host: str, port: str) -> None:
+        """The connector's side of the handshake (OSError: try again; AuthenticationError: the
+        listener is not our peer)."""
+        limit = self._handshake_limit()
+        current = sock.gettimeout()
+        sock.settimeout(limit if current is None else min(current, limit))
+        nonce_c = secrets.token_bytes(NONCE_BYTES)
+        sock.sendall(HELLO.pack(MAGIC, self.me, nonce_c))
+        reply = bytearray()
+        while len(reply) < NONCE_BYTES + PROOF_BYTES:
+            chunk = sock.recv(NONCE_BYTES + PROOF_BYTES - len(reply))
+            if not chunk:
+                raise ConnectionResetError("the listener closed the connection during the handshake")
+            reply += chunk
+        nonce_a, proof = bytes(reply[:NONCE_BYTES]), bytes(reply[NONCE_BYTES:])
+        if not hmac.compare_digest(proof, _proof(self._key, b"accept", nonce_c, nonce_a, self.me, peer)):
+            # the store sent us to something that is not our peer: no retry can fix that
+            message = (
+                f"the listener at {host}:{port} is not rank {self.ranks[peer]} of this group (it does not hold "
+                f"this group's key: a stranger, a process of another job or round, or a different secret)"
+            )
+            self.abort(message)
+            raise AuthenticationError(message, f"{host}:{port}", self.ranks[peer])
+        sock.sendall(_proof(self._key, b"connect", nonce_c, nonce_a, self.me, peer))
+
     def _accept(self, peer: int) -> socket.socket:
         deadline = self._deadline()
-        while peer not in self._stash:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise CollectiveTimeoutError(
-                    f"rank {self.ranks[peer]} did not connect within {self.timeout:.1f} s", [self.ranks[peer]]
-                )
-            self.listener.settimeout(left)
-            try:
-                sock, _ = self.listener.accept()
-            except socket.timeout:
-                continue
-            sock.settimeout(self.timeout)
-            try:
-                magic, who = HELLO.unpack(self._recv_exact(sock, HELLO.size, None))
-            except (OSError, CollectiveError):
-                sock.close()
-                continue
-            if magic != MAGIC or not 0 <= who < len(self.ranks):
-                sock.close()
-                continue
-            self._stash[who] = sock
-        return self._stash.pop(peer)
+        with self._cond:
+            while peer not in self._stash:
+                self.check_usable()
+                if self._serve_error is not None:
+                    raise CollectiveError(f"the listener failed: {self._serve_error}")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    message = f"rank {self.ranks[peer]} did not connect within {self.timeout:.1f} s"
+                    if not self._refused:
+                        raise CollectiveTimeoutError(message, [self.ranks[peer]])
+                    # the intruders (or peers with another secret) are part of the story
+                    shown = "; ".join(str(e) for e in self._refused[-8:])
+                    raise CollectiveTimeoutError(
+                        f"{message}; meanwhile connection(s) that failed the group's handshake were refused: {shown}",
+                        [self.ranks[peer]],
+                    ) from self._refused[-1]
+                self._cond.wait(left)
+            return self._stash.pop(peer)
+
+    @property
+    def refused(self) -> List[AuthenticationError]:
+        """The latest connections that failed the handshake (at most 64), oldest first."""
+        with self._cond:
+            return list(self._refused)
+
+    # -- the accept thread --------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        """Accepts connections and runs their handshakes, all at once, until close()."""
+        sel = selectors.DefaultSelector()
+        pending: Dict[socket.socket, _Handshake] = {}
+        try:
+            sel.register(self.listener, selectors.EVENT_READ, None)
+            sel.register(self._wake_r, selectors.EVENT_READ, None)
+            while not self._closing:
+                now = time.monotonic()
+                for hs in [h for h in pending.values() if h.deadline <= now]:
+                    slow = f"did not complete the handshake within {self._handshake_limit():.1f} s"
+                    self._refuse(sel, pending, hs, slow)
+                wait = min([1.0] + [h.deadline - now for h in pending.values()])
+                for key, _ in sel.select(max(0.0, wait)):
+                    if key.fileobj is self._wake_r:
+                        continue
+                    if key.fileobj is self.listener:
+                        self._take(sel, pending)
+                    else:
+                        self._advance(sel, pending, pending[key.fileobj])  # type: ignore[index]
+        except BaseException as err:  # the listener is gone: _accept must not wait for nothing
+            if not self._closing:
+                with self._cond:
+                    self._serve_error = err
+                    self._cond.notify_all()
+        finally:
+            for hs in pending.values():
+                hs.sock.close()
+            sel.close()
+
+    def _take(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake]) -> None:
+        try:
+            sock, addr = self.listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        if len(pending) >= MAX_PENDING:
+            sock.close()
+            self._note_refused(_address(addr), None, f"refused: {MAX_PENDING} handshakes already in progress")
+            return
+        sock.setblocking(False)
+        hs = _Handshake(sock, _address(addr), time.monotonic() + self._handshake_limit())
+        pending[sock] = hs
+        sel.register(sock, selectors.EVENT_READ, None)
+
+    def _advance(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake], hs: _Handshake) -> None:
+        want = HELLO.size if hs.claimed is None else PROOF_BYTES
+        try:
+            chunk = hs.sock.recv(want - len(hs.buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as err:
+            self._refuse(sel, pending, hs, f"connection failed during the handshake ({err})")
+            return
+        if not chunk:
+            self._refuse(sel, pending, hs, f"closed the connection after {len(hs.buf)} of {want} handshake bytes")
+            return
+        hs.buf += chunk
+        if len(hs.buf) < want:
+            return
+        if hs.claimed is None:
+            self._hello(sel, pending, hs)
+        else:
+            self._verify(sel, pending, hs)
+
+    def _hello(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake], hs: _Handshake) -> None:
+        magic, who, nonce_c = HELLO.unpack(bytes(hs.buf))
+        hs.buf.clear()
+        if magic != MAGIC:
+            self._refuse(sel, pending, hs, "sent no elastix collectives handshake (wrong magic)")
+            return
+        hs.claimed = who
+        problem = self._claim_problem(who)
+        if problem is not None:
+            self._refuse(sel, pending, hs, problem)
+            return
+        hs.nonce_c = nonce_c
+        hs.nonce_a = secrets.token_bytes(NONCE_BYTES)
+        reply = hs.nonce_a + _proof(self._key, b"accept", nonce_c, hs.nonce_a, who, self.me)
+        try:
+            sent = hs.sock.send(reply)  # 64 bytes into an empty socket buffer: all of it
+        except OSError as err:
+            self._refuse(sel, pending, hs, f"connection failed during the handshake ({err})")
+            return
+        if sent != len(reply):
+            self._refuse(sel, pending, hs, "the handshake reply did not fit the socket buffer")
+
+    def _verify(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake], hs: _Handshake) -> None:
+        who = hs.claimed
+        assert who is not None
+        expected = _proof(self._key, b"connect", hs.nonce_c, hs.nonce_a, who, self.me)
+        if not hmac.compare_digest(bytes(hs.buf), expected):
+            self._refuse(sel, pending, hs, "its proof is wrong (it does not hold this group's key)")
+            return
+        with self._cond:
+            problem = self._claim_problem(who)
+            if problem is not None:
+                self._refuse(sel, pending, hs, problem)
+                return
+            sel.unregister(hs.sock)
+            del pending[hs.sock]
+            hs.sock.setblocking(True)
+            self._stash[who] = hs.sock
+            self._cond.notify_all()
+
+    def _claim_problem(self, who: int) -> Optional[str]:
+        if not 0 <= who < len(self.ranks):
+            return f"no rank {who} in this group of {len(self.ranks)}"
+        if who >= self.me:
+            return f"rank {self.ranks[who]} does not connect to rank {self.ranks[self.me]} (the lower rank connects)"
+        with self._cond:
+            if who in self._stash or who in self.conns:
+                return f"rank {self.ranks[who]} is connected already"
+        return None
+
+    def _refuse(
+        self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake], hs: _Handshake, why: str
+    ) -> None:
+        sel.unregister(hs.sock)
+        del pending[hs.sock]
+        self._note_refused(hs.addr, hs.claimed, why)  # first: whoever sees the close sees the record
+        hs.sock.close()
+
+    def _note_refused(self, addr: str, claimed: Optional[int], why: str) -> None:
+        rank = self.ranks[claimed] if claimed is not None and 0 <= claimed < len(self.ranks) else None
+        claim = "" if claimed is None else f" (claiming to be rank {claimed if rank is None else rank})"
+        err = AuthenticationError(
+            f"rank {self.ranks[self.me]} refused a connection from {addr}{claim}: {why}", addr, rank
+        )
+        host = addr.rsplit(":", 1)[0]
+        with self._cond:
+            first = host not in self._refused_hosts
+            self._refused_hosts.add(host)
+            self._refused.append(err)
+            del self._refused[:-64]  # the latest ones: a flood must not grow this without bound
+        if first:  # once per host: a flood must not flood the log too
+            log.warning("%s (it was closed, never used; later refusals from %s are not logged)", err, host)
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -274,7 +543,10 @@ class TcpComm:
     def abort(self, reason: str) -> None:
         if self.broken is None:
             self.broken = reason
-        for sock in list(self.conns.values()) + list(self._stash.values()):
+        with self._cond:
+            stashed = list(self._stash.values())
+            self._cond.notify_all()  # an _accept in progress sees the group broken
+        for sock in list(self.conns.values()) + stashed:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -285,13 +557,21 @@ class TcpComm:
             self._queue.put(None)
             self._thread.join(timeout=5)
             self._thread = None
-        for sock in list(self.conns.values()) + list(self._stash.values()) + [self.listener]:
+        self._closing = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._acceptor.join(timeout=5)
+        with self._cond:
+            stashed = list(self._stash.values())
+            self._stash.clear()
+        for sock in list(self.conns.values()) + stashed + [self.listener, self._wake_r, self._wake_w]:
             try:
                 sock.close()
             except OSError:
                 pass
         self.conns.clear()
-        self._stash.clear()
 
 
-__all__ = ["TcpComm", "Ticket", "INLINE_BYTES", "local_address"]
+__all__ = ["TcpComm", "Ticket", "INLINE_BYTES", "local_address", "group_key"]

@@ -1,0 +1,535 @@
+"""Only members of a group may connect to a rank's collective TCP listener.
+
+The job secret (``elastix._auth.load_secret``): from a private file, or (with a warning) from the
+environment; a file others can read is refused. Over TCP every connection proves, both ways,
+that it holds the group's key (HMAC of the secret and a per-group nonce from the store): a
+stranger's connection, with a wrong key, a truncated, garbled, oversized or replayed handshake,
+or a claim no member would make, is closed and never used, while the genuine connections carry
+on. The design keeps the acceptor waiting for the genuine rank: the sum is right when that rank
+comes, and when it does not, the timeout names the refused connections.
+
+In-process tests make ``TcpComm``s directly on one store; end-to-end tests spawn ranks on fake
+hosts (collectives_harness). Every wait is bounded; nothing asserts on timings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+import threading
+import warnings
+from datetime import timedelta
+from typing import List, Optional, Tuple
+
+import numpy as np
+import pytest
+
+import collectives_harness as harness
+import elastix
+from elastix import _auth
+from elastix._auth import FILE_ENV, TOKEN_ENV, load_secret
+from elastix.collectives import tcp_comm
+from elastix.collectives.errors import AuthenticationError, CollectiveTimeoutError
+from elastix.collectives.tcp_comm import HELLO, KEY_LABEL, MAGIC, NONCE_BYTES, PROOF_BYTES, TcpComm
+
+SECRET = "correct horse battery staple"
+WAIT = 30.0  # bound on any single wait for an answer
+ADDR_KEY = "elastix/collectives/pg0/tcp/addr/{}"  # the world group's listener addresses in the job's store
+
+
+def write_secret(tmp_path, text: str = SECRET, mode: int = 0o600, name: str = "token") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    path.chmod(mode)
+    return str(path)
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """No secret unless a test sets one."""
+    monkeypatch.delenv(FILE_ENV, raising=False)
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    return monkeypatch
+
+
+# -- the secret ----------------------------------------------------------------------------------
+
+
+def test_secret_from_a_private_file_is_stripped(tmp_path, env):
+    env.setenv(FILE_ENV, write_secret(tmp_path, SECRET + " \n\n"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a file is the recommended way: no warning
+        assert load_secret() == SECRET.encode()
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o620, 0o602, 0o744], ids=lambda m: f"{m:04o}")
+def test_secret_file_others_may_read_or_write_is_refused(tmp_path, env, mode):
+    path = write_secret(tmp_path, mode=mode)
+    env.setenv(FILE_ENV, path)
+    with pytest.raises(PermissionError) as info:
+        load_secret()
+    message = str(info.value)
+    assert "chmod 600" in message and path in message and f"{mode & 0o777:04o}" in message
+    assert SECRET not in message and "horse" not in message
+    assert SECRET not in repr(info.value)
+
+
+def test_no_secret_is_none(env):
+    assert load_secret() is None
+
+
+def test_empty_or_missing_secrets_are_errors(tmp_path, env):
+    env.setenv(FILE_ENV, write_secret(tmp_path, " \n\n"))
+    with pytest.raises(ValueError, match="empty"):
+        load_secret()
+    env.setenv(FILE_ENV, "")
+    with pytest.raises(ValueError, match="set but empty"):
+        load_secret()
+    missing = str(tmp_path / "absent")
+    env.setenv(FILE_ENV, missing)
+    with pytest.raises(FileNotFoundError, match=FILE_ENV) as info:
+        load_secret()
+    assert missing in str(info.value)
+    env.delenv(FILE_ENV)
+    env.setenv(TOKEN_ENV, "")
+    with pytest.raises(ValueError, match="set but empty"):
+        load_secret()
+
+
+def test_secret_from_the_environment_works_with_a_warning(env):
+    env.setenv(TOKEN_ENV, SECRET)
+    with pytest.warns(UserWarning, match="environment variables leak") as record:
+        assert load_secret() == SECRET.encode()
+    assert all(SECRET not in str(w.message) for w in record)
+
+
+def test_secret_file_wins_over_the_environment(tmp_path, env):
+    env.setenv(FILE_ENV, write_secret(tmp_path, "from the file"))
+    env.setenv(TOKEN_ENV, SECRET)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_secret() == b"from the file"
+
+
+def test_secret_module_names_no_secret_in_its_repr():
+    assert SECRET not in repr(_auth)
+
+
+# -- in process: TcpComms on one store -------------------------------------------------------------
+
+
+@pytest.fixture
+def comms(master, env):
+    """make(n, timeout) -> the n TcpComms of a group on 127.0.0.1 (rank 0 first: it draws the
+    nonce); all are closed at the end."""
+    env.setenv("ELASTIX_COLLECTIVES_ADDR", "127.0.0.1")
+    made: List[TcpComm] = []
+    counter = [0]
+
+    def make(n: int = 2, timeout: Optional[float] = WAIT, name: Optional[str] = None) -> List[TcpComm]:
+        counter[0] += 1
+        store = elastix.PrefixStore(name or f"g{counter[0]}", master)
+        group = [TcpComm(store, r, list(range(n)), timeout) for r in range(n)]
+        made.extend(group)
+        return group
+
+    yield make
+    for comm in made:
+        comm.close()
+
+
+def listener(comm: TcpComm) -> Tuple[str, int]:
+    host, port = comm.store.get(f"tcp/addr/{comm.me}").decode().rsplit("|", 1)
+    return host, int(port)
+
+
+def dial(comm: TcpComm) -> socket.socket:
+    return socket.create_connection(listener(comm), timeout=WAIT)
+
+
+def read_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        assert chunk, f"closed after {len(buf)} of {n} bytes"
+        buf += chunk
+    return buf
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Reads until the other end closes (True) or WAIT passes (False)."""
+    try:
+        while sock.recv(1 << 16):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def send_quietly(sock: socket.socket, data: bytes) -> None:
+    """Sends what the peer lets through: it may close and reset the connection meanwhile."""
+    try:
+        sock.sendall(data)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
+def wrong_key(comm: TcpComm, secret: bytes = b"a guess") -> bytes:
+    """The key a stranger who can read the store but lacks the secret would derive."""
+    nonce = bytes.fromhex(comm.store.get("tcp/nonce").decode())
+    return hmac.new(secret, KEY_LABEL + nonce, hashlib.sha256).digest()
+
+
+def forged_proof(key: bytes, nonce_c: bytes, nonce_a: bytes, connector: int, acceptor: int) -> bytes:
+    pair = tcp_comm.PAIR.pack(connector, acceptor)
+    return hmac.new(key, b"connect" + nonce_c + nonce_a + pair, hashlib.sha256).digest()
+
+
+def hello(claim: int, nonce: bytes = b"\0" * NONCE_BYTES) -> bytes:
+    return HELLO.pack(MAGIC, claim, nonce)
+
+
+def exchange(lo: TcpComm, hi: TcpComm, payload: bytes) -> None:
+    """Both directions of the pair's connection carry data (it is made if need be)."""
+    lo.send(hi.me, [payload])
+    got = bytearray(len(payload))
+    hi.recv_into(lo.me, got)
+    assert bytes(got) == payload
+    hi.send(lo.me, [payload[::-1]])
+    back = bytearray(len(payload))
+    lo.recv_into(hi.me, back)
+    assert bytes(back) == payload[::-1]
+
+
+def test_members_connect_with_a_secret(comms, env, tmp_path):
+    env.setenv(FILE_ENV, write_secret(tmp_path))
+    c0, c1, c2 = comms(3)
+    exchange(c0, c1, b"zero to one")
+    exchange(c0, c2, b"zero to two")
+    exchange(c1, c2, b"one to two")
+    assert c0.refused == c1.refused == c2.refused == []
+
+
+def test_stranger_with_a_wrong_key_is_refused_and_its_data_never_used(comms, env, tmp_path, caplog):
+    env.setenv(FILE_ENV, write_secret(tmp_path))
+    c0, c1 = comms(2)
+    stranger = dial(c1)
+    nonce_c = secrets.token_bytes(NONCE_BYTES)
+    stranger.sendall(HELLO.pack(MAGIC, 0, nonce_c))  # "I am rank 0"
+    reply = read_exact(stranger, NONCE_BYTES + PROOF_BYTES)
+    proof = forged_proof(wrong_key(c1), nonce_c, reply[:NONCE_BYTES], 0, 1)
+    send_quietly(stranger, proof + b"forged contribution")
+    assert closed_by_peer(stranger)
+    where = "%s:%d" % stranger.getsockname()
+    [refusal] = c1.refused
+    assert isinstance(refusal, AuthenticationError)
+    assert refusal.address == where and refusal.rank == 0
+    assert "claiming to be rank 0" in str(refusal) and "proof is wrong" in str(refusal)
+    assert any(where in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    stranger.close()
+    # the genuine rank 0 connects afterwards; what rank 1 gets from "rank 0" is its data
+    exchange(c0, c1, b"genuine contribution")
+
+
+def test_acceptor_keeps_waiting_and_its_timeout_names_the_strangers(comms, caplog):
+    caplog.set_level(logging.WARNING, logger="elastix")
+    _c0, c1 = comms(2, timeout=3.0)  # rank 0 never connects
+    wheres = []
+    for claim in (0, 0):  # two strangers from one host: both refused, logged once
+        stranger = dial(c1)
+        nonce_c = secrets.token_bytes(NONCE_BYTES)
+        stranger.sendall(HELLO.pack(MAGIC, claim, nonce_c))
+        nonce_a = read_exact(stranger, NONCE_BYTES + PROOF_BYTES)[:NONCE_BYTES]
+        send_quietly(stranger, forged_proof(secrets.token_bytes(32), nonce_c, nonce_a, claim, 1))
+        assert closed_by_peer(stranger)
+        wheres.append("%s:%d" % stranger.getsockname())
+        stranger.close()
+    with pytest.raises(CollectiveTimeoutError) as info:
+        c1.conn(0)
+    message = str(info.value)
+    assert "rank 0 did not connect" in message and info.value.ranks == [0]
+    for where in wheres:
+        assert f"{where} (claiming to be rank 0)" in message
+    assert isinstance(info.value.__cause__, AuthenticationError)
+    assert info.value.__cause__.address == wheres[-1]
+    logged = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(logged) == 1 and wheres[0] in logged[0]
+
+
+# each case: (the rank attacked, what the stranger sends, what the refusal says); rank 1 is
+# connected to rank 2 already, ranks 0-1 and 0-2 are not
+ATTACKS = {
+    "truncated hello": (2, hello(0)[:20], "after 20 of 48 handshake bytes"),
+    "truncated proof": (2, hello(0) + b"x" * 10, "after 10 of 32 handshake bytes"),
+    "garbage": (2, secrets.token_bytes(4096), "wrong magic"),
+    "oversized": (2, hello(0) + secrets.token_bytes(1 << 20), "proof is wrong"),
+    "rank out of range": (2, hello(7), "no rank 7 in this group of 3"),
+    "huge rank": (2, hello(2**64 - 1), "no rank 18446744073709551615 in this group"),
+    "higher rank connecting": (1, hello(2), "rank 2 does not connect to rank 1"),
+    "rank connecting to itself": (2, hello(2), "rank 2 does not connect to rank 2"),
+    "rank claimed twice": (2, hello(1), "rank 1 is connected already"),
+    "silent": (2, b"", "did not complete the handshake"),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTACKS))
+def test_bad_handshakes_close_only_the_offending_connection(comms, monkeypatch, case):
+    monkeypatch.setattr(tcp_comm, "HANDSHAKE_LIMIT", 1.0)  # how long the silent one is given
+    target, data, why = ATTACKS[case]
+    c0, c1, c2 = comms(3)
+    exchange(c1, c2, b"before")  # a genuine connection, open during the attack
+    victim = [c0, c1, c2][target]
+    stranger = dial(victim)
+    send_quietly(stranger, data)
+    if case.startswith("truncated"):
+        stranger.shutdown(socket.SHUT_WR)
+    assert closed_by_peer(stranger)
+    where = "%s:%d" % stranger.getsockname()
+    stranger.close()
+    [refusal] = victim.refused
+    assert refusal.address == where and why in str(refusal), str(refusal)
+    # the connection that was open carries on, and the pairs not made yet are made as usual
+    exchange(c1, c2, b"after")
+    exchange(c0, c1, b"zero to one")
+    exchange(c0, c2, b"zero to two")
+
+
+class Relay:
+    """A TCP relay from a port of its own to ``target``, recording what its client sends."""
+
+    def __init__(self, target: Tuple[str, int]) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.server.settimeout(WAIT)
+        self.target = target
+        self.sent = bytearray()
+        self.socks: List[socket.socket] = [self.server]
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    @property
+    def address(self) -> str:
+        return "%s|%d" % self.server.getsockname()
+
+    def _run(self) -> None:
+        client, _ = self.server.accept()
+        upstream = socket.create_connection(self.target, timeout=WAIT)
+        client.settimeout(None)
+        upstream.settimeout(None)
+        self.socks += [client, upstream]
+        back = threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True)
+        back.start()
+        self._pump(client, upstream, self.sent)
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, record: Optional[bytearray]) -> None:
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    dst.shutdown(socket.SHUT_WR)
+                    return
+                if record is not None:
+                    record += data
+                dst.sendall(data)
+        except OSError:
+            return
+
+    def close(self) -> None:
+        for sock in self.socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+        self.thread.join(timeout=WAIT)
+
+
+def test_replayed_handshake_is_refused(comms, env, tmp_path):
+    env.setenv(FILE_ENV, write_secret(tmp_path))
+    c0, c1 = comms(2, name="replay")
+    real = listener(c1)
+    # record rank 0's side of a genuine handshake: the store sends rank 0 through a relay
+    relay = Relay(real)
+    try:
+        c0.store.set("tcp/addr/1", relay.address)
+        exchange(c0, c1, b"through the relay")
+        captured = bytes(relay.sent[: HELLO.size + PROOF_BYTES])
+        assert HELLO.unpack(captured[: HELLO.size])[:2] == (MAGIC, 0)
+        # a new listener of the same group and round: same key, but a fresh nonce per connection
+        again = TcpComm(c1.store, 1, [0, 1], WAIT)
+        try:
+            replayer = dial(again)
+            send_quietly(replayer, captured)
+            assert closed_by_peer(replayer)
+            where = "%s:%d" % replayer.getsockname()
+            replayer.close()
+            [refusal] = again.refused
+            assert refusal.address == where and refusal.rank == 0 and "proof is wrong" in str(refusal)
+        finally:
+            again.close()
+        # replayed to the original listener it is a second rank 0: refused too
+        replayer = socket.create_connection(real, timeout=WAIT)
+        send_quietly(replayer, captured)
+        assert closed_by_peer(replayer)
+        replayer.close()
+        assert "rank 0 is connected already" in str(c1.refused[-1])
+        exchange(c0, c1, b"the genuine connection is unharmed")
+    finally:
+        relay.close()
+
+
+def test_listener_without_the_key_is_named_by_the_connector(comms, env, tmp_path):
+    env.setenv(FILE_ENV, write_secret(tmp_path, "secret one", name="one"))
+    c0, c1 = comms(2, name="two-secrets")
+    # a listener of the same group and round whose process has another secret
+    env.setenv(FILE_ENV, write_secret(tmp_path, "secret two", name="two"))
+    other = TcpComm(c1.store, 1, [0, 1], WAIT)
+    try:
+        host, port = listener(other)
+        with pytest.raises(AuthenticationError) as info:
+            c0.conn(1)
+        assert info.value.address == f"{host}:{port}" and info.value.rank == 1
+        assert f"the listener at {host}:{port} is not rank 1 of this group" in str(info.value)
+        assert "secret" not in info.value.address
+        assert c0.broken is not None  # the group is unusable: the store points at an impostor
+    finally:
+        other.close()
+
+
+# -- end to end: ranks on fake hosts ---------------------------------------------------------------
+
+
+def sums(sizes=(5, 300_000)):
+    ec = harness.init()
+    r, p = ec.get_rank(), ec.get_world_size()
+    ok = []
+    for n in sizes:
+        x = np.full(n, r + 1, np.float64)
+        ec.all_reduce(x)
+        ok.append(bool(np.all(x == p * (p + 1) / 2)))
+    sub = ec.new_group([0, 1])  # a second group: its own nonce, and no second warning
+    if r in (0, 1):
+        y = np.full(7, r + 1, np.int64)
+        ec.all_reduce(y, group=sub)
+        ok.append(bool(np.all(y == 3)))
+    ec.destroy_process_group()
+    return ok
+
+
+def test_all_reduce_over_tcp_with_a_secret_file(tmp_path, env):
+    extra = {FILE_ENV: write_secret(tmp_path), "ELASTIX_ROUND": ""}
+    results = harness.run(sums, 3, hosts=["a", "b", "c"], timeout=90, env=extra, check=False)
+    assert all(r.returncode == 0 for r in results), "\n".join(r.describe() for r in results)
+    assert [r.value for r in results] == [[True, True, True], [True, True, True], [True, True]]
+    assert not any("refused" in r.stderr or "leak" in r.stderr for r in results)
+
+
+def test_all_reduce_with_the_secret_in_the_environment_warns_once(env):
+    extra = {TOKEN_ENV: SECRET, "ELASTIX_ROUND": ""}  # the env fixture unset any secret file
+    results = harness.run(sums, 2, hosts=["a", "b"], timeout=90, env=extra, check=False)
+    assert all(r.returncode == 0 for r in results), "\n".join(r.describe() for r in results)
+    assert [r.value for r in results] == [[True, True, True]] * 2
+    for r in results:
+        assert r.stderr.count("environment variables leak") == 1, r.stderr
+        assert SECRET not in r.stderr
+
+
+def wait_then_sum(go: str):
+    ec = harness.init()
+    from elastix.collectives import group
+
+    group.world().raw_store.wait([go], timedelta(seconds=60))  # the stranger has been refused
+    x = np.full(5, ec.get_rank() + 1, np.float64)
+    ec.all_reduce(x)
+    ec.destroy_process_group()
+    return x.tolist()
+
+
+def test_stranger_never_gets_into_the_sum(tmp_path, env):
+    store = harness.make_store()
+    extra = {FILE_ENV: write_secret(tmp_path), "ELASTIX_ROUND": ""}
+    workers = harness.start(wait_then_sum, 2, hosts=["a", "b"], env=extra, store=store, timeout=90, kwargs={"go": "go"})
+    try:
+        host, port = store.get(ADDR_KEY.format(1)).decode().rsplit("|", 1)  # rank 1 accepts rank 0
+        stranger = socket.create_connection((host, int(port)), timeout=WAIT)
+        nonce_c = secrets.token_bytes(NONCE_BYTES)
+        stranger.sendall(HELLO.pack(MAGIC, 0, nonce_c))
+        nonce_a = read_exact(stranger, NONCE_BYTES + PROOF_BYTES)[:NONCE_BYTES]
+        # it can read the store (so the nonce), but not the secret file
+        nonce = bytes.fromhex(store.get("elastix/collectives/pg0/tcp/nonce").decode())
+        key = hmac.new(b"not the secret", KEY_LABEL + nonce, hashlib.sha256).digest()
+        poison = tcp_comm.TcpComm.header([0] * 14) + np.full(5, 1e6).tobytes()
+        send_quietly(stranger, forged_proof(key, nonce_c, nonce_a, 0, 1) + poison)
+        assert closed_by_peer(stranger)
+        where = "%s:%d" % stranger.getsockname()
+        stranger.close()
+    finally:
+        store.set("go", "1")
+    results = workers.wait()
+    assert all(r.returncode == 0 for r in results), "\n".join(r.describe() for r in results)
+    assert [r.value for r in results] == [[3.0] * 5, [3.0] * 5]
+    assert f"refused a connection from {where} (claiming to be rank 0)" in results[1].stderr
+
+
+def other_secrets(files):
+    os.environ[FILE_ENV] = files[int(os.environ["RANK"])]
+    ec = harness.init(timeout=timedelta(seconds=5))
+    try:
+        ec.all_reduce(np.ones(5))
+        return ["no error"]
+    except ec.CollectiveError as err:
+        return [type(err).__name__, str(err)]
+
+
+def test_ranks_with_different_secrets_fail_naming_the_address(tmp_path, env):
+    files = [write_secret(tmp_path, f"secret {r}", name=f"token{r}") for r in range(2)]
+    store = harness.make_store()
+    workers = harness.start(
+        other_secrets, 2, hosts=["a", "b"], store=store, timeout=90, env={"ELASTIX_ROUND": ""}, kwargs={"files": files}
+    )
+    host, port = store.get(ADDR_KEY.format(1)).decode().rsplit("|", 1)
+    results = workers.wait()
+    assert all(r.returncode == 0 for r in results), "\n".join(r.describe() for r in results)
+    connector, acceptor = results[0].value, results[1].value
+    assert connector[0] == "AuthenticationError"
+    assert f"the listener at {host}:{port} is not rank 1 of this group" in connector[1]
+    assert acceptor[0] == "CollectiveTimeoutError"
+    assert "rank 0 did not connect" in acceptor[1] and "(claiming to be rank 0)" in acceptor[1]
+    for r in results:
+        assert "secret 0" not in r.stderr + str(r.value) and "secret 1" not in r.stderr + str(r.value)
+
+
+def eager_sends():
+    ec = harness.init()
+    r = ec.get_rank()
+    x = np.full(3, float(r))
+    got = {}
+    # rank 0 sends to 1 while 1 first waits on 2, and 2 first waits on 0: rank 1 reaches no
+    # accept before rank 0's send; the handshake must not make rank 0 wait for it
+    if r == 0:
+        ec.send(x, 1)
+        ec.send(x, 2)
+    elif r == 1:
+        for src in (2, 0):
+            y = np.empty(3)
+            ec.recv(y, src)
+            got[src] = y.tolist()
+    else:
+        y = np.empty(3)
+        ec.recv(y, 0)
+        got[0] = y.tolist()
+        ec.send(x, 1)
+    ec.destroy_process_group()
+    return got
+
+
+def test_connectors_never_wait_for_the_acceptor_to_reach_an_accept(tmp_path, env):
+    extra = {FILE_ENV: write_secret(tmp_path), "ELASTIX_ROUND": ""}
+    results = harness.run(eager_sends, 3, hosts=["a", "b", "c"], timeout=90, env=extra)
+    assert results == [{}, {"2": [2.0] * 3, "0": [0.0] * 3}, {"0": [0.0] * 3}]
