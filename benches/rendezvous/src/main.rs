@@ -7,11 +7,12 @@
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use elastix_core::auth::Secret;
 use elastix_core::rendezvous::etcd::EtcdRendezvous;
 use elastix_core::rendezvous::keys::run_prefix;
 use elastix_core::rendezvous::store::{RendezvousStore, TcpRendezvousStore};
 use elastix_core::rendezvous::{DynamicRendezvous, RendezvousError, RendezvousInfo, RendezvousSettings};
-use elastix_core::store::{BackgroundServer, ConnectOptions, ServerConfig};
+use elastix_core::store::{BackgroundServer, Client, ConnectOptions, ServerConfig};
 use elastix_etcd::{EtcdClient, EtcdOptions};
 
 #[derive(Parser)]
@@ -33,10 +34,23 @@ struct Args {
     /// Worker threads of the nodes' runtime.
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// With a job secret: the store requires it and every connection proves it.
+    #[arg(long)]
+    secret: bool,
+    /// Instead of a round: time this many connections (connect, authenticate when --secret,
+    /// VALIDATE, PING) to the in-process store, one after another; prints their median and
+    /// 90th percentile in microseconds.
+    #[arg(long)]
+    connects: Option<u32>,
 }
 
 fn main() {
     let args = Args::parse();
+    if args.secret {
+        // before any server or client is made: they take the process's secret by default
+        let secret = Secret::from_bytes("elastix-rdzv-bench's job secret").expect("a secret");
+        elastix_core::auth::use_secret(secret).expect("the only secret");
+    }
     let runtime =
         tokio::runtime::Builder::new_multi_thread().worker_threads(args.threads).enable_all().build().expect("runtime");
     if let Some(endpoints) = &args.etcd {
@@ -57,6 +71,11 @@ fn main() {
         (None, Some(server)) => ("127.0.0.1".to_owned(), server.port()),
         (None, None) => unreachable!(),
     };
+    if let Some(count) = args.connects {
+        let (median, p90) = runtime.block_on(connects(&host, port, count));
+        println!(r#"{{"connects": {count}, "median_us": {median:.1}, "p90_us": {p90:.1}}}"#);
+        return;
+    }
     let run_id = format!("bench-{}-{}", args.nodes, std::process::id());
     let seconds = runtime.block_on(async {
         let prefix = run_prefix(&run_id);
@@ -126,6 +145,19 @@ async fn one_round<N: Node>(nodes: u32, handlers: Vec<N>) -> f64 {
         node.stop();
     }
     elapsed
+}
+
+/// `count` connections one after another: the median and 90th percentile, in microseconds.
+async fn connects(host: &str, port: u16, count: u32) -> (f64, f64) {
+    let mut times = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let start = Instant::now();
+        let client = Client::connect(&ConnectOptions::new(host, port, Some(Duration::from_secs(10)))).await;
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+        drop(client.expect("connect"));
+    }
+    times.sort_by(f64::total_cmp);
+    (times[times.len() / 2], times[times.len() * 9 / 10])
 }
 
 /// One round on etcd, and the etcd requests it took.

@@ -103,8 +103,9 @@ impl TcpStoreCore {
         listen_fd: Option<i32>,
         client_if_port_taken: bool,
     ) -> PyResult<Self> {
-        // an unusable job secret file is this call's error, not a silent connection without it
-        elastix_core::auth::process_secret()
+        // the environment as it is now (ELASTIX_AUTH_TOKEN_FILE): an unusable secret file is
+        // this call's error, not a silent connection without it
+        let secret = elastix_core::auth::Secret::from_env()
             .map_err(|err| pyo3::exceptions::PyPermissionError::new_err(err.to_string()))?;
         // A descriptor of our own: the caller's stays theirs to close.
         let listen_fd = listen_fd
@@ -120,6 +121,7 @@ impl TcpStoreCore {
             multi_tenant,
             listen_fd,
             client_if_port_taken,
+            secret,
             ..TcpStoreOptions::new(host, port)
         };
         let runtime = new_runtime()?;

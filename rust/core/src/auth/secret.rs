@@ -93,10 +93,13 @@ impl Secret {
         }
         match std::env::var_os(TOKEN_VAR).filter(|value| !value.is_empty()) {
             Some(value) => {
-                tracing::warn!(
-                    "using the job secret in {TOKEN_VAR}: environment variables leak (to child processes, \
-                     /proc/<pid>/environ); prefer {TOKEN_FILE_VAR}=<a file only you can read>"
-                );
+                static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+                if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    tracing::warn!(
+                        "using the job secret in {TOKEN_VAR}: environment variables leak (to child processes, \
+                         /proc/<pid>/environ); prefer {TOKEN_FILE_VAR}=<a file only you can read>"
+                    );
+                }
                 Secret::new(value.into_encoded_bytes(), Source::Environment).map(Some)
             }
             None => Ok(None),

@@ -13,7 +13,8 @@ use bytes::Bytes;
 use super::client::{Client, ConnectOptions, InterruptCheck};
 use super::error::{Result, StoreError};
 use super::protocol::INIT_KEY;
-use super::server::{BackgroundServer, ServerConfig};
+use super::server::{process_secret_or_log, BackgroundServer, ServerConfig};
+use crate::auth::{PlainClients, Secret};
 
 /// Threads of an in-process server: enough to serve a job's workers, few enough to stay out
 /// of the training process's way.
@@ -39,6 +40,10 @@ pub struct TcpStoreOptions {
     pub client_if_port_taken: bool,
     /// Server settings (limits, connection cap) for a master.
     pub server: ServerConfig,
+    /// The job secret this store's connections prove, and a master's server requires (it
+    /// then serves plain clients from loopback and from where a client authenticated).
+    /// Default: this process's ([`crate::auth::process_secret`]).
+    pub secret: Option<Secret>,
 }
 
 impl TcpStoreOptions {
@@ -54,6 +59,7 @@ impl TcpStoreOptions {
             listen_fd: None,
             client_if_port_taken: false,
             server: ServerConfig::default(),
+            secret: process_secret_or_log(),
         }
     }
 }
@@ -65,13 +71,14 @@ pub struct TcpStore {
     host: String,
     port: u16,
     timeout: Option<Duration>,
+    secret: Option<Secret>,
 }
 
 impl TcpStore {
     pub async fn open(options: TcpStoreOptions) -> Result<TcpStore> {
         let server = if options.is_master { start_or_share_server(&options)? } else { None };
         let port = server.as_ref().map_or(options.port, |server| server.port());
-        let mut store = TcpStore::connect(&options.host, port, options.timeout, server).await?;
+        let mut store = TcpStore::connect(&options.host, port, options.timeout, server, options.secret.clone()).await?;
         if let (Some(world_size), true) = (options.world_size, options.wait_for_workers) {
             store.client.add(INIT_KEY, 1).await?;
             if let Some(server) = &store.server {
@@ -91,16 +98,18 @@ impl TcpStore {
         port: u16,
         timeout: Option<Duration>,
         server: Option<Arc<BackgroundServer>>,
+        secret: Option<Secret>,
     ) -> Result<TcpStore> {
-        let mut client = Client::connect(&ConnectOptions::new(host, port, timeout)).await?;
+        let options = ConnectOptions { secret: secret.clone(), ..ConnectOptions::new(host, port, timeout) };
+        let mut client = Client::connect(&options).await?;
         client.set_reply_timeout(timeout);
-        Ok(TcpStore { client, server, host: host.to_owned(), port, timeout })
+        Ok(TcpStore { client, server, host: host.to_owned(), port, timeout, secret })
     }
 
     /// A new connection to the same server with the same timeout; it does not count itself
     /// into `init/`. It keeps an in-process server alive as long as it lives.
     pub async fn duplicate(&self) -> Result<TcpStore> {
-        TcpStore::connect(&self.host, self.port, self.timeout, self.server.clone()).await
+        TcpStore::connect(&self.host, self.port, self.timeout, self.server.clone(), self.secret.clone()).await
     }
 
     pub fn host(&self) -> &str {
@@ -257,7 +266,9 @@ fn start_or_share_server(options: &TcpStoreOptions) -> Result<Option<Arc<Backgro
             return Ok(Some(server));
         }
     }
-    let config = ServerConfig { port: options.port, listen_fd: options.listen_fd.clone(), ..options.server.clone() };
+    let auth = options.secret.clone().map(|secret| (secret, PlainClients::LoopbackAndAuthenticated));
+    let config =
+        ServerConfig { port: options.port, listen_fd: options.listen_fd.clone(), auth, ..options.server.clone() };
     match BackgroundServer::start(&config, IN_PROCESS_SERVER_THREADS) {
         Ok(server) => {
             let server = Arc::new(server);
