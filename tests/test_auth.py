@@ -225,3 +225,32 @@ def test_without_a_secret_a_reachable_agent_says_who_can_reach_the_job(tmp_path,
     wait_round(tmp_path, 1)
     finish_all(tmp_path, [a], marker)
     assert "no job secret: anyone who can reach" in a.output(), a.output()
+
+
+def test_torch_workers_init_process_group_gloo_in_a_job_with_a_secret(tmp_path, marker, monkeypatch, secured):
+    """torch's clients cannot prove the secret: on members' hosts the workers' store serves them."""
+    pytest.importorskip("torch.distributed")
+    path, _, port = secured
+    script = tmp_path / "gloo.py"
+    script.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+        "dist.all_reduce(t)\n"
+        "open(os.path.join(os.environ['OUT_DIR'], f'sum_{dist.get_rank()}'), 'w').write(str(t.item()))\n"
+        "dist.destroy_process_group()\n"
+    )
+    monkeypatch.setenv("ELASTIX_AUTH_TOKEN_FILE", path)
+    agents = [
+        agent(
+            tmp_path,
+            marker,
+            f"n{i}",
+            "run",
+            *node_args("2", f"127.0.0.1:{port}", f"127.0.0.{i + 1}", FAST, str(script), run_id="gloojob"),
+        )
+        for i in range(2)
+    ]
+    for a in agents:
+        assert a.finish(timeout=180) == 0, a.output()
+    assert [open(tmp_path / f"sum_{r}").read() for r in (0, 1)] == ["3.0", "3.0"]
