@@ -7,6 +7,10 @@
 //! server → client   1: accepted (then the store protocol follows), 0: refused
 //! ```
 //!
+//! The client need not wait for the verdict: it may send its first requests right behind its
+//! proof and read the verdict before their replies ([`client`], then [`verdict`]), which saves
+//! a round trip per connection.
+//!
 //! Both sides prove the secret over nonces the other chose, so a recorded exchange cannot be
 //! replayed, and neither proof can be reflected as the other (their labels differ). Proofs
 //! are compared in constant time. Callers bound the whole exchange with a timeout.
@@ -77,7 +81,8 @@ fn matches(expected: &[u8; PROOF], got: &[u8; PROOF]) -> bool {
     bool::from(expected.ct_eq(got))
 }
 
-/// The client's side: proves the secret to the server and checks that the server holds it.
+/// The client's side up to its proof: checks that the server holds the secret and proves it
+/// holds it too. The server's verdict follows ([`verdict`]).
 pub async fn client<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, secret: &Secret) -> Result<(), HandshakeError> {
     let mine = nonce();
     let mut hello = Vec::with_capacity(MAGIC.len() + 1 + NONCE);
@@ -93,6 +98,11 @@ pub async fn client<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, secret: &
         return Err(HandshakeError::WrongProof);
     }
     stream.write_all(&proof(secret, b"client", &mine, &theirs)).await?;
+    Ok(())
+}
+
+/// The server's verdict on the client's proof.
+pub async fn verdict<S: AsyncRead + Unpin>(stream: &mut S) -> Result<(), HandshakeError> {
     let mut verdict = [0u8; 1];
     stream.read_exact(&mut verdict).await?;
     match verdict[0] {
@@ -144,7 +154,8 @@ mod tests {
     async fn both_sides_holding_the_secret_agree() {
         let (mut a, mut b) = duplex(1024);
         let key = secret("k");
-        let (client, server) = tokio::join!(client(&mut a, &key), server(&mut b, &key));
+        let both = async { client(&mut a, &key).await.and(verdict(&mut a).await) };
+        let (client, server) = tokio::join!(both, server(&mut b, &key));
         assert!(client.is_ok() && server.is_ok(), "{client:?} {server:?}");
     }
 
@@ -169,7 +180,8 @@ mod tests {
         // record a genuine exchange's client proof, then send it against a fresh server nonce
         let (mut a, mut b) = duplex(1024);
         let key = secret("k");
-        let (ok, _) = tokio::join!(client(&mut a, &key), server(&mut b, &key));
+        let both = async { client(&mut a, &key).await.and(verdict(&mut a).await) };
+        let (ok, _) = tokio::join!(both, server(&mut b, &key));
         ok.unwrap();
         let (mut a, mut b) = duplex(1024);
         let replay = async {

@@ -145,10 +145,14 @@ async fn attempt(
             let mut stream = within(deadline, TcpStream::connect(addr)).await.map_err(Failed::Io)?;
             stream.set_nodelay(true).map_err(Failed::Io)?;
             crate::store::server::listener::set_keepalive(&stream).map_err(Failed::Io)?;
-            if let Some(secret) = &options.secret {
-                authenticate(&mut stream, secret, deadline).await?;
-            }
-            validate(stream, deadline).await
+            let authenticated = match &options.secret {
+                Some(secret) => {
+                    authenticate(&mut stream, secret, deadline).await?;
+                    true
+                }
+                None => false,
+            };
+            validate(stream, authenticated, deadline).await
         };
         match connected.await {
             Ok(stream) => return Ok((stream, addr)),
@@ -172,10 +176,16 @@ enum Failed {
     Refused(String),
 }
 
-/// Proves the job secret to the server (and checks that it holds it too).
+/// Proves the job secret to the server (and checks that it holds it too); the server's verdict
+/// is read with the first reply.
 async fn authenticate(stream: &mut TcpStream, secret: &Secret, deadline: Option<Instant>) -> Result<(), Failed> {
     let exchange = async { Ok::<_, io::Error>(handshake::client(stream, secret).await) };
-    match within(deadline, exchange).await.map_err(Failed::Io)? {
+    refusal(within(deadline, exchange).await.map_err(Failed::Io)?)
+}
+
+/// What a failed authentication means for the connection.
+fn refusal(outcome: Result<(), HandshakeError>) -> Result<(), Failed> {
+    match outcome {
         Ok(()) => Ok(()),
         Err(HandshakeError::Closed) => Err(Failed::Refused(
             "it closed the connection during authentication: it runs without a job secret, or refused this \
@@ -192,13 +202,18 @@ async fn authenticate(stream: &mut TcpStream, secret: &Secret, deadline: Option<
 
 /// VALIDATE, then PING with our pid as nonce, which the server must echo. Written as two
 /// separate sends, as torch's client does (torch's libuv server has trouble with both in one
-/// segment); the reply is bounded by the connect deadline.
-async fn validate(mut stream: TcpStream, deadline: Option<Instant>) -> Result<TcpStream, Failed> {
+/// segment); the reply is bounded by the connect deadline. `authenticated`: the server's
+/// verdict on this client's proof comes first.
+async fn validate(mut stream: TcpStream, authenticated: bool, deadline: Option<Instant>) -> Result<TcpStream, Failed> {
     let nonce = std::process::id();
     for request in [Request::Validate { magic: VALIDATION_MAGIC }, Request::Ping { nonce }] {
         let mut bytes = BytesMut::with_capacity(5);
         request.encode(&mut bytes);
         within(deadline, stream.write_all(&bytes)).await.map_err(Failed::Io)?;
+    }
+    if authenticated {
+        let verdict = async { Ok::<_, io::Error>(handshake::verdict(&mut stream).await) };
+        refusal(within(deadline, verdict).await.map_err(Failed::Io)?)?;
     }
     let mut echo = [0u8; 4];
     within(deadline, stream.read_exact(&mut echo))
