@@ -20,6 +20,9 @@ use super::secret::Secret;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A refusal is logged at WARN at most this often per address.
 const LOG_EVERY: Duration = Duration::from_secs(60);
+/// Addresses remembered for the once-a-minute log; past this many, the oldest are forgotten
+/// (a flood from many addresses must not grow the server's memory without bound).
+const LOGGED_ADDRESSES: usize = 4096;
 /// The plain handshake a refused torch client sends (VALIDATE, PING), read before answering.
 const PLAIN_HELLO: usize = 10;
 
@@ -129,6 +132,9 @@ impl Gate {
         let mut logged = self.logged.lock().unwrap_or_else(PoisonError::into_inner);
         let due = logged.get(&peer.ip()).map_or(true, |last| now.duration_since(*last) >= LOG_EVERY);
         if due {
+            if logged.len() >= LOGGED_ADDRESSES {
+                logged.retain(|_, last| now.duration_since(*last) < LOG_EVERY);
+            }
             logged.insert(peer.ip(), now);
             tracing::warn!(
                 "refused a connection from {peer}: {reason} ({count} refused so far; said at most once a minute per address)"

@@ -73,10 +73,7 @@ pub async fn is_local_addr(host: &str, local_addr: &str) -> bool {
     theirs.iter().any(|ip| ours.contains(ip))
 }
 
-/// Whether `host` names this machine's loopback only (a store for it then listens there alone).
-pub fn is_loopback_name(host: &str) -> bool {
-    host.eq_ignore_ascii_case("localhost") || host.parse::<IpAddr>().is_ok_and(|ip| ip.to_canonical().is_loopback())
-}
+pub use crate::store::server::listener::is_loopback_name;
 
 async fn resolve(host: &str) -> Vec<IpAddr> {
     if let Ok(ip) = host.parse::<IpAddr>() {

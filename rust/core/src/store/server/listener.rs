@@ -2,7 +2,7 @@
 //! port 0 resolved by the kernel (the caller reads the real port back: no probe-then-bind race).
 
 use std::io;
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
@@ -44,6 +44,11 @@ pub fn host_backlog() -> i32 {
         .and_then(|text| text.trim().parse().ok())
         .filter(|backlog: &i32| *backlog > 0)
         .unwrap_or(FALLBACK_BACKLOG)
+}
+
+/// Whether `host` names this machine's loopback only (a store for it then listens there alone).
+pub fn is_loopback_name(host: &str) -> bool {
+    host.eq_ignore_ascii_case("localhost") || host.parse::<IpAddr>().is_ok_and(|ip| ip.to_canonical().is_loopback())
 }
 
 /// Binds and listens. Without a host, `[::]` with IPv4-mapped addresses accepted, falling back

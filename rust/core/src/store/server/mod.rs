@@ -52,7 +52,7 @@ impl ServerConfig {
     /// The defaults, for a server its clients reach at `addr`: one reached at a loopback
     /// address listens there alone (nobody off this machine can connect).
     pub fn for_address(addr: &str) -> ServerConfig {
-        let loopback = crate::rendezvous::endpoint::is_loopback_name(addr);
+        let loopback = listener::is_loopback_name(addr);
         ServerConfig { host: loopback.then(|| addr.to_owned()), ..ServerConfig::default() }
     }
 
