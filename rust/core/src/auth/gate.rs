@@ -134,6 +134,9 @@ impl Gate {
         if due {
             if logged.len() >= LOGGED_ADDRESSES {
                 logged.retain(|_, last| now.duration_since(*last) < LOG_EVERY);
+                if logged.len() >= LOGGED_ADDRESSES {
+                    logged.clear(); // a flood: say each address again rather than grow
+                }
             }
             logged.insert(peer.ip(), now);
             tracing::warn!(
