@@ -157,6 +157,9 @@ def test_when_the_failing_node_hosts_the_store_every_node_prints_the_root_cause(
     for a in (host, other):
         assert "ValueError: the data is corrupt" in a.output(), a.output()
     assert "the job was closed after a failure on another node" in other.output()
+    # the close ends the run: its workers are stopped, not restarted
+    assert "closed; stopping the workers" in other.output(), other.output()
+    assert "restarting the workers" not in other.output(), other.output()
     assert_nothing_left(marker)
 
 

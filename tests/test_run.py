@@ -104,6 +104,29 @@ def test_no_restarts_left_fails_with_the_root_cause(tmp_path, marker):
     assert_nothing_left(marker)
 
 
+def test_workers_that_fail_together_are_all_listed_root_cause_first(tmp_path, marker):
+    # ranks 0 and 2 fail at the same moment (rank 2 a little later); rank 1 keeps working
+    script = tmp_path / "both.py"
+    script.write_text(
+        "import os, time\n"
+        "rank = int(os.environ['RANK'])\n"
+        "if rank == 0:\n    raise SystemExit(3)\n"
+        "if rank == 2:\n    time.sleep(0.05)\n    raise RuntimeError('rank two broke too')\n"
+        "time.sleep(60)\n"
+    )
+    proc = elastix_run(
+        "--standalone", "--nproc-per-node", 3, "--max-restarts", 0, script, out_dir=tmp_path, marker=marker
+    )
+    code, _out, err = finish(proc)
+    assert code == 1
+    failures, root = err.split("Root Cause (first observed failure):")
+    assert "rank      : 0 (local_rank: 0)" in root and "exitcode  : 3" in root, err
+    assert "rank      : 2 (local_rank: 2)" in failures.split("Failures:")[1], err
+    assert "rank two broke too" in failures, err
+    assert "rank      : 1 (local_rank: 1)" not in err, "a worker that was stopped did not fail"
+    assert_nothing_left(marker)
+
+
 def test_a_worker_killed_by_a_signal_is_named(tmp_path, marker):
     script = tmp_path / "killed.py"
     script.write_text(

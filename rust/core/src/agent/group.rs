@@ -49,9 +49,14 @@ struct Worker {
 #[derive(Debug)]
 pub enum GroupOutcome {
     Succeeded,
-    /// The first worker that failed (others may have failed after it).
-    Failed(Failure),
+    /// The workers that failed: the first one, and any others that failed with it (within
+    /// [`FAILED_TOGETHER`]), in the order they exited.
+    Failed(Vec<Failure>),
 }
+
+/// Workers that fail within this long of the first failure are reported with it (one crash
+/// often takes every rank down at once; torchrun reports all it sees at its next look).
+pub const FAILED_TOGETHER: Duration = Duration::from_millis(200);
 
 pub struct WorkerGroup {
     workers: Vec<Worker>,
@@ -108,13 +113,36 @@ impl WorkerGroup {
             let status = status.unwrap_or_else(|_| failed_status());
             self.workers[index].exit = Some((status, at));
             if !status.success() {
-                return GroupOutcome::Failed(self.failure(index).await);
+                let mut failed = vec![index];
+                failed.extend(self.failing_together().await);
+                let mut failures = Vec::with_capacity(failed.len());
+                for index in failed {
+                    failures.push(self.failure(index).await);
+                }
+                return GroupOutcome::Failed(failures);
             }
             if self.workers.iter().all(|w| w.exit.is_some()) {
                 return GroupOutcome::Succeeded;
             }
         }
         GroupOutcome::Succeeded
+    }
+
+    /// The other workers that fail within [`FAILED_TOGETHER`] of a first failure.
+    async fn failing_together(&mut self) -> Vec<usize> {
+        let until = tokio::time::Instant::now() + FAILED_TOGETHER;
+        let mut failed = Vec::new();
+        while let Ok(Some((index, status, at))) = tokio::time::timeout_at(until, self.exits.recv()).await {
+            let status = status.unwrap_or_else(|_| failed_status());
+            self.workers[index].exit = Some((status, at));
+            if !status.success() {
+                failed.push(index);
+            }
+            if self.workers.iter().all(|w| w.exit.is_some()) {
+                break;
+            }
+        }
+        failed
     }
 
     async fn failure(&mut self, index: usize) -> Failure {

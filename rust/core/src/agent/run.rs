@@ -300,16 +300,18 @@ impl Agent {
                         Some(_) => continue, // another node restarted: run again with it
                     }
                 }
-                Event::Workers(GroupOutcome::Failed(failure)) => {
+                Event::Workers(GroupOutcome::Failed(failures)) => {
                     group.stop(Signal::SIGTERM, grace).await;
-                    if let Some(end) = self.after_failure(failure, report).await? {
+                    if let Some(end) = self.after_failure(failures, report).await? {
                         return Ok(end);
                     }
                 }
                 Event::Change(change) => {
-                    tracing::info!("{}; restarting the workers", describe(&change));
+                    let closed = change == MembershipChange::Closed;
+                    let next = if closed { "stopping the workers" } else { "restarting the workers" };
+                    tracing::info!("{}; {next}", describe(&change));
                     group.stop(Signal::SIGTERM, grace).await;
-                    if change == MembershipChange::Closed {
+                    if closed {
                         return self.closed(report).await;
                     }
                 }
@@ -354,28 +356,33 @@ impl Agent {
 
     /// Spends a restart if this is the round's first failure report; past the budget, closes
     /// the job as failed. `Some` ends the agent.
-    async fn after_failure(&mut self, failure: Failure, report: &mut Report) -> Result<Option<End>> {
+    async fn after_failure(&mut self, failures: Vec<Failure>, report: &mut Report) -> Result<Option<End>> {
         let restarts = self.rdzv.report_failure().await?;
         report.restart_count = restarts;
         let name = entrypoint_name(&self.config);
-        let text = summary(&name, std::slice::from_ref(&failure));
-        report.failures = vec![failure];
+        let text = summary(&name, &failures);
+        report.failures = failures;
         if restarts > i64::from(self.config.max_restarts) {
             print_summary(&text);
             let _ = self.rdzv.set_closed_with(&format!("{FAILED}{text}")).await;
             report.summary = Some(text);
             return Ok(Some(End::Failed));
         }
-        let failure = &report.failures[0];
-        tracing::warn!(
-            "worker rank {} (local rank {}, pid {}) failed with exit code {}{}; restart {restarts} of {}",
-            failure.global_rank,
-            failure.local_rank,
-            failure.pid,
-            failure.exitcode,
-            failure.signal.as_deref().map(|s| format!(" ({s})")).unwrap_or_default(),
-            self.config.max_restarts
-        );
+        let failed: Vec<String> = report
+            .failures
+            .iter()
+            .map(|failure| {
+                format!(
+                    "worker rank {} (local rank {}, pid {}) failed with exit code {}{}",
+                    failure.global_rank,
+                    failure.local_rank,
+                    failure.pid,
+                    failure.exitcode,
+                    failure.signal.as_deref().map(|s| format!(" ({s})")).unwrap_or_default(),
+                )
+            })
+            .collect();
+        tracing::warn!("{}; restart {restarts} of {}", failed.join("; "), self.config.max_restarts);
         Ok(None)
     }
 
