@@ -140,7 +140,7 @@ def test_agent_config_errors_come_from_the_agent_and_name_the_flag():
         (LaunchConfig(3, 2, 1), "--nnodes: need 0 < MIN <= MAX"),
         (LaunchConfig(1, 1, 1, max_restarts=-1), "--max-restarts: invalid value: integer `-1`"),
         (LaunchConfig(1, 1, 1, rdzv_backend="etcd-v2"), "--rdzv-backend etcd-v2: etcd's v2 API is off"),
-        (LaunchConfig(1, 1, 1, rdzv_configs={"heartbeat": 10}), 'unknown key "heartbeat"'),
+        (LaunchConfig(1, 1, 1, rdzv_configs={"heartbeat_timout": 10}), 'unknown key "heartbeat_timout"'),
     ]
     for config, needle in cases:
         with pytest.raises(ValueError, match=needle):

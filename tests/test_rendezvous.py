@@ -155,7 +155,7 @@ def test_a_timeout_says_who_joined_and_what_is_missing():
 
 def test_bad_configuration_is_a_value_error():
     with pytest.raises(ValueError, match="unknown key"):
-        RendezvousHandler("c10d", "127.0.0.1:0", "bad", 1, 1, conf="heartbeat=5")
+        RendezvousHandler("c10d", "127.0.0.1:0", "bad", 1, 1, conf="heartbeat_timout=5")
     with pytest.raises(ValueError, match="min_nodes"):
         RendezvousHandler("c10d", "127.0.0.1:0", "bad", 3, 2)
     with pytest.raises(ValueError, match="unknown"):

@@ -127,6 +127,26 @@ def test_workers_that_fail_together_are_all_listed_root_cause_first(tmp_path, ma
     assert_nothing_left(marker)
 
 
+def test_the_console_event_log_handler_writes_torchelastic_events(tmp_path, marker):
+    script = tmp_path / "fails.py"
+    script.write_text("import os, sys\nsys.exit(4 if os.environ['RANK'] == '1' else 0)\n")
+    proc = elastix_run(
+        "--standalone", "--nproc-per-node", 2, "--max-restarts", 0, "--event-log-handler", "console",
+        "--logs-specs", "default", "--rdzv-conf", "use_libuv=1,heartbeat=5", script,
+        out_dir=tmp_path, marker=marker,
+    )  # fmt: skip
+    code, _out, err = finish(proc)
+    assert code == 1, err
+    events = [json.loads(line) for line in err.splitlines() if line.startswith('{"name": "torchelastic.')]
+    by_source = {(e["source"], e["metadata"]["global_rank"]): e for e in events}
+    assert by_source[("WORKER", 1)]["name"] == "torchelastic.worker.status.FAILED"
+    assert by_source[("WORKER", 1)]["metadata"]["exit_code"] == 4
+    assert by_source[("WORKER", 0)]["metadata"]["state"] in ("SUCCEEDED", "FAILED", "STOPPED")
+    assert by_source[("AGENT", None)]["name"] == "torchelastic.worker.status.FAILED"
+    assert "use_libuv=1: accepted for torch compatibility" in err, err
+    assert_nothing_left(marker)
+
+
 def test_a_worker_killed_by_a_signal_is_named(tmp_path, marker):
     script = tmp_path / "killed.py"
     script.write_text(

@@ -104,7 +104,7 @@ def build(
         "master_addr": master_addr,
         "master_port": None if master_port is None else int(master_port),
         "max_restarts": int(max_restarts),
-        "signals_to_handle": parse_signals(signals_to_handle),
+        "signals_to_handle": parse_signals(signals_to_handle, warn),
         "shutdown_timeout": parse_seconds("--shutdown-timeout", shutdown_timeout),
         "exit_barrier_timeout": parse_seconds("--exit-barrier-timeout", exit_barrier_timeout),
         "log_dir": log_dir,

@@ -155,10 +155,8 @@ def _refuse_unimplemented(args: argparse.Namespace) -> None:
     """torchrun flags elastix accepts only at their defaults: anything else would silently do
     nothing, so it is an error that names the flag."""
     refused: List[str] = []
-    if args.event_log_handler != "null":
-        refused.append(f"--event-log-handler {args.event_log_handler} (only 'null')")
-    if args.logs_specs is not None:
-        refused.append(f"--logs-specs {args.logs_specs} (log layout plugins)")
+    if args.logs_specs not in (None, "default"):
+        refused.append(f"--logs-specs {args.logs_specs} (log layout plugins; 'default' is the layout elastix writes)")
     if args.numa_binding is not None:
         refused.append(f"--numa-binding {args.numa_binding}")
     for name in ("duplicate_stdout_filters", "duplicate_stderr_filters"):

@@ -333,9 +333,7 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         help="[elastix] the same in elastix's syntax: {role}, {rank}, {local_rank}, {host}; e.g. '{host}:{rank}| '",
     )
 
-    g = parser.add_argument_group(
-        "torchrun options elastix does not implement (only their default values are accepted)"
-    )
+    g = parser.add_argument_group("torchrun options elastix implements in part (each says what it accepts)")
     g.add_argument(
         "--event-log-handler",
         "--event_log_handler",
@@ -343,7 +341,7 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         type=str,
         default="null",
         metavar="NAME",
-        help="events destination (default: null)",
+        help="null (default), or console: the run's outcome as torchelastic JSON events on stderr",
     )
     g.add_argument(
         "--logs-specs",
@@ -351,7 +349,7 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         type=str,
         default=None,
         metavar="NAME",
-        help="torchrun.logs_specs entry point replacing the log layout",
+        help="only 'default' (elastix's log layout); other torchrun.logs_specs plugins are refused",
     )
     g.add_argument(
         "--numa-binding",
@@ -368,7 +366,7 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         type=_comma_list,
         default=[],
         metavar="S,...",
-        help="copy tee'd stdout lines containing these to filtered_stdout.log",
+        help="not implemented: refused (torch copies tee'd lines containing these to filtered_stdout.log)",
     )
     g.add_argument(
         "--duplicate-stderr-filters",
@@ -377,7 +375,7 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         type=_comma_list,
         default=[],
         metavar="S,...",
-        help="the same for stderr",
+        help="not implemented: refused (the same for stderr)",
     )
 
     parser.add_argument(

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import signal
-from typing import List, Sequence, Union
+import warnings
+from typing import Callable, List, Optional, Sequence, Union
 
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 # A process cannot catch these, or must not (the agent waits on its children).
 _UNHANDLEABLE = {"SIGKILL", "SIGSTOP", "SIGCHLD"}
 
 
-def parse_signals(spec: Union[str, Sequence[str]]) -> List[str]:
-    """``"SIGTERM,usr1"`` -> ["SIGTERM", "SIGUSR1"]. Unknown names are an error (torch only
-    warns, and then does not forward the signal the user asked for)."""
+def parse_signals(spec: Union[str, Sequence[str]], warn: Optional[Callable[[str], None]] = None) -> List[str]:
+    """``"SIGTERM,usr1"`` -> ["SIGTERM", "SIGUSR1"]. An unknown name is skipped with a warning,
+    as torchrun does (a signal one platform lacks must not stop a launch script shared with
+    another); a signal that cannot be handled is an error."""
+    say = warn or (lambda message: warnings.warn(message, stacklevel=3))
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     names: List[str] = []
     for item in items:
@@ -24,7 +27,8 @@ def parse_signals(spec: Union[str, Sequence[str]]) -> List[str]:
             name = "SIG" + name
         value = getattr(signal.Signals, name, None) if name.isidentifier() else None
         if not isinstance(value, signal.Signals):
-            raise ValueError(f"--signals-to-handle: unknown signal {text!r} (use names such as SIGTERM, SIGUSR1)")
+            say(f"--signals-to-handle: unknown signal {text!r} ignored (use names such as SIGTERM, SIGUSR1)")
+            continue
         name = value.name  # the canonical name of an alias (SIGIOT -> SIGABRT)
         if name in _UNHANDLEABLE:
             raise ValueError(f"--signals-to-handle: {name} cannot be handled")

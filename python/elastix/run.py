@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 from ._logging import setup_cli
 from ._run_config import config_from_args
 from ._run_parser import build_parser
+from .events import check_handler, record_outcome
 
 
 def main(argv: Optional[List[str]] = None, prog: str = "elastix run") -> None:
@@ -26,15 +27,17 @@ def main(argv: Optional[List[str]] = None, prog: str = "elastix run") -> None:
         try:
             setup_cli(args.log_level)
             config = config_from_args(args)
+            events = check_handler(args.event_log_handler)
         except ValueError as err:
             parser.error(str(err))
-        sys.exit(run(config, prog))
+        sys.exit(run(config, prog, events))
     except KeyboardInterrupt:  # before the agent took over SIGINT
         sys.exit(130)
 
 
-def run(config: Dict[str, Any], prog: str = "elastix run") -> int:
-    """Runs the agent with an AgentConfig dict; returns the exit status."""
+def run(config: Dict[str, Any], prog: str = "elastix run", events: str = "null") -> int:
+    """Runs the agent with an AgentConfig dict; returns the exit status. `events`: torchrun's
+    --event-log-handler (see elastix.events)."""
     from ._agent_call import AgentUnavailableError, run_agent
 
     try:
@@ -52,6 +55,7 @@ def run(config: Dict[str, Any], prog: str = "elastix run") -> int:
         return 1
     if report.get("state") == "FAILED":
         _pass_root_cause_up(report)
+    record_outcome(events, report, config)
     return int(report["exit_code"])
 
 

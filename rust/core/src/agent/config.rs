@@ -296,7 +296,7 @@ pub(crate) mod tests {
             (Box::new(|v| v["shutdown_timeout"] = (-1.0).into()), "--shutdown-timeout: must be a non-negative"),
             (Box::new(|v| v["log_dir"] = "/proc/self/stat".into()), "--log-dir: /proc/self/stat exists and is not"),
             (Box::new(|v| v["rdzv_conf"] = 5.into()), "--rdzv-conf: "),
-            (Box::new(|v| v["rdzv_conf"] = "heartbeat=10".into()), "unknown key \"heartbeat\""),
+            (Box::new(|v| v["rdzv_conf"] = "heartbeat_timout=10".into()), "unknown key \"heartbeat_timout\""),
             (Box::new(|v| v["typo"] = 1.into()), "unknown field `typo`"),
             (
                 Box::new(|v| {

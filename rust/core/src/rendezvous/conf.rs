@@ -1,5 +1,6 @@
 //! `--rdzv-conf k1=v1,k2=v2`: torch's keys, checked strictly. Unknown keys are an error (torch
-//! ignores them silently, so a typo like `heartbeat=10` used to do nothing), durations accept
+//! ignores them silently, so a typo like `heartbeat_timout=10` does nothing there); torch's keys
+//! that have no effect here are taken with one INFO line ([`TORCH_INERT_KEYS`]); durations accept
 //! units (`30`, `30s`, `1.5s`, `500ms`, `2m`, `1h`), booleans accept torch's spellings.
 //!
 //! The same keys arrive either as that text (the command line) or as a map of values (Python's
@@ -51,6 +52,28 @@ pub const STATIC_KEYS: &[(&str, &str)] = &[
     ("read_timeout", "store operation timeout (default 60s)"),
     ("auth_token_file", "file holding the job secret, readable only by its owner (or ELASTIX_AUTH_TOKEN_FILE)"),
 ];
+
+/// Keys torch accepts that have no effect in elastix (torch ignores some of them too): taken
+/// with one INFO line each, so that a torchrun command line works unchanged. A key of this list
+/// that a backend does use (in its own list) is used.
+pub const TORCH_INERT_KEYS: &[(&str, &str)] = &[
+    ("heartbeat", "torch ignores it too (the key is heartbeat_timeout)"),
+    ("use_libuv", "elastix's store has one server, for every client"),
+    ("cas_backoff_max_seconds", "elastix forms rounds without compare-and-set retry loops"),
+    ("keep_alive_interval", "the static backend has no heartbeats"),
+    ("keep_alive_max_attempt", "the static backend has no heartbeats"),
+    ("heartbeat_timeout", "the static backend has no heartbeats"),
+    ("join_timeout", "the static backend waits up to its timeout"),
+    ("last_call_timeout", "the static backend has a fixed size"),
+    ("close_timeout", "the static backend has nothing to close"),
+    ("read_timeout", "etcd requests are bounded by heartbeat_timeout and retried"),
+    ("store_type", "etcd is the store"),
+    ("is_host", "etcd is the store"),
+];
+
+/// torch's etcd-v2 backend's names for keys elastix's etcd backend has under other names.
+const ETCD_V2_ALIASES: &[(&str, &str)] =
+    &[("ssl_cert", "cert"), ("ssl_cert_key", "key"), ("ca_cert", "cacert"), ("etcd_prefix", "key_prefix")];
 
 /// Rendezvous configuration as given: torch's `k=v,k=v` text, or a map of values (no quoting
 /// needed: a value may contain `,` or `=`).
@@ -146,7 +169,15 @@ impl RendezvousConf {
         if value.is_empty() {
             return Err(RendezvousError::Config(format!("--rdzv-conf: key {key:?} has no value")));
         }
+        let key = match ETCD_V2_ALIASES.iter().find(|(torch, _)| *torch == key) {
+            Some((_, ours)) if allowed.iter().any(|(known, _)| known == ours) => *ours,
+            _ => key,
+        };
         if !allowed.iter().any(|(known, _)| *known == key) {
+            if let Some((_, why)) = TORCH_INERT_KEYS.iter().find(|(inert, _)| *inert == key) {
+                tracing::info!("--rdzv-conf {key}={value}: accepted for torch compatibility; no effect here ({why})");
+                return Ok(());
+            }
             let known: Vec<String> = allowed.iter().map(|(k, meaning)| format!("  {k}: {meaning}")).collect();
             return Err(RendezvousError::Config(format!(
                 "--rdzv-conf: unknown key {key:?}; this backend accepts:\n{}",
@@ -247,11 +278,22 @@ mod tests {
 
     #[test]
     fn rejects_unknown_keys_naming_the_known_ones() {
-        let err = RendezvousConf::parse("heartbeat=10", DYNAMIC_KEYS).unwrap_err().to_string();
-        assert!(err.contains("unknown key \"heartbeat\""), "{err}");
+        let err = RendezvousConf::parse("heartbeat_timout=10", DYNAMIC_KEYS).unwrap_err().to_string();
+        assert!(err.contains("unknown key \"heartbeat_timout\""), "{err}");
         assert!(err.contains("heartbeat_timeout"), "{err}");
         assert!(RendezvousConf::parse("rank=1", DYNAMIC_KEYS).is_err());
         assert!(RendezvousConf::parse("rank=1", STATIC_KEYS).is_ok());
+    }
+
+    #[test]
+    fn torchs_keys_without_effect_are_taken_and_its_etcd_v2_names_are_aliases() {
+        let inert = RendezvousConf::parse("heartbeat=10,use_libuv=1,cas_backoff_max_seconds=2", DYNAMIC_KEYS).unwrap();
+        assert_eq!(inert, RendezvousConf::default());
+        let static_conf = RendezvousConf::parse("rank=1,keep_alive_interval=5,join_timeout=30", STATIC_KEYS).unwrap();
+        assert_eq!(static_conf.get("rank"), Some("1"));
+        let etcd = RendezvousConf::parse("ca_cert=/ca.pem,etcd_prefix=/p/,read_timeout=60", ETCD_KEYS).unwrap();
+        assert_eq!((etcd.get("cacert"), etcd.get("key_prefix")), (Some("/ca.pem"), Some("/p/")));
+        assert!(RendezvousConf::parse("bogus=1", ETCD_KEYS).is_err(), "unknown keys stay errors");
     }
 
     #[test]
@@ -282,7 +324,7 @@ mod tests {
         assert_eq!(map, text);
         assert_eq!(map.duration("last_call_timeout", Duration::ZERO).unwrap(), Duration::from_millis(500));
         assert_eq!(map.boolean("is_host").unwrap(), Some(false));
-        let unknown: ConfInput = serde_json::from_str(r#"{"heartbeat": 10}"#).unwrap();
+        let unknown: ConfInput = serde_json::from_str(r#"{"heartbeat_timout": 10}"#).unwrap();
         assert!(RendezvousConf::from_input(&unknown, DYNAMIC_KEYS).unwrap_err().to_string().contains("heartbeat"));
         let comma: ConfInput = serde_json::from_str(r#"{"store_type": "a,b=c"}"#).unwrap();
         assert_eq!(RendezvousConf::from_input(&comma, DYNAMIC_KEYS).unwrap().get("store_type"), Some("a,b=c"));
