@@ -73,3 +73,51 @@ def test_clone_keeps_the_prefix(base):
     store = elastix.PrefixStore("pfx", base)
     store.clone().set("k", "v")
     assert store.get("k") == b"v"
+
+
+def test_a_store_subclass_with_only_set_and_get_has_torchs_defaults():
+    """torch's Store builds multi_get, multi_set, append (on compare_set), barrier's parts and
+    the timeout on what a subclass implements; the rest say what is missing."""
+    from datetime import timedelta
+
+    from elastix import Store
+
+    class Dict(Store):
+        def __init__(self):
+            self.data = {}
+
+        def set(self, key, value):
+            self.data[key if isinstance(key, str) else key.decode()] = (
+                value if isinstance(value, bytes) else value.encode()
+            )
+
+        def get(self, key):
+            return self.data[key if isinstance(key, str) else key.decode()]
+
+    store = Dict()
+    store.multi_set(["a", "b"], ["1", b"2"])
+    assert store.multi_get(["a", "b"]) == [b"1", b"2"]
+    assert store.has_extended_api() is False
+    assert store.timeout == timedelta(seconds=300)
+    store.set_timeout(timedelta(seconds=3))
+    assert store.timeout == timedelta(seconds=3)
+    with pytest.raises(RuntimeError, match=r"Dict does not implement Store\.add"):
+        store.add("n", 1)
+    with pytest.raises(NotImplementedError, match="queue support is not implemented"):
+        store.queue_push("q", "x")
+    with pytest.raises(NotImplementedError, match="listKeys support is not implemented"):
+        store.list_keys()
+
+    class WithCompareSet(Dict):
+        def compare_set(self, key, expected, desired):
+            current = self.data.get(key)
+            expected = expected if isinstance(expected, bytes) else expected.encode()
+            if (current is None and expected == b"") or current == expected:
+                self.data[key] = desired
+                return desired
+            return expected if current is None else current
+
+    appending = WithCompareSet()
+    appending.append("log", b"po")
+    appending.append("log", b"tato")
+    assert appending.get("log") == b"potato"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import abc
 from datetime import timedelta
 from typing import Callable, Iterable, List, Optional, Sequence, Union
 
@@ -57,71 +56,92 @@ def to_timedelta(seconds: Optional[float]) -> timedelta:
     return timedelta.max if seconds is None else timedelta(seconds=seconds)
 
 
-class Store(abc.ABC):
+class Store:
     """A key-value store shared by the processes of a job (torch.distributed.Store's API).
 
     Keys are ``str`` or ``bytes``; values are ``str`` or bytes-like and come back as
     ``bytes``. Every blocking call releases the GIL and can be interrupted with Ctrl-C.
+
+    As with torch's ``Store``, a subclass needs only ``set`` and ``get`` to be usable: the
+    methods torch builds on others are built the same way here (``multi_get``, ``multi_set``,
+    ``append`` on ``compare_set``, ``barrier``, the timeout), the queue methods and
+    ``list_keys`` say they are not supported, and the rest raise ``NotImplementedError`` (a
+    ``RuntimeError``, as torch's "pure virtual function" error is) naming the method.
     """
 
-    @abc.abstractmethod
-    def set(self, key: Key, value: Value) -> None: ...
+    _base_timeout: timedelta = DEFAULT_TIMEOUT  # for subclasses that keep no timeout of their own
 
-    @abc.abstractmethod
+    def _missing(self, method: str) -> NotImplementedError:
+        return NotImplementedError(f"{type(self).__name__} does not implement Store.{method}")
+
+    def set(self, key: Key, value: Value) -> None:
+        raise self._missing("set")
+
     def get(self, key: Key) -> bytes:
         """The value of ``key``, waiting up to the store timeout for it to be set."""
+        raise self._missing("get")
 
-    @abc.abstractmethod
     def add(self, key: Key, amount: int) -> int:
         """Adds ``amount`` to the integer under ``key`` (missing counts as 0); returns the sum."""
+        raise self._missing("add")
 
-    @abc.abstractmethod
-    def compare_set(self, key: Key, expected_value: Value, desired_value: Value) -> bytes: ...
+    def compare_set(self, key: Key, expected_value: Value, desired_value: Value) -> bytes:
+        raise self._missing("compare_set")
 
-    @abc.abstractmethod
-    def check(self, keys: Sequence[Key]) -> bool: ...
+    def check(self, keys: Sequence[Key]) -> bool:
+        raise self._missing("check")
 
-    @abc.abstractmethod
     def wait(self, keys: Sequence[Key], timeout: Optional[timedelta] = None) -> None:
         """Blocks until every key is set, up to ``timeout`` (default: the store timeout)."""
+        raise self._missing("wait")
 
-    @abc.abstractmethod
-    def delete_key(self, key: Key) -> bool: ...
+    def delete_key(self, key: Key) -> bool:
+        raise self._missing("delete_key")
 
-    @abc.abstractmethod
-    def num_keys(self) -> int: ...
+    def num_keys(self) -> int:
+        raise self._missing("num_keys")
 
-    @abc.abstractmethod
-    def append(self, key: Key, value: Value) -> None: ...
+    def append(self, key: Key, value: Value) -> None:
+        """Appends to ``key``'s value (a missing key starts empty), on ``compare_set``: the
+        write lands only on the value it extends, so concurrent appends all survive."""
+        addition = encode_value(value)
+        wanted = addition  # a missing key is created with the addition alone
+        current = self.compare_set(key, b"", wanted)
+        while current != wanted:  # someone else's value: extend it, unless it changes again
+            wanted = current + addition
+            current = self.compare_set(key, current, wanted)
 
-    @abc.abstractmethod
-    def multi_get(self, keys: Sequence[Key]) -> List[bytes]: ...
+    def multi_get(self, keys: Sequence[Key]) -> List[bytes]:
+        return [self.get(key) for key in encode_keys(keys)]
 
-    @abc.abstractmethod
-    def multi_set(self, keys: Sequence[Key], values: Sequence[Value]) -> None: ...
+    def multi_set(self, keys: Sequence[Key], values: Sequence[Value]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        for key, value in zip(encode_keys(keys), values):
+            self.set(key, value)
 
-    @abc.abstractmethod
-    def queue_push(self, key: Key, value: Value) -> None: ...
+    def queue_push(self, key: Key, value: Value) -> None:
+        raise NotImplementedError("queue support is not implemented.")
 
-    @abc.abstractmethod
-    def queue_pop(self, key: Key, block: bool = True) -> bytes: ...
+    def queue_pop(self, key: Key, block: bool = True) -> bytes:
+        raise NotImplementedError("queue support is not implemented.")
 
-    @abc.abstractmethod
-    def queue_len(self, key: Key) -> int: ...
+    def queue_len(self, key: Key) -> int:
+        raise NotImplementedError("queue support is not implemented.")
 
-    @abc.abstractmethod
-    def list_keys(self) -> List[str]: ...
+    def list_keys(self) -> List[str]:
+        raise NotImplementedError("listKeys support is not implemented.")
 
     @property
-    @abc.abstractmethod
-    def timeout(self) -> timedelta: ...
+    def timeout(self) -> timedelta:
+        return self._base_timeout
 
-    @abc.abstractmethod
-    def set_timeout(self, timeout: timedelta) -> None: ...
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._base_timeout = timeout
 
-    @abc.abstractmethod
     def clone(self) -> "Store":
         """Another handle on the same store, safe to use from another thread."""
+        raise self._missing("clone")
 
     def barrier(self, key: Key, world_size: int, timeout: Optional[timedelta] = None) -> None:
         """Blocks until ``world_size`` callers reached the barrier ``key``.
@@ -136,7 +156,8 @@ class Store(abc.ABC):
         self.wait([f"{prefix}/last_member"], timeout)
 
     def has_extended_api(self) -> bool:
-        return True
+        """Whether the store implements the extended API itself (torch's base: no)."""
+        return False
 
     def watch_key(self, key: Key, callback: Callable[..., None]) -> None:
         raise NotImplementedError("watchKey is deprecated, no implementation supports it.")

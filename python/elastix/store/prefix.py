@@ -94,6 +94,9 @@ class PrefixStore(Store):
     def queue_len(self, key: Key) -> int:
         return self._store.queue_len(self._key(key))
 
+    def has_extended_api(self) -> bool:
+        return self._store.has_extended_api()
+
     def list_keys(self) -> List[str]:
         # torch keeps keys starting with the prefix (not prefix + "/") and strips one more char
         cut = len(self._prefix) + 1

@@ -157,6 +157,9 @@ class TCPStore(Store):
         self._check_queues()
         return self._core.queue_len(encode_key(key))
 
+    def has_extended_api(self) -> bool:
+        return True
+
     def list_keys(self) -> List[str]:
         return [decode_key(key) for key in self._core.list_keys()]
 
