@@ -104,3 +104,48 @@ def test_torch_master_waits_for_an_elastix_worker():
     assert "m" in holder
     holder["m"].set("k", "v")
     assert worker.get("k") == b"v"
+
+
+GLOO_RANK = """
+import sys
+from datetime import timedelta
+import torch, torch.distributed as dist  # loaded first: elastix's stores are then torch Stores too
+import elastix
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = elastix.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, timeout=timedelta(seconds=60))
+# either PrefixStore over an elastix store
+prefixed = elastix.PrefixStore("job", store) if rank == 0 else dist.PrefixStore("job", store)
+dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=2)
+t = torch.tensor([float(rank + 1)])
+dist.all_reduce(t)
+dist.barrier()
+print(f"sum {t.item()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_torch_init_process_group_takes_elastix_stores_and_prefix_stores_over_them():
+    import subprocess
+    import sys
+
+    with reserved_port() as port:
+        ranks = [
+            subprocess.Popen([sys.executable, "-c", GLOO_RANK, str(rank), str(port)], stdout=subprocess.PIPE, text=True)
+            for rank in range(2)
+        ]
+        outputs = [proc.communicate(timeout=120)[0] for proc in ranks]
+    assert [proc.returncode for proc in ranks] == [0, 0], outputs
+    assert all("sum 3.0" in out for out in outputs), outputs
+
+
+def test_an_elastix_store_is_a_torch_store_once_torch_is_loaded():
+    store = elastix.HashStore()
+    assert isinstance(store, torch_dist.Store)
+    assert isinstance(store, elastix.Store)
+    store.set("a", "1")
+    assert torch_dist.PrefixStore("p", store).add("n", 2) == 2
+    assert store.get("p/n") == b"2"
+    copy = store.clone()  # a clone is one too
+    assert isinstance(copy, torch_dist.Store)
+    torch_dist.PrefixStore("q", copy).set("x", "y")
+    assert store.get("q/x") == b"y"

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
-from typing import Callable, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, TypeVar, Union
 
 Key = Union[str, bytes]
 Value = Union[str, bytes, bytearray, memoryview]
@@ -56,6 +57,31 @@ def to_timedelta(seconds: Optional[float]) -> timedelta:
     return timedelta.max if seconds is None else timedelta(seconds=seconds)
 
 
+def _torch_variant(cls: type) -> Optional[type]:
+    """``cls`` as a subclass of torch.distributed.Store too, when torch.distributed is loaded
+    (so that torch accepts an elastix store wherever it takes its own: ``init_process_group(
+    store=...)``, its ``PrefixStore``); ``None`` otherwise. torch then calls the elastix
+    methods through its Store's Python trampoline."""
+    torch_distributed = sys.modules.get("torch.distributed")
+    base = getattr(torch_distributed, "Store", None)
+    if base is None:
+        return None
+    variant = _TORCH_VARIANTS.get(cls)
+    if variant is None:
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            base.__init__(self)
+            cls.__init__(self, *args, **kwargs)  # type: ignore[misc]
+
+        variant = type(cls.__name__, (cls, base), {"__init__": __init__, "__module__": cls.__module__})
+        _TORCH_VARIANTS[cls] = variant
+    return variant
+
+
+_TORCH_VARIANTS: Dict[type, type] = {}
+S = TypeVar("S", bound="Store")
+
+
 class Store:
     """A key-value store shared by the processes of a job (torch.distributed.Store's API).
 
@@ -70,6 +96,22 @@ class Store:
     """
 
     _base_timeout: timedelta = DEFAULT_TIMEOUT  # for subclasses that keep no timeout of their own
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Store":
+        variant = _torch_variant(cls) if cls.__module__.startswith("elastix.") else None
+        if variant is None or issubclass(cls, variant):
+            return super().__new__(cls)
+        return sys.modules["torch.distributed"].Store.__new__(variant)  # type: ignore[no-any-return]
+
+    @classmethod
+    def _blank(cls: "type[S]") -> "S":
+        """An instance that the caller sets up itself (a clone), a torch Store too when torch
+        is loaded, like one made the usual way."""
+        store: S = cls.__new__(cls)  # type: ignore[assignment]
+        torch_base = getattr(sys.modules.get("torch.distributed"), "Store", None)
+        if torch_base is not None and isinstance(store, torch_base):
+            torch_base.__init__(store)
+        return store
 
     def _missing(self, method: str) -> NotImplementedError:
         return NotImplementedError(f"{type(self).__name__} does not implement Store.{method}")

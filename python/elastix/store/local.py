@@ -102,7 +102,7 @@ class HashStore(_BlockingStore):
         super().__init__(_core.BlockingStoreCore.local(), to_seconds(DEFAULT_TIMEOUT))
 
     def clone(self) -> "HashStore":
-        copy = HashStore.__new__(HashStore)
+        copy = HashStore._blank()
         _BlockingStore.__init__(copy, self._core.share(), self._timeout)
         return copy
 
@@ -131,7 +131,7 @@ class FileStore(_BlockingStore):
         return self._path
 
     def clone(self) -> "FileStore":
-        copy = FileStore.__new__(FileStore)
+        copy = FileStore._blank()
         _BlockingStore.__init__(copy, self._core.share(), self._timeout)
         copy._path = self._path
         return copy
