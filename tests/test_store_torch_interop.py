@@ -85,8 +85,10 @@ def test_elastix_client_against_torch_servers(use_libuv):
     assert results[4:8] == [b"v1", b"v1", b"v2", b"x"]
     threading.Timer(0.1, lambda: server.set("late", "now")).start()
     assert client.get("late") == b"now"
-    with pytest.raises(elastix.StoreTimeoutError):
+    # with torch loaded, a timeout is torch's DistStoreError (and elastix's), as torch's store raises
+    with pytest.raises(torch_dist.DistStoreError) as timed_out:
         client.barrier("never", 2, timedelta(milliseconds=100))
+    assert isinstance(timed_out.value, elastix.DistStoreError) and not isinstance(timed_out.value, TimeoutError)
     assert client.get("key0") == b"value0"
 
 
@@ -149,3 +151,44 @@ def test_an_elastix_store_is_a_torch_store_once_torch_is_loaded():
     assert isinstance(copy, torch_dist.Store)
     torch_dist.PrefixStore("q", copy).set("x", "y")
     assert store.get("q/x") == b"y"
+
+
+CATCHERS = ("DistError", "DistStoreError", "DistNetworkError", "QueueEmptyError")
+BUILTINS = (RuntimeError, TimeoutError, ValueError, OSError, KeyError)
+
+
+def caught_by(call):
+    """Which torch and builtin classes the error `call` raises is an instance of."""
+    try:
+        call()
+    except Exception as err:
+        return {name for name in CATCHERS if isinstance(err, getattr(torch_dist, name))} | {
+            cls.__name__ for cls in BUILTINS if isinstance(err, cls)
+        }
+    raise AssertionError("no error")
+
+
+def test_store_errors_are_caught_exactly_as_torchs_stores_errors_are():
+    import socket
+
+    short = timedelta(seconds=1)
+    with reserved_port() as port:
+        torch_store = torch_dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=short)
+        ours = elastix.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=short)
+        for name, call in [
+            ("wait timeout", lambda s: s.get("missing")),
+            ("empty queue", lambda s: s.queue_pop("q", block=False)),
+        ]:
+            assert caught_by(lambda call=call: call(ours)) == caught_by(lambda call=call: call(torch_store)), name
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        mine = caught_by(lambda: elastix.TCPStore("127.0.0.1", port, timeout=short))
+        theirs = caught_by(lambda: torch_dist.TCPStore("127.0.0.1", port, timeout=short))
+        assert mine == theirs, "connect timeout"
+    err = None
+    try:
+        elastix.TCPStore("127.0.0.1", port, timeout=short)
+    except torch_dist.DistNetworkError as caught:
+        err = caught
+    assert err is not None and "The client socket has timed out after" in str(err), err

@@ -4,7 +4,15 @@ The hierarchy is torch.distributed's, so code written against torch catches elas
 unchanged: ``DistError`` < ``RuntimeError``; ``DistStoreError``, ``DistNetworkError`` and
 ``DistBackendError`` < ``DistError``; ``QueueEmptyError`` < ``DistStoreError``.
 elastix adds a ``TimeoutError`` subclass for every deadline, so ``except TimeoutError`` works.
+
+Once ``torch.distributed`` is loaded, a store error is raised as :func:`raised` makes it: an
+instance of torch's own class (``except torch.distributed.DistStoreError`` and friends catch
+it) that builtin ``except`` clauses catch exactly as they catch torch's (a timeout is then not
+a ``TimeoutError``, as torch's is not).
 """
+
+import sys
+from typing import Dict, Type
 
 
 class DistError(RuntimeError):
@@ -76,6 +84,38 @@ class SignalException(Exception):
             self.sigval = signal.Signals(sigval)
         except ValueError:
             self.sigval = sigval  # type: ignore[assignment]
+
+
+# The torch class each store error is, for code that catches torch's classes.
+_TORCH_CLASS = {
+    "DistStoreError": "DistStoreError",
+    "StoreTimeoutError": "DistStoreError",
+    "QueueEmptyError": "QueueEmptyError",
+    "DistNetworkError": "DistNetworkError",
+    "NetworkTimeoutError": "DistNetworkError",
+    "AuthenticationError": "DistNetworkError",
+}
+_TORCH_FLAVOURS: Dict[type, type] = {}
+
+
+def raised(cls: Type[DistError], message: str) -> DistError:
+    """The store error to raise: ``cls(message)``; or, once torch.distributed is loaded, an
+    error that every ``except`` clause catches exactly as it catches torch's own stores' error
+    for the same event (torch's class, and no builtin ``TimeoutError`` since torch's store
+    errors are not one), which is still an instance of the elastix class when that class adds
+    no builtin base to torch's."""
+    torch_distributed = sys.modules.get("torch.distributed")
+    torch_name = _TORCH_CLASS.get(cls.__name__)
+    torch_class = getattr(torch_distributed, torch_name, None) if torch_name else None
+    if torch_class is None:
+        return cls(message)
+    flavour = _TORCH_FLAVOURS.get(cls)
+    if flavour is None:
+        # the elastix class, less its TimeoutError: e.g. StoreTimeoutError -> DistStoreError
+        ours = next(base for base in cls.__mro__ if not issubclass(base, TimeoutError))
+        flavour = type(cls.__name__, (torch_class, ours), {"__module__": __name__, "__doc__": cls.__doc__})
+        _TORCH_FLAVOURS[cls] = flavour
+    return flavour(message)  # type: ignore[no-any-return]
 
 
 __all__ = [

@@ -4,32 +4,37 @@
 
 use elastix_core::store::StoreError;
 use pyo3::exceptions::PyKeyboardInterrupt;
-use pyo3::{import_exception, PyErr};
+use pyo3::prelude::*;
 
 use crate::interrupt::PendingSignal;
 
-import_exception!(elastix.errors, DistStoreError);
-import_exception!(elastix.errors, DistNetworkError);
-import_exception!(elastix.errors, QueueEmptyError);
-import_exception!(elastix.errors, StoreTimeoutError);
-import_exception!(elastix.errors, NetworkTimeoutError);
-import_exception!(elastix.errors, AuthenticationError);
-
 pub fn to_py(err: StoreError, pending: &PendingSignal) -> PyErr {
     let message = err.to_string();
-    match err {
+    let class = match err {
         StoreError::WaitTimeout { .. } | StoreError::BarrierTimeout { .. } | StoreError::WorkersTimeout { .. } => {
-            StoreTimeoutError::new_err(message)
+            "StoreTimeoutError"
         }
-        StoreError::ConnectTimeout { .. } | StoreError::ReplyTimeout { .. } => NetworkTimeoutError::new_err(message),
-        StoreError::ConnectionLost { .. } | StoreError::Listen(_) => DistNetworkError::new_err(message),
-        StoreError::Protocol { .. } | StoreError::InvalidArgument(_) | StoreError::File { .. } => {
-            DistStoreError::new_err(message)
-        }
-        StoreError::QueueEmpty => QueueEmptyError::new_err(message),
-        StoreError::Auth { .. } => AuthenticationError::new_err(message),
+        StoreError::ConnectTimeout { .. } | StoreError::ReplyTimeout { .. } => "NetworkTimeoutError",
+        StoreError::ConnectionLost { .. } | StoreError::Listen(_) => "DistNetworkError",
+        StoreError::Protocol { .. } | StoreError::InvalidArgument(_) | StoreError::File { .. } => "DistStoreError",
+        StoreError::QueueEmpty => "QueueEmptyError",
+        StoreError::Auth { .. } => "AuthenticationError",
         StoreError::Interrupted => {
-            pending.take().unwrap_or_else(|| PyKeyboardInterrupt::new_err("interrupted while waiting"))
+            return pending.take().unwrap_or_else(|| PyKeyboardInterrupt::new_err("interrupted while waiting"));
         }
+    };
+    Python::attach(|py| store_error(py, class, &message))
+}
+
+/// `elastix.errors.raised(<class>, message)`: the class itself, or, once torch.distributed is
+/// loaded, the one torch's `except` clauses catch as they catch torch's own stores' errors.
+fn store_error(py: Python<'_>, class: &str, message: &str) -> PyErr {
+    let made = (|| -> PyResult<Bound<'_, PyAny>> {
+        let errors = py.import("elastix.errors")?;
+        errors.getattr("raised")?.call1((errors.getattr(class)?, message))
+    })();
+    match made {
+        Ok(instance) => PyErr::from_value(instance),
+        Err(err) => err,
     }
 }

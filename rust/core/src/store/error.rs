@@ -9,8 +9,9 @@ use std::time::Duration;
 pub enum StoreError {
     /// No connection and handshake succeeded before the connect deadline.
     #[error(
-        "could not connect to the store at {host}:{port} within {:.1}s ({attempts} attempts; last error: {last_error}; addresses tried: {tried})",
-        elapsed.as_secs_f64()
+        // torch's sentence first: users match on it
+        "The client socket has timed out after {}ms while trying to connect to ({host}, {port}). ({attempts} attempts; last error: {last_error}; addresses tried: {tried})",
+        elapsed.as_millis()
     )]
     ConnectTimeout { host: String, port: u16, elapsed: Duration, attempts: u32, tried: String, last_error: String },
 
