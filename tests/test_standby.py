@@ -17,7 +17,10 @@ from elastix.launcher import LaunchConfig, agent_config
 PROBE = r"""
 import json, os, sys
 print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__, "file": __file__,
-                  "rank": os.environ.get("RANK"), "main_file": sys.modules["__main__"].__file__}))
+                  "rank": os.environ.get("RANK"), "main_file": sys.modules["__main__"].__file__,
+                  "orig_argv": sys.orig_argv, "spec": getattr(__spec__, "name", None),
+                  "code_file": sys._getframe().f_code.co_filename,
+                  "listing": sorted(os.listdir(os.path.dirname(__file__)))}))
 if os.environ.get("FAIL"):
     raise ValueError("bad input")
 """
@@ -65,6 +68,18 @@ def test_a_script_runs_as_a_cold_start_would_run_it(tmp_path):
     assert warm[0] == cold_start[0] == 0, warm[2]
     assert json.loads(warm[1]) == json.loads(cold_start[1])
     assert json.loads(warm[1])["path0"] == str(tmp_path / "sub")
+
+
+def test_a_script_named_relatively_runs_as_a_cold_start_would_run_it(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "probe.py").write_text(PROBE)
+    args = ["-u", os.path.join("sub", "probe.py"), "--epochs", "2"]
+    warm, cold_start = activate(tmp_path, args), cold(tmp_path, args)
+    assert warm[0] == cold_start[0] == 0, warm[2]
+    seen = json.loads(warm[1])
+    assert seen == json.loads(cold_start[1])
+    assert os.path.isabs(seen["file"]) and seen["argv"][0] == os.path.join("sub", "probe.py")
+    assert seen["orig_argv"][1:] == args
 
 
 def test_a_module_runs_as_python_m_would_run_it(tmp_path):

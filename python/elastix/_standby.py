@@ -39,18 +39,44 @@ def read_activation() -> "bytes":
 
 
 def run(args: "list[str]") -> None:
-    """Runs ``-u script args...`` or ``-u -m module args...`` as the interpreter would."""
+    """Runs ``-u script args...`` or ``-u -m module args...`` as the interpreter would, down to
+    what the program can see: ``sys.argv``, ``sys.orig_argv``, ``sys.path[0]``, ``__file__``."""
     import runpy
 
+    # what a cold start's interpreter would have been given
+    sys.orig_argv = [sys.orig_argv[0] if sys.orig_argv else sys.executable, *args]
     args = args[1:]  # -u: this interpreter is unbuffered already
     if args[0] == "-m":
         sys.argv = args[1:]  # runpy puts the module's path in argv[0]
         sys.path.insert(0, os.getcwd())
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(args)
-        sys.path.insert(0, os.path.dirname(os.path.realpath(args[0])))
+        return
+    sys.argv = list(args)  # argv[0] as typed
+    sys.path.insert(0, os.path.dirname(os.path.realpath(args[0])))
+    if os.path.isfile(args[0]):
+        run_script(os.path.abspath(args[0]))
+    else:  # a directory or zip file with a __main__.py
         runpy.run_path(args[0], run_name="__main__")
+
+
+def run_script(path: str) -> None:
+    """Runs the script at ``path`` as ``__main__``, as the interpreter runs one named on its
+    command line: ``__file__`` and the code's file name are absolute (Python 3.9+), while
+    ``sys.argv[0]`` stays as typed (``runpy.run_path`` would change it)."""
+    import builtins
+    import importlib.machinery
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__cached__ = None  # type: ignore[attr-defined]
+    main.__builtins__ = builtins  # type: ignore[attr-defined]
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    main.__spec__ = None
+    sys.modules["__main__"] = main
+    with open(path, "rb") as source:
+        code = compile(source.read(), path, "exec", dont_inherit=True)
+    exec(code, main.__dict__)
 
 
 def main() -> None:
