@@ -147,6 +147,24 @@ def test_the_console_event_log_handler_writes_torchelastic_events(tmp_path, mark
     assert_nothing_left(marker)
 
 
+def test_master_port_stays_the_same_across_restarts(tmp_path, marker):
+    script = tmp_path / "port.py"
+    script.write_text(
+        "import os\n"
+        "restart, rank = os.environ['TORCHELASTIC_RESTART_COUNT'], os.environ['RANK']\n"
+        "open(os.path.join(os.environ['OUT_DIR'], f'port_{restart}_{rank}'), 'w').write(os.environ['MASTER_PORT'])\n"
+        "raise SystemExit(1 if restart == '0' else 0)\n"
+    )
+    proc = elastix_run(
+        "--standalone", "--nproc-per-node", 2, "--max-restarts", 1, script, out_dir=tmp_path, marker=marker
+    )
+    code, _out, err = finish(proc)
+    assert code == 0, err
+    ports = {(tmp_path / f"port_{restart}_{rank}").read_text() for restart in (0, 1) for rank in (0, 1)}
+    assert len(ports) == 1, f"MASTER_PORT changed across the restart: {ports}"
+    assert_nothing_left(marker)
+
+
 def test_a_worker_killed_by_a_signal_is_named(tmp_path, marker):
     script = tmp_path / "killed.py"
     script.write_text(

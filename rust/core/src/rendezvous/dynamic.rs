@@ -73,6 +73,8 @@ pub struct DynamicRendezvous<S: RendezvousStore> {
     closed_reason: Arc<Mutex<Option<String>>>,
     /// The run's prefix in the store, for the [`RendezvousInfo`].
     store_prefix: String,
+    /// The port of the workers' store this node last served, tried first next time.
+    workers_store_port: Option<u16>,
 }
 
 impl<S: RendezvousStore> DynamicRendezvous<S> {
@@ -92,6 +94,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             restarts_seen: 0,
             closed_reason: Arc::default(),
             store_prefix,
+            workers_store_port: None,
         })
     }
 
@@ -426,12 +429,15 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         let member = Arrival { v: FORMAT_VERSION, node: Some(self.node.clone()) };
         let master_server = if rank == 0 {
             Some(
-                StoreServer::start(&ServerConfig::for_address(&self.node.addr))
+                StoreServer::start_preferring(&ServerConfig::for_address(&self.node.addr), self.workers_store_port)
                     .map_err(|err| RendezvousError::Config(format!("cannot start the workers' store: {err}")))?,
             )
         } else {
             None
         };
+        if let Some(server) = &master_server {
+            self.workers_store_port = Some(server.port()); // MASTER_PORT stays across restarts
+        }
         let published = master_server.as_ref().map(|server| Master {
             v: FORMAT_VERSION,
             addr: self.node.addr.clone(),

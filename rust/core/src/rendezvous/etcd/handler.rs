@@ -61,6 +61,9 @@ pub struct EtcdRendezvous {
     last_round: Option<u64>,
     /// How the job ended, as the close said.
     closed_reason: Arc<Mutex<Option<String>>>,
+    /// The port of the workers' store this node last served, tried first next time (a
+    /// restarted job keeps its MASTER_PORT). Behind a lock: set while `&self` is lent out.
+    workers_store_port: Mutex<Option<u16>>,
 }
 
 impl EtcdRendezvous {
@@ -80,6 +83,7 @@ impl EtcdRendezvous {
             current: None,
             last_round: None,
             closed_reason: Arc::default(),
+            workers_store_port: Mutex::default(),
         })
     }
 
@@ -256,8 +260,10 @@ impl EtcdRendezvous {
         if rank != 0 {
             return Ok(None);
         }
-        let server = StoreServer::start(&ServerConfig::for_address(&self.node.addr))
+        let preferred = *self.workers_store_port.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let server = StoreServer::start_preferring(&ServerConfig::for_address(&self.node.addr), preferred)
             .map_err(|err| RendezvousError::Config(format!("cannot start the workers' store: {err}")))?;
+        *self.workers_store_port.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(server.port());
         let master = Master { v: FORMAT_VERSION, addr: self.node.addr.clone(), port: server.port() };
         self.client.put(&self.keys.master(round), &encode(&master)).await.map_err(|err| self.error(err))?;
         Ok(Some((server, master)))

@@ -124,6 +124,18 @@ impl StoreServer {
         StoreServer::serve(StoreServer::listen(config)?, config)
     }
 
+    /// Starts on `port` if it can be bound (a restarted job keeps its address), else on the
+    /// port `config` asks for.
+    pub fn start_preferring(config: &ServerConfig, port: Option<u16>) -> io::Result<StoreServer> {
+        if let Some(port) = port.filter(|port| *port != 0 && config.listen_fd.is_none()) {
+            match StoreServer::start(&ServerConfig { port, ..config.clone() }) {
+                Ok(server) => return Ok(server),
+                Err(err) => tracing::debug!(port, "cannot serve on the previous port again ({err}); taking another"),
+            }
+        }
+        StoreServer::start(config)
+    }
+
     /// The listening socket `config` asks for.
     pub fn listen(config: &ServerConfig) -> io::Result<std::net::TcpListener> {
         match &config.listen_fd {
