@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -124,7 +125,7 @@ def test_defaults_make_a_standalone_one_node_config(script):
     _core.check_agent_config(json.dumps(config))  # the agent takes it as it is
     # a one-node static job with no master port or endpoint runs standalone (newer torchrun)
     assert config["rdzv_backend"] == "c10d" and config["rdzv_endpoint"] == "localhost:0"
-    assert len(config["run_id"]) == 32 and int(config["run_id"], 16) >= 0
+    assert str(uuid.UUID(config["run_id"])) == config["run_id"], "a UUID in torchrun's form"
     assert config["role"] == "default"
     assert config["local_world_size"] == 1
     assert config["entrypoint"] == sys.executable

@@ -109,7 +109,7 @@ STANDALONE_ENDPOINT = "localhost:0"
 def _standalone() -> "tuple[str, str, str]":
     import uuid
 
-    return "c10d", STANDALONE_ENDPOINT, uuid.uuid4().hex
+    return "c10d", STANDALONE_ENDPOINT, str(uuid.uuid4())  # torchrun's form
 
 
 def _command(args: argparse.Namespace, warn: Callable[[str], None]) -> "tuple[str, List[str]]":
