@@ -55,10 +55,6 @@ _REPR = (
     "torch's repr shows its C++ SocketImpl (fd, [host]:port); elastix's shows addr/remote only "
     "(torch fails this test too where localhost does not reverse-resolve: [::ffff:127.0.0.1])"
 )
-_NOT_IMPLEMENTED = (
-    'a Store subclass implementing nothing: torch raises RuntimeError "Not implemented.", '
-    'elastix NotImplementedError "<cls> does not implement Store.compare_set"'
-)
 KNOWN: Dict[str, Tuple[str, str]] = {
     "PythonStoreTest.test_set_get": (
         "internals",
@@ -78,16 +74,6 @@ KNOWN: Dict[str, Tuple[str, str]] = {
     "PrefixFileStoreTest.test_set_get_check": ("elastix", "as FileStoreTest.test_set_get_check"),
     "TCPStoreTest.test_repr": ("elastix", _REPR),
     "LibUvTCPStoreTest.test_repr": ("elastix", _REPR),
-    "TestPythonStore.test_append_roundtrip": (
-        "elastix",
-        "PrefixStore.append hands the underlying Python store the value as given ('bar'); torch hands bytes",
-    ),
-    "TestPythonStore.test_extended_methods_fallbacks": (
-        "elastix",
-        "Store's default multi_get/multi_set call a subclass's get/set with bytes keys; torch passes str",
-    ),
-    "TestPythonStore.test_optional_methods_fail": ("elastix", _NOT_IMPLEMENTED),
-    "TestPythonStore.test_has_extended_api_passthrough": ("elastix", _NOT_IMPLEMENTED),
 }
 
 

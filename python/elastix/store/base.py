@@ -114,7 +114,8 @@ class Store:
         return store
 
     def _missing(self, method: str) -> NotImplementedError:
-        return NotImplementedError(f"{type(self).__name__} does not implement Store.{method}")
+        # torch's words first ("Not implemented."): code matches on them
+        return NotImplementedError(f"Not implemented. ({type(self).__name__} does not implement Store.{method})")
 
     def set(self, key: Key, value: Value) -> None:
         raise self._missing("set")
@@ -154,13 +155,14 @@ class Store:
             current = self.compare_set(key, current, wanted)
 
     def multi_get(self, keys: Sequence[Key]) -> List[bytes]:
-        return [self.get(key) for key in encode_keys(keys)]
+        # a subclass's get and set see str keys, as torch's Store hands them on
+        return [self.get(decode_key(key)) for key in encode_keys(keys)]
 
     def multi_set(self, keys: Sequence[Key], values: Sequence[Value]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
         for key, value in zip(encode_keys(keys), values):
-            self.set(key, value)
+            self.set(decode_key(key), encode_value(value))
 
     def queue_push(self, key: Key, value: Value) -> None:
         raise NotImplementedError("queue support is not implemented.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import List, Optional, Sequence
 
-from .base import Key, Store, Value, decode_key, encode_key
+from .base import Key, Store, Value, decode_key, encode_key, encode_value
 
 
 class PrefixStore(Store):
@@ -53,7 +53,7 @@ class PrefixStore(Store):
         return PrefixStore(self._prefix, self._store.clone())
 
     def set(self, key: Key, value: Value) -> None:
-        self._store.set(self._key(key), value)
+        self._store.set(self._key(key), encode_value(value))
 
     def get(self, key: Key) -> bytes:
         return self._store.get(self._key(key))
@@ -62,7 +62,7 @@ class PrefixStore(Store):
         return self._store.add(self._key(key), amount)
 
     def compare_set(self, key: Key, expected_value: Value, desired_value: Value) -> bytes:
-        return self._store.compare_set(self._key(key), expected_value, desired_value)
+        return self._store.compare_set(self._key(key), encode_value(expected_value), encode_value(desired_value))
 
     def check(self, keys: Sequence[Key]) -> bool:
         return self._store.check(self._keys(keys))
@@ -77,16 +77,16 @@ class PrefixStore(Store):
         return self._store.num_keys()
 
     def append(self, key: Key, value: Value) -> None:
-        self._store.append(self._key(key), value)
+        self._store.append(self._key(key), encode_value(value))
 
     def multi_get(self, keys: Sequence[Key]) -> List[bytes]:
         return self._store.multi_get(self._keys(keys))
 
     def multi_set(self, keys: Sequence[Key], values: Sequence[Value]) -> None:
-        self._store.multi_set(self._keys(keys), values)
+        self._store.multi_set(self._keys(keys), [encode_value(value) for value in values])
 
     def queue_push(self, key: Key, value: Value) -> None:
-        self._store.queue_push(self._key(key), value)
+        self._store.queue_push(self._key(key), encode_value(value))
 
     def queue_pop(self, key: Key, block: bool = True) -> bytes:
         return self._store.queue_pop(self._key(key), block)

@@ -296,7 +296,7 @@ async fn c10d_params_host_the_store_when_the_endpoint_is_this_machine() {
     let port = host.hosted_port().expect("this agent hosts the store");
     let info = host.next_rendezvous().await.unwrap();
     assert_eq!((info.rank, info.world_size, info.store_port), (0, 1, port));
-    let err = Rendezvous::create(params("heartbeat=5")).await.err().unwrap();
+    let err = Rendezvous::create(params("heartbeat_timout=5")).await.err().unwrap();
     assert!(err.to_string().contains("unknown key"), "{err}");
     let err = Rendezvous::create(RendezvousParams { backend: "zookeeper".into(), ..params("") }).await.err().unwrap();
     assert!(err.to_string().contains("zookeeper"), "{err}");
