@@ -90,3 +90,17 @@ def marker():
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def store_deadline():
+    """The class a missed store deadline is raised as: elastix's StoreTimeoutError (also a
+    TimeoutError); once torch.distributed is loaded in this process (the torch interop tests
+    load it), torch's DistStoreError, exactly as torch's own stores raise (elastix.errors.raised)."""
+    torch_distributed = sys.modules.get("torch.distributed")
+    return torch_distributed.DistStoreError if torch_distributed else elastix.StoreTimeoutError
+
+
+def network_deadline():
+    """The same for a connection's deadline: NetworkTimeoutError, or torch's DistNetworkError."""
+    torch_distributed = sys.modules.get("torch.distributed")
+    return torch_distributed.DistNetworkError if torch_distributed else elastix.NetworkTimeoutError

@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 
 import elastix
-from conftest import closed_port, run_python
+from conftest import closed_port, network_deadline, run_python, store_deadline
 
 
 def test_set_get_check(master):
@@ -124,12 +124,12 @@ def test_num_keys_counts_init_and_list_keys_hides_it():
 
 def test_wait_and_get_timeouts_are_timeout_errors_and_keep_the_connection(master):
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"wait timeout after 250ms, keys: /bad_key"):
+    with pytest.raises(store_deadline(), match=r"wait timeout after 250ms, keys: /bad_key"):
         master.wait(["bad_key"], timedelta(milliseconds=250))
     assert time.monotonic() - start >= 0.25
     master.set_timeout(timedelta(milliseconds=100))
     assert master.timeout == timedelta(milliseconds=100)
-    with pytest.raises(elastix.StoreTimeoutError, match="wait timeout after 100ms, keys: /nonexistent key"):
+    with pytest.raises(store_deadline(), match="wait timeout after 100ms, keys: /nonexistent key"):
         master.get("nonexistent key")
     with pytest.raises(elastix.DistStoreError, match="timeout"):
         master.queue_pop("non_existent")
@@ -185,7 +185,7 @@ def test_blocking_calls_release_the_gil(master):
     thread = threading.Thread(target=spin)
     thread.start()
     try:
-        with pytest.raises(TimeoutError):
+        with pytest.raises(store_deadline()):
             master.wait(["never"], timedelta(milliseconds=300))
     finally:
         stop.set()
@@ -236,7 +236,7 @@ def test_master_waits_for_workers_and_times_out_with_a_count():
     results["master"].set("hello", "workers")
     assert [w.get("hello") for w in workers] == [b"workers", b"workers"]
 
-    with pytest.raises(elastix.StoreTimeoutError, match=r"waiting for clients. 1/2 clients joined"):
+    with pytest.raises(store_deadline(), match=r"waiting for clients. 1/2 clients joined"):
         elastix.TCPStore("127.0.0.1", 0, world_size=2, is_master=True, timeout=timedelta(milliseconds=300))
     elastix.TCPStore("127.0.0.1", 0, world_size=2, is_master=True, wait_for_workers=False)
 
@@ -273,9 +273,11 @@ def test_connection_failures_are_clear_and_bounded():
     with closed_port() as sock:
         port = sock.getsockname()[1]
         start = time.monotonic()
-        with pytest.raises(elastix.NetworkTimeoutError, match=rf"127.0.0.1:{port}.*refused") as info:
+        with pytest.raises(network_deadline(), match=rf"127.0.0.1:{port}.*refused") as info:
             elastix.TCPStore("127.0.0.1", port, timeout=timedelta(milliseconds=500))
-    assert isinstance(info.value, TimeoutError) and isinstance(info.value, elastix.DistNetworkError)
+    assert isinstance(info.value, elastix.DistNetworkError)
+    if "torch.distributed" not in sys.modules:  # elastix's own classes: every deadline is a TimeoutError
+        assert isinstance(info.value, TimeoutError)
     assert 0.5 <= time.monotonic() - start < 30  # retried until its timeout, and no hang
 
 
