@@ -248,10 +248,10 @@ impl Agent {
                 },
                 (signal, _) = self.signals.recv() => return Ok(End::Interrupted(signal)),
             };
-            report.failures.clear(); // the result describes the last attempt
             // each round has a store of its own, even where it reuses the last one's address
             // (a restarted job keeps its MASTER_PORT): a connection to the old one is stale
             self.store = None;
+            report.failures.clear(); // the result describes the last attempt
             report.group_rank = Some(info.rank);
             report.group_world_size = Some(info.world_size);
             report.restart_count = self.rdzv.restart_count().await?;
