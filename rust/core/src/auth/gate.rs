@@ -59,37 +59,40 @@ impl Gate {
     /// Whether to serve the client at `peer` (`false`: close the connection), deciding within
     /// [`HANDSHAKE_TIMEOUT`].
     pub async fn admit(&self, stream: &mut TcpStream, peer: SocketAddr) -> bool {
-        let verdict = match tokio::time::timeout(HANDSHAKE_TIMEOUT, self.screen(stream, peer)).await {
+        let until = Instant::now() + HANDSHAKE_TIMEOUT;
+        let verdict = match tokio::time::timeout_at(until, self.screen(stream, peer)).await {
             Ok(verdict) => verdict,
-            Err(_) => Err(format!("no authentication within {HANDSHAKE_TIMEOUT:?}")),
+            Err(_) => Err((format!("no authentication within {HANDSHAKE_TIMEOUT:?}"), false)),
         };
-        match verdict {
-            Ok(()) => true,
-            Err(reason) => {
-                if !reason.is_empty() {
-                    self.refuse(peer, &reason);
-                }
-                false
-            }
+        let Err((reason, plain)) = verdict else { return true };
+        // counted before the client hears of it
+        self.refuse(peer, &reason);
+        if plain {
+            // an elastix client without the secret learns why (a torch client sees a PING fail)
+            let _ = tokio::time::timeout_at(until, tell_secret_required(stream)).await;
         }
+        false
     }
 
-    /// `Ok`: serve the client; `Err`: why not (a plain client was told already).
-    async fn screen(&self, stream: &mut TcpStream, peer: SocketAddr) -> Result<(), String> {
+    /// `Ok`: serve the client; `Err`: why not, and whether it is a plain client.
+    async fn screen(&self, stream: &mut TcpStream, peer: SocketAddr) -> Result<(), (String, bool)> {
         let mut first = [0u8; 1];
         match stream.peek(&mut first).await {
-            Ok(0) => return Err("closed before saying anything".into()),
+            Ok(0) => return Err(("closed before saying anything".into(), false)),
             Ok(_) => {}
-            Err(err) => return Err(err.to_string()),
+            Err(err) => return Err((err.to_string(), false)),
         }
         if first[0] == MAGIC[0] {
-            handshake::server(stream, &self.secret).await.map_err(|err| match err {
-                // it saw this server's proof and left: it holds another secret
-                handshake::HandshakeError::Closed => {
-                    "it closed the connection during authentication (it holds another job secret?)".to_owned()
-                }
-                handshake::HandshakeError::WrongProof => "it does not hold this job's secret".to_owned(),
-                other => other.to_string(),
+            handshake::server(stream, &self.secret).await.map_err(|err| {
+                let reason = match err {
+                    // it saw this server's proof and left: it holds another secret
+                    handshake::HandshakeError::Closed => {
+                        "it closed the connection during authentication (it holds another job secret?)".to_owned()
+                    }
+                    handshake::HandshakeError::WrongProof => "it does not hold this job's secret".to_owned(),
+                    other => other.to_string(),
+                };
+                (reason, false)
             })?;
             self.trusted.lock().unwrap_or_else(PoisonError::into_inner).insert(peer.ip());
             return Ok(());
@@ -105,14 +108,7 @@ impl Gate {
                     .into()
             }
         };
-        // counted before the client hears of it; then an elastix client without the secret
-        // learns why (a torch client just sees a PING that fails)
-        self.refuse(peer, &reason);
-        let mut hello = [0u8; PLAIN_HELLO];
-        if stream.read_exact(&mut hello).await.is_ok() {
-            let _ = stream.write_all(&SECRET_REQUIRED.to_le_bytes()).await;
-        }
-        Err(String::new())
+        Err((reason, true))
     }
 
     fn admits_plain(&self, ip: IpAddr) -> bool {
@@ -145,5 +141,13 @@ impl Gate {
         } else {
             tracing::debug!("refused a connection from {peer}: {reason}");
         }
+    }
+}
+
+/// Answers a plain client's opening (VALIDATE, PING) with [`SECRET_REQUIRED`].
+async fn tell_secret_required(stream: &mut TcpStream) {
+    let mut hello = [0u8; PLAIN_HELLO];
+    if stream.read_exact(&mut hello).await.is_ok() {
+        let _ = stream.write_all(&SECRET_REQUIRED.to_le_bytes()).await;
     }
 }

@@ -62,8 +62,8 @@ pub struct EtcdRendezvous {
     /// How the job ended, as the close said.
     closed_reason: Arc<Mutex<Option<String>>>,
     /// The port of the workers' store this node last served, tried first next time (a
-    /// restarted job keeps its MASTER_PORT). Behind a lock: set while `&self` is lent out.
-    workers_store_port: Mutex<Option<u16>>,
+    /// restarted job keeps its MASTER_PORT).
+    workers_store_port: Option<u16>,
 }
 
 impl EtcdRendezvous {
@@ -83,7 +83,7 @@ impl EtcdRendezvous {
             current: None,
             last_round: None,
             closed_reason: Arc::default(),
-            workers_store_port: Mutex::default(),
+            workers_store_port: None,
         })
     }
 
@@ -260,10 +260,9 @@ impl EtcdRendezvous {
         if rank != 0 {
             return Ok(None);
         }
-        let preferred = *self.workers_store_port.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let server = StoreServer::start_preferring(&ServerConfig::for_address(&self.node.addr), preferred)
-            .map_err(|err| RendezvousError::Config(format!("cannot start the workers' store: {err}")))?;
-        *self.workers_store_port.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(server.port());
+        let server =
+            StoreServer::start_preferring(&ServerConfig::for_address(&self.node.addr), self.workers_store_port)
+                .map_err(|err| RendezvousError::Config(format!("cannot start the workers' store: {err}")))?;
         let master = Master { v: FORMAT_VERSION, addr: self.node.addr.clone(), port: server.port() };
         self.client.put(&self.keys.master(round), &encode(&master)).await.map_err(|err| self.error(err))?;
         Ok(Some((server, master)))
@@ -281,6 +280,9 @@ impl EtcdRendezvous {
         rank0: Option<(StoreServer, Master)>,
     ) -> RendezvousInfo {
         let round = joined.round;
+        if let Some((server, _)) = &rank0 {
+            self.workers_store_port = Some(server.port());
+        }
         let (lease, keep_alive) = self.lease.as_ref().expect("a member has a lease");
         let (sender, changes) = watch::channel(None);
         let task = member::spawn(RoundWatch {

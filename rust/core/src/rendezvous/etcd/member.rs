@@ -107,7 +107,8 @@ pub(super) fn spawn(round: RoundWatch) -> JoinHandle<()> {
         let r = round.round;
         let range = round.keys.round_watch(r);
         let mut watcher = round.client.watch(&range.key, &range.end, round.sealed_at + 1, true);
-        let mut lease_state = round.lease_state.clone();
+        // watched until it reports the end of the lease (once is enough)
+        let mut lease_state = Some(round.lease_state.clone());
         let mut ended = false;
         loop {
             tokio::select! {
@@ -128,7 +129,7 @@ pub(super) fn spawn(round: RoundWatch) -> JoinHandle<()> {
                             let from = last.map_or(round.sealed_at, |last| last) + 1;
                             watcher = round.client.watch(&outcome.key, &outcome.end, from, false);
                             ended = false;
-                            lease_state = watch::channel(LeaseState::Alive).1;
+                            lease_state = None;
                         }
                     }
                     Ok(WatchItem::Compacted { revision }) => match round.resync().await {
@@ -146,16 +147,29 @@ pub(super) fn spawn(round: RoundWatch) -> JoinHandle<()> {
                         return;
                     }
                 },
-                Ok(()) = lease_state.changed() => {
-                    let state = lease_state.borrow().clone();
+                state = lease_ended(&mut lease_state) => {
                     if let Some(change) = round.lease_change(&state) {
                         let _ = round.changes.send(Some(change));
-                        lease_state = watch::channel(LeaseState::Alive).1;
                     }
+                    lease_state = None;
                 },
             }
         }
     })
+}
+
+/// The lease's state once it is no longer alive; never, once it was reported (`None`) or when
+/// nobody renews it any more.
+async fn lease_ended(watched: &mut Option<watch::Receiver<LeaseState>>) -> LeaseState {
+    if let Some(receiver) = watched {
+        while receiver.changed().await.is_ok() {
+            let state = receiver.borrow_and_update().clone();
+            if state != LeaseState::Alive {
+                return state;
+            }
+        }
+    }
+    std::future::pending().await
 }
 
 impl RoundWatch {
