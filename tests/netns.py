@@ -11,6 +11,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+from typing import Iterator
 
 
 def _ip(*args: str) -> None:
@@ -72,3 +73,16 @@ class Hosts:
         for name in self.names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+def hosts_for_a_test(count: int) -> Iterator[Hosts]:
+    """`count` simulated hosts for one test (a fixture's body): the test is skipped, saying
+    why, where namespaces cannot be made, and the hosts are removed after it."""
+    import pytest
+
+    why = Hosts.available()
+    if why:
+        pytest.skip(why)
+    hosts = Hosts(count)
+    yield hosts
+    hosts.close()

@@ -18,7 +18,7 @@ import pytest
 
 from agents import WORKERS, agent, finish_all, node_args, rounds_of, starts, wait_round
 from conftest import reserved_port as reserve
-from netns import Hosts
+from netns import hosts_for_a_test
 
 WORKER = os.path.join(WORKERS, "store_member.py")
 FAST = "keep_alive_interval=250ms,keep_alive_max_attempt=8,last_call_timeout=500ms,join_timeout=30s"
@@ -187,12 +187,7 @@ def test_a_strangers_forged_write_to_the_rendezvous_store_is_refused(tmp_path, m
 
 @pytest.fixture
 def hosts():
-    why = Hosts.available()
-    if why:
-        pytest.skip(why)
-    hosts = Hosts(2)
-    yield hosts
-    hosts.close()
+    yield from hosts_for_a_test(2)
 
 
 def test_a_workers_store_serves_plain_clients_from_members_only(tmp_path, marker, monkeypatch, hosts):
@@ -231,15 +226,7 @@ def test_torch_workers_init_process_group_gloo_in_a_job_with_a_secret(tmp_path, 
     """torch's clients cannot prove the secret: on members' hosts the workers' store serves them."""
     pytest.importorskip("torch.distributed")
     path, _, port = secured
-    script = tmp_path / "gloo.py"
-    script.write_text(
-        "import os, torch, torch.distributed as dist\n"
-        "dist.init_process_group('gloo')\n"
-        "t = torch.tensor([float(dist.get_rank() + 1)])\n"
-        "dist.all_reduce(t)\n"
-        "open(os.path.join(os.environ['OUT_DIR'], f'sum_{dist.get_rank()}'), 'w').write(str(t.item()))\n"
-        "dist.destroy_process_group()\n"
-    )
+    script = os.path.join(WORKERS, "gloo_sum.py")
     monkeypatch.setenv("ELASTIX_AUTH_TOKEN_FILE", path)
     agents = [
         agent(

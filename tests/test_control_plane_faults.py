@@ -18,7 +18,7 @@ import pytest
 
 from agents import WORKERS, agent, assert_nothing_left, finish_all, node_args, rounds_of, starts, wait_for, wait_round
 from conftest import marked_processes
-from netns import Hosts
+from netns import hosts_for_a_test
 
 # A node is lost after 2 s without a heartbeat; one beat may take 1 s; short last calls.
 FAST = (
@@ -165,12 +165,7 @@ def test_when_the_failing_node_hosts_the_store_every_node_prints_the_root_cause(
 
 @pytest.fixture
 def hosts():
-    why = Hosts.available()
-    if why:
-        pytest.skip(why)
-    hosts = Hosts(3)
-    yield hosts
-    hosts.close()
+    yield from hosts_for_a_test(3)
 
 
 def test_a_node_cut_off_by_the_network_stops_its_workers_and_comes_back_when_healed(tmp_path, marker, hosts):

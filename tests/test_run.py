@@ -303,15 +303,7 @@ def test_a_third_node_joins_a_running_job(tmp_path, marker, rdzv_port):
 
 def test_torch_init_process_group_gloo_under_elastix_run(tmp_path, marker):
     pytest.importorskip("torch.distributed")
-    script = tmp_path / "gloo.py"
-    script.write_text(
-        "import os, torch, torch.distributed as dist\n"
-        "dist.init_process_group('gloo')\n"
-        "t = torch.tensor([float(dist.get_rank() + 1)])\n"
-        "dist.all_reduce(t)\n"
-        "open(os.path.join(os.environ['OUT_DIR'], f'sum_{dist.get_rank()}'), 'w').write(str(t.item()))\n"
-        "dist.destroy_process_group()\n"
-    )
+    script = os.path.join(WORKERS, "gloo_sum.py")
     proc = elastix_run("--standalone", "--nproc-per-node", 2, script, out_dir=tmp_path, marker=marker)
     code, _out, err = finish(proc, timeout=180)
     assert code == 0, err
