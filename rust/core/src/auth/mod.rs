@@ -14,5 +14,6 @@ pub mod secret;
 pub use gate::{Gate, PlainClients};
 pub use handshake::HandshakeError;
 pub use secret::{
-    children_file, process_secret, remove_children_file, use_secret, Secret, SecretError, TOKEN_FILE_VAR, TOKEN_VAR,
+    children_file, process_secret, process_secret_or_log, remove_children_file, use_secret, Secret, SecretError,
+    TOKEN_FILE_VAR, TOKEN_VAR,
 };

@@ -151,6 +151,15 @@ pub fn use_secret(secret: Secret) -> Result<(), SecretError> {
     }
 }
 
+/// [`process_secret`] for a server's or client's default: an unusable secret file is logged
+/// (the agent and the Python bindings check it first and fail with the error).
+pub fn process_secret_or_log() -> Option<Secret> {
+    process_secret().unwrap_or_else(|err| {
+        tracing::error!("{err}; connections made without the job secret will be refused by servers that hold it");
+        None
+    })
+}
+
 /// The file children that need the secret are pointed at (`ELASTIX_AUTH_TOKEN_FILE`): the
 /// secret's own file, or, for a secret from `ELASTIX_AUTH_TOKEN`, a file only this user can
 /// read, written once (and removed by [`remove_children_file`]). `None` without a secret.

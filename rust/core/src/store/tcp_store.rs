@@ -13,8 +13,8 @@ use bytes::Bytes;
 use super::client::{Client, ConnectOptions, InterruptCheck};
 use super::error::{Result, StoreError};
 use super::protocol::INIT_KEY;
-use super::server::{process_secret_or_log, BackgroundServer, ServerConfig};
-use crate::auth::{PlainClients, Secret};
+use super::server::{BackgroundServer, ServerConfig};
+use crate::auth::{process_secret_or_log, PlainClients, Secret};
 
 /// Threads of an in-process server: enough to serve a job's workers, few enough to stay out
 /// of the training process's way.

@@ -13,11 +13,10 @@ use tokio::time::Instant;
 
 use super::backoff::Backoff;
 use crate::auth::handshake::{self, HandshakeError, SECRET_REQUIRED};
-use crate::auth::{Secret, TOKEN_FILE_VAR};
+use crate::auth::{process_secret_or_log, Secret, TOKEN_FILE_VAR};
 use crate::store::error::{Result, StoreError};
 use crate::store::protocol::VALIDATION_MAGIC;
 use crate::store::request::Request;
-use crate::store::server::process_secret_or_log;
 
 /// Where and how long to try.
 #[derive(Clone, Debug)]

@@ -24,7 +24,7 @@ use self::shutdown::Shutdown;
 use super::counter::parse_counter;
 use super::db::Db;
 use super::limits::Limits;
-use crate::auth::{Gate, PlainClients, Secret};
+use crate::auth::{process_secret_or_log, Gate, PlainClients, Secret};
 
 /// How to run a server.
 #[derive(Clone, Debug)]
@@ -346,13 +346,4 @@ fn dispose(runtime: Runtime) {
     } else {
         runtime.shutdown_timeout(Duration::from_secs(2));
     }
-}
-
-/// This process's job secret for a server's or client's default; an unusable secret file is
-/// logged (the agent and the Python bindings check it first and fail with the error).
-pub(crate) fn process_secret_or_log() -> Option<Secret> {
-    crate::auth::process_secret().unwrap_or_else(|err| {
-        tracing::error!("{err}; connections made without the job secret will be refused by servers that hold it");
-        None
-    })
 }
