@@ -205,3 +205,30 @@ def test_run_results_carry_the_output_fields():
     result = RunResult.from_report(report)
     assert (result.exit_code, result.dropped_output_lines, result.output_errors) == (3, 7, ["a.log: full"])
     assert RunResult.from_report({"state": "SUCCEEDED"}).output_errors == []
+
+
+def test_duplicate_filters_copy_teed_lines_with_their_prefix(tmp_path, marker):
+    from test_run import elastix_run
+
+    script = tmp_path / "fruit.py"
+    script.write_text(
+        "import os, sys\n"
+        "rank = os.environ['LOCAL_RANK']\n"
+        "print(f'apple {rank}'); print('pear'); print(f'or,ange {rank}')\n"
+        "print(f'apple on stderr {rank}', file=sys.stderr)\n"
+    )
+    logs = tmp_path / "logs"
+    proc = elastix_run(
+        "--standalone", "--nproc-per-node", 2, "--tee", "1", "--log-dir", logs,
+        "--duplicate-stdout-filters", "apple,or,,ange", "--duplicate-stderr-filters", "apple",
+        script, out_dir=tmp_path, marker=marker,
+    )  # fmt: skip
+    code, out, err = finish(proc)
+    assert code == 0, err
+    (attempt,) = logs.glob("*/attempt_0")
+    copied = sorted((attempt / "filtered_stdout.log").read_text().splitlines())
+    assert copied == ["[default0]:apple 0", "[default0]:or,ange 0", "[default1]:apple 1", "[default1]:or,ange 1"]
+    # stderr is not tee'd: nothing to duplicate (torchrun's rule), and the agent said so
+    assert (attempt / "filtered_stderr.log").read_text() == ""
+    assert "no rank tees stderr" in err
+    assert "[default0]:pear" in out

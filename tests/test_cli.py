@@ -348,12 +348,33 @@ def test_bad_values_exit_2(script, capsys, argv, needle):
 @pytest.mark.parametrize("argv,needle", [
     (["--logs-specs", "mine"], "--logs-specs mine"),
     (["--numa-binding", "node"], "--numa-binding node"),
-    (["--duplicate-stdout-filters", "loss"], "--duplicate-stdout-filters"),
-    (["--duplicate-stderr-filters", "a,,b"], "--duplicate-stderr-filters"),
 ])  # fmt: skip
 def test_unimplemented_flags_are_refused_unless_default(script, capsys, argv, needle):
     code, out = exit_of([*argv, script], capsys)
     assert code == 2 and "elastix does not implement" in out.err and needle in out.err
+
+
+def test_duplicate_filters_reach_the_agent_with_torchs_comma_escape(script):
+    warnings = []
+    config = parse(["--tee", "1", "--duplicate-stdout-filters", "loss,a,,b,", "--duplicate-stderr-filters", "",
+                    script], warnings)  # fmt: skip
+    assert config["duplicate_stdout_filters"] == ["loss", "a,b"]  # an empty filter matches nothing
+    assert config["duplicate_stderr_filters"] == []
+    assert warnings == []
+
+
+def test_duplicate_filters_without_tee_say_they_do_nothing(script):
+    warnings = []
+    parse(["--duplicate-stderr-filters", "loss", script], warnings)
+    assert warnings == ["--duplicate-stderr-filters copies tee'd lines only, and no rank tees stderr (see --tee)"]
+
+
+def test_print_completion_writes_a_script_for_elastix_run(script, capsys):
+    pytest.importorskip("shtab")
+    code, out = exit_of(["--print-completion", "bash", script], capsys)
+    assert code == 0 and "_shtab_elastix" in out.out and "--nproc-per-node" in out.out
+    code, out = exit_of(["--print-completion", "fish", script], capsys)
+    assert code == 2 and "invalid choice: 'fish'" in out.err
 
 
 def test_an_unknown_event_log_handler_is_a_usage_error(script, capsys):

@@ -126,7 +126,6 @@ def test_launch_config_timeouts_from_env(monkeypatch):
 @pytest.mark.parametrize("kwargs,needle", [
     ({"event_log_handler": "console"}, "event_log_handler"),
     ({"numa_options": object()}, "numa_options"),
-    ({"duplicate_stdout_filters": ["loss"]}, "duplicate_stdout_filters"),
     ({"monitor_interval": 0}, "monitor_interval"),
     ({"start_method": "thread"}, "start_method"),
 ])  # fmt: skip

@@ -70,6 +70,8 @@ def build(
     local_ranks_filter: Optional[List[int]],
     line_prefix: Optional[str],
     virtual_local_rank: bool,
+    duplicate_stdout_filters: Optional[Sequence[str]] = None,
+    duplicate_stderr_filters: Optional[Sequence[str]] = None,
     name: Optional[str] = None,
     python_workers: bool = False,
     standby_workers: bool = True,
@@ -113,6 +115,8 @@ def build(
         "local_ranks_filter": local_ranks_filter,
         "line_prefix": line_prefix,
         "virtual_local_rank": bool(virtual_local_rank),
+        "duplicate_stdout_filters": _duplicate_filters(duplicate_stdout_filters, tee, 1, "stdout", warn),
+        "duplicate_stderr_filters": _duplicate_filters(duplicate_stderr_filters, tee, 2, "stderr", warn),
         # what the failure summary calls the job (the agent names the program otherwise)
         "name": name,
         "standby": _standby(
@@ -123,6 +127,17 @@ def build(
 
     _core.check_agent_config(json.dumps(config))
     return config
+
+
+def _duplicate_filters(
+    filters: Optional[Sequence[str]], tee: List[int], mask: int, stream: str, warn: Callable[[str], None]
+) -> List[str]:
+    """torchrun's duplicate filters: empty ones match nothing; they see tee'd lines only, so
+    filters without a tee'd stream would do nothing, which is said once."""
+    kept = [str(f) for f in filters or () if f]
+    if kept and not any(int(m) & mask for m in tee):
+        warn(f"--duplicate-{stream}-filters copies tee'd lines only, and no rank tees {stream} (see --tee)")
+    return kept
 
 
 def _standby(

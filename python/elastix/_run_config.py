@@ -96,6 +96,8 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = _ag
         local_ranks_filter=parse_ranks_filter(args.local_ranks_filter),
         line_prefix=_line_prefix(args),
         virtual_local_rank=args.virtual_local_rank,
+        duplicate_stdout_filters=args.duplicate_stdout_filters,
+        duplicate_stderr_filters=args.duplicate_stderr_filters,
         name=args.training_script if args.run_path else None,
         python_workers=not args.no_python or args.run_path,
         standby_workers=not args.no_standby_workers,
@@ -159,9 +161,6 @@ def _refuse_unimplemented(args: argparse.Namespace) -> None:
         refused.append(f"--logs-specs {args.logs_specs} (log layout plugins; 'default' is the layout elastix writes)")
     if args.numa_binding is not None:
         refused.append(f"--numa-binding {args.numa_binding}")
-    for name in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
-        if any(getattr(args, name)):
-            refused.append(f"--{name.replace('_', '-')}")
     if refused:
         raise ValueError("elastix does not implement " + "; ".join(refused))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+from typing import Any
 
 from ._envargs import EnvArgumentParser, EnvFlag, EnvOption
 from ._signals import DEFAULT_SIGNALS
@@ -51,6 +52,29 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
             return super()._format_action_invocation(action)
         metavar = self._format_args(action, self._get_default_metavar_for_optional(action))
         return f"{', '.join(action.option_strings)} {metavar}"
+
+
+class _PrintCompletion(argparse.Action):
+    """``--print-completion SHELL``: a completion script for ``elastix run`` on stdout, made by
+    the optional ``shtab`` package from this parser, so it never falls out of date."""
+
+    SHELLS = ("bash", "zsh", "tcsh")
+
+    def __init__(self, option_strings: "list[str]", dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=None, choices=self.SHELLS, default=None, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None) -> None:
+        try:
+            import shtab
+        except ImportError:
+            parser.exit(1, f"{option} requires the 'shtab' package: pip install shtab\n")
+        # completion binds to the command users type: `elastix`, whose `run` is this parser
+        command = argparse.ArgumentParser(prog="elastix")
+        # (shtab lists a subcommand's options only when it has a help text)
+        commands = command.add_subparsers(dest="command")
+        commands.add_parser("run", parents=[parser], add_help=False, help="launch workers on this node")
+        print(shtab.complete(command, shell=values))
+        parser.exit()
 
 
 def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
@@ -366,7 +390,14 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         type=_comma_list,
         default=[],
         metavar="S,...",
-        help="not implemented: refused (torch copies tee'd lines containing these to filtered_stdout.log)",
+        help="copy tee'd stdout lines containing any of these to attempt_N/filtered_stdout.log (',,' is a comma)",
+    )
+    g.add_argument(
+        "--print-completion",
+        "--print_completion",
+        action=_PrintCompletion,
+        metavar="{bash,zsh,tcsh}",
+        help="print a shell completion script for elastix (needs the shtab package) and exit",
     )
     g.add_argument(
         "--duplicate-stderr-filters",
@@ -375,7 +406,7 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         type=_comma_list,
         default=[],
         metavar="S,...",
-        help="not implemented: refused (the same for stderr)",
+        help="the same for stderr (filtered_stderr.log)",
     )
 
     parser.add_argument(

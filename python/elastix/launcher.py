@@ -82,10 +82,6 @@ class LaunchConfig:
             refused.append(f"event_log_handler={self.event_log_handler!r}")
         if self.numa_options is not None:
             refused.append("numa_options")
-        if self.duplicate_stdout_filters and any(self.duplicate_stdout_filters):
-            refused.append("duplicate_stdout_filters")
-        if self.duplicate_stderr_filters and any(self.duplicate_stderr_filters):
-            refused.append("duplicate_stderr_filters")
         if refused:
             raise ValueError("elastix does not implement " + ", ".join(refused))
 
@@ -212,6 +208,8 @@ def agent_config(config: LaunchConfig, program: str, program_args: Sequence[str]
         local_ranks_filter=parse_ranks_filter(_spec_attr(specs, "local_ranks_filter")),
         line_prefix=translate_torch_prefix(prefix) if prefix else None,
         virtual_local_rank=config.virtual_local_rank,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
         python_workers=program == _python(),
         standby_workers=config.standby_workers,
     )

@@ -63,6 +63,12 @@ pub struct AgentConfig {
     pub local_ranks_filter: Option<Vec<u32>>,
     /// Template for console line prefixes: `{role}`, `{rank}`, `{local_rank}`, `{host}`.
     pub line_prefix: Option<String>,
+    /// Lines of tee'd stdout (stderr) containing any of these are also written, prefixed, to
+    /// `attempt_<n>/filtered_stdout.log` (`filtered_stderr.log`), as torchrun does.
+    #[serde(default)]
+    pub duplicate_stdout_filters: Vec<String>,
+    #[serde(default)]
+    pub duplicate_stderr_filters: Vec<String>,
     pub virtual_local_rank: bool,
     /// What the failure summary calls the job (default: the script or program).
     #[serde(default)]
@@ -237,6 +243,8 @@ fn flag(field: &str) -> Option<&'static str> {
         "tee" => "--tee",
         "local_ranks_filter" => "--local-ranks-filter",
         "line_prefix" => "--log-line-prefix-template",
+        "duplicate_stdout_filters" => "--duplicate-stdout-filters",
+        "duplicate_stderr_filters" => "--duplicate-stderr-filters",
         "role" => "--role",
         "run_id" => "--rdzv-id",
         _ => return None,

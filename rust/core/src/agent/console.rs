@@ -17,7 +17,7 @@
 //! subscriber's writer) that never blocks either.
 
 use std::io::{self, Write};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -42,10 +42,41 @@ pub struct Capacity {
 const CONSOLE_CAPACITY: Capacity = Capacity { bytes: CONSOLE_QUEUE_BYTES, stall_wait: STALL_WAIT };
 
 enum Message {
-    /// A complete line and what it cost of the budget.
-    Line(Vec<u8>, u32),
+    /// A piece (usually a complete line) and what it cost of the budget.
+    Line(Piece, u32),
     /// Answered once every line sent before it was written (or discarded after an error).
     Flush(oneshot::Sender<()>),
+}
+
+/// Bytes for the console: a line, or a piece of one writer's output (see [`super::pump`])
+/// that ends in `\r` or is unfinished, prefix included.
+struct Piece {
+    writer: u32,
+    bytes: Vec<u8>,
+}
+
+/// Who writes agent messages (always whole lines).
+const AGENT: u32 = 0;
+
+/// A new writer id for [`ConsoleStream::send_piece`] (one per worker stream).
+pub fn writer_id() -> u32 {
+    static NEXT: AtomicU32 = AtomicU32::new(AGENT + 1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Appends `piece` to `out`. A line left open (a piece without a newline) by another writer
+/// is ended first, so different writers never share a line; the writer of the line left open
+/// is returned.
+fn place(open: Option<u32>, piece: &Piece, out: &mut Vec<u8>) -> Option<u32> {
+    if open.is_some_and(|writer| writer != piece.writer) {
+        out.push(b'\n');
+    }
+    out.extend_from_slice(&piece.bytes);
+    match piece.bytes.last() {
+        Some(b'\n') => None,
+        Some(_) => Some(piece.writer),
+        None => open,
+    }
 }
 
 /// One console stream (stdout or stderr) and the thread that writes it.
@@ -106,16 +137,23 @@ impl ConsoleStream {
         match self.room.try_acquire_many(cost) {
             Ok(permit) => {
                 permit.forget();
-                self.queue(line, cost)
+                self.queue(Piece { writer: AGENT, bytes: line }, cost)
             }
             Err(_) => self.drop_line(),
         }
     }
 
-    /// Queues one complete line from a worker's pump: waits (without blocking the runtime) up
-    /// to the stall wait for room, unless the stream already counts as stalled; then drops it.
+    /// Queues one complete line from a worker's pump (see [`Self::send_piece`]).
     pub async fn send(&self, line: Vec<u8>) -> bool {
-        let cost = self.cost(&line);
+        self.send_piece(AGENT, line).await
+    }
+
+    /// Queues a piece of one writer's output (prefix included): waits (without blocking the
+    /// runtime) up to the stall wait for room, unless the stream already counts as stalled;
+    /// then drops it.
+    pub async fn send_piece(&self, writer: u32, piece: Vec<u8>) -> bool {
+        let cost = self.cost(&piece);
+        let line = Piece { writer, bytes: piece };
         let permit = match self.room.try_acquire_many(cost) {
             Ok(permit) => Some(permit),
             Err(_) if self.stalled.load(Ordering::Relaxed) => None,
@@ -141,7 +179,7 @@ impl ConsoleStream {
         (line.len() + LINE_OVERHEAD).min(budget) as u32
     }
 
-    fn queue(&self, line: Vec<u8>, cost: u32) -> bool {
+    fn queue(&self, line: Piece, cost: u32) -> bool {
         if self.sender.send(Message::Line(line, cost)).is_err() {
             return self.drop_line(); // no writer thread
         }
@@ -205,13 +243,14 @@ impl Writer {
     fn run<W: Write>(self, mut receiver: mpsc::UnboundedReceiver<Message>, mut out: W) {
         let mut batch = Vec::with_capacity(WRITE_BATCH);
         let mut flushes = Vec::new();
+        let mut open = None;
         while let Some(first) = receiver.blocking_recv() {
             let mut cost = 0usize;
             let mut next = Some(first);
             while let Some(message) = next.take() {
                 match message {
-                    Message::Line(line, line_cost) => {
-                        batch.extend_from_slice(&line);
+                    Message::Line(piece, line_cost) => {
+                        open = place(open, &piece, &mut batch);
                         cost += line_cost as usize;
                     }
                     Message::Flush(done) => flushes.push(done),
@@ -263,6 +302,12 @@ fn to_stderr(text: &str) {
 }
 
 fn ignore(_: &str) {}
+
+/// Whether the agent runs on a terminal someone can type into: stdin and stdout are one.
+pub fn on_terminal() -> bool {
+    use std::io::IsTerminal;
+    io::stdin().is_terminal() && io::stdout().is_terminal()
+}
 
 /// The process's stdout stream.
 pub fn stdout() -> &'static ConsoleStream {
@@ -485,5 +530,27 @@ mod tests {
         assert_eq!(writer.pending, b"part");
         writer.write_all(b"ial\nnext").unwrap();
         assert_eq!(writer.pending, b"next");
+    }
+
+    #[test]
+    fn writers_never_share_a_line() {
+        let mut out = Vec::new();
+        let mut open = None;
+        for (writer, text) in [
+            (1, "[0]:name: "),    // a prompt, relayed after a pause
+            (1, "[0]:ok\n"),      // its rest, prefixed again as torchrun's tail does
+            (1, "[0]:10%\r"),     // a progress bar...
+            (1, "[0]:20%\r"),     // ...starts over on its line
+            (2, "[1]:hello\n"),   // another worker: below the bar
+            (1, "[0]:wait"),      // unfinished...
+            (AGENT, "message\n"), // ...and ended by an agent message
+        ] {
+            open = place(open, &Piece { writer, bytes: text.as_bytes().to_vec() }, &mut out);
+        }
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "[0]:name: [0]:ok\n[0]:10%\r[0]:20%\r\n[1]:hello\n[0]:wait\nmessage\n"
+        );
+        assert!(open.is_none());
     }
 }

@@ -1,5 +1,5 @@
-//! The local worker processes of one attempt: started together, each in its own process
-//! group with a parent-death signal, all in one cgroup where the job has one; their exits
+//! The local worker processes of one attempt: started together, each in its own session and
+//! process group with a parent-death signal, all in one cgroup where the job has one; their exits
 //! arrive as events (no polling); stopped together (signal, grace period, SIGKILL to each
 //! whole group and to the cgroup, every child reaped).
 
@@ -15,13 +15,14 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use super::config::{AgentConfig, STD_ERR, STD_OUT};
-use super::console::{self, ConsoleStream};
+use super::console;
 use super::env::{worker_args, worker_env, WorkerPlace};
 use super::error::{AgentError, Result};
 use super::failure::Failure;
-use super::logfiles::LogWriter;
-use super::logs::{expand_prefix, pump, Sink, DEFAULT_TEE_PREFIX};
-use super::process::{Supervised, SupervisedCommand};
+use super::logfiles::{LogFile, LogWriter};
+use super::logs::{expand_prefix, DEFAULT_TEE_PREFIX};
+use super::process::{Output, Supervised, SupervisedCommand};
+use super::pump::{pump, Duplicate, Sink};
 use super::ranks::Assignment;
 use super::reaper::{self, Cgroup, GroupCgroup, Watch};
 use super::standby::{Standby, StandbyPool};
@@ -77,6 +78,27 @@ pub struct Launch<'a> {
     /// Writes the log files under `attempt_dir`.
     pub log_writer: &'a LogWriter,
     pub host: &'a str,
+    /// Where each local rank's workers write.
+    pub outputs: &'a [Output],
+}
+
+/// The attempt's duplicate-filter files, shared by its workers: stdout's and stderr's.
+type DuplicateFiles = [Option<(Arc<[String]>, LogFile)>; 2];
+
+fn duplicate_files(launch: &Launch<'_>) -> Result<DuplicateFiles> {
+    let config = launch.config;
+    let open = |filters: &[String], name: &str| -> Result<Option<(Arc<[String]>, LogFile)>> {
+        match launch.attempt_dir {
+            Some(dir) if filters.iter().any(|filter| !filter.is_empty()) => {
+                Ok(Some((filters.into(), launch.log_writer.create(&dir.join(name))?)))
+            }
+            _ => Ok(None),
+        }
+    };
+    Ok([
+        open(&config.duplicate_stdout_filters, "filtered_stdout.log")?,
+        open(&config.duplicate_stderr_filters, "filtered_stderr.log")?,
+    ])
 }
 
 impl WorkerGroup {
@@ -85,9 +107,10 @@ impl WorkerGroup {
         let (sender, exits) = mpsc::unbounded_channel();
         let cgroup = reaper::group_cgroup();
         let mut group = WorkerGroup { workers: Vec::new(), exits, host: launch.host.to_owned(), cgroup };
+        let duplicates = duplicate_files(launch)?;
         for local_rank in 0..launch.config.local_world_size {
             let cgroup = group.cgroup.as_ref().and_then(GroupCgroup::cgroup);
-            match spawn(launch, local_rank, standbys.take(local_rank), cgroup, sender.clone()) {
+            match spawn(launch, &duplicates, local_rank, standbys.take(local_rank), cgroup, sender.clone()) {
                 Ok(worker) => group.workers.push(worker),
                 Err(err) => {
                     // leave nothing half-started behind
@@ -237,6 +260,7 @@ impl Drop for WorkerGroup {
 
 fn spawn(
     launch: &Launch<'_>,
+    duplicates: &DuplicateFiles,
     local_rank: u32,
     standby: Option<Standby>,
     cgroup: Option<&Cgroup>,
@@ -249,6 +273,7 @@ fn spawn(
     let place = WorkerPlace::new(local_rank, launch.assignment, launch.restart_count, error_file);
     let args = worker_args(&config.args, local_rank);
     let env = worker_env(config, launch.info, launch.assignment, &place);
+    let output = launch.outputs[local_rank as usize];
     let activated = standby.and_then(|standby| {
         let pid = standby.pid();
         // before it runs the worker's program, so that all it starts is in the cgroup too
@@ -262,39 +287,41 @@ fn spawn(
     });
     let Supervised { mut child, pid, watch } = match activated {
         Some(process) => process,
-        None => SupervisedCommand::new(&config.entrypoint, &args, &env, cgroup.cloned()).spawn().map_err(|err| {
-            AgentError::Spawn(format!(
-                "cannot start worker {local_rank} ({} {:?}): {err}",
-                config.entrypoint, config.args
-            ))
-        })?,
+        None => {
+            SupervisedCommand::new(&config.entrypoint, &args, &env, output, cgroup.cloned()).spawn().map_err(|err| {
+                AgentError::Spawn(format!(
+                    "cannot start worker {local_rank} ({} {:?}): {err}",
+                    config.entrypoint, config.args
+                ))
+            })?
+        }
     };
     let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
-    let sink = |mask: u8,
-                console: &'static ConsoleStream,
-                name: &str,
-                tail: Option<Arc<Mutex<VecDeque<String>>>>|
-     -> Result<Sink> {
+    let sink = |mask: u8, name: &str, tail: Option<Arc<Mutex<VecDeque<String>>>>| -> Result<Sink> {
         let local = local_rank as usize;
         let file = match &rank_dir {
             Some(dir) if config.file_mask(local) & mask != 0 => Some(launch.log_writer.create(&dir.join(name))?),
             _ => None,
         };
+        let console = if mask == STD_OUT { console::stdout() } else { console::stderr() };
         let shown = config.console_mask(local) & mask != 0;
         let tee = config.tee[local] & mask != 0;
         let template = config.line_prefix.as_deref().or(tee.then_some(DEFAULT_TEE_PREFIX));
         let prefix = template
             .map(|t| expand_prefix(t, &config.role, place.global_rank, local_rank, launch.host))
             .unwrap_or_default();
-        Ok(Sink { file, console: shown.then_some(console), prefix, tail })
+        // torchrun duplicates tee'd lines only
+        let duplicate = duplicates[usize::from(mask == STD_ERR)]
+            .as_ref()
+            .filter(|_| tee)
+            .map(|(filters, file)| Duplicate { filters: filters.clone(), file: file.clone() });
+        Ok(Sink { file, console: shown.then_some(console), prefix, tail, duplicate })
     };
-    let pumps = vec![
-        pump(child.stdout.take().expect("piped"), sink(STD_OUT, console::stdout(), "stdout.log", None)?),
-        pump(
-            child.stderr.take().expect("piped"),
-            sink(STD_ERR, console::stderr(), "stderr.log", Some(stderr_tail.clone()))?,
-        ),
-    ];
+    let mut pumps = Vec::new();
+    if let (Some(stdout), Some(stderr)) = (child.stdout.take(), child.stderr.take()) {
+        pumps.push(pump(stdout, sink(STD_OUT, "stdout.log", None)?));
+        pumps.push(pump(stderr, sink(STD_ERR, "stderr.log", Some(stderr_tail.clone()))?));
+    }
     let index = local_rank as usize;
     let reaped = watch.clone();
     tokio::spawn(async move {

@@ -109,8 +109,13 @@ impl LogFile {
         if !line.ends_with(b"\n") {
             owned.push(b'\n');
         }
+        self.write(owned).await;
+    }
+
+    /// Queues bytes as they are (a piece of a worker's output), waiting for room in the queue.
+    pub async fn write(&self, bytes: Vec<u8>) {
         // the thread outlives every sender, so this only fails if it panicked
-        let _ = self.sender.send(Message::Line(self.target.clone(), owned)).await;
+        let _ = self.sender.send(Message::Line(self.target.clone(), bytes)).await;
     }
 }
 

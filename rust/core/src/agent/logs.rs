@@ -1,22 +1,16 @@
-//! Worker output: every line of every worker's stdout and stderr goes to its file (if
-//! redirected or tee'd), to the agent's console (unless redirected or filtered), with an
-//! optional prefix, and the last stderr lines are kept for the failure summary. Files and
-//! console are written by threads of their own ([`super::logfiles`], [`super::console`]).
+//! Worker output: where it goes ([`worker_outputs`]), the log directories, line prefixes.
+//! Piped output reaches its file (if redirected or tee'd) and the agent's console (unless
+//! redirected or filtered) through [`super::pump`]; files and console are written by threads
+//! of their own ([`super::logfiles`], [`super::console`]).
 //!
 //! Log directories are never deleted or reused: each start of the workers gets a fresh
 //! `attempt_<n>` directory under the run's directory.
 
-use std::collections::VecDeque;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
 
-use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
-use tokio::task::JoinHandle;
-
-use super::console::ConsoleStream;
-use super::failure::STDERR_TAIL_LINES;
-use super::logfiles::LogFile;
+use super::config::AgentConfig;
+use super::process::Output;
 
 /// The run's log directory and its attempt directories.
 pub struct LogDirs {
@@ -83,57 +77,21 @@ impl LogDirs {
     }
 }
 
-/// Where one worker stream's lines go.
-pub struct Sink {
-    pub file: Option<LogFile>,
-    /// The console stream lines are echoed to ([`super::console::stdout`] or [`super::console::stderr`]).
-    pub console: Option<&'static ConsoleStream>,
-    pub prefix: Vec<u8>,
-    /// Last lines kept (stderr only).
-    pub tail: Option<Arc<Mutex<VecDeque<String>>>>,
-}
-
-impl Sink {
-    /// Never blocks a runtime thread: the tail is kept here (it is never dropped), the console
-    /// waits briefly for a slow reader and drops lines a stalled one does not take, and the
-    /// file waits (asynchronously) for its writer.
-    async fn line(&mut self, line: &[u8]) {
-        if let Some(tail) = &self.tail {
-            let text = String::from_utf8_lossy(line).trim_end_matches(['\n', '\r']).to_owned();
-            let mut tail = tail.lock().unwrap_or_else(PoisonError::into_inner);
-            if tail.len() == STDERR_TAIL_LINES {
-                tail.pop_front();
+/// Where each local rank's workers write: to the agent's own stdout and stderr when the agent
+/// runs on a terminal (stdin and stdout are one) and the rank's output is neither redirected,
+/// tee'd nor prefixed, as under torchrun, so that `breakpoint()`, `input()`, `isatty()` and
+/// progress bars work; through pipes otherwise ([`super::pump`]).
+pub fn worker_outputs(config: &AgentConfig, on_terminal: bool) -> Vec<Output> {
+    (0..config.local_world_size as usize)
+        .map(|local_rank| {
+            let plain = config.file_mask(local_rank) == 0 && config.line_prefix.is_none();
+            if on_terminal && plain {
+                Output::Shared
+            } else {
+                Output::Piped
             }
-            tail.push_back(text);
-        }
-        if let Some(console) = self.console {
-            let mut out = Vec::with_capacity(self.prefix.len() + line.len() + 1);
-            out.extend_from_slice(&self.prefix);
-            out.extend_from_slice(line);
-            if !line.ends_with(b"\n") {
-                out.push(b'\n');
-            }
-            console.send(out).await;
-        }
-        if let Some(file) = &self.file {
-            file.line(line).await;
-        }
-    }
-}
-
-/// Copies `stream` line by line into `sink` until EOF.
-pub fn pump(stream: impl AsyncRead + Unpin + Send + 'static, mut sink: Sink) -> JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut reader = BufReader::with_capacity(64 * 1024, stream);
-        let mut line = Vec::with_capacity(256);
-        loop {
-            line.clear();
-            match reader.read_until(b'\n', &mut line).await {
-                Ok(0) | Err(_) => break,
-                Ok(_) => sink.line(&line).await,
-            }
-        }
-    })
+        })
+        .collect()
 }
 
 /// Expands a prefix template: `{role}`, `{rank}`, `{local_rank}`, `{host}`.
@@ -151,7 +109,6 @@ pub const DEFAULT_TEE_PREFIX: &str = "[{role}{local_rank}]:";
 
 #[cfg(test)]
 mod tests {
-    use super::super::logfiles::LogWriter;
     use super::*;
 
     #[test]
@@ -176,25 +133,5 @@ mod tests {
     fn prefixes_expand() {
         assert_eq!(expand_prefix(DEFAULT_TEE_PREFIX, "default", 5, 1, "h"), b"[default1]:");
         assert_eq!(expand_prefix("{host}:{rank} ", "r", 5, 1, "node3"), b"node3:5 ");
-    }
-
-    #[tokio::test]
-    async fn lines_reach_file_and_tail() {
-        let path = std::env::temp_dir().join(format!("elastix-pump-{}", std::process::id()));
-        let tail = Arc::new(Mutex::new(VecDeque::new()));
-        let writer = LogWriter::start().unwrap();
-        let sink =
-            Sink { file: Some(writer.create(&path).unwrap()), console: None, prefix: vec![], tail: Some(tail.clone()) };
-        let lines: Vec<u8> = (0..30).map(|i| format!("line {i}\n")).collect::<String>().into_bytes();
-        let mut input = lines.clone();
-        input.extend_from_slice(b"no newline at the end");
-        pump(std::io::Cursor::new(input), sink).await.unwrap();
-        assert!(writer.finish(std::time::Duration::from_secs(30)).await.is_empty());
-        let written = std::fs::read_to_string(&path).unwrap();
-        assert!(written.starts_with("line 0\n") && written.ends_with("no newline at the end\n"));
-        let tail = tail.lock().unwrap();
-        assert_eq!(tail.len(), STDERR_TAIL_LINES);
-        assert_eq!(tail.back().unwrap(), "no newline at the end");
-        std::fs::remove_file(&path).unwrap();
     }
 }

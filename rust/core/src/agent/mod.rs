@@ -1,9 +1,9 @@
 //! The per-node agent: rendezvous, rank assignment, worker processes, their output, failure
 //! detection and restarts, signals, the exit barrier and the root-cause summary.
 //!
-//! * [`run`]: the agent's loop; [`group`]: one attempt's worker processes; [`logs`]: their
-//!   output; [`console`] and [`logfiles`]: the threads that write it, so the agent never
-//!   blocks on a stalled reader or a full disk; [`failure`]: what a failure left behind and
+//! * [`run`]: the agent's loop; [`group`]: one attempt's worker processes; [`logs`]: where
+//!   their output goes; [`pump`]: relaying it; [`console`] and [`logfiles`]: the threads that
+//!   write it, so the agent never blocks on a stalled reader or a full disk; [`failure`]: what a failure left behind and
 //!   the summary.
 //! * [`config`], [`env`], [`ranks`]: what workers are started with; [`process`]: how a child
 //!   is started; [`standby`]: warm interpreters that make restarts fast; [`signals`], [`result`].
@@ -17,6 +17,7 @@ pub mod group;
 pub mod logfiles;
 pub mod logs;
 pub mod process;
+pub mod pump;
 pub mod ranks;
 pub mod reaper;
 pub mod result;

@@ -1,8 +1,14 @@
-//! How the agent starts a child (a worker or a standby): in its own process group, so one
-//! signal reaches everything it starts; with a parent-death signal, so it dies with the agent;
-//! in the job's cgroup where there is one, and watched by the cleanup watchdog, so that what
-//! it starts does not outlive the agent either ([`super::reaper`]); stdout and stderr piped to
-//! the agent, stdin shared.
+//! How the agent starts a child (a worker or a standby): as the leader of a session of its
+//! own (so of its own process group, and one signal reaches everything it starts), as
+//! torchrun starts workers; with a parent-death signal, so it dies with the agent; in the
+//! job's cgroup where there is one, and watched by the cleanup watchdog, so that what it
+//! starts does not outlive the agent either ([`super::reaper`]). stdin is shared; stdout and
+//! stderr are piped to the agent, or shared too ([`Output`]).
+//!
+//! A session of its own matters on a terminal: the terminal is not the child's controlling
+//! terminal, so reading it (`breakpoint()`, `input()`) is never stopped by SIGTTIN as a
+//! background process group's read would be, while Ctrl-C reaches only the agent's foreground
+//! group, and the agent forwards it.
 
 use std::collections::BTreeMap;
 use std::process::Stdio;
@@ -21,6 +27,15 @@ pub struct Supervised {
     pub watch: Watch,
 }
 
+/// Where a child's stdout and stderr go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// To the agent, through pipes (see [`super::logs`]).
+    Piped,
+    /// Straight to the agent's own stdout and stderr (a terminal, see [`super::logs::output_of`]).
+    Shared,
+}
+
 pub struct SupervisedCommand {
     command: Command,
     cgroup: Option<Cgroup>,
@@ -32,6 +47,7 @@ impl SupervisedCommand {
         program: &str,
         args: &[String],
         env: &BTreeMap<String, String>,
+        output: Output,
         cgroup: Option<Cgroup>,
     ) -> SupervisedCommand {
         // the watchdog exists before the first child does
@@ -42,18 +58,20 @@ impl SupervisedCommand {
             .envs(env)
             // the secret itself never reaches a child: it gets the file (ELASTIX_AUTH_TOKEN_FILE)
             .env_remove(crate::auth::TOKEN_VAR)
-            .stdin(Stdio::inherit())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
+            .stdin(Stdio::inherit());
+        if output == Output::Piped {
+            command.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
         let agent_pid = nix::unistd::getpid();
         let join = cgroup.clone();
         // SAFETY: the closure runs in the child between fork and exec, where only async-signal-safe
-        // work is allowed: open(2), write(2), close(2), prctl(2) and getppid(2) are, and nothing
+        // work is allowed: setsid(2), open(2), write(2), close(2), prctl(2) and getppid(2) are, and nothing
         // allocates (the cgroup path was prepared before the fork; errors are raw OS errors, no
         // message is formatted), so no lock held by another agent thread is needed.
         unsafe {
             command.pre_exec(move || {
+                // cannot fail: a child just forked is no process group leader
+                nix::unistd::setsid()?;
                 if let Some(cgroup) = &join {
                     // a failure leaves the child in the agent's cgroup: checked after the spawn
                     let _ = cgroup.join_from_child();

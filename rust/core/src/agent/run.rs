@@ -26,7 +26,8 @@ use super::error::{AgentError, Result};
 use super::failure::{summary, Failure};
 use super::group::{GroupOutcome, Launch, WorkerGroup};
 use super::logfiles::LogWriter;
-use super::logs::LogDirs;
+use super::logs::{worker_outputs, LogDirs};
+use super::process::Output;
 use super::ranks::{self, RoleInfo};
 use super::result::{AgentErrorInfo, AgentResult, RunState, LOGS_INCOMPLETE};
 use super::signals::Signals;
@@ -210,6 +211,8 @@ struct Agent {
     store: Option<TcpStore>,
     /// Ready for the next attempt's workers.
     standbys: StandbyPool,
+    /// Where each local rank's workers write.
+    outputs: Vec<Output>,
 }
 
 impl Agent {
@@ -227,8 +230,14 @@ impl Agent {
         };
         let host = config.local_addr.clone().unwrap_or_else(host_name);
         point_workers_at_the_secret(&mut config, &host)?;
-        let standbys = StandbyPool::new(config.standby.clone(), config.env.clone(), config.local_world_size);
-        Ok(Agent { config, rdzv, signals, logs, log_writer, host, attempt: 0, store: None, standbys })
+        let outputs = worker_outputs(&config, console::on_terminal());
+        if outputs.contains(&Output::Shared) {
+            tracing::info!(
+                "on a terminal: workers whose output is neither redirected, tee'd nor prefixed write to it directly"
+            );
+        }
+        let standbys = StandbyPool::new(config.standby.clone(), config.env.clone(), outputs.clone());
+        Ok(Agent { config, rdzv, signals, logs, log_writer, host, attempt: 0, store: None, standbys, outputs })
     }
 
     async fn run(&mut self, report: &mut Report) -> Result<End> {
@@ -350,6 +359,7 @@ impl Agent {
             attempt_dir: attempt_dir.as_deref(),
             log_writer: &self.log_writer,
             host: &self.host,
+            outputs: &self.outputs,
         };
         let group = WorkerGroup::start(&launch, &mut self.standbys)?;
         // the next attempt's interpreters start while this one runs

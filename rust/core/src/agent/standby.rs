@@ -20,7 +20,7 @@ use nix::fcntl::{fcntl, FcntlArg, OFlag};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
-use super::process::{Supervised, SupervisedCommand};
+use super::process::{Output, Supervised, SupervisedCommand};
 use super::reaper;
 
 /// The descriptor a standby reads its activation from.
@@ -34,13 +34,13 @@ pub struct Standby {
 }
 
 impl Standby {
-    pub fn spawn(command: &[String], env: &BTreeMap<String, String>) -> std::io::Result<Standby> {
+    pub fn spawn(command: &[String], env: &BTreeMap<String, String>, output: Output) -> std::io::Result<Standby> {
         let (program, args) = command.split_first().ok_or_else(|| std::io::Error::other("empty standby command"))?;
         let (read_end, write_end) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
         // a full pipe must fail the activation rather than block the agent
         fcntl(&write_end, FcntlArg::F_SETFL(OFlag::O_NONBLOCK))?;
         // it waits in the job's cgroup; the worker group it joins takes it into its own
-        let mut command = SupervisedCommand::new(program, args, env, reaper::standby_cgroup());
+        let mut command = SupervisedCommand::new(program, args, env, output, reaper::standby_cgroup());
         let read_fd = read_end.as_raw_fd();
         // SAFETY: the closure runs in the child between fork and exec: dup2(2) and fcntl(2) are
         // async-signal-safe and nothing allocates. `read_fd` is open in the parent at the fork
@@ -97,21 +97,23 @@ pub struct StandbyPool {
     command: Option<Vec<String>>,
     env: BTreeMap<String, String>,
     slots: Vec<Option<Standby>>,
+    /// Each local rank's output, which its standby has from the start.
+    outputs: Vec<Output>,
 }
 
 impl StandbyPool {
-    /// `command: None` keeps the pool empty: every worker starts cold.
-    pub fn new(command: Option<Vec<String>>, env: BTreeMap<String, String>, local_world_size: u32) -> StandbyPool {
-        let slots = (0..local_world_size).map(|_| None).collect();
-        StandbyPool { command: command.filter(|c| !c.is_empty()), env, slots }
+    /// `command: None` keeps the pool empty: every worker starts cold. One slot per output.
+    pub fn new(command: Option<Vec<String>>, env: BTreeMap<String, String>, outputs: Vec<Output>) -> StandbyPool {
+        let slots = outputs.iter().map(|_| None).collect();
+        StandbyPool { command: command.filter(|c| !c.is_empty()), env, slots, outputs }
     }
 
     /// Starts a standby in every empty slot. A standby that cannot start turns standbys off
     /// for the rest of the run, with a warning: workers then start cold, as without them.
     pub fn refill(&mut self) {
         let Some(command) = &self.command else { return };
-        for slot in self.slots.iter_mut().filter(|slot| slot.is_none()) {
-            match Standby::spawn(command, &self.env) {
+        for (slot, output) in self.slots.iter_mut().zip(&self.outputs).filter(|(slot, _)| slot.is_none()) {
+            match Standby::spawn(command, &self.env, *output) {
                 Ok(standby) => *slot = Some(standby),
                 Err(err) => {
                     tracing::warn!("cannot start a standby worker ({command:?}): {err}; restarts start cold");
@@ -149,7 +151,7 @@ mod tests {
 
     #[tokio::test]
     async fn activation_hands_over_args_and_env_and_the_process_becomes_the_worker() {
-        let standby = Standby::spawn(&echo_command(), &BTreeMap::new()).unwrap();
+        let standby = Standby::spawn(&echo_command(), &BTreeMap::new(), Output::Piped).unwrap();
         let env = BTreeMap::from([("RANK".to_owned(), "3".to_owned())]);
         let mut child = standby.activate(&["-u".into(), "train.py".into()], &env).unwrap().child;
         let mut out = String::new();
@@ -162,7 +164,7 @@ mod tests {
     #[tokio::test]
     async fn an_unused_standby_is_gone_when_dropped() {
         let command = vec!["/bin/sh".into(), "-c".into(), "sleep 30 <&3".into()];
-        let standby = Standby::spawn(&command, &BTreeMap::new()).unwrap();
+        let standby = Standby::spawn(&command, &BTreeMap::new(), Output::Piped).unwrap();
         let pid = standby.pid();
         assert!(alive(pid));
         drop(standby);
@@ -178,7 +180,7 @@ mod tests {
     #[tokio::test]
     async fn a_standby_that_died_is_refused() {
         let command = vec!["/bin/sh".into(), "-c".into(), "exit 0".into()];
-        let standby = Standby::spawn(&command, &BTreeMap::new()).unwrap();
+        let standby = Standby::spawn(&command, &BTreeMap::new(), Output::Piped).unwrap();
         let pid = standby.pid();
         for _ in 0..200 {
             if !alive(pid) {
@@ -192,13 +194,14 @@ mod tests {
 
     #[tokio::test]
     async fn a_pool_without_a_command_stays_empty_and_one_that_cannot_start_turns_off() {
-        let mut pool = StandbyPool::new(None, BTreeMap::new(), 2);
+        let mut pool = StandbyPool::new(None, BTreeMap::new(), vec![Output::Piped; 2]);
         pool.refill();
         assert!(pool.take(0).is_none());
-        let mut pool = StandbyPool::new(Some(vec!["/nonexistent/python".into()]), BTreeMap::new(), 2);
+        let mut pool =
+            StandbyPool::new(Some(vec!["/nonexistent/python".into()]), BTreeMap::new(), vec![Output::Piped; 2]);
         pool.refill();
         assert!(pool.take(0).is_none() && pool.command.is_none());
-        let mut pool = StandbyPool::new(Some(echo_command()), BTreeMap::new(), 2);
+        let mut pool = StandbyPool::new(Some(echo_command()), BTreeMap::new(), vec![Output::Piped; 2]);
         pool.refill();
         assert!(pool.take(1).is_some() && pool.take(1).is_none() && pool.take(5).is_none());
     }
