@@ -203,9 +203,12 @@ def test_sigterm_to_the_agent_stops_hung_workers_and_leaves_nothing(tmp_path, ma
 STANDBY_PROBE = r"""
 import json, os, sys
 rank, restart = os.environ["RANK"], int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+with open("/proc/self/environ", "rb") as f:  # the environment the process started with
+    from_standby = b"ELASTIX_STANDBY_FD=" in f.read()
 with open("/proc/self/cmdline", "rb") as f:
-    from_standby = any(part.endswith(b"_standby.py") for part in f.read().split(b"\0"))
-record = {"world_size": os.environ["WORLD_SIZE"], "argv": sys.argv[1:], "from_standby": from_standby}
+    cmdline = f.read().decode()
+record = {"world_size": os.environ["WORLD_SIZE"], "argv": sys.argv[1:], "from_standby": from_standby,
+          "cmdline": cmdline, "seen_env": "ELASTIX_STANDBY_FD" in os.environ}
 path = os.path.join(os.environ["OUT_DIR"], f"probe_{restart}_{rank}.json")
 with open(path + ".tmp", "w") as f:
     json.dump(record, f)
@@ -232,9 +235,11 @@ def test_restarted_workers_start_from_warm_standbys_unless_turned_off(tmp_path, 
     probes = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("probe_*.json")}
     assert sorted(probes) == ["probe_0_0.json", "probe_0_1.json", "probe_1_0.json", "probe_1_1.json"]
     for name, probe in probes.items():
-        assert probe["world_size"] == "2" and probe["argv"] == ["a"]
+        assert probe["world_size"] == "2" and probe["argv"] == ["a"] and not probe["seen_env"]
         # the first attempt always starts cold; the restart from the standbys when on
         assert probe["from_standby"] == (standbys and name.startswith("probe_1_")), name
+        # what ps shows is the cold start's command line
+        assert probe["cmdline"] == probes[f"probe_0_{name[-6]}.json"]["cmdline"], name
     assert_nothing_left(marker)  # idle standbys included
 
 

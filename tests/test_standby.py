@@ -1,6 +1,6 @@
-"""Warm standby workers: the bootstrap runs a program exactly as a cold start would, the
-launcher asks for standbys only when they can be used, and restarted workers under
-`elastix run` really come from them."""
+"""Warm standby workers: a standby runs a program exactly as a cold start would (down to its
+command line and environment), the launcher asks for standbys only when they can be used,
+and restarted workers under `elastix run` really come from them."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import pytest
 
 from elastix._run_config import config_from_args
 from elastix._run_parser import build_parser
-from elastix._standby import standby_command
+from elastix._standby import standby_env
 from elastix.launcher import LaunchConfig, agent_config
 
 PROBE = r"""
@@ -20,19 +20,24 @@ print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__, "fil
                   "rank": os.environ.get("RANK"), "main_file": sys.modules["__main__"].__file__,
                   "orig_argv": sys.orig_argv, "spec": getattr(__spec__, "name", None),
                   "code_file": sys._getframe().f_code.co_filename,
-                  "listing": sorted(os.listdir(os.path.dirname(__file__)))}))
+                  "listing": sorted(os.listdir(os.path.dirname(__file__))), "path": sys.path,
+                  "cmdline": open("/proc/self/cmdline", "rb").read().decode().split("\0"),
+                  "environ": dict(os.environ), "customized": os.environ.get("CUSTOMIZED")}))
 if os.environ.get("FAIL"):
     raise ValueError("bad input")
 """
 
 
 def activate(tmp_path, args, env=None, message=True):
-    """Starts a standby, activates it with `args` and `env`, returns (exit code, stdout, stderr)."""
-    command = standby_command(sys.executable, ["-u", "placeholder.py"])
+    """Starts `python *args` as a standby (as the agent does: the standby variables, the pipe
+    as fd 3), activates it with the environment a cold start would get, returns (exit code,
+    stdout, stderr)."""
     read_end, write_end = os.pipe()
+    standby = {**os.environ, **standby_env(args, os.environ), "ELASTIX_STANDBY_FD": "3"}
     proc = subprocess.Popen(
-        command,
+        [sys.executable, *args],
         cwd=tmp_path,
+        env=standby,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -41,7 +46,8 @@ def activate(tmp_path, args, env=None, message=True):
     )
     os.close(read_end)
     if message:
-        os.write(write_end, json.dumps({"args": args, "env": env or {}}).encode())
+        worker_env = {**os.environ, **(env or {})}
+        os.write(write_end, b"".join(f"{key}={value}".encode() + b"\0" for key, value in worker_env.items()))
     os.close(write_end)
     out, err = proc.communicate(timeout=60)
     return proc.returncode, out, err
@@ -110,7 +116,25 @@ def test_sys_exit_codes_pass_through(tmp_path):
 
 
 def test_eof_without_a_message_exits_quietly(tmp_path):
-    assert activate(tmp_path, None, message=False) == (0, "", "")
+    script = tmp_path / "never.py"
+    script.write_text("print('the program ran')\n")
+    assert activate(tmp_path, ["-u", str(script)], message=False) == (0, "", "")
+
+
+def test_a_site_customization_runs_as_in_a_cold_start(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.environ['CUSTOMIZED'] = 'yes'\n")
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    args = ["-u", str(script)]
+    env = {"PYTHONPATH": str(site)}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", str(site))  # the agent's own environment has it
+        warm, cold_start = activate(tmp_path, args), cold(tmp_path, args, env)
+    assert warm[0] == cold_start[0] == 0, warm[2]
+    assert json.loads(warm[1]) == json.loads(cold_start[1])
+    assert json.loads(warm[1])["customized"] == "yes"
 
 
 @pytest.mark.parametrize(
@@ -120,12 +144,13 @@ def test_eof_without_a_message_exits_quietly(tmp_path):
         (["-u", "-m", "pkg.train"], True),
         (["-u", "-m"], False),
         (["-u", "-O", "train.py"], False),
+        (["-u", "-E", "train.py"], False),  # would ignore PYTHONPATH
         (["train.py"], False),
         ([], False),
     ],
 )
 def test_standbys_only_stand_in_for_command_lines_they_reproduce(args, usable):
-    assert (standby_command(sys.executable, args) is not None) == usable
+    assert (standby_env(args, {}) is not None) == usable
 
 
 def run_config(argv):
@@ -138,8 +163,7 @@ def test_elastix_run_asks_for_standbys_only_when_a_restart_can_happen(tmp_path):
     # one node and no restart budget: nothing will ever restart
     assert run_config(["--standalone", script])["standby"] is None
     config = run_config(["--standalone", "--max-restarts", "2", script])
-    assert config["standby"][:2] == [sys.executable, "-u"]
-    assert config["standby"][2].endswith("_standby.py")
+    assert config["standby"]["PYTHONPATH"].split(os.pathsep)[0].endswith("_standby_site")
     # an elastic multi-node job restarts on membership changes, without a budget
     assert run_config(["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", script])["standby"]
     assert run_config(["--standalone", "--max-restarts", "2", "-m", "pkg.train"])["standby"]

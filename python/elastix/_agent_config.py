@@ -120,7 +120,7 @@ def build(
         # what the failure summary calls the job (the agent names the program otherwise)
         "name": name,
         "standby": _standby(
-            python_workers and standby_workers, entrypoint, args, rdzv_backend, int(max_nodes), int(max_restarts)
+            python_workers and standby_workers, args, env or {}, rdzv_backend, int(max_nodes), int(max_restarts)
         ),
     }
     from . import _core
@@ -141,16 +141,16 @@ def _duplicate_filters(
 
 
 def _standby(
-    wanted: bool, python: str, args: Sequence[str], backend: str, max_nodes: int, max_restarts: int
-) -> Optional[List[str]]:
-    """The standby command, when one is wanted and a restart can happen at all: after a
-    failure (a restart budget), or after a membership change (an elastic multi-node job)."""
+    wanted: bool, args: Sequence[str], env: Mapping[str, str], backend: str, max_nodes: int, max_restarts: int
+) -> Optional[Dict[str, str]]:
+    """The standby variables, when standbys are wanted and a restart can happen at all: after
+    a failure (a restart budget), or after a membership change (an elastic multi-node job)."""
     can_restart = max_restarts > 0 or (backend != "static" and max_nodes > 1)
     if not (wanted and can_restart):
         return None
-    from ._standby import standby_command
+    from ._standby import standby_env
 
-    return standby_command(str(python), [str(arg) for arg in args])
+    return standby_env([str(arg) for arg in args], env)
 
 
 def shutdown_timeout_from_env(value: Optional[float]) -> float:

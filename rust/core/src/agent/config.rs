@@ -73,10 +73,10 @@ pub struct AgentConfig {
     /// What the failure summary calls the job (default: the script or program).
     #[serde(default)]
     pub name: Option<String>,
-    /// The command of a warm standby worker (see [`super::standby`]); `None`: restarts start
-    /// every worker cold.
+    /// The variables that make a worker's command line a warm standby (see
+    /// [`super::standby`]); `None`: restarts start every worker cold.
     #[serde(default)]
-    pub standby: Option<Vec<String>>,
+    pub standby: Option<BTreeMap<String, String>>,
 }
 
 impl AgentConfig {

@@ -11,6 +11,7 @@
 //! group, and the agent forwards it.
 
 use std::collections::BTreeMap;
+use std::ffi::{OsStr, OsString};
 use std::process::Stdio;
 
 use nix::sys::signal::Signal;
@@ -34,6 +35,15 @@ pub enum Output {
     Piped,
     /// Straight to the agent's own stdout and stderr (a terminal, see [`super::logs::output_of`]).
     Shared,
+}
+
+/// The environment a child started with `env` has: the agent's own, plus `env`, less the
+/// secret (a child gets the file, `ELASTIX_AUTH_TOKEN_FILE`).
+pub fn child_environment(env: &BTreeMap<String, String>) -> BTreeMap<OsString, OsString> {
+    let mut all: BTreeMap<OsString, OsString> = std::env::vars_os().collect();
+    all.extend(env.iter().map(|(key, value)| (key.into(), value.into())));
+    all.remove(OsStr::new(crate::auth::TOKEN_VAR));
+    all
 }
 
 pub struct SupervisedCommand {

@@ -236,7 +236,7 @@ impl Agent {
                 "on a terminal: workers whose output is neither redirected, tee'd nor prefixed write to it directly"
             );
         }
-        let standbys = StandbyPool::new(config.standby.clone(), config.env.clone(), outputs.clone());
+        let standbys = StandbyPool::new(&config, outputs.clone());
         Ok(Agent { config, rdzv, signals, logs, log_writer, host, attempt: 0, store: None, standbys, outputs })
     }
 

@@ -2,45 +2,60 @@
 //! restart does not pay for a cold interpreter start (tens of milliseconds for Python, more
 //! with site packages that do work at start-up).
 //!
-//! A standby is the configured standby command (the launcher builds it: a Python bootstrap)
-//! started like a worker, with the agent's environment plus the configured variables, and one
-//! more descriptor: the read end of a pipe as fd [`ACTIVATION_FD`]. To make it a worker, the
-//! agent writes one JSON object, `{"args": [...], "env": {...}}` (the worker's arguments and
-//! variables, as a cold start would get them) and closes the pipe; the standby reads to EOF,
-//! applies them and runs the program. EOF with nothing written tells it to exit: dropping a
-//! standby is always safe. A standby that cannot be used (it died, the write failed) is killed
-//! and the worker starts cold: slower, never different.
+//! A standby is the worker's own command line (its program and arguments, as a cold start
+//! runs them), started like a worker with the agent's environment plus the configured
+//! variables, the standby variables (for Python, a `sitecustomize` that waits) and
+//! [`ACTIVATION_VAR`] naming one more descriptor: the read end of a pipe as fd
+//! [`ACTIVATION_FD`]. To make it a worker, the agent writes the worker's whole environment,
+//! `KEY=VALUE` entries each ended by a NUL byte (as `/proc/<pid>/environ`), and closes the
+//! pipe; the standby reads to EOF, takes that environment and goes on starting up as the
+//! cold start would. EOF with nothing written tells it to exit: dropping a standby is always
+//! safe. A standby that cannot be used (it died, the write failed) is killed and the worker
+//! starts cold: slower, never different.
 
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 
 use nix::fcntl::{fcntl, FcntlArg, OFlag};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
-use super::process::{Output, Supervised, SupervisedCommand};
+use super::config::AgentConfig;
+use super::env::worker_args;
+use super::process::{child_environment, Output, Supervised, SupervisedCommand};
 use super::reaper;
 
 /// The descriptor a standby reads its activation from.
 pub const ACTIVATION_FD: i32 = 3;
+/// The variable that tells a standby where its activation comes from.
+pub const ACTIVATION_VAR: &str = "ELASTIX_STANDBY_FD";
 
 pub struct Standby {
     pid: u32,
+    /// The arguments it was started with: it can stand in for a worker with these only.
+    args: Vec<String>,
     /// Both `None` once activated: the process is a worker then, and no longer ours to kill.
     process: Option<Supervised>,
     activation: Option<File>,
 }
 
 impl Standby {
-    pub fn spawn(command: &[String], env: &BTreeMap<String, String>, output: Output) -> std::io::Result<Standby> {
-        let (program, args) = command.split_first().ok_or_else(|| std::io::Error::other("empty standby command"))?;
+    pub fn spawn(
+        program: &str,
+        args: &[String],
+        env: &BTreeMap<String, String>,
+        output: Output,
+    ) -> std::io::Result<Standby> {
         let (read_end, write_end) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
         // a full pipe must fail the activation rather than block the agent
         fcntl(&write_end, FcntlArg::F_SETFL(OFlag::O_NONBLOCK))?;
+        let mut env = env.clone();
+        env.insert(ACTIVATION_VAR.to_owned(), ACTIVATION_FD.to_string());
         // it waits in the job's cgroup; the worker group it joins takes it into its own
-        let mut command = SupervisedCommand::new(program, args, env, output, reaper::standby_cgroup());
+        let mut command = SupervisedCommand::new(program, args, &env, output, reaper::standby_cgroup());
         let read_fd = read_end.as_raw_fd();
         // SAFETY: the closure runs in the child between fork and exec: dup2(2) and fcntl(2) are
         // async-signal-safe and nothing allocates. `read_fd` is open in the parent at the fork
@@ -61,22 +76,37 @@ impl Standby {
         }
         let process = command.spawn()?;
         drop::<OwnedFd>(read_end);
-        Ok(Standby { pid: process.pid, process: Some(process), activation: Some(File::from(write_end)) })
+        Ok(Standby {
+            pid: process.pid,
+            args: args.to_vec(),
+            process: Some(process),
+            activation: Some(File::from(write_end)),
+        })
     }
 
     pub fn pid(&self) -> u32 {
         self.pid
     }
 
-    /// Hands the standby its worker's arguments and environment; it is that worker from now on.
+    /// Hands the standby its worker's environment (the agent's, plus `env`); it is that worker
+    /// from now on. Refused unless `args` are the standby's own.
     pub fn activate(mut self, args: &[String], env: &BTreeMap<String, String>) -> std::io::Result<Supervised> {
+        if args != self.args {
+            return Err(std::io::Error::other(format!("it was started for {:?}, not {args:?}", self.args)));
+        }
         let process = self.process.as_mut().ok_or_else(|| std::io::Error::other("already activated"))?;
         if let Some(status) = process.child.try_wait()? {
             return Err(std::io::Error::other(format!("the standby exited before it was needed ({status})")));
         }
-        let message = serde_json::json!({ "args": args, "env": env });
+        let mut message = Vec::new();
+        for (key, value) in child_environment(env) {
+            message.extend_from_slice(key.as_bytes());
+            message.push(b'=');
+            message.extend_from_slice(value.as_bytes());
+            message.push(0);
+        }
         let mut pipe = self.activation.take().ok_or_else(|| std::io::Error::other("already activated"))?;
-        pipe.write_all(message.to_string().as_bytes())?;
+        pipe.write_all(&message)?;
         drop(pipe); // EOF: the message is complete
         self.process.take().ok_or_else(|| std::io::Error::other("already activated"))
     }
@@ -94,30 +124,45 @@ impl Drop for Standby {
 
 /// One standby slot per local rank.
 pub struct StandbyPool {
-    command: Option<Vec<String>>,
-    env: BTreeMap<String, String>,
+    program: String,
+    args: Vec<String>,
+    /// The configured variables and the standby variables; `None`: no standbys.
+    env: Option<BTreeMap<String, String>>,
     slots: Vec<Option<Standby>>,
     /// Each local rank's output, which its standby has from the start.
     outputs: Vec<Output>,
 }
 
 impl StandbyPool {
-    /// `command: None` keeps the pool empty: every worker starts cold. One slot per output.
-    pub fn new(command: Option<Vec<String>>, env: BTreeMap<String, String>, outputs: Vec<Output>) -> StandbyPool {
+    /// Standbys for `config`'s workers when it asks for them (every worker starts cold
+    /// otherwise), one slot per output.
+    pub fn new(config: &AgentConfig, outputs: Vec<Output>) -> StandbyPool {
+        let env = config.standby.as_ref().map(|standby| {
+            let mut env = config.env.clone();
+            env.extend(standby.iter().map(|(key, value)| (key.clone(), value.clone())));
+            env
+        });
         let slots = outputs.iter().map(|_| None).collect();
-        StandbyPool { command: command.filter(|c| !c.is_empty()), env, slots, outputs }
+        StandbyPool { program: config.entrypoint.clone(), args: config.args.clone(), env, slots, outputs }
     }
 
     /// Starts a standby in every empty slot. A standby that cannot start turns standbys off
     /// for the rest of the run, with a warning: workers then start cold, as without them.
     pub fn refill(&mut self) {
-        let Some(command) = &self.command else { return };
-        for (slot, output) in self.slots.iter_mut().zip(&self.outputs).filter(|(slot, _)| slot.is_none()) {
-            match Standby::spawn(command, &self.env, *output) {
+        let Some(env) = &self.env else { return };
+        for (local_rank, (slot, output)) in self.slots.iter_mut().zip(&self.outputs).enumerate() {
+            if slot.is_some() {
+                continue;
+            }
+            let args = worker_args(&self.args, local_rank as u32);
+            match Standby::spawn(&self.program, &args, env, *output) {
                 Ok(standby) => *slot = Some(standby),
                 Err(err) => {
-                    tracing::warn!("cannot start a standby worker ({command:?}): {err}; restarts start cold");
-                    self.command = None;
+                    tracing::warn!(
+                        "cannot start a standby worker ({} {args:?}): {err}; restarts start cold",
+                        self.program
+                    );
+                    self.env = None;
                     return;
                 }
             }
@@ -136,10 +181,12 @@ mod tests {
     use tokio::io::AsyncReadExt;
 
     use super::*;
+    use crate::agent::config::tests::sample;
 
     /// A standby that echoes its activation message (or nothing) to stdout, then exits.
-    fn echo_command() -> Vec<String> {
-        vec!["/bin/sh".into(), "-c".into(), "cat <&3; exit 7".into()]
+    fn echo(env: &BTreeMap<String, String>) -> Standby {
+        let script = "cat <&$ELASTIX_STANDBY_FD; exit 7".to_owned();
+        Standby::spawn("/bin/sh", &["-c".into(), script], env, Output::Piped).unwrap()
     }
 
     fn alive(pid: u32) -> bool {
@@ -150,21 +197,32 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn activation_hands_over_args_and_env_and_the_process_becomes_the_worker() {
-        let standby = Standby::spawn(&echo_command(), &BTreeMap::new(), Output::Piped).unwrap();
+    async fn activation_hands_over_the_whole_environment_and_the_process_becomes_the_worker() {
+        let standby = echo(&BTreeMap::from([("STANDBY_ONLY".to_owned(), "1".to_owned())]));
+        let args = standby.args.clone();
         let env = BTreeMap::from([("RANK".to_owned(), "3".to_owned())]);
-        let mut child = standby.activate(&["-u".into(), "train.py".into()], &env).unwrap().child;
-        let mut out = String::new();
-        child.stdout.take().unwrap().read_to_string(&mut out).await.unwrap();
-        let message: serde_json::Value = serde_json::from_str(&out).unwrap();
-        assert_eq!(message, serde_json::json!({"args": ["-u", "train.py"], "env": {"RANK": "3"}}));
+        let mut child = standby.activate(&args, &env).unwrap().child;
+        let mut out = Vec::new();
+        child.stdout.take().unwrap().read_to_end(&mut out).await.unwrap();
+        let entries: Vec<&[u8]> = out.split(|byte| *byte == 0).collect();
+        assert!(entries.contains(&&b"RANK=3"[..]));
+        let path = format!("PATH={}", std::env::var("PATH").unwrap());
+        assert!(entries.contains(&path.as_bytes()), "the agent's own variables are part of it");
+        assert!(!entries.iter().any(|entry| entry.starts_with(b"STANDBY_ONLY=")), "the worker's, not the standby's");
         assert_eq!(child.wait().await.unwrap().code(), Some(7));
     }
 
     #[tokio::test]
+    async fn a_standby_stands_in_for_its_own_command_line_only() {
+        let standby = echo(&BTreeMap::new());
+        let err = standby.activate(&["-c".into(), "other".into()], &BTreeMap::new()).unwrap_err();
+        assert!(err.to_string().contains("it was started for"), "{err}");
+    }
+
+    #[tokio::test]
     async fn an_unused_standby_is_gone_when_dropped() {
-        let command = vec!["/bin/sh".into(), "-c".into(), "sleep 30 <&3".into()];
-        let standby = Standby::spawn(&command, &BTreeMap::new(), Output::Piped).unwrap();
+        let args = ["-c".to_owned(), "sleep 30 <&3".to_owned()];
+        let standby = Standby::spawn("/bin/sh", &args, &BTreeMap::new(), Output::Piped).unwrap();
         let pid = standby.pid();
         assert!(alive(pid));
         drop(standby);
@@ -179,8 +237,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_standby_that_died_is_refused() {
-        let command = vec!["/bin/sh".into(), "-c".into(), "exit 0".into()];
-        let standby = Standby::spawn(&command, &BTreeMap::new(), Output::Piped).unwrap();
+        let args = ["-c".to_owned(), "exit 0".to_owned()];
+        let standby = Standby::spawn("/bin/sh", &args, &BTreeMap::new(), Output::Piped).unwrap();
         let pid = standby.pid();
         for _ in 0..200 {
             if !alive(pid) {
@@ -188,21 +246,30 @@ mod tests {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        let err = standby.activate(&[], &BTreeMap::new()).unwrap_err();
+        let err = standby.activate(&args, &BTreeMap::new()).unwrap_err();
         assert!(err.to_string().contains("exited before it was needed"), "{err}");
     }
 
+    fn pool(entrypoint: &str, standby: Option<BTreeMap<String, String>>) -> StandbyPool {
+        let mut config = AgentConfig::from_json(&sample(2).to_string()).unwrap();
+        config.entrypoint = entrypoint.to_owned();
+        config.args = vec!["-c".into(), "sleep 30 <&3 # ${local_rank}".into()];
+        config.standby = standby;
+        StandbyPool::new(&config, vec![Output::Piped; 2])
+    }
+
     #[tokio::test]
-    async fn a_pool_without_a_command_stays_empty_and_one_that_cannot_start_turns_off() {
-        let mut pool = StandbyPool::new(None, BTreeMap::new(), vec![Output::Piped; 2]);
-        pool.refill();
-        assert!(pool.take(0).is_none());
-        let mut pool =
-            StandbyPool::new(Some(vec!["/nonexistent/python".into()]), BTreeMap::new(), vec![Output::Piped; 2]);
-        pool.refill();
-        assert!(pool.take(0).is_none() && pool.command.is_none());
-        let mut pool = StandbyPool::new(Some(echo_command()), BTreeMap::new(), vec![Output::Piped; 2]);
-        pool.refill();
-        assert!(pool.take(1).is_some() && pool.take(1).is_none() && pool.take(5).is_none());
+    async fn a_pool_without_standby_variables_stays_empty_and_one_that_cannot_start_turns_off() {
+        let mut empty = pool("/bin/sh", None);
+        empty.refill();
+        assert!(empty.take(0).is_none());
+        let mut failing = pool("/nonexistent/program", Some(BTreeMap::new()));
+        failing.refill();
+        assert!(failing.take(0).is_none() && failing.env.is_none());
+        let mut working = pool("/bin/sh", Some(BTreeMap::new()));
+        working.refill();
+        let second = working.take(1).unwrap();
+        assert_eq!(second.args[1], "sleep 30 <&3 # 1", "each rank's own arguments");
+        assert!(working.take(1).is_none() && working.take(5).is_none());
     }
 }
