@@ -101,7 +101,7 @@ def test_launch_config_fields_and_defaults(monkeypatch):
     config = LaunchConfig(1, 2, 4)
     names = [f.name for f in dataclasses.fields(LaunchConfig)]
     assert names[: len(TORCH_FIELDS)] == [name for name, _ in TORCH_FIELDS]  # torch's order
-    assert names[len(TORCH_FIELDS) :] == ["exit_barrier_timeout", "standby_workers"]
+    assert names[len(TORCH_FIELDS) :] == ["exit_barrier_timeout", "standby_workers", "worker_timeout"]
     for name, default in TORCH_FIELDS[4:]:
         assert getattr(config, name) == default, name
     assert isinstance(config.logs_specs, DefaultLogsSpecs)

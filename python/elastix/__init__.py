@@ -4,6 +4,8 @@
 wire protocol, so torch code and elastix code can share one store.
 """
 
+from . import progress as _progress
+from . import timer
 from ._core import __version__, reset_log_cache
 from .errors import (
     AuthenticationError,
@@ -15,8 +17,12 @@ from .errors import (
     QueueEmptyError,
     StoreTimeoutError,
 )
+from .progress import expect_progress, heartbeat
 from .record import record  # a light module; imported eagerly so `elastix.record` is the decorator
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
+
+# a worker of `elastix run` finds its heartbeat slot and arms stack dumps at once
+_progress.arm()
 
 # The launcher API loads on first use, keeping `import elastix` (and so `elastix run`) fast.
 _LAZY = {
@@ -62,6 +68,9 @@ __all__ = [
     "NetworkTimeoutError",
     "AuthenticationError",
     "record",
+    "heartbeat",
+    "expect_progress",
+    "timer",
     "launch",
     "elastic_launch",
     "LaunchConfig",

@@ -90,6 +90,7 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = _ag
         signals_to_handle=args.signals_to_handle,
         shutdown_timeout=_agent_config.shutdown_timeout_from_env(args.shutdown_timeout),
         exit_barrier_timeout=_agent_config.exit_barrier_timeout_from_env(args.exit_barrier_timeout),
+        worker_timeout=args.worker_timeout,
         log_dir=args.log_dir or None,
         redirects=masks_per_rank(args.redirects, nproc, "--redirects"),
         tee=masks_per_rank(args.tee, nproc, "--tee"),

@@ -276,6 +276,17 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         help="grace between the stop signal and SIGKILL (default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)",
     )
     g.add_argument(
+        "--worker-timeout",
+        "--worker_timeout",
+        action=EnvOption,
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a worker that called elastix.heartbeat() and then sends none for this long is hung: its "
+        "stacks are dumped and it is restarted like a failed one (default: off; expect_progress and "
+        "elastix.timer.expires apply regardless)",
+    )
+    g.add_argument(
         "--exit-barrier-timeout",
         "--exit_barrier_timeout",
         action=EnvOption,

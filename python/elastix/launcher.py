@@ -65,6 +65,8 @@ class LaunchConfig:
     shutdown_timeout: Optional[float] = None
     exit_barrier_timeout: Optional[float] = None
     standby_workers: bool = True
+    # seconds without a heartbeat after which a worker that sent one is hung (None: off)
+    worker_timeout: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.rdzv_timeout != -1:
@@ -202,6 +204,7 @@ def agent_config(config: LaunchConfig, program: str, program_args: Sequence[str]
         signals_to_handle=config.signals_to_handle,
         shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
         exit_barrier_timeout=config.exit_barrier_timeout,  # type: ignore[arg-type]
+        worker_timeout=config.worker_timeout,
         log_dir=_spec_attr(specs, "log_dir"),
         redirects=masks_per_rank(_spec_attr(specs, "redirects"), nproc, "redirects"),
         tee=masks_per_rank(_spec_attr(specs, "tee"), nproc, "tee"),

@@ -54,6 +54,10 @@ pub struct AgentConfig {
     pub signals_to_handle: Vec<String>,
     /// Seconds between the stop signal and SIGKILL.
     pub shutdown_timeout: f64,
+    /// Seconds without a heartbeat after which a worker that sent one is hung (`None`: only
+    /// workers' own progress windows and timers count).
+    #[serde(default)]
+    pub worker_timeout: Option<f64>,
     pub exit_barrier_timeout: f64,
     pub log_dir: Option<String>,
     /// Per local rank: streams written to files only, and streams written to files and echoed.
@@ -141,6 +145,11 @@ impl AgentConfig {
                 )));
             }
         }
+        if let Some(seconds) = self.worker_timeout.filter(|s| !(s.is_finite() && *s > 0.0)) {
+            return Err(AgentError::Config(format!(
+                "--worker-timeout: must be a positive number of seconds, got {seconds}"
+            )));
+        }
         for (name, seconds) in
             [("--shutdown-timeout", self.shutdown_timeout), ("--exit-barrier-timeout", self.exit_barrier_timeout)]
         {
@@ -171,6 +180,10 @@ impl AgentConfig {
 
     pub fn shutdown_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.shutdown_timeout)
+    }
+
+    pub fn worker_timeout(&self) -> Option<Duration> {
+        self.worker_timeout.map(Duration::from_secs_f64)
     }
 
     pub fn exit_barrier_timeout(&self) -> Duration {
@@ -244,6 +257,7 @@ fn flag(field: &str) -> Option<&'static str> {
         "local_ranks_filter" => "--local-ranks-filter",
         "line_prefix" => "--log-line-prefix-template",
         "duplicate_stdout_filters" => "--duplicate-stdout-filters",
+        "worker_timeout" => "--worker-timeout",
         "duplicate_stderr_filters" => "--duplicate-stderr-filters",
         "role" => "--role",
         "run_id" => "--rdzv-id",

@@ -7,6 +7,8 @@ use std::time::SystemTime;
 use nix::sys::signal::Signal;
 use serde::Serialize;
 
+use super::heartbeats::Lapse;
+
 /// Lines of stderr kept per worker for the summary.
 pub const STDERR_TAIL_LINES: usize = 20;
 /// Width cap of the summary's rules, as torch's.
@@ -26,8 +28,11 @@ pub struct Failure {
     pub timestamp: f64,
     /// The worker's error file, when it wrote one.
     pub error_file: Option<String>,
-    /// The error file's message, else the stderr tail, else what the exit says.
+    /// The error file's message, else the stderr tail, else what the exit says; for a hung
+    /// worker, its threads' stacks.
     pub message: String,
+    /// Why the worker counted as hung, and when it last sent a heartbeat.
+    pub hung: Option<String>,
 }
 
 impl Failure {
@@ -61,7 +66,20 @@ impl Failure {
             timestamp: at.duration_since(SystemTime::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
             error_file: from_file.map(|_| error_file.to_owned()),
             message,
+            hung: None,
         }
+    }
+
+    /// The failure of a worker that was killed as hung: why, its last heartbeat, its stacks
+    /// (or why there are none).
+    pub fn hung(mut self, lapse: &Lapse, last_beat: Option<SystemTime>, stacks: Result<String, String>) -> Failure {
+        let last = last_beat.map_or_else(|| "never".to_owned(), |at| humantime::format_rfc3339_millis(at).to_string());
+        self.hung = Some(format!("{lapse}; last heartbeat: {last}"));
+        self.message = match stacks {
+            Ok(stacks) => format!("stacks when it was found hung:\n{stacks}"),
+            Err(why) => format!("no stacks: {why}"),
+        };
+        self
     }
 
     fn block(&self, index: usize) -> String {
@@ -71,8 +89,9 @@ impl Failure {
             None => format!("{} (pid: {})", self.exitcode, self.pid),
         };
         let detail = self.message.replace('\n', "\n    ");
+        let hung = self.hung.as_ref().map(|why| format!("\n  hung      : {why}")).unwrap_or_default();
         format!(
-            "[{index}]:\n  time      : {}\n  host      : {}\n  rank      : {} (local_rank: {})\n  exitcode  : {exit}\n  error_file: {}\n  traceback : {detail}",
+            "[{index}]:\n  time      : {}\n  host      : {}\n  rank      : {} (local_rank: {})\n  exitcode  : {exit}{hung}\n  error_file: {}\n  traceback : {detail}",
             humantime::format_rfc3339_millis(at),
             self.host,
             self.global_rank,

@@ -1,10 +1,11 @@
 //! The local worker processes of one attempt: started together, each in its own session and
 //! process group with a parent-death signal, all in one cgroup where the job has one; their exits
 //! arrive as events (no polling); stopped together (signal, grace period, SIGKILL to each
-//! whole group and to the cgroup, every child reaped).
+//! whole group and to the cgroup, every child reaped). A worker whose heartbeat or timer
+//! lapsed ([`super::heartbeats`]) counts as failed: its stacks are dumped, then it is killed.
 
 use std::collections::VecDeque;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
@@ -19,12 +20,14 @@ use super::console;
 use super::env::{worker_args, worker_env, WorkerPlace};
 use super::error::{AgentError, Result};
 use super::failure::Failure;
+use super::heartbeats::{self, Heartbeats, Lapse, Slot};
 use super::logfiles::{LogFile, LogWriter};
 use super::logs::{expand_prefix, DEFAULT_TEE_PREFIX};
 use super::process::{Output, Supervised, SupervisedCommand};
 use super::pump::{pump, Duplicate, Sink};
 use super::ranks::Assignment;
 use super::reaper::{self, Cgroup, GroupCgroup, Watch};
+use super::stacks;
 use super::standby::{Standby, StandbyPool};
 use crate::rendezvous::RendezvousInfo;
 
@@ -35,6 +38,8 @@ const KILL_WAIT: Duration = Duration::from_secs(5);
 const DRAIN_WAIT: Duration = Duration::from_secs(2);
 /// How long a failure's summary waits for the worker's last lines to reach the console.
 const CONSOLE_WAIT: Duration = Duration::from_millis(500);
+/// How often the heartbeats are read: hangs are found within this of their timeout.
+const WATCH_EVERY: Duration = Duration::from_millis(100);
 
 struct Worker {
     place: WorkerPlace,
@@ -42,6 +47,8 @@ struct Worker {
     exit: Option<(ExitStatus, SystemTime)>,
     pumps: Vec<JoinHandle<()>>,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
+    /// Where it dumps its stacks when asked.
+    stacks_file: PathBuf,
     /// Dropped after the group is killed: the watchdog forgets the group only then.
     watch: Watch,
 }
@@ -65,6 +72,9 @@ pub struct WorkerGroup {
     host: String,
     /// Holds the workers and all they start, even what left their process groups.
     cgroup: Option<GroupCgroup>,
+    /// The workers' heartbeat slots (`None` if the page could not be made: no hang detection).
+    heartbeats: Option<Heartbeats>,
+    worker_timeout: Option<Duration>,
 }
 
 /// What a group needs to start.
@@ -106,11 +116,23 @@ impl WorkerGroup {
     pub fn start(launch: &Launch<'_>, standbys: &mut StandbyPool) -> Result<WorkerGroup> {
         let (sender, exits) = mpsc::unbounded_channel();
         let cgroup = reaper::group_cgroup();
-        let mut group = WorkerGroup { workers: Vec::new(), exits, host: launch.host.to_owned(), cgroup };
+        let heartbeats = Heartbeats::for_attempt(launch.config.local_world_size as usize)
+            .map_err(|err| tracing::warn!("cannot make the workers' heartbeat page ({err}): no hang detection"))
+            .ok();
+        let worker_timeout = launch.config.worker_timeout();
+        let mut group = WorkerGroup {
+            workers: Vec::new(),
+            exits,
+            host: launch.host.to_owned(),
+            cgroup,
+            heartbeats,
+            worker_timeout,
+        };
         let duplicates = duplicate_files(launch)?;
         for local_rank in 0..launch.config.local_world_size {
             let cgroup = group.cgroup.as_ref().and_then(GroupCgroup::cgroup);
-            match spawn(launch, &duplicates, local_rank, standbys.take(local_rank), cgroup, sender.clone()) {
+            let page = group.heartbeats.as_ref().map(Heartbeats::path);
+            match spawn(launch, &duplicates, page, local_rank, standbys.take(local_rank), cgroup, sender.clone()) {
                 Ok(worker) => group.workers.push(worker),
                 Err(err) => {
                     // leave nothing half-started behind
@@ -130,25 +152,81 @@ impl WorkerGroup {
         self.workers.iter().map(|w| w.pid).collect()
     }
 
-    /// Waits until a worker fails or every worker has succeeded.
+    /// Waits until a worker fails or hangs, or every worker has succeeded.
     pub async fn wait(&mut self) -> GroupOutcome {
-        while let Some((index, status, at)) = self.exits.recv().await {
-            let status = status.unwrap_or_else(|_| failed_status());
-            self.workers[index].exit = Some((status, at));
-            if !status.success() {
-                let mut failed = vec![index];
-                failed.extend(self.failing_together().await);
-                let mut failures = Vec::with_capacity(failed.len());
-                for index in failed {
-                    failures.push(self.failure(index).await);
+        let mut watch = tokio::time::interval(WATCH_EVERY);
+        watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tokio::select! {
+                exit = self.exits.recv() => {
+                    let Some((index, status, at)) = exit else { return GroupOutcome::Succeeded };
+                    let status = status.unwrap_or_else(|_| failed_status());
+                    self.workers[index].exit = Some((status, at));
+                    if !status.success() {
+                        let mut failed = vec![index];
+                        failed.extend(self.failing_together().await);
+                        let mut failures = Vec::with_capacity(failed.len());
+                        for index in failed {
+                            failures.push(self.failure(index).await);
+                        }
+                        return GroupOutcome::Failed(failures);
+                    }
+                    if self.workers.iter().all(|w| w.exit.is_some()) {
+                        return GroupOutcome::Succeeded;
+                    }
                 }
-                return GroupOutcome::Failed(failures);
-            }
-            if self.workers.iter().all(|w| w.exit.is_some()) {
-                return GroupOutcome::Succeeded;
+                _ = watch.tick(), if self.heartbeats.is_some() => {
+                    let hung = self.hung();
+                    if !hung.is_empty() {
+                        return GroupOutcome::Failed(self.stop_hung(hung).await);
+                    }
+                }
             }
         }
-        GroupOutcome::Succeeded
+    }
+
+    /// The running workers whose heartbeat or timer lapsed, with their slots.
+    fn hung(&self) -> Vec<(usize, Lapse, Slot)> {
+        let Some(page) = &self.heartbeats else { return Vec::new() };
+        let now = heartbeats::now_ns();
+        (0..self.workers.len())
+            .filter(|index| self.workers[*index].exit.is_none())
+            .filter_map(|index| {
+                let slot = page.slot(index);
+                slot.lapse(now, self.worker_timeout).map(|lapse| (index, lapse, slot))
+            })
+            .collect()
+    }
+
+    /// Dumps the stacks of hung workers, kills them and describes them as failures.
+    async fn stop_hung(&mut self, hung: Vec<(usize, Lapse, Slot)>) -> Vec<Failure> {
+        let mut described = Vec::with_capacity(hung.len());
+        for (index, lapse, slot) in hung {
+            let worker = &self.workers[index];
+            let rank = worker.place.global_rank;
+            let last = heartbeats::wall_time(slot.last_beat);
+            tracing::warn!("worker {rank} (pid {}) is hung: {lapse}; dumping its stacks, then killing it", worker.pid);
+            let stacks = stacks::dump(worker.pid, slot.dump_signal, &worker.stacks_file).await;
+            let _ = killpg(Pid::from_raw(worker.pid as i32), Signal::SIGKILL);
+            described.push((index, lapse, last, stacks));
+        }
+        let deadline = tokio::time::Instant::now() + KILL_WAIT;
+        while described.iter().any(|(index, ..)| self.workers[*index].exit.is_none()) {
+            match tokio::time::timeout_at(deadline, self.exits.recv()).await {
+                Ok(Some((index, status, at))) => {
+                    self.workers[index].exit = Some((status.unwrap_or_else(|_| failed_status()), at));
+                }
+                _ => break,
+            }
+        }
+        let mut failures = Vec::with_capacity(described.len());
+        for (index, lapse, last, stacks) in described {
+            if self.workers[index].exit.is_none() {
+                self.workers[index].exit = Some((killed_status(), SystemTime::now()));
+            }
+            failures.push(self.failure(index).await.hung(&lapse, last, stacks));
+        }
+        failures
     }
 
     /// The other workers that fail within [`FAILED_TOGETHER`] of a first failure.
@@ -258,9 +336,11 @@ impl Drop for WorkerGroup {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn spawn(
     launch: &Launch<'_>,
     duplicates: &DuplicateFiles,
+    heartbeat_page: Option<&Path>,
     local_rank: u32,
     standby: Option<Standby>,
     cgroup: Option<&Cgroup>,
@@ -272,7 +352,16 @@ fn spawn(
         rank_dir.as_ref().map(|dir| dir.join("error.json").to_string_lossy().into_owned()).unwrap_or_default();
     let place = WorkerPlace::new(local_rank, launch.assignment, launch.restart_count, error_file);
     let args = worker_args(&config.args, local_rank);
-    let env = worker_env(config, launch.info, launch.assignment, &place);
+    let mut env = worker_env(config, launch.info, launch.assignment, &place);
+    let stacks_file = match &rank_dir {
+        Some(dir) => dir.join("stacks.log"),
+        None => std::env::temp_dir().join(format!("elastix-stacks-{}-{}", std::process::id(), place.global_rank)),
+    };
+    if let Some(page) = heartbeat_page {
+        env.insert(heartbeats::FILE_VAR.to_owned(), page.to_string_lossy().into_owned());
+        env.insert(heartbeats::SLOT_VAR.to_owned(), local_rank.to_string());
+        env.insert(heartbeats::STACKS_VAR.to_owned(), stacks_file.to_string_lossy().into_owned());
+    }
     let output = launch.outputs[local_rank as usize];
     let activated = standby.and_then(|standby| {
         let pid = standby.pid();
@@ -329,7 +418,7 @@ fn spawn(
         reaped.release_if_empty();
         let _ = exits.send((index, status, SystemTime::now()));
     });
-    Ok(Worker { place, pid, exit: None, pumps, stderr_tail, watch })
+    Ok(Worker { place, pid, exit: None, pumps, stderr_tail, stacks_file, watch })
 }
 
 /// Waits up to [`DRAIN_WAIT`] for output pumps to reach EOF; returns those still running.
@@ -353,4 +442,10 @@ pub fn exit_code(status: ExitStatus) -> i32 {
 fn failed_status() -> ExitStatus {
     use std::os::unix::process::ExitStatusExt;
     ExitStatus::from_raw(1 << 8)
+}
+
+/// What a worker killed by SIGKILL and never reaped counts as.
+fn killed_status() -> ExitStatus {
+    use std::os::unix::process::ExitStatusExt;
+    ExitStatus::from_raw(libc::SIGKILL)
 }

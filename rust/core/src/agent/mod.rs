@@ -4,7 +4,7 @@
 //! * [`run`]: the agent's loop; [`group`]: one attempt's worker processes; [`logs`]: where
 //!   their output goes; [`pump`]: relaying it; [`console`] and [`logfiles`]: the threads that
 //!   write it, so the agent never blocks on a stalled reader or a full disk; [`failure`]: what a failure left behind and
-//!   the summary.
+//!   the summary; [`heartbeats`] and [`stacks`]: hung workers and their stack dumps.
 //! * [`config`], [`env`], [`ranks`]: what workers are started with; [`process`]: how a child
 //!   is started; [`standby`]: warm interpreters that make restarts fast; [`signals`], [`result`].
 
@@ -14,6 +14,7 @@ pub mod env;
 pub mod error;
 pub mod failure;
 pub mod group;
+pub mod heartbeats;
 pub mod logfiles;
 pub mod logs;
 pub mod process;
@@ -23,6 +24,7 @@ pub mod reaper;
 pub mod result;
 pub mod run;
 pub mod signals;
+pub mod stacks;
 pub mod standby;
 
 pub use config::AgentConfig;

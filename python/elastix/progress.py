@@ -1,0 +1,144 @@
+"""Hang detection, the worker's side: ``heartbeat()``, ``expect_progress(within=...)`` and
+(in ``elastix.timer``) ``expires(after=...)``.
+
+Under ``elastix run`` each worker has a slot of 64-bit words in a shared page its agent reads
+(see rust/core/src/agent/heartbeats.rs); these write it in place, so a heartbeat costs a
+fraction of a microsecond and no system call. Outside ``elastix run`` they do nothing.
+
+The agent counts a worker as hung when an ``expires`` timer runs out, when inside
+``expect_progress(within=W)`` its last heartbeat is older than W, or, with
+``--worker-timeout T``, when its last heartbeat (once it sent one) is older than T. Before
+killing it, the agent has it dump every thread's stack (``faulthandler``, armed on a
+real-time signal when this module first finds its slot, as ``import elastix`` does), and
+shows them in the failure summary.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Iterator, List, Optional, Union
+
+# the layout of a slot: words of 8 bytes, as the agent reads them
+_WORDS = 8
+_LAST_BEAT, _WINDOW, _DEADLINE, _DUMP_SIGNAL, _BEATS = range(5)
+
+_words: Optional[memoryview] = None  # this worker's page, as 64-bit words
+_base = 0  # its slot's first word
+_looked = False
+_lock = threading.Lock()  # guards the window and timer stacks (heartbeats need no lock)
+_windows: List[int] = []
+_deadlines: List[int] = []
+_stacks_file = None  # kept open: faulthandler writes to its descriptor
+
+
+def _slot() -> Optional[memoryview]:
+    """This worker's slot (looked up once), or None outside ``elastix run``."""
+    global _words, _base, _looked
+    with _lock:
+        if _looked:
+            return _words
+        _looked = True
+        path, slot = os.environ.get("ELASTIX_HEARTBEAT_FILE"), os.environ.get("ELASTIX_HEARTBEAT_SLOT")
+        if not path or slot is None:
+            return None
+        import mmap
+
+        with open(path, "r+b") as page:
+            words = memoryview(mmap.mmap(page.fileno(), 0)).cast("Q")
+        base = int(slot) * _WORDS
+        if base + _WORDS > len(words):
+            raise RuntimeError(f"{path} has no slot {slot}: ELASTIX_HEARTBEAT_SLOT does not match the page")
+        _words, _base = words, base
+        _arm_stack_dumps(words, base)
+        # a forked child (a data loader worker) is not this worker: its beats must not count
+        os.register_at_fork(after_in_child=_forget)
+        return words
+
+
+def _arm_stack_dumps(words: memoryview, base: int) -> None:
+    global _stacks_file
+    path = os.environ.get("ELASTIX_STACKS_FILE")
+    if not path:
+        return
+    import faulthandler
+    import signal
+
+    number = signal.SIGRTMIN + 3  # a real-time signal: no program uses it for anything else
+    _stacks_file = open(path, "a")  # open for as long as the process lives
+    faulthandler.register(number, file=_stacks_file, all_threads=True)
+    words[base + _DUMP_SIGNAL] = number
+
+
+def _forget() -> None:
+    global _words, _looked
+    _words, _looked = None, True
+
+
+def heartbeat() -> None:
+    """Tells the agent this worker makes progress. Cheap enough to call every step."""
+    words = _words if _looked else _slot()
+    if words is not None:
+        base = _base
+        words[base] = time.monotonic_ns()
+        words[base + _BEATS] += 1
+
+
+def _nanoseconds(duration: Union[timedelta, float, int], name: str) -> int:
+    seconds = duration.total_seconds() if isinstance(duration, timedelta) else float(duration)
+    if not seconds > 0:
+        raise ValueError(f"{name} must be a positive duration, got {duration!r}")
+    return int(seconds * 1e9)
+
+
+@contextmanager
+def expect_progress(within: Union[timedelta, float]) -> Iterator[None]:
+    """Inside the block, this worker is hung when it sends no heartbeat for ``within`` (a
+    ``timedelta`` or seconds). Entering counts as a heartbeat; blocks nest (the innermost
+    window applies)."""
+    window = _nanoseconds(within, "within")
+    words = _slot()
+    if words is None:
+        yield
+        return
+    with _lock:
+        _windows.append(window)
+        words[_base + _WINDOW] = window
+    heartbeat()
+    try:
+        yield
+    finally:
+        with _lock:
+            _windows.remove(window)
+            words[_base + _WINDOW] = _windows[-1] if _windows else 0
+
+
+@contextmanager
+def _expires(after: Union[timedelta, float]) -> Iterator[None]:
+    """The timer behind ``elastix.timer.expires``."""
+    deadline = time.monotonic_ns() + _nanoseconds(after, "after")
+    words = _slot()
+    if words is None:
+        yield
+        return
+    with _lock:
+        _deadlines.append(deadline)
+        words[_base + _DEADLINE] = min(_deadlines)
+    try:
+        yield
+    finally:
+        with _lock:
+            _deadlines.remove(deadline)
+            words[_base + _DEADLINE] = min(_deadlines) if _deadlines else 0
+
+
+def arm() -> None:
+    """Finds this worker's slot now (and arms stack dumps), if under ``elastix run``."""
+    if os.environ.get("ELASTIX_HEARTBEAT_FILE"):
+        _slot()
+
+
+__all__ = ["heartbeat", "expect_progress", "arm"]

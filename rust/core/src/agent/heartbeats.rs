@@ -1,0 +1,206 @@
+//! Hang detection: one shared page per attempt, where each worker's `elastix.heartbeat()`,
+//! `elastix.expect_progress(...)` and `elastix.timer.expires(...)` write plain 64-bit words
+//! (no system call, no store round trip), and the check that reads them.
+//!
+//! A worker's slot is [`SLOT_WORDS`] words: the time of its last heartbeat, the progress
+//! window it is in (`expect_progress`), the deadline of its innermost timer, the signal on
+//! which it dumps its threads' stacks (0 until armed) and its heartbeat count. Times are
+//! `CLOCK_MONOTONIC` nanoseconds, the clock Python's `time.monotonic_ns()` reads; 0 means
+//! none. A worker is hung when its timer expired, when it is in a progress window and its
+//! last heartbeat is older than that, or when `--worker-timeout` is set and its last
+//! heartbeat (once it sent one) is older than that. Workers that never use these are never
+//! hung.
+
+use std::fs::File;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use memmap2::{MmapOptions, MmapRaw};
+use nix::time::{clock_gettime, ClockId};
+
+/// Words in one worker's slot (64 bytes: one cache line, so workers never share one).
+pub const SLOT_WORDS: usize = 8;
+const LAST_BEAT: usize = 0;
+const WINDOW: usize = 1;
+const DEADLINE: usize = 2;
+const DUMP_SIGNAL: usize = 3;
+const BEATS: usize = 4;
+
+/// The variables a worker finds its slot with.
+pub const FILE_VAR: &str = "ELASTIX_HEARTBEAT_FILE";
+pub const SLOT_VAR: &str = "ELASTIX_HEARTBEAT_SLOT";
+/// Where a worker's stack dumps go (see [`super::stacks`]).
+pub const STACKS_VAR: &str = "ELASTIX_STACKS_FILE";
+
+/// The wall-clock time of a moment on the workers' clock (`None` for 0: never).
+pub fn wall_time(ns: u64) -> Option<std::time::SystemTime> {
+    (ns != 0).then(|| std::time::SystemTime::now() - Duration::from_nanos(now_ns().saturating_sub(ns)))
+}
+
+/// Now on the workers' clock.
+pub fn now_ns() -> u64 {
+    clock_gettime(ClockId::CLOCK_MONOTONIC).map_or(0, |t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
+}
+
+/// What one worker's slot says at a moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Slot {
+    pub last_beat: u64,
+    pub window: u64,
+    pub deadline: u64,
+    pub dump_signal: u64,
+    pub beats: u64,
+}
+
+/// Why a worker counts as hung.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lapse {
+    TimerExpired { late: Duration },
+    NoProgress { window: Duration, since: Duration },
+    NoHeartbeat { timeout: Duration, since: Duration },
+}
+
+impl std::fmt::Display for Lapse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let secs = |d: &Duration| format!("{:.1}s", d.as_secs_f64());
+        match self {
+            Lapse::TimerExpired { late } => write!(f, "its timer expired {} ago", secs(late)),
+            Lapse::NoProgress { window, since } => {
+                write!(f, "no progress for {} in a window of {}", secs(since), secs(window))
+            }
+            Lapse::NoHeartbeat { timeout, since } => {
+                write!(f, "no heartbeat for {} (--worker-timeout {})", secs(since), secs(timeout))
+            }
+        }
+    }
+}
+
+impl Slot {
+    /// Whether this slot, read at `now`, makes its worker hung.
+    pub fn lapse(&self, now: u64, worker_timeout: Option<Duration>) -> Option<Lapse> {
+        let since_beat = Duration::from_nanos(now.saturating_sub(self.last_beat));
+        if self.deadline != 0 && now > self.deadline {
+            return Some(Lapse::TimerExpired { late: Duration::from_nanos(now - self.deadline) });
+        }
+        let window = Duration::from_nanos(self.window);
+        if self.window != 0 && self.last_beat != 0 && since_beat > window {
+            return Some(Lapse::NoProgress { window, since: since_beat });
+        }
+        match worker_timeout {
+            Some(timeout) if self.last_beat != 0 && since_beat > timeout => {
+                Some(Lapse::NoHeartbeat { timeout, since: since_beat })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// One attempt's shared page, removed from the filesystem when dropped (workers keep their
+/// mappings).
+pub struct Heartbeats {
+    map: MmapRaw,
+    slots: usize,
+    path: PathBuf,
+}
+
+impl Heartbeats {
+    /// A fresh page for one attempt's `slots` workers.
+    pub fn for_attempt(slots: usize) -> io::Result<Heartbeats> {
+        static ATTEMPTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = ATTEMPTS.fetch_add(1, Ordering::Relaxed);
+        Heartbeats::create(slots, &format!("elastix-heartbeats-{}-{n}", std::process::id()))
+    }
+
+    /// A zeroed page for `slots` workers, in `/dev/shm` where there is one.
+    pub fn create(slots: usize, name: &str) -> io::Result<Heartbeats> {
+        let dir = Path::new("/dev/shm");
+        let dir = if dir.is_dir() { dir.to_owned() } else { std::env::temp_dir() };
+        let path = dir.join(name);
+        let file = File::options().read(true).write(true).create_new(true).open(&path)?;
+        let made = (|| {
+            file.set_len((slots.max(1) * SLOT_WORDS * 8) as u64)?;
+            MmapOptions::new().map_raw(&file)
+        })();
+        match made {
+            Ok(map) => Ok(Heartbeats { map, slots, path }),
+            Err(err) => {
+                let _ = std::fs::remove_file(&path);
+                Err(err)
+            }
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn word(&self, slot: usize, index: usize) -> u64 {
+        assert!(slot < self.slots && index < SLOT_WORDS);
+        let offset = (slot * SLOT_WORDS + index) * 8;
+        // SAFETY: the mapping is page-aligned and `slots * SLOT_WORDS` words long (checked
+        // above), so the pointer is in bounds and 8-byte aligned, and it lives as long as
+        // `self`. Workers write these words concurrently, so they are only ever read
+        // atomically, never through a plain reference.
+        let word = unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(offset).cast::<u64>()) };
+        word.load(Ordering::Relaxed)
+    }
+
+    pub fn slot(&self, slot: usize) -> Slot {
+        Slot {
+            last_beat: self.word(slot, LAST_BEAT),
+            window: self.word(slot, WINDOW),
+            deadline: self.word(slot, DEADLINE),
+            dump_signal: self.word(slot, DUMP_SIGNAL),
+            beats: self.word(slot, BEATS),
+        }
+    }
+}
+
+impl Drop for Heartbeats {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn lapses() {
+        let now = 100 * S;
+        let quiet = Slot::default();
+        assert_eq!(quiet.lapse(now, Some(Duration::from_secs(1))), None, "never beat: never hung");
+        let beat = Slot { last_beat: 90 * S, ..Slot::default() };
+        assert_eq!(beat.lapse(now, None), None, "no --worker-timeout");
+        assert_eq!(
+            beat.lapse(now, Some(Duration::from_secs(5))),
+            Some(Lapse::NoHeartbeat { timeout: Duration::from_secs(5), since: Duration::from_secs(10) })
+        );
+        assert_eq!(beat.lapse(now, Some(Duration::from_secs(20))), None);
+        let window = Slot { last_beat: 90 * S, window: 5 * S, ..Slot::default() };
+        assert!(matches!(window.lapse(now, None), Some(Lapse::NoProgress { .. })));
+        let timer = Slot { last_beat: 99 * S, deadline: 98 * S, ..Slot::default() };
+        assert_eq!(timer.lapse(now, None), Some(Lapse::TimerExpired { late: Duration::from_secs(2) }));
+        assert_eq!(Slot { deadline: 101 * S, ..Slot::default() }.lapse(now, None), None);
+    }
+
+    #[test]
+    fn a_page_reads_what_a_worker_wrote_and_is_removed_when_dropped() {
+        let page = Heartbeats::create(2, &format!("elastix-test-hb-{}", std::process::id())).unwrap();
+        let path = page.path().to_owned();
+        let map = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        // a worker writes its slot's words in place
+        let words: Vec<u8> =
+            [7u64, 0, 0, 0, 0, 0, 0, 0, 11, 12, 13, 14, 15, 0, 0, 0].iter().flat_map(|w| w.to_ne_bytes()).collect();
+        std::os::unix::fs::FileExt::write_all_at(&map, &words, 0).unwrap();
+        assert_eq!(page.slot(0).last_beat, 7);
+        assert_eq!(page.slot(1), Slot { last_beat: 11, window: 12, deadline: 13, dump_signal: 14, beats: 15 });
+        drop(page);
+        assert!(!path.exists());
+    }
+}

@@ -1,0 +1,120 @@
+"""Hang detection end to end: a worker whose heartbeat, progress window or timer lapses is
+found hung by its agent, its threads' stacks are dumped into the failure summary, it is
+killed, and the job restarts it like a failed worker."""
+
+import os
+import re
+import sys
+import textwrap
+
+import pytest
+
+from agents import assert_nothing_left
+from test_run import elastix_run, finish
+
+# MODE: heartbeat (beats, then stops in a function the stack must show), window (inside
+# expect_progress), timer (inside elastix.timer.expires), fine (beats and finishes). A
+# restarted worker (TORCHELASTIC_RESTART_COUNT > 0) finishes at once.
+WORKER = textwrap.dedent(
+    """
+    import os, threading, time
+    from datetime import timedelta
+    import elastix
+
+    def stuck_in_data_loader():
+        time.sleep(600)
+
+    def side_thread_waits():
+        threading.Event().wait()
+
+    open(os.path.join(os.environ["OUT_DIR"], f"start_{os.environ['TORCHELASTIC_RESTART_COUNT']}"), "w").close()
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":
+        raise SystemExit(0)
+    threading.Thread(target=side_thread_waits, name="side", daemon=True).start()
+    mode = os.environ["MODE"]
+    for _ in range(5):
+        elastix.heartbeat()
+        time.sleep(0.01)
+    if mode == "heartbeat":
+        stuck_in_data_loader()
+    elif mode == "window":
+        with elastix.expect_progress(within=timedelta(seconds=1)):
+            stuck_in_data_loader()
+    elif mode == "timer":
+        with elastix.timer.expires(after=1):
+            stuck_in_data_loader()
+    """
+)
+
+
+@pytest.fixture
+def worker(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    return script
+
+
+def run(tmp_path, marker, worker, mode, *flags):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MODE", mode)
+        proc = elastix_run("--standalone", *flags, worker, out_dir=tmp_path, marker=marker)
+    return finish(proc, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "mode, flags, reason",
+    [
+        ("heartbeat", ["--worker-timeout", "2"], r"no heartbeat for (\d+\.\d)s \(--worker-timeout 2\.0s\)"),
+        ("window", [], r"no progress for (\d+\.\d)s in a window of 1\.0s"),
+        ("timer", [], r"its timer expired (\d+\.\d)s ago"),
+    ],
+)
+def test_a_hung_worker_is_named_with_its_stacks_and_the_job_fails(tmp_path, marker, worker, mode, flags, reason):
+    code, _out, err = run(tmp_path, marker, worker, mode, *flags)
+    assert code == 1, err
+    found = re.search(r"hung      : " + reason + r"; last heartbeat: \d{4}-", err)
+    assert found, err
+    # found within a second of the lapse, as the agent measured it
+    assert float(found.group(1)) < {"heartbeat": 2 + 1, "window": 1 + 1, "timer": 1}[mode], err
+    assert "exitcode  : -9 (SIGKILL)" in err
+    # every thread's stack, the stuck frame included
+    assert "stacks when it was found hung:" in err
+    assert "in stuck_in_data_loader" in err and "in side_thread_waits" in err
+    assert_nothing_left(marker)
+
+
+def test_a_hung_worker_is_restarted_like_a_failed_one(tmp_path, marker, worker):
+    code, _out, err = run(tmp_path, marker, worker, "heartbeat", "--worker-timeout", "1", "--max-restarts", "1")
+    assert code == 0, err
+    assert (tmp_path / "start_1").exists(), "the restarted attempt ran"
+    assert re.search(r"worker 0 \(pid \d+\) is hung: no heartbeat for", err), err
+    assert_nothing_left(marker)
+
+
+def test_workers_that_never_beat_are_never_hung(tmp_path, marker):
+    script = tmp_path / "quiet.py"
+    script.write_text("import time\ntime.sleep(2)\n")
+    proc = elastix_run("--standalone", "--worker-timeout", "0.5", script, out_dir=tmp_path, marker=marker)
+    code, _out, err = finish(proc)
+    assert code == 0 and "hung" not in err, err
+
+
+def test_heartbeats_outside_elastix_run_do_nothing():
+    code = "import elastix\nelastix.heartbeat()\nwith elastix.expect_progress(within=1):\n    pass\n"
+    code += "with elastix.timer.expires(after=1):\n    elastix.heartbeat()\nprint('ok')\n"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIX_HEARTBEAT")}
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.stdout == "ok\n", done.stderr
+
+
+def test_bad_durations_are_refused():
+    import elastix
+
+    with pytest.raises(ValueError, match="within must be a positive duration"):
+        with elastix.expect_progress(within=0):
+            pass
+    with pytest.raises(ValueError, match="after must be a positive duration"):
+        with elastix.timer.expires(after=-1):
+            pass
