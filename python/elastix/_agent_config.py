@@ -71,6 +71,8 @@ def build(
     line_prefix: Optional[str],
     virtual_local_rank: bool,
     worker_timeout: Optional[float] = None,
+    event_log: Optional[str] = None,
+    event_log_stderr: bool = False,
     duplicate_stdout_filters: Optional[Sequence[str]] = None,
     duplicate_stderr_filters: Optional[Sequence[str]] = None,
     name: Optional[str] = None,
@@ -111,6 +113,8 @@ def build(
         "shutdown_timeout": parse_seconds("--shutdown-timeout", shutdown_timeout),
         "exit_barrier_timeout": parse_seconds("--exit-barrier-timeout", exit_barrier_timeout),
         "worker_timeout": None if worker_timeout is None else parse_seconds("--worker-timeout", worker_timeout),
+        "event_log": _event_log_path(event_log),
+        "event_log_stderr": bool(event_log_stderr),
         "log_dir": log_dir,
         "redirects": [int(mask) for mask in redirects],
         "tee": [int(mask) for mask in tee],
@@ -129,6 +133,16 @@ def build(
 
     _core.check_agent_config(json.dumps(config))
     return config
+
+
+def _event_log_path(path: Optional[str]) -> Optional[str]:
+    """The event log's absolute path; its directory must exist (the agent creates the file)."""
+    if not path:
+        return None
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(os.path.dirname(path)):
+        raise ValueError(f"--event-log {path}: no directory {os.path.dirname(path)}")
+    return path
 
 
 def _duplicate_filters(

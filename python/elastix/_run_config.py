@@ -91,6 +91,8 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = _ag
         shutdown_timeout=_agent_config.shutdown_timeout_from_env(args.shutdown_timeout),
         exit_barrier_timeout=_agent_config.exit_barrier_timeout_from_env(args.exit_barrier_timeout),
         worker_timeout=args.worker_timeout,
+        event_log=args.event_log,
+        event_log_stderr=args.event_log_handler == "jsonl",
         log_dir=args.log_dir or None,
         redirects=masks_per_rank(args.redirects, nproc, "--redirects"),
         tee=masks_per_rank(args.tee, nproc, "--tee"),

@@ -376,7 +376,18 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         type=str,
         default="null",
         metavar="NAME",
-        help="null (default), or console: the run's outcome as torchelastic JSON events on stderr",
+        help="null (default); console: the run's outcome as torchelastic JSON events on stderr; "
+        "jsonl: every state change as elastix's JSON events on stderr (see --event-log)",
+    )
+    g.add_argument(
+        "--event-log",
+        "--event_log",
+        action=EnvOption,
+        type=str,
+        default=None,
+        metavar="FILE",
+        help="[elastix] append every state change (round formed, member lost or joined, worker failed "
+        "or hung, restart, job finished) to FILE as JSON lines",
     )
     g.add_argument(
         "--logs-specs",

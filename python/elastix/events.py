@@ -4,7 +4,9 @@
 one for the agent to stderr when the run ends, in torch's event layout (``name``, ``source``,
 ``timestamp`` in milliseconds, ``metadata``) under the names torch uses
 (``torchelastic.worker.status.<STATE>``), so that tools reading torchrun's event log read
-elastix's. Events during the run (each rendezvous, each restart) are in the agent's own log.
+elastix's. ``jsonl`` has the agent write each of its own events (every state change, see
+rust/core/src/agent/events.rs) to stderr as it happens; ``--event-log FILE`` appends them to
+a file whatever the handler.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 import time
 from typing import Any, Dict, List
 
-HANDLERS = ("null", "console")
+HANDLERS = ("null", "console", "jsonl")
 
 
 def check_handler(name: str) -> str:

@@ -73,6 +73,12 @@ pub struct AgentConfig {
     pub duplicate_stdout_filters: Vec<String>,
     #[serde(default)]
     pub duplicate_stderr_filters: Vec<String>,
+    /// The file every state change is appended to as a JSON line ([`super::events`]).
+    #[serde(default)]
+    pub event_log: Option<String>,
+    /// Whether those lines also go to stderr (`--event-log-handler jsonl`).
+    #[serde(default)]
+    pub event_log_stderr: bool,
     pub virtual_local_rank: bool,
     /// What the failure summary calls the job (default: the script or program).
     #[serde(default)]
@@ -258,6 +264,7 @@ fn flag(field: &str) -> Option<&'static str> {
         "line_prefix" => "--log-line-prefix-template",
         "duplicate_stdout_filters" => "--duplicate-stdout-filters",
         "worker_timeout" => "--worker-timeout",
+        "event_log" => "--event-log",
         "duplicate_stderr_filters" => "--duplicate-stderr-filters",
         "role" => "--role",
         "run_id" => "--rdzv-id",

@@ -77,12 +77,27 @@ impl LogWriter {
     pub fn create(&self, path: &Path) -> io::Result<LogFile> {
         let file = File::create(path)
             .map_err(|err| io::Error::new(err.kind(), format!("cannot create log file {}: {err}", path.display())))?;
+        Ok(self.writing(path, file))
+    }
+
+    /// Opens `path` for appending (creating it if missing): several writers may share it,
+    /// and each buffer reaches it whole.
+    pub fn append(&self, path: &Path) -> io::Result<LogFile> {
+        let file = File::options()
+            .append(true)
+            .create(true)
+            .open(path)
+            .map_err(|err| io::Error::new(err.kind(), format!("cannot open {}: {err}", path.display())))?;
+        Ok(self.writing(path, file))
+    }
+
+    fn writing(&self, path: &Path, file: File) -> LogFile {
         let target = Target {
             path: path.to_owned(),
             file: Mutex::new(BufWriter::with_capacity(FILE_BUFFER, file)),
             failed: AtomicBool::new(false),
         };
-        Ok(LogFile { sender: self.sender.clone(), target: Arc::new(target) })
+        LogFile { sender: self.sender.clone(), target: Arc::new(target) }
     }
 
     /// Waits up to `within` for every line queued so far to reach its file, then returns the

@@ -5,6 +5,7 @@
 //!   their output goes; [`pump`]: relaying it; [`console`] and [`logfiles`]: the threads that
 //!   write it, so the agent never blocks on a stalled reader or a full disk; [`failure`]: what a failure left behind and
 //!   the summary; [`heartbeats`] and [`stacks`]: hung workers and their stack dumps.
+//! * [`events`]: the event log of every state change.
 //! * [`config`], [`env`], [`ranks`]: what workers are started with; [`process`]: how a child
 //!   is started; [`standby`]: warm interpreters that make restarts fast; [`signals`], [`result`].
 
@@ -12,6 +13,7 @@ pub mod config;
 pub mod console;
 pub mod env;
 pub mod error;
+pub mod events;
 pub mod failure;
 pub mod group;
 pub mod heartbeats;

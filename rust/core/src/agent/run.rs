@@ -23,6 +23,7 @@ use tokio::sync::watch;
 use super::config::AgentConfig;
 use super::console::{self, StreamMark};
 use super::error::{AgentError, Result};
+use super::events::EventLog;
 use super::failure::{summary, Failure};
 use super::group::{GroupOutcome, Launch, WorkerGroup};
 use super::logfiles::LogWriter;
@@ -79,6 +80,8 @@ pub async fn run_agent(config: AgentConfig) -> AgentResult {
         }
     }
     if let Some(agent) = &agent {
+        let (state, exit_code) = end.state();
+        agent.events.job_finished(state, exit_code).await;
         // a signal asks for a prompt exit: a hung disk gets less time then
         let within = if matches!(end, End::Interrupted(_)) { CONSOLE_FLUSH_WAIT } else { LOG_FLUSH_WAIT };
         report.output_errors = agent.log_writer.finish(within).await;
@@ -134,6 +137,18 @@ enum End {
     Interrupted(Signal),
 }
 
+impl End {
+    /// The run's state and exit code.
+    fn state(&self) -> (&'static str, i32) {
+        match self {
+            End::Succeeded => ("SUCCEEDED", 0),
+            End::LogsIncomplete => ("SUCCEEDED", LOGS_INCOMPLETE),
+            End::Failed => ("FAILED", 1),
+            End::Interrupted(signal) => ("INTERRUPTED", 128 + *signal as i32),
+        }
+    }
+}
+
 /// What the result will say; filled in as the run goes.
 #[derive(Default)]
 struct Report {
@@ -169,12 +184,12 @@ impl Report {
     }
 
     fn finish(self, end: End) -> AgentResult {
-        let (state, exit_code) = match end {
-            End::Succeeded => (RunState::Succeeded, 0),
-            End::LogsIncomplete => (RunState::Succeeded, LOGS_INCOMPLETE),
-            End::Failed => (RunState::Failed, 1),
-            End::Interrupted(signal) => (RunState::Interrupted, 128 + signal as i32),
+        let state = match end {
+            End::Succeeded | End::LogsIncomplete => RunState::Succeeded,
+            End::Failed => RunState::Failed,
+            End::Interrupted(_) => RunState::Interrupted,
         };
+        let (_, exit_code) = end.state();
         AgentResult {
             state,
             exit_code,
@@ -213,6 +228,7 @@ struct Agent {
     standbys: StandbyPool,
     /// Where each local rank's workers write.
     outputs: Vec<Output>,
+    events: EventLog,
 }
 
 impl Agent {
@@ -237,7 +253,10 @@ impl Agent {
             );
         }
         let standbys = StandbyPool::new(&config, outputs.clone());
-        Ok(Agent { config, rdzv, signals, logs, log_writer, host, attempt: 0, store: None, standbys, outputs })
+        let events =
+            EventLog::open(config.event_log.as_deref(), config.event_log_stderr, &config.run_id, &host, &log_writer)
+                .map_err(|err| AgentError::Config(format!("--event-log: {err}")))?;
+        Ok(Agent { config, rdzv, signals, logs, log_writer, host, attempt: 0, store: None, standbys, outputs, events })
     }
 
     async fn run(&mut self, report: &mut Report) -> Result<End> {
@@ -264,9 +283,11 @@ impl Agent {
             report.group_rank = Some(info.rank);
             report.group_world_size = Some(info.world_size);
             report.restart_count = self.rdzv.restart_count().await?;
+            self.events.round_formed(&info, report.restart_count).await;
             let mut group = match self.start_workers(&info, report.restart_count).await {
                 Ok(group) => {
                     lost_starts = 0;
+                    self.events.workers_started(&group.global_ranks(), &group.pids()).await;
                     group
                 }
                 Err(AgentError::Interrupted(signal)) => {
@@ -313,6 +334,7 @@ impl Agent {
                     }
                 }
                 Event::Workers(GroupOutcome::Failed(failures)) => {
+                    self.events.workers_failed(&failures).await;
                     group.stop(Signal::SIGTERM, grace).await;
                     if let Some(end) = self.after_failure(failures, report).await? {
                         return Ok(end);
@@ -321,11 +343,14 @@ impl Agent {
                 Event::Change(change) => {
                     let closed = change == MembershipChange::Closed;
                     let next = if closed { "stopping the workers" } else { "restarting the workers" };
-                    tracing::info!("{}; {next}", describe(&change));
+                    let description = describe(&change);
+                    tracing::info!("{description}; {next}");
+                    self.events.membership_changed(&change, &description).await;
                     group.stop(Signal::SIGTERM, grace).await;
                     if closed {
                         return self.closed(report).await;
                     }
+                    self.events.restart(report.restart_count, self.config.max_restarts, &description).await;
                 }
                 Event::Signal(signal, forward) => {
                     tracing::info!("received {signal}; stopping the workers");
@@ -396,6 +421,7 @@ impl Agent {
             })
             .collect();
         tracing::warn!("{}; restart {restarts} of {}", failed.join("; "), self.config.max_restarts);
+        self.events.restart(restarts, self.config.max_restarts, "worker failure").await;
         Ok(None)
     }
 

@@ -1,0 +1,103 @@
+//! The agent's event log: every state change (a round formed, a member lost or joined, the
+//! workers started, a worker failed or hung, a restart, the job finished) as one JSON object,
+//! written as a line to `--event-log FILE` (appended, through the log writer thread, so a slow
+//! disk never holds the agent), to stderr with `--event-log-handler jsonl`, and to the log
+//! at DEBUG (target `elastix::events`; library users get it in Python's logging).
+//!
+//! Each event has `event` (its name), `time` (RFC 3339, milliseconds), `run_id`, `host` and
+//! `pid` (the agent's), then fields of its own.
+
+use std::path::Path;
+use std::time::SystemTime;
+
+use serde_json::{json, Map, Value};
+
+use super::console;
+use super::failure::Failure;
+use super::logfiles::{LogFile, LogWriter};
+use crate::rendezvous::{MembershipChange, RendezvousInfo};
+
+pub struct EventLog {
+    file: Option<LogFile>,
+    to_stderr: bool,
+    run_id: String,
+    host: String,
+}
+
+impl EventLog {
+    /// `file`: the event log to append to, created if missing.
+    pub fn open(
+        file: Option<&str>,
+        to_stderr: bool,
+        run_id: &str,
+        host: &str,
+        writer: &LogWriter,
+    ) -> std::io::Result<EventLog> {
+        let file = file.map(|path| writer.append(Path::new(path))).transpose()?;
+        Ok(EventLog { file, to_stderr, run_id: run_id.to_owned(), host: host.to_owned() })
+    }
+
+    /// Writes one event: `fields` (an object) after the common ones.
+    pub async fn emit(&self, name: &str, fields: Value) {
+        let mut event = Map::new();
+        event.insert("event".into(), name.into());
+        event.insert("time".into(), humantime::format_rfc3339_millis(SystemTime::now()).to_string().into());
+        event.insert("run_id".into(), self.run_id.clone().into());
+        event.insert("host".into(), self.host.clone().into());
+        event.insert("pid".into(), std::process::id().into());
+        if let Value::Object(fields) = fields {
+            event.extend(fields);
+        }
+        let line = Value::Object(event).to_string();
+        tracing::debug!(target: "elastix::events", "{line}");
+        if self.to_stderr {
+            console::stderr().line(format!("{line}\n").into_bytes());
+        }
+        if let Some(file) = &self.file {
+            file.line(line.as_bytes()).await;
+        }
+    }
+
+    pub async fn round_formed(&self, info: &RendezvousInfo, restart_count: i64) {
+        let fields = json!({"round": info.round, "group_rank": info.rank, "group_world_size": info.world_size,
+                            "restart_count": restart_count});
+        self.emit("round_formed", fields).await;
+    }
+
+    pub async fn workers_started(&self, global_ranks: &[u32], pids: &[u32]) {
+        self.emit("workers_started", json!({"global_ranks": global_ranks, "pids": pids})).await;
+    }
+
+    /// `worker_hung` or `worker_failed`, one per failure.
+    pub async fn workers_failed(&self, failures: &[Failure]) {
+        for failure in failures {
+            let name = if failure.hung.is_some() { "worker_hung" } else { "worker_failed" };
+            let fields = json!({"global_rank": failure.global_rank, "local_rank": failure.local_rank,
+                                "worker_pid": failure.pid, "exitcode": failure.exitcode, "signal": failure.signal,
+                                "hung": failure.hung});
+            self.emit(name, fields).await;
+        }
+    }
+
+    /// `member_lost`, `member_joined` (late nodes wait to join) or `membership_changed`.
+    pub async fn membership_changed(&self, change: &MembershipChange, description: &str) {
+        let (name, mut fields) = match change {
+            MembershipChange::NodeLost { rank, node } => {
+                ("member_lost", json!({"group_rank": rank, "node": node.as_ref().map(ToString::to_string)}))
+            }
+            MembershipChange::NodesWaiting => ("member_joined", json!({})),
+            _ => ("membership_changed", json!({})),
+        };
+        fields["reason"] = description.into();
+        self.emit(name, fields).await;
+    }
+
+    pub async fn restart(&self, restart_count: i64, max_restarts: u32, reason: &str) {
+        let fields = json!({"restart_count": restart_count, "max_restarts": max_restarts, "reason": reason});
+        self.emit("restart", fields).await;
+    }
+
+    pub async fn job_finished(&self, state: &str, exit_code: i32) {
+        self.emit("job_finished", json!({"state": state, "exit_code": exit_code})).await;
+    }
+}
