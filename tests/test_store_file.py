@@ -94,6 +94,24 @@ def test_the_file_is_torchs_format(path):
     )
 
 
+def test_clones_are_handles_of_their_own(path):
+    store = elastix.FileStore(path, 1)
+    clone = store.clone()
+    clone.set("k", "v")
+    assert store.get("k") == b"v"
+    del store
+    assert os.path.exists(path), "the clone is still open"
+    del clone
+    assert not os.path.exists(path)
+
+
+def test_world_size_0_deletes_the_file_when_no_handle_is_open(path):
+    store = elastix.FileStore(path, 0)
+    store.set("k", "v")
+    del store
+    assert not os.path.exists(path)
+
+
 def test_errors_are_clear(tmp_path, path):
     with pytest.raises(elastix.DistStoreError, match="does not exist"):
         elastix.FileStore(str(tmp_path / "missing" / "store"))
@@ -103,5 +121,5 @@ def test_errors_are_clear(tmp_path, path):
         elastix.FileStore(path)
     with open(path, "rb") as junk:
         assert junk.read() == b"not a store at all", "left alone"
-    with pytest.raises(ValueError):
-        elastix.FileStore(str(tmp_path / "other"), 0)
+    with pytest.raises(TypeError):
+        elastix.FileStore(str(tmp_path / "other"), "2")  # type: ignore[arg-type]
