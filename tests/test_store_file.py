@@ -1,6 +1,7 @@
 """elastix.FileStore: a store shared through a file, also by separate processes."""
 
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -28,7 +29,7 @@ def test_operations(path):
     store.multi_set(["a", "b"], ["1", "2"])
     assert store.multi_get(["k", "a", "b"]) == [b"w!", b"1", b"2"]
     assert sorted(store.list_keys()) == ["a", "b", "k", "n"]
-    assert store.num_keys() == 4
+    assert store.num_keys() == 5, "the four keys and torch's refcount counter"
     assert store.delete_key("a") and not store.delete_key("a")
     store.queue_push("q", "x")
     assert store.queue_len("q") == 1 and store.queue_pop("q") == b"x"
@@ -71,12 +72,54 @@ def test_the_file_is_kept_without_a_world_size(path):
     assert elastix.FileStore(path).get("k") == b"v"
 
 
+def test_the_file_is_torchs_format(path):
+    store = elastix.FileStore(path)
+    store.set("k", "v")
+    assert store.add("n", 7) == 7
+    del store
+
+    def entry(key: bytes, value: bytes) -> bytes:
+        return struct.pack("<I", len(key)) + key + struct.pack("<I", len(value)) + value
+
+    with open(path, "rb") as file:
+        written = file.read()
+    assert written == b"".join(
+        [
+            entry(b"refcount/", b"1"),
+            entry(b"/k", b"v"),
+            entry(b"/n", b"7"),
+            entry(b"cleanup/", b"1"),
+            entry(b"refcount/", b"0"),
+        ]
+    )
+
+
+def test_clones_are_handles_of_their_own(path):
+    store = elastix.FileStore(path, 1)
+    clone = store.clone()
+    clone.set("k", "v")
+    assert store.get("k") == b"v"
+    del store
+    assert os.path.exists(path), "the clone is still open"
+    del clone
+    assert not os.path.exists(path)
+
+
+def test_world_size_0_deletes_the_file_when_no_handle_is_open(path):
+    store = elastix.FileStore(path, 0)
+    store.set("k", "v")
+    del store
+    assert not os.path.exists(path)
+
+
 def test_errors_are_clear(tmp_path, path):
     with pytest.raises(elastix.DistStoreError, match="does not exist"):
         elastix.FileStore(str(tmp_path / "missing" / "store"))
     with open(path, "wb") as junk:
         junk.write(b"not a store at all")
-    with pytest.raises(elastix.DistStoreError, match="not an elastix file store"):
+    with pytest.raises(elastix.DistStoreError, match="not a FileStore file"):
         elastix.FileStore(path)
-    with pytest.raises(ValueError):
-        elastix.FileStore(str(tmp_path / "other"), 0)
+    with open(path, "rb") as junk:
+        assert junk.read() == b"not a store at all", "left alone"
+    with pytest.raises(TypeError):
+        elastix.FileStore(str(tmp_path / "other"), "2")  # type: ignore[arg-type]

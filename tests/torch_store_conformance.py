@@ -67,11 +67,6 @@ KNOWN: Dict[str, Tuple[str, str]] = {
         "with isinstance(store, dist.PrefixStore), here elastix's class",
     ),
     "InitPgWithNonUvStore.test_with_url_param": ("internals", "as test_with_env_var"),
-    "FileStoreTest.test_set_get_check": (
-        "elastix",
-        "num_keys() of a new FileStore: torch 1 (it counts its refcount key), elastix 0",
-    ),
-    "PrefixFileStoreTest.test_set_get_check": ("elastix", "as FileStoreTest.test_set_get_check"),
     "TCPStoreTest.test_repr": ("elastix", _REPR),
     "LibUvTCPStoreTest.test_repr": ("elastix", _REPR),
 }

@@ -44,8 +44,8 @@ impl BlockingStoreCore {
         BlockingStoreCore { store: Arc::new(LocalStore::new()), pending: PendingSignal::default() }
     }
 
-    /// A handle on the store in the file at `path` (created if missing). Once `world_size`
-    /// handles have been dropped and none is open, the file is deleted.
+    /// A handle on the store in the file at `path` (created if missing), in torch's FileStore
+    /// format. Once `world_size` handles have been dropped and none is open, the file is deleted.
     #[staticmethod]
     #[pyo3(signature = (path, world_size=None))]
     fn file(py: Python<'_>, path: PathBuf, world_size: Option<u32>) -> PyResult<Self> {

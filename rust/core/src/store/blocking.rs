@@ -12,8 +12,8 @@ use super::error::{Result, StoreError};
 /// How often a blocked wait asks its interrupt check (Python's Ctrl-C) at the latest.
 pub const INTERRUPT_CHECK_EVERY: Duration = Duration::from_millis(100);
 
-/// Keys and values are opaque bytes, unprefixed (these stores are not shared with torch
-/// clients). Every method may be called from several threads at once.
+/// Keys and values are opaque bytes, as the user gave them (the file store adds torch's key
+/// prefix in its file only). Every method may be called from several threads at once.
 pub trait BlockingStore: Send + Sync {
     fn set(&self, key: &[u8], value: &[u8]) -> Result<()>;
     /// The value, or `None` if the key is missing; never waits.
