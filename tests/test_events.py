@@ -52,5 +52,7 @@ def test_an_unwritable_event_log_is_a_usage_error(tmp_path, marker):
     script = tmp_path / "ok.py"
     script.write_text("")
     missing = tmp_path / "no" / "such" / "dir" / "events.jsonl"
-    code, _out, err = finish(elastix_run("--standalone", "--event-log", missing, script, out_dir=tmp_path, marker=marker))
+    code, _out, err = finish(
+        elastix_run("--standalone", "--event-log", missing, script, out_dir=tmp_path, marker=marker)
+    )
     assert code == 2 and f"--event-log {missing}: no directory" in err and "Traceback" not in err, err
