@@ -64,9 +64,9 @@ def run(tmp_path, marker, worker, mode, *flags):
 @pytest.mark.parametrize(
     "mode, flags, reason",
     [
-        ("heartbeat", ["--worker-timeout", "2"], r"no heartbeat for (\d+\.\d)s \(--worker-timeout 2\.0s\)"),
-        ("window", [], r"no progress for (\d+\.\d)s in a window of 1\.0s"),
-        ("timer", [], r"its timer expired (\d+\.\d)s ago"),
+        ("heartbeat", ["--worker-timeout", "2"], r"no heartbeat for (\d+\.\d+)s \(--worker-timeout 2\.00s\)"),
+        ("window", [], r"no progress for (\d+\.\d+)s in a window of 1\.00s"),
+        ("timer", [], r"its timer expired (\d+\.\d+)s ago"),
     ],
 )
 def test_a_hung_worker_is_named_with_its_stacks_and_the_job_fails(tmp_path, marker, worker, mode, flags, reason):

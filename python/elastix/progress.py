@@ -24,7 +24,7 @@ from typing import Iterator, List, Optional, Union
 
 # the layout of a slot: words of 8 bytes, as the agent reads them
 _WORDS = 8
-_LAST_BEAT, _WINDOW, _DEADLINE, _DUMP_SIGNAL, _BEATS = range(5)
+_LAST_BEAT, _WINDOW, _DEADLINE, _DUMP_SIGNAL = range(4)
 
 _words: Optional[memoryview] = None  # this worker's page, as 64-bit words
 _base = 0  # its slot's first word
@@ -33,6 +33,7 @@ _lock = threading.Lock()  # guards the window and timer stacks (heartbeats need 
 _windows: List[int] = []
 _deadlines: List[int] = []
 _stacks_file = None  # kept open: faulthandler writes to its descriptor
+_monotonic_ns = time.monotonic_ns  # the agent reads CLOCK_MONOTONIC too
 
 
 def _slot() -> Optional[memoryview]:
@@ -82,9 +83,7 @@ def heartbeat() -> None:
     """Tells the agent this worker makes progress. Cheap enough to call every step."""
     words = _words if _looked else _slot()
     if words is not None:
-        base = _base
-        words[base] = time.monotonic_ns()
-        words[base + _BEATS] += 1
+        words[_base] = _monotonic_ns()
 
 
 def _nanoseconds(duration: Union[timedelta, float, int], name: str) -> int:

@@ -3,8 +3,8 @@
 //! (no system call, no store round trip), and the check that reads them.
 //!
 //! A worker's slot is [`SLOT_WORDS`] words: the time of its last heartbeat, the progress
-//! window it is in (`expect_progress`), the deadline of its innermost timer, the signal on
-//! which it dumps its threads' stacks (0 until armed) and its heartbeat count. Times are
+//! window it is in (`expect_progress`), the deadline of its earliest timer and the signal on
+//! which it dumps its threads' stacks (0 until armed); the rest is spare. Times are
 //! `CLOCK_MONOTONIC` nanoseconds, the clock Python's `time.monotonic_ns()` reads; 0 means
 //! none. A worker is hung when its timer expired, when it is in a progress window and its
 //! last heartbeat is older than that, or when `--worker-timeout` is set and its last
@@ -26,7 +26,6 @@ const LAST_BEAT: usize = 0;
 const WINDOW: usize = 1;
 const DEADLINE: usize = 2;
 const DUMP_SIGNAL: usize = 3;
-const BEATS: usize = 4;
 
 /// The variables a worker finds its slot with.
 pub const FILE_VAR: &str = "ELASTIX_HEARTBEAT_FILE";
@@ -51,7 +50,6 @@ pub struct Slot {
     pub window: u64,
     pub deadline: u64,
     pub dump_signal: u64,
-    pub beats: u64,
 }
 
 /// Why a worker counts as hung.
@@ -64,7 +62,7 @@ pub enum Lapse {
 
 impl std::fmt::Display for Lapse {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let secs = |d: &Duration| format!("{:.1}s", d.as_secs_f64());
+        let secs = |d: &Duration| format!("{:.2}s", d.as_secs_f64());
         match self {
             Lapse::TimerExpired { late } => write!(f, "its timer expired {} ago", secs(late)),
             Lapse::NoProgress { window, since } => {
@@ -153,7 +151,6 @@ impl Heartbeats {
             window: self.word(slot, WINDOW),
             deadline: self.word(slot, DEADLINE),
             dump_signal: self.word(slot, DUMP_SIGNAL),
-            beats: self.word(slot, BEATS),
         }
     }
 }
@@ -199,7 +196,7 @@ mod tests {
             [7u64, 0, 0, 0, 0, 0, 0, 0, 11, 12, 13, 14, 15, 0, 0, 0].iter().flat_map(|w| w.to_ne_bytes()).collect();
         std::os::unix::fs::FileExt::write_all_at(&map, &words, 0).unwrap();
         assert_eq!(page.slot(0).last_beat, 7);
-        assert_eq!(page.slot(1), Slot { last_beat: 11, window: 12, deadline: 13, dump_signal: 14, beats: 15 });
+        assert_eq!(page.slot(1), Slot { last_beat: 11, window: 12, deadline: 13, dump_signal: 14 });
         drop(page);
         assert!(!path.exists());
     }
