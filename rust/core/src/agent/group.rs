@@ -17,6 +17,7 @@ use tokio::task::JoinHandle;
 
 use super::config::{AgentConfig, STD_ERR, STD_OUT};
 use super::console;
+use super::dumps::{DumpRequests, WorkerStacks};
 use super::env::{worker_args, worker_env, WorkerPlace};
 use super::error::{AgentError, Result};
 use super::failure::Failure;
@@ -152,8 +153,9 @@ impl WorkerGroup {
         self.workers.iter().map(|w| w.pid).collect()
     }
 
-    /// Waits until a worker fails or hangs, or every worker has succeeded.
-    pub async fn wait(&mut self) -> GroupOutcome {
+    /// Waits until a worker fails or hangs, or every worker has succeeded; answers stack dump
+    /// requests meanwhile.
+    pub async fn wait(&mut self, dumps: &mut DumpRequests) -> GroupOutcome {
         let mut watch = tokio::time::interval(WATCH_EVERY);
         watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
@@ -181,8 +183,35 @@ impl WorkerGroup {
                         return GroupOutcome::Failed(self.stop_hung(hung).await);
                     }
                 }
+                Some(asked) = dumps.next() => {
+                    let stacks = self.dump_stacks(asked.rank).await;
+                    let _ = asked.answer.send(stacks);
+                }
             }
         }
+    }
+
+    /// The stacks of the running workers (of global rank `rank` only, if given).
+    async fn dump_stacks(&self, rank: Option<u32>) -> Vec<WorkerStacks> {
+        let mut answers = Vec::new();
+        for (index, worker) in self.workers.iter().enumerate() {
+            if worker.exit.is_some() || rank.is_some_and(|rank| rank != worker.place.global_rank) {
+                continue;
+            }
+            let signal = self.heartbeats.as_ref().map_or(0, |page| page.slot(index).dump_signal);
+            let (stacks, error) = match stacks::dump(worker.pid, signal, &worker.stacks_file).await {
+                Ok(stacks) => (Some(stacks), None),
+                Err(why) => (None, Some(why)),
+            };
+            answers.push(WorkerStacks {
+                rank: worker.place.global_rank,
+                local_rank: worker.place.local_rank,
+                pid: worker.pid,
+                stacks,
+                error,
+            });
+        }
+        answers
     }
 
     /// The running workers whose heartbeat or timer lapsed, with their slots.

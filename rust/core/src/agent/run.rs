@@ -22,6 +22,7 @@ use tokio::sync::watch;
 
 use super::config::AgentConfig;
 use super::console::{self, StreamMark};
+use super::dumps::DumpRequests;
 use super::error::{AgentError, Result};
 use super::events::EventLog;
 use super::failure::{summary, Failure};
@@ -305,8 +306,9 @@ impl Agent {
             };
             report.global_ranks = group.global_ranks();
             let mut changes = self.rdzv.changes();
+            let mut dumps = DumpRequests::watch(&info, &self.host);
             let event = tokio::select! {
-                outcome = group.wait() => Event::Workers(outcome),
+                outcome = group.wait(&mut dumps) => Event::Workers(outcome),
                 change = next_change(&mut changes) => Event::Change(change),
                 (signal, forward) = self.signals.recv() => Event::Signal(signal, forward),
             };

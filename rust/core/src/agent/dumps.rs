@@ -1,0 +1,151 @@
+//! Stack dumps on demand (`elastix dump`), through the job's rendezvous store: the command
+//! counts a request up and writes it; every agent waits on the next request's key (a push
+//! from the store, no polling), has its matching workers dump their stacks
+//! ([`super::stacks`]), writes its node's reply and counts it. The workers go on running.
+//!
+//! Keys, under `elastix/dump/<run_id>/`: `requests` (the count), `<n>` (request `n`:
+//! `{"rank": R}` or `{"rank": null}` for all), `<n>/node/<group rank>` (a node's reply:
+//! `{"node": .., "host": .., "workers": [{"rank", "local_rank", "pid", "stacks" | "error"}]}`).
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use crate::rendezvous::RendezvousInfo;
+use crate::store::{TcpStore, TcpStoreOptions};
+
+/// How long a node's workers may take to answer one request.
+const ANSWER_WAIT: Duration = Duration::from_secs(10);
+/// Pause before connecting again after the store was lost.
+const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
+
+pub fn request_count_key(run_id: &str) -> String {
+    format!("elastix/dump/{run_id}/requests")
+}
+
+pub fn request_key(run_id: &str, n: i64) -> String {
+    format!("elastix/dump/{run_id}/{n}")
+}
+
+pub fn reply_key(run_id: &str, n: i64, node: u32) -> String {
+    format!("elastix/dump/{run_id}/{n}/node/{node}")
+}
+
+/// What `elastix dump` asks for.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct DumpRequest {
+    /// One global rank, or every worker.
+    pub rank: Option<u32>,
+}
+
+/// One worker's answer.
+#[derive(Debug, Serialize)]
+pub struct WorkerStacks {
+    pub rank: u32,
+    pub local_rank: u32,
+    pub pid: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stacks: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// A request for the worker group, and where its answer goes.
+pub struct Asked {
+    pub rank: Option<u32>,
+    pub answer: oneshot::Sender<Vec<WorkerStacks>>,
+}
+
+/// The requests of one attempt; dropping it stops watching.
+pub struct DumpRequests {
+    asked: mpsc::Receiver<Asked>,
+    watcher: JoinHandle<()>,
+}
+
+impl DumpRequests {
+    /// Watches the round's rendezvous store for requests.
+    pub fn watch(info: &RendezvousInfo, host: &str) -> DumpRequests {
+        let (sender, asked) = mpsc::channel(1);
+        let node = Node {
+            run_id: info.run_id.clone(),
+            rank: info.rank,
+            host: host.to_owned(),
+            store: (info.store_host.clone(), info.store_port),
+        };
+        DumpRequests { asked, watcher: tokio::spawn(node.serve(sender)) }
+    }
+
+    /// The next request (cancel safe).
+    pub async fn next(&mut self) -> Option<Asked> {
+        self.asked.recv().await
+    }
+}
+
+impl Drop for DumpRequests {
+    fn drop(&mut self) {
+        self.watcher.abort();
+    }
+}
+
+struct Node {
+    run_id: String,
+    rank: u32,
+    host: String,
+    store: (String, u16),
+}
+
+impl Node {
+    /// Serves requests until aborted, connecting again whenever the store is lost.
+    async fn serve(self, asked: mpsc::Sender<Asked>) {
+        let mut next = None;
+        loop {
+            if let Err(err) = self.serve_connected(&asked, &mut next).await {
+                tracing::debug!("stack dump requests: {err}; watching again in {RECONNECT_PAUSE:?}");
+            }
+            if asked.is_closed() {
+                return;
+            }
+            tokio::time::sleep(RECONNECT_PAUSE).await;
+        }
+    }
+
+    async fn serve_connected(
+        &self,
+        asked: &mpsc::Sender<Asked>,
+        next: &mut Option<i64>,
+    ) -> Result<(), crate::store::StoreError> {
+        let options = TcpStoreOptions::new(self.store.0.clone(), self.store.1);
+        let mut store = TcpStore::open(options).await?;
+        // requests made before this round are not for it
+        let mut n = match *next {
+            Some(n) => n,
+            None => store.add(request_count_key(&self.run_id).as_bytes(), 0).await? + 1,
+        };
+        *next = Some(n);
+        loop {
+            let key = request_key(&self.run_id, n);
+            store.wait(&[key.as_bytes()], None).await?;
+            let request: DumpRequest =
+                serde_json::from_slice(&store.get(key.as_bytes()).await?).unwrap_or(DumpRequest { rank: None });
+            tracing::info!(
+                "stack dump request {n} for {}: asking the workers",
+                request.rank.map_or_else(|| "every rank".to_owned(), |rank| format!("rank {rank}"))
+            );
+            let (answer, answered) = oneshot::channel();
+            let workers = match asked.send(Asked { rank: request.rank, answer }).await {
+                Ok(()) => tokio::time::timeout(ANSWER_WAIT, answered).await.ok().and_then(Result::ok),
+                Err(_) => None,
+            };
+            let reply = serde_json::json!({
+                "node": self.rank,
+                "host": self.host,
+                "workers": workers.unwrap_or_default(),
+            });
+            store.set(reply_key(&self.run_id, n, self.rank).as_bytes(), reply.to_string().as_bytes()).await?;
+            n += 1;
+            *next = Some(n);
+        }
+    }
+}
