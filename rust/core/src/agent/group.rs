@@ -63,8 +63,10 @@ pub enum GroupOutcome {
     Failed(Vec<Failure>),
 }
 
-/// Workers that fail within this long of the first failure are reported with it (one crash
-/// often takes every rank down at once; torchrun reports all it sees at its next look).
+/// Workers that fail within this long of the first failure are reported with it, when the
+/// failure ends the job (one crash often takes every rank down at once; torchrun reports all
+/// it sees at its next look). A failure the job restarts from does not wait: the restart
+/// matters more than the list.
 pub const FAILED_TOGETHER: Duration = Duration::from_millis(200);
 
 pub struct WorkerGroup {
@@ -154,8 +156,9 @@ impl WorkerGroup {
     }
 
     /// Waits until a worker fails or hangs, or every worker has succeeded; answers stack dump
-    /// requests meanwhile.
-    pub async fn wait(&mut self, dumps: &mut DumpRequests) -> GroupOutcome {
+    /// requests meanwhile. Workers that fail within `together` of a first failure are
+    /// reported with it (zero: those that already did).
+    pub async fn wait(&mut self, dumps: &mut DumpRequests, together: Duration) -> GroupOutcome {
         let mut watch = tokio::time::interval(WATCH_EVERY);
         watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
@@ -166,7 +169,7 @@ impl WorkerGroup {
                     self.workers[index].exit = Some((status, at));
                     if !status.success() {
                         let mut failed = vec![index];
-                        failed.extend(self.failing_together().await);
+                        failed.extend(self.failing_together(together).await);
                         let mut failures = Vec::with_capacity(failed.len());
                         for index in failed {
                             failures.push(self.failure(index).await);
@@ -258,9 +261,9 @@ impl WorkerGroup {
         failures
     }
 
-    /// The other workers that fail within [`FAILED_TOGETHER`] of a first failure.
-    async fn failing_together(&mut self) -> Vec<usize> {
-        let until = tokio::time::Instant::now() + FAILED_TOGETHER;
+    /// The other workers that fail within `window` of a first failure.
+    async fn failing_together(&mut self, window: Duration) -> Vec<usize> {
+        let until = tokio::time::Instant::now() + window;
         let mut failed = Vec::new();
         while let Ok(Some((index, status, at))) = tokio::time::timeout_at(until, self.exits.recv()).await {
             let status = status.unwrap_or_else(|_| failed_status());

@@ -26,7 +26,7 @@ use super::dumps::DumpRequests;
 use super::error::{AgentError, Result};
 use super::events::EventLog;
 use super::failure::{summary, Failure};
-use super::group::{GroupOutcome, Launch, WorkerGroup};
+use super::group::{GroupOutcome, Launch, WorkerGroup, FAILED_TOGETHER};
 use super::logfiles::LogWriter;
 use super::logs::{worker_outputs, LogDirs};
 use super::process::Output;
@@ -307,8 +307,11 @@ impl Agent {
             report.global_ranks = group.global_ranks();
             let mut changes = self.rdzv.changes();
             let mut dumps = DumpRequests::watch(&info, &self.host);
+            // the summary of a failure that ends the job lists all that fail with it
+            let last_chance = report.restart_count >= i64::from(self.config.max_restarts);
+            let together = if last_chance { FAILED_TOGETHER } else { Duration::ZERO };
             let event = tokio::select! {
-                outcome = group.wait(&mut dumps) => Event::Workers(outcome),
+                outcome = group.wait(&mut dumps, together) => Event::Workers(outcome),
                 change = next_change(&mut changes) => Event::Change(change),
                 (signal, forward) = self.signals.recv() => Event::Signal(signal, forward),
             };
