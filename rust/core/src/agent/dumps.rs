@@ -18,6 +18,8 @@ use crate::store::{TcpStore, TcpStoreOptions};
 
 /// How long a node's workers may take to answer one request.
 const ANSWER_WAIT: Duration = Duration::from_secs(10);
+/// How often `elastix dump` looks for replies.
+const REPLY_POLL: Duration = Duration::from_millis(50);
 /// Pause before connecting again after the store was lost.
 const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
 
@@ -31,6 +33,41 @@ pub fn request_key(run_id: &str, n: i64) -> String {
 
 pub fn reply_key(run_id: &str, n: i64, node: u32) -> String {
     format!("elastix/dump/{run_id}/{n}/node/{node}")
+}
+
+/// `elastix dump`'s side: asks the job's agents for their workers' stacks (of global rank
+/// `rank` only, if given) and returns the replies of the nodes of group ranks `nodes` that
+/// came within `timeout`, each as its JSON text (`None`: no reply in time).
+pub async fn request(
+    store: &mut TcpStore,
+    run_id: &str,
+    rank: Option<u32>,
+    nodes: &[u32],
+    timeout: Duration,
+) -> Result<Vec<(u32, Option<String>)>, crate::store::StoreError> {
+    let n = store.add(request_count_key(run_id).as_bytes(), 1).await?;
+    let request = serde_json::to_vec(&DumpRequest { rank }).expect("a plain struct serializes");
+    store.set(request_key(run_id, n).as_bytes(), &request).await?;
+    let keys: Vec<String> = nodes.iter().map(|node| reply_key(run_id, n, *node)).collect();
+    // checks, not a WAIT: a WAIT that times out leaves its connection unusable, and the
+    // replies that did come are still to be read
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut present = vec![false; keys.len()];
+    while present.iter().any(|seen| !seen) && tokio::time::Instant::now() < deadline {
+        for (key, seen) in keys.iter().zip(present.iter_mut()).filter(|(_, seen)| !**seen) {
+            *seen = store.check(&[key.as_bytes()]).await?;
+        }
+        if present.iter().any(|seen| !seen) {
+            tokio::time::sleep(REPLY_POLL).await;
+        }
+    }
+    let mut replies = Vec::with_capacity(nodes.len());
+    for ((node, key), seen) in nodes.iter().zip(&keys).zip(present) {
+        let reply =
+            if seen { Some(String::from_utf8_lossy(&store.get(key.as_bytes()).await?).into_owned()) } else { None };
+        replies.push((*node, reply));
+    }
+    Ok(replies)
 }
 
 /// What `elastix dump` asks for.
