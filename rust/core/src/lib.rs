@@ -12,5 +12,6 @@ pub mod agent;
 pub mod auth;
 pub mod collectives;
 pub mod logging;
+pub mod metrics;
 pub mod rendezvous;
 pub mod store;

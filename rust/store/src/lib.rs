@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use elastix_core::auth::{PlainClients, Secret, SecretError};
+use elastix_core::metrics::{Exposes, MetricsServer};
 use elastix_core::store::{Limits, ServerConfig, StoreServer};
 
 /// How long connections get to close after a stop signal before the process exits anyway.
@@ -61,6 +62,11 @@ pub struct Args {
     /// ELASTIX_AUTH_TOKEN_FILE names, if set.
     #[arg(long)]
     pub auth_token_file: Option<std::path::PathBuf>,
+    /// Serve Prometheus metrics (request counts and latencies by operation, connections) over
+    /// HTTP on this port, at /metrics, on --host's address (default: every IPv4 address; 0
+    /// picks a free port, printed on start). Off by default.
+    #[arg(long, env = "ELASTIX_STORE_METRICS_PORT")]
+    pub metrics_port: Option<u16>,
 }
 
 impl Args {
@@ -143,7 +149,15 @@ fn serve(args: &Args, secret: Option<Secret>) -> std::io::Result<()> {
         let stop = StopSignals::install()?;
         let open = secret.is_none();
         let server = StoreServer::start(&args.server_config(secret))?;
+        // after the store, so that its first line of output stays the store's address
+        let metrics = match args.metrics_port {
+            Some(port) => Some(MetricsServer::start(args.host.as_deref(), port, Exposes::Store)?),
+            None => None,
+        };
         println!("elastix-store listening on {}", server.local_addr());
+        if let Some(metrics) = &metrics {
+            println!("elastix-store metrics on http://{}/metrics", metrics.local_addr());
+        }
         if open && !server.local_addr().ip().is_loopback() {
             tracing::warn!(
                 "no job secret: anyone who can reach port {} of this host can read and change the jobs' \

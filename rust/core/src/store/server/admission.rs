@@ -32,6 +32,7 @@ pub(super) struct Admitted {
 impl Drop for Admitted {
     fn drop(&mut self) {
         self.served.fetch_sub(1, Ordering::Relaxed);
+        crate::metrics::store::server().connection_closed();
     }
 }
 
@@ -52,6 +53,7 @@ impl Admission {
         match self.slots.clone().try_acquire_owned() {
             Ok(slot) => {
                 self.served.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::store::server().connection_opened();
                 Some(Admitted { _slot: slot, served: self.served.clone() })
             }
             Err(_) => {

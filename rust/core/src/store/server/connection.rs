@@ -202,6 +202,9 @@ impl Session {
     }
 
     fn execute(&mut self, request: &Request<'_>) -> Result<(), CloseReason> {
+        // timed (lock wait included) only with a metrics endpoint on: the clock costs more
+        // than the counting
+        let started = crate::metrics::enabled().then(std::time::Instant::now);
         let mut db = self.shared.db();
         // Wakes are sent under this lock, so any wait that completed before this request
         // executes is seen here and its STOP_WAITING precedes this reply (a CANCEL_WAIT that
@@ -210,6 +213,10 @@ impl Session {
             self.write_buf.put_u8(STOP_WAITING);
         }
         db.execute(self.id, &self.waker, request, &mut self.write_buf)?;
+        drop(db);
+        if let Some(started) = started {
+            crate::metrics::store::server().request(request.opcode(), started.elapsed());
+        }
         Ok(())
     }
 }
