@@ -78,6 +78,7 @@ def build(
     name: Optional[str] = None,
     python_workers: bool = False,
     standby_workers: bool = True,
+    metrics_port: Optional[int] = None,
     warn: Callable[[str], None] = warn,
 ) -> Dict[str, Any]:
     """``python_workers``: the entrypoint is the Python interpreter the launcher chose, run
@@ -125,6 +126,7 @@ def build(
         "duplicate_stderr_filters": _duplicate_filters(duplicate_stderr_filters, tee, 2, "stderr", warn),
         # what the failure summary calls the job (the agent names the program otherwise)
         "name": name,
+        "metrics_port": None if metrics_port is None else _port("--metrics-port", metrics_port),
         "standby": _standby(
             python_workers and standby_workers, args, env or {}, rdzv_backend, int(max_nodes), int(max_restarts)
         ),
@@ -167,6 +169,14 @@ def _standby(
     from ._standby import standby_env
 
     return standby_env([str(arg) for arg in args], env)
+
+
+def _port(flag: str, value: Any) -> int:
+    """A TCP port number (0: any free one)."""
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{flag}: {value!r} is not a port number (0-65535)")
+    return port
 
 
 def shutdown_timeout_from_env(value: Optional[float]) -> float:

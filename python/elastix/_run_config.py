@@ -104,6 +104,7 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = _ag
         name=args.training_script if args.run_path else None,
         python_workers=not args.no_python or args.run_path,
         standby_workers=not args.no_standby_workers,
+        metrics_port=args.metrics_port,
         warn=warn,
     )
 

@@ -367,6 +367,16 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         metavar="TEMPLATE",
         help="[elastix] the same in elastix's syntax: {role}, {rank}, {local_rank}, {host}; e.g. '{host}:{rank}| '",
     )
+    g.add_argument(
+        "--metrics-port",
+        action=EnvOption,
+        type=int,
+        default=None,
+        pet=False,
+        metavar="PORT",
+        help="[elastix] serve Prometheus metrics over HTTP at :PORT/metrics on every address "
+        "(0: a free port, logged); off by default",
+    )
 
     g = parser.add_argument_group("torchrun options elastix implements in part (each says what it accepts)")
     g.add_argument(

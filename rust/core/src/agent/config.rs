@@ -87,6 +87,10 @@ pub struct AgentConfig {
     /// [`super::standby`]); `None`: restarts start every worker cold.
     #[serde(default)]
     pub standby: Option<BTreeMap<String, String>>,
+    /// Serve Prometheus metrics over HTTP on this port (`--metrics-port`; 0: a free one,
+    /// logged); `None`: no endpoint.
+    #[serde(default)]
+    pub metrics_port: Option<u16>,
 }
 
 impl AgentConfig {

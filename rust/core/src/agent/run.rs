@@ -34,7 +34,9 @@ use super::ranks::{self, RoleInfo};
 use super::result::{AgentErrorInfo, AgentResult, RunState, LOGS_INCOMPLETE};
 use super::signals::Signals;
 use super::standby::StandbyPool;
+use crate::metrics::{self, Exposes, MetricsServer};
 use crate::rendezvous::node::host_name;
+use crate::rendezvous::records::{AgentFacts, FailureRecord, FORMAT_VERSION};
 use crate::rendezvous::{MembershipChange, Rendezvous, RendezvousError, RendezvousInfo};
 use crate::store::{TcpStore, TcpStoreOptions};
 
@@ -93,6 +95,8 @@ pub async fn run_agent(config: AgentConfig) -> AgentResult {
     report.finish(end)
 }
 
+/// Bound on publishing what `elastix status` shows (a node's facts, a failure).
+const PUBLISH_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long an agent hosting the rendezvous store keeps it up at the end for the other nodes.
 const STORE_LINGER: Duration = Duration::from_secs(5);
 /// How long the end of a run waits for the log files to be written.
@@ -230,12 +234,25 @@ struct Agent {
     /// Where each local rank's workers write.
     outputs: Vec<Output>,
     events: EventLog,
+    /// The metrics endpoint (`--metrics-port`), served while the agent lives.
+    metrics_server: Option<MetricsServer>,
+    /// The round the workers last started in.
+    round: u64,
 }
 
 impl Agent {
     async fn start(mut config: AgentConfig, report: &mut Report) -> Result<Agent> {
         // signals first: one that arrives during the rendezvous is handled like any other
         let mut signals = Signals::install(&config.signals_to_handle)?;
+        // a port in use is a configuration error, said before any rendezvous
+        let metrics = match config.metrics_port {
+            Some(port) => Some(
+                MetricsServer::start(None, port, Exposes::Agent)
+                    .map_err(|err| AgentError::Config(format!("--metrics-port: {err}")))?,
+            ),
+            None => None,
+        };
+        metrics::agent::get().job_restarts(0, config.max_restarts);
         let logs = LogDirs::create(config.log_dir.as_deref(), &config.run_id)?;
         report.log_dir = logs.run_dir().map(|dir| dir.to_string_lossy().into_owned());
         report.logs_kept = !logs.is_temporary();
@@ -257,14 +274,30 @@ impl Agent {
         let events =
             EventLog::open(config.event_log.as_deref(), config.event_log_stderr, &config.run_id, &host, &log_writer)
                 .map_err(|err| AgentError::Config(format!("--event-log: {err}")))?;
-        Ok(Agent { config, rdzv, signals, logs, log_writer, host, attempt: 0, store: None, standbys, outputs, events })
+        Ok(Agent {
+            config,
+            rdzv,
+            signals,
+            logs,
+            log_writer,
+            host,
+            attempt: 0,
+            store: None,
+            standbys,
+            outputs,
+            events,
+            metrics_server: metrics,
+            round: 0,
+        })
     }
 
     async fn run(&mut self, report: &mut Report) -> Result<End> {
         // starts in a row that lost the store: bounded, so that a store that keeps failing
         // right after each rendezvous ends the run instead of cycling forever
         let mut lost_starts = 0;
+        let counts = metrics::agent::get();
         loop {
+            let asked = tokio::time::Instant::now();
             let info = tokio::select! {
                 info = self.rdzv.next_rendezvous() => match info {
                     Ok(info) => info,
@@ -285,6 +318,9 @@ impl Agent {
             report.group_world_size = Some(info.world_size);
             report.restart_count = self.rdzv.restart_count().await?;
             self.events.round_formed(&info, report.restart_count).await;
+            counts.joined_round(info.round, info.world_size, asked.elapsed());
+            self.round = info.round;
+            counts.job_restarts(report.restart_count, self.config.max_restarts);
             let mut group = match self.start_workers(&info, report.restart_count).await {
                 Ok(group) => {
                     lost_starts = 0;
@@ -305,6 +341,9 @@ impl Agent {
                 Err(err) => return Err(err),
             };
             report.global_ranks = group.global_ranks();
+            counts.forget_worker_heartbeats();
+            counts.workers_running(self.config.local_world_size);
+            self.publish_node_status(&report.global_ranks).await;
             let mut changes = self.rdzv.changes();
             let mut dumps = DumpRequests::watch(&info, &self.host);
             // the summary of a failure that ends the job lists all that fail with it
@@ -316,6 +355,7 @@ impl Agent {
                 (signal, forward) = self.signals.recv() => Event::Signal(signal, forward),
             };
             let grace = self.config.shutdown_timeout();
+            count_exits(&event, self.config.local_world_size);
             match event {
                 Event::Workers(GroupOutcome::Succeeded) => {
                     // the last lines belong in the log files the run's outcome vouches for
@@ -335,7 +375,11 @@ impl Agent {
                             // the job's success, and the store may already be gone with its host
                             return Ok(self.closed(report).await.unwrap_or(End::Succeeded));
                         }
-                        Some(_) => continue, // another node restarted: run again with it
+                        Some(Event::Change(change)) => {
+                            counts.reformed(change.kind()); // another node restarted: run again with it
+                            continue;
+                        }
+                        Some(Event::Workers(_)) => continue,
                     }
                 }
                 Event::Workers(GroupOutcome::Failed(failures)) => {
@@ -356,6 +400,7 @@ impl Agent {
                         return self.closed(report).await;
                     }
                     self.events.restart(report.restart_count, self.config.max_restarts, &description).await;
+                    counts.reformed(change.kind());
                 }
                 Event::Signal(signal, forward) => {
                     tracing::info!("received {signal}; stopping the workers");
@@ -402,6 +447,8 @@ impl Agent {
     async fn after_failure(&mut self, failures: Vec<Failure>, report: &mut Report) -> Result<Option<End>> {
         let restarts = self.rdzv.report_failure().await?;
         report.restart_count = restarts;
+        metrics::agent::get().job_restarts(restarts, self.config.max_restarts);
+        self.publish_failure(&failures, report.restart_count).await;
         let name = entrypoint_name(&self.config);
         let text = summary(&name, &failures);
         report.failures = failures;
@@ -427,7 +474,51 @@ impl Agent {
             .collect();
         tracing::warn!("{}; restart {restarts} of {}", failed.join("; "), self.config.max_restarts);
         self.events.restart(restarts, self.config.max_restarts, "worker failure").await;
+        let counts = metrics::agent::get();
+        counts.reformed("worker_failure");
+        counts.restarted();
         Ok(None)
+    }
+
+    /// Tells `elastix status` who this member is (best effort, bounded: a slow store must not
+    /// hold the agent while its workers run unwatched).
+    async fn publish_node_status(&mut self, global_ranks: &[u32]) {
+        let facts = AgentFacts {
+            host: self.host.clone(),
+            role: self.config.role.clone(),
+            local_world_size: self.config.local_world_size,
+            first_rank: global_ranks.iter().copied().min().unwrap_or(0),
+            max_restarts: self.config.max_restarts,
+            metrics_port: self.metrics_server.as_ref().map(MetricsServer::port),
+        };
+        match tokio::time::timeout(PUBLISH_TIMEOUT, self.rdzv.publish_node_status(facts)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => tracing::debug!("could not publish this node's status: {err}"),
+            Err(_) => tracing::debug!("publishing this node's status took over {PUBLISH_TIMEOUT:?}; skipped"),
+        }
+    }
+
+    /// Tells `elastix status` the root cause of this node's failure (best effort, bounded).
+    async fn publish_failure(&mut self, failures: &[Failure], restarts_used: i64) {
+        let Some(first) = failures.iter().min_by(|a, b| a.timestamp.total_cmp(&b.timestamp)) else { return };
+        let record = FailureRecord {
+            v: FORMAT_VERSION,
+            round: self.round,
+            host: first.host.clone(),
+            at_ms: (first.timestamp * 1000.0) as u64,
+            rank: first.global_rank,
+            local_rank: first.local_rank,
+            exitcode: first.exitcode,
+            signal: first.signal.clone(),
+            message: tail_of(&first.message, FailureRecord::MAX_MESSAGE),
+            restarts_used,
+            max_restarts: self.config.max_restarts,
+        };
+        match tokio::time::timeout(PUBLISH_TIMEOUT, self.rdzv.publish_failure(&record)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => tracing::debug!("could not publish the failure for elastix status: {err}"),
+            Err(_) => tracing::debug!("publishing the failure took over {PUBLISH_TIMEOUT:?}; skipped"),
+        }
     }
 
     /// The rendezvous was closed: by a successful job, or by one that failed elsewhere.
@@ -506,6 +597,32 @@ impl Agent {
             }
         }
     }
+}
+
+/// The last `most` bytes of `text` (the end of a traceback says what went wrong), marked as cut.
+fn tail_of(text: &str, most: usize) -> String {
+    if text.len() <= most {
+        return text.to_owned();
+    }
+    let mut cut = text.len() - most;
+    while !text.is_char_boundary(cut) {
+        cut += 1;
+    }
+    format!("...{}", &text[cut..])
+}
+
+/// Counts the workers that ended by themselves (not those the agent then stopped), and that
+/// none runs once an attempt ended.
+fn count_exits(event: &Event, local_world_size: u32) {
+    let counts = metrics::agent::get();
+    match event {
+        Event::Workers(GroupOutcome::Succeeded) => (0..local_world_size).for_each(|_| counts.worker_exited(0)),
+        Event::Workers(GroupOutcome::Failed(failures)) => {
+            failures.iter().for_each(|failure| counts.worker_exited(failure.exitcode))
+        }
+        Event::Change(_) | Event::Signal(..) => {}
+    }
+    counts.workers_running(0);
 }
 
 /// A connection to the rendezvous store, kept in `slot` while it stays usable; a new one is

@@ -136,11 +136,13 @@ impl ClientMetrics {
         );
     }
 
-    /// Runs `request` (operation `op`), counting and timing it while metrics are on.
+    /// Runs `request` (operation `op`), counting and timing it while metrics are on; errors
+    /// `failed` accepts are counted as failures (a wait that timed out is an answer).
     pub async fn timed<T, E>(
         &self,
         op: &'static str,
         request: impl std::future::Future<Output = Result<T, E>>,
+        failed: impl FnOnce(&E) -> bool,
     ) -> Result<T, E> {
         if !super::enabled() {
             return request.await;
@@ -148,7 +150,7 @@ impl ClientMetrics {
         let started = Instant::now();
         let result = request.await;
         self.per_op.record(op, (op != "wait").then(|| started.elapsed()));
-        if result.is_err() {
+        if result.as_ref().err().is_some_and(failed) {
             self.errors.get_or_create(&Op { op }).inc();
         }
         result

@@ -45,6 +45,19 @@ pub enum MembershipChange {
 }
 
 impl MembershipChange {
+    /// A short, stable name of the change, for metrics labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            MembershipChange::NodesWaiting => "nodes_waiting",
+            MembershipChange::NodeLost { .. } => "node_lost",
+            MembershipChange::RoundSuperseded { .. } => "round_superseded",
+            MembershipChange::StoreReset => "store_reset",
+            MembershipChange::StoreUnreachable { .. } => "store_unreachable",
+            MembershipChange::StoreMoved { .. } => "store_moved",
+            MembershipChange::Closed => "closed",
+        }
+    }
+
     /// A change about the store alone, not about the nodes.
     pub fn is_about_the_store(&self) -> bool {
         matches!(

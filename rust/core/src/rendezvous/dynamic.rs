@@ -27,7 +27,9 @@ use super::keys::Keys;
 use super::liveness::{member_key, spawn_heartbeats, spawn_monitor, RoundContext};
 use super::locate::{self, Choice, Known};
 use super::node::NodeDesc;
-use super::records::{decode, encode, Arrival, Event, Master, Meta, FORMAT_VERSION};
+use super::records::{
+    decode, encode, AgentFacts, Arrival, Event, FailureRecord, Master, Meta, NodeStatus, FORMAT_VERSION,
+};
 use super::round::{JoinOutcome, RoundJoin};
 use super::settings::RendezvousSettings;
 use super::store::{RendezvousStore, StoreConn};
@@ -39,6 +41,8 @@ const SITE_RETRY: Duration = Duration::from_millis(500);
 /// The round this node is a member of, with what runs for it.
 struct Membership {
     round: u64,
+    /// This node's group rank in the round.
+    rank: u32,
     world_size: u32,
     tasks: Vec<JoinHandle<()>>,
     changes: watch::Receiver<Option<MembershipChange>>,
@@ -478,7 +482,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             let interval = self.settings.keep_alive_interval;
             tasks.push(locate::spawn_site_watcher(self.store.clone(), known, interval, context.changes.clone()));
         }
-        self.current = Some(Membership { round, world_size, tasks, changes, _master: master_server });
+        self.current = Some(Membership { round, rank, world_size, tasks, changes, _master: master_server });
         let (store_host, store_port) = match self.store.serves_rounds() {
             true => self.store.address(self.store.active_site()),
             false => (master.addr.clone(), master.port),
@@ -587,6 +591,23 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     fn saw_restarts(&mut self, restarts: i64) -> i64 {
         self.restarts_seen = self.restarts_seen.max(restarts);
         restarts
+    }
+
+    /// Publishes what this member's agent knows about itself, for `elastix status`.
+    pub async fn publish_node_status(&mut self, facts: AgentFacts) -> Result<()> {
+        let Some((round, rank)) = self.current.as_ref().map(|m| (m.round, m.rank)) else { return Ok(()) };
+        let status = NodeStatus {
+            v: FORMAT_VERSION,
+            node: self.node.clone(),
+            facts,
+            lost_after_ms: u64::try_from(self.settings.node_lost_after().as_millis()).unwrap_or(u64::MAX),
+        };
+        self.with_conn(async |conn| conn.set(&Keys::node_status(round, rank), &encode(&status)).await).await
+    }
+
+    /// Publishes the root cause of this node's last failure, for `elastix status`.
+    pub async fn publish_failure(&mut self, failure: &FailureRecord) -> Result<()> {
+        self.with_conn(async |conn| conn.set(Keys::LAST_FAILURE, &encode(failure)).await).await
     }
 
     /// Stops this node's heartbeats and background work, and the workers' store it serves.

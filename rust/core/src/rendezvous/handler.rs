@@ -15,6 +15,7 @@ use super::etcd::{create_etcd, EtcdRendezvous};
 use super::keys::run_prefix;
 use super::params::{apply_secret, dynamic_settings};
 pub use super::params::{RendezvousParams, PROGRESS_INTERVAL_VAR};
+use super::records::{AgentFacts, FailureRecord};
 use super::static_rdzv::StaticRendezvous;
 use super::store::TcpRendezvousStore;
 use crate::auth::PlainClients;
@@ -150,6 +151,22 @@ impl Rendezvous {
 
     pub async fn restart_count(&mut self) -> Result<i64> {
         on_dynamic!(self, handler => handler.restart_count().await, static handler => Ok(handler.restart_count()))
+    }
+
+    /// Publishes what `elastix status` shows about this member (c10d only, for now).
+    pub async fn publish_node_status(&mut self, facts: AgentFacts) -> Result<()> {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.publish_node_status(facts).await,
+            Rendezvous::Etcd(_) | Rendezvous::Static(_) => Ok(()),
+        }
+    }
+
+    /// Publishes the root cause of this node's last failure (c10d only, for now).
+    pub async fn publish_failure(&mut self, failure: &FailureRecord) -> Result<()> {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.publish_failure(failure).await,
+            Rendezvous::Etcd(_) | Rendezvous::Static(_) => Ok(()),
+        }
     }
 
     /// Stops this node's part (heartbeats, the workers' store); the rendezvous stays open.

@@ -17,6 +17,10 @@ impl Keys {
     /// Job-wide count of restarts after failures.
     pub const RESTARTS: &'static str = "restarts";
 
+    /// JSON [`super::records::FailureRecord`]: the job's last worker failure, for `elastix
+    /// status` (each failing node overwrites it; written at failure time only).
+    pub const LAST_FAILURE: &'static str = "last_failure";
+
     pub fn event(n: i64) -> String {
         format!("event/{n}")
     }
@@ -71,7 +75,24 @@ impl Keys {
         format!("r{r}/master")
     }
 
-    /// Heartbeat number `seq` of rank `rank` in round `r`.
+    /// JSON [`super::records::NodeStatus`] of the member with group rank `rank`, written once
+    /// its workers run (for `elastix status`).
+    pub fn node_status(r: u64, rank: u32) -> String {
+        format!("r{r}/node/{rank}")
+    }
+
+    /// Beat counter of rank `rank` in round `r`: `ADD` returns the beat's number.
+    pub fn beats(r: u64, rank: u32) -> String {
+        format!("r{r}/hb/{rank}")
+    }
+
+    /// Where a member announces itself (for loss reports and status tools).
+    pub fn member(r: u64, rank: u32) -> String {
+        format!("r{r}/member/{rank}")
+    }
+
+    /// Heartbeat number `seq` of rank `rank` in round `r`; its value is the sender's clock
+    /// (milliseconds since the Unix epoch), which tells `elastix status` its age.
     pub fn heartbeat(r: u64, rank: u32, seq: u64) -> String {
         format!("r{r}/hb/{rank}/{seq}")
     }

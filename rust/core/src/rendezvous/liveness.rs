@@ -17,7 +17,7 @@ use super::error::{RendezvousError, Result};
 use super::events;
 use super::keys::Keys;
 use super::node::NodeDesc;
-use super::records::{decode, Arrival, Event, FORMAT_VERSION};
+use super::records::{decode, now_ms, Arrival, Event, FORMAT_VERSION};
 use super::settings::RendezvousSettings;
 use super::store::{RendezvousStore, StoreConn};
 
@@ -29,11 +29,6 @@ pub(crate) struct RoundContext<S> {
     pub round: u64,
     pub contact: Arc<Contact>,
     pub changes: Arc<watch::Sender<Option<MembershipChange>>>,
-}
-
-/// Beat counter of one member: `ADD` returns the beat's number.
-fn beat_counter(round: u64, rank: u32) -> String {
-    format!("r{round}/hb/{rank}")
 }
 
 /// Starts the beats of `rank`. They also keep [`Contact`]: a store this node cannot reach for
@@ -49,6 +44,7 @@ pub(crate) fn spawn_heartbeats<S: RendezvousStore>(context: RoundContext<S>, ran
         loop {
             match beat(store, &mut conn, settings, *round, rank).await {
                 Ok(()) => {
+                    crate::metrics::agent::get().heartbeat_sent();
                     if let Some(outage) = contact.succeeded(Instant::now()) {
                         tracing::info!(
                             round,
@@ -99,8 +95,8 @@ async fn beat<S: RendezvousStore>(
             *conn = Some(store.connect_site(store.active_site(), settings.heartbeat_timeout).await?);
         }
         let conn = conn.as_mut().expect("connected above");
-        let seq = conn.count_up(&beat_counter(round, rank)).await? as u64;
-        conn.set(&Keys::heartbeat(round, rank, seq), b"").await?;
+        let seq = conn.count_up(&Keys::beats(round, rank)).await? as u64;
+        conn.set(&Keys::heartbeat(round, rank, seq), now_ms().to_string().as_bytes()).await?;
         if seq > 2 {
             conn.delete(&Keys::heartbeat(round, rank, seq - 2)).await?;
         }
@@ -154,7 +150,7 @@ async fn watch_neighbour<S: RendezvousStore>(context: &RoundContext<S>, neighbou
         };
         let started = Instant::now();
         let silent = async {
-            let counter = beat_counter(round, neighbour);
+            let counter = Keys::beats(round, neighbour);
             let latest = live.tally(&counter).await?;
             let next = [Keys::heartbeat(round, neighbour, latest as u64 + 1)];
             if live.wait(&next, Some(window)).await? {
@@ -215,5 +211,5 @@ async fn member<C: StoreConn>(conn: &mut C, round: u64, rank: u32) -> Option<Nod
 
 /// Where a member announces itself (for loss reports and status tools).
 pub(crate) fn member_key(round: u64, rank: u32) -> String {
-    format!("r{round}/member/{rank}")
+    Keys::member(round, rank)
 }

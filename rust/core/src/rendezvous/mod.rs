@@ -8,6 +8,7 @@
 //! * [`store`]: the store operations it needs, as a backend trait (TCPStore protocol here).
 //! * [`settings`], [`conf`], [`endpoint`]: configuration; [`records`], [`keys`]: the
 //!   versioned JSON state and where it lives.
+//! * [`status`]: the job's state as `elastix status` reads it, from any machine.
 
 mod change;
 pub mod conf;
@@ -27,6 +28,7 @@ pub mod records;
 mod round;
 pub mod settings;
 pub mod static_rdzv;
+pub mod status;
 pub mod store;
 
 pub use conf::ConfInput;

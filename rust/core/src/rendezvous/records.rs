@@ -70,6 +70,62 @@ pub enum Event {
     },
 }
 
+/// What an agent knows about itself and the rendezvous does not, published once its workers
+/// run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentFacts {
+    /// The host name the failure summary and the line prefixes use.
+    pub host: String,
+    pub role: String,
+    pub local_world_size: u32,
+    /// Global rank of local rank 0; the node's workers hold the next `local_world_size`.
+    pub first_rank: u32,
+    pub max_restarts: u32,
+    /// The agent's metrics endpoint port, if it serves one.
+    pub metrics_port: Option<u16>,
+}
+
+/// A member's [`AgentFacts`], with what the rendezvous adds: for `elastix status`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    pub v: u32,
+    pub node: NodeDesc,
+    #[serde(flatten)]
+    pub facts: AgentFacts,
+    /// How long a member may stay silent before the others count it lost.
+    pub lost_after_ms: u64,
+}
+
+/// The root cause of a node's failed attempt, as far as `elastix status` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailureRecord {
+    pub v: u32,
+    pub round: u64,
+    pub host: String,
+    /// Milliseconds since the Unix epoch, on the failing node's clock.
+    pub at_ms: u64,
+    pub rank: u32,
+    pub local_rank: u32,
+    pub exitcode: i32,
+    pub signal: Option<String>,
+    /// The worker's error message or the tail of its stderr, cut to [`FailureRecord::MAX_MESSAGE`].
+    pub message: String,
+    /// Restarts used after this failure, and the budget.
+    pub restarts_used: i64,
+    pub max_restarts: u32,
+}
+
+impl FailureRecord {
+    /// Longest message kept: the store holds a record per job, not a log.
+    pub const MAX_MESSAGE: usize = 2000;
+}
+
+/// Milliseconds since the Unix epoch on this machine's clock.
+pub fn now_ms() -> u64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+}
+
 pub fn encode<T: Serialize>(record: &T) -> Vec<u8> {
     serde_json::to_vec(record).expect("rendezvous records always serialize")
 }

@@ -247,6 +247,15 @@ impl TcpConn {
     }
 }
 
+/// Counts and times a request for the agent's metrics.
+async fn timed<T>(
+    op: &'static str,
+    request: impl std::future::Future<Output = std::result::Result<T, StoreError>>,
+) -> std::result::Result<T, StoreError> {
+    let failed = |err: &StoreError| !matches!(err, StoreError::WaitTimeout { .. });
+    crate::metrics::store::client().timed(op, request, failed).await
+}
+
 fn slices(keys: &[Vec<u8>]) -> Vec<&[u8]> {
     keys.iter().map(Vec::as_slice).collect()
 }
@@ -254,29 +263,29 @@ fn slices(keys: &[Vec<u8>]) -> Vec<&[u8]> {
 impl StoreConn for TcpConn {
     async fn add(&mut self, key: &str, delta: i64) -> Result<i64> {
         let key = self.key(key);
-        Ok(self.client.add(&key, delta).await?)
+        Ok(timed("add", self.client.add(&key, delta)).await?)
     }
 
     async fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
         let key = self.key(key);
-        Ok(self.client.set(&key, value).await?)
+        Ok(timed("set", self.client.set(&key, value)).await?)
     }
 
     async fn multi_set(&mut self, pairs: &[(String, Vec<u8>)]) -> Result<()> {
         let keys: Vec<Vec<u8>> = pairs.iter().map(|(key, _)| self.key(key)).collect();
         let pairs: Vec<(&[u8], &[u8])> =
             keys.iter().zip(pairs).map(|(key, (_, value))| (key.as_slice(), value.as_slice())).collect();
-        Ok(self.client.multi_set(&pairs).await?)
+        Ok(timed("multi_set", self.client.multi_set(&pairs)).await?)
     }
 
     async fn compare_set(&mut self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Bytes> {
         let key = self.key(key);
-        Ok(self.client.compare_set(&key, expected, desired).await?)
+        Ok(timed("compare_set", self.client.compare_set(&key, expected, desired)).await?)
     }
 
     async fn wait(&mut self, keys: &[String], timeout: Option<Duration>) -> Result<bool> {
         let keys = self.keys(keys);
-        match self.client.wait(&slices(&keys), timeout).await {
+        match timed("wait", self.client.wait(&slices(&keys), timeout)).await {
             Ok(()) => Ok(true),
             Err(StoreError::WaitTimeout { .. }) => Ok(false),
             Err(err) => Err(err.into()),
@@ -285,18 +294,18 @@ impl StoreConn for TcpConn {
 
     async fn check(&mut self, keys: &[String]) -> Result<bool> {
         let keys = self.keys(keys);
-        Ok(self.client.check(&slices(&keys)).await?)
+        Ok(timed("check", self.client.check(&slices(&keys))).await?)
     }
 
     async fn multi_get(&mut self, keys: &[String]) -> Result<Vec<Bytes>> {
         let keys = self.keys(keys);
         // Callers waited for or checked these keys, so a plain MULTI_GET is safe on every server.
-        Ok(self.client.multi_get_now(&slices(&keys)).await?)
+        Ok(timed("multi_get", self.client.multi_get_now(&slices(&keys))).await?)
     }
 
     async fn delete(&mut self, key: &str) -> Result<bool> {
         let key = self.key(key);
-        Ok(self.client.delete_key(&key).await?)
+        Ok(timed("delete", self.client.delete_key(&key)).await?)
     }
 
     fn is_usable(&self) -> bool {

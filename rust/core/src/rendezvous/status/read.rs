@@ -1,0 +1,248 @@
+//! Reading a job's state for `elastix status`: only CHECK and GET (no ADD, not even of 0,
+//! which would create a missing counter), O(members + [`EVENTS_SCANNED`]) requests, each
+//! bounded by the query's timeout.
+
+use std::time::Duration;
+
+use super::{judge, Evidence, Health, JobStatus, LastFailure, Lost, Member, Restarts, State};
+use super::{EVENTS_SCANNED, STATUS_VERSION};
+use crate::rendezvous::conf::{ConfInput, RendezvousConf, DYNAMIC_KEYS};
+use crate::rendezvous::endpoint::{parse_endpoints, DEFAULT_PORT};
+use crate::rendezvous::error::{RendezvousError, Result};
+use crate::rendezvous::keys::{run_prefix, Keys};
+use crate::rendezvous::locate::read_meta;
+use crate::rendezvous::params::apply_secret;
+use crate::rendezvous::records::{decode, now_ms, Arrival, Event, FailureRecord, Meta, NodeStatus, Seal};
+use crate::rendezvous::store::{RendezvousStore, StoreConn, TcpRendezvousStore};
+use crate::store::counter::parse_counter;
+
+/// Arrivals named while a round forms.
+const ARRIVALS_NAMED: u64 = 32;
+
+/// What `elastix status` asks for.
+#[derive(Clone, Debug)]
+pub struct StatusQuery {
+    pub backend: String,
+    pub endpoint: String,
+    pub run_id: String,
+    /// `--rdzv-conf`: only `auth_token_file` matters here, but every key `elastix run`
+    /// takes is accepted, so the same flags work for both.
+    pub conf: ConfInput,
+    /// Bound on reaching the store and on each request.
+    pub timeout: Duration,
+}
+
+/// The job's state, or `None` when the store answers but holds no run with that ID.
+pub async fn job_status(query: &StatusQuery) -> Result<Option<JobStatus>> {
+    match query.backend.as_str() {
+        "c10d" => {}
+        "etcd" | "etcd-v3" => {
+            return Err(RendezvousError::Config(
+                "elastix status does not support --rdzv-backend etcd yet: it reads the c10d backend's store".into(),
+            ))
+        }
+        "static" => {
+            return Err(RendezvousError::Config(
+                "--rdzv-backend static keeps no shared state for elastix status to read".into(),
+            ))
+        }
+        other => {
+            return Err(RendezvousError::Config(format!(
+                "--rdzv-backend {other:?} is unknown; elastix status reads c10d"
+            )))
+        }
+    }
+    if query.run_id.is_empty() {
+        return Err(RendezvousError::Config("--rdzv-id must not be empty".into()));
+    }
+    let conf = RendezvousConf::from_input(&query.conf, DYNAMIC_KEYS)?;
+    apply_secret(&conf)?;
+    let sites = parse_endpoints(&query.endpoint, DEFAULT_PORT)?;
+    let store = TcpRendezvousStore::with_sites(sites, Some(query.timeout), run_prefix(&query.run_id), query.timeout);
+    let Some((site, mut conn, meta)) = locate(&store, query.timeout).await? else { return Ok(None) };
+    let mut status = read(&mut conn, &meta, &query.run_id).await?;
+    status.endpoint = store.describe_site(site);
+    Ok(Some(status))
+}
+
+/// The site holding the live copy of the state (the highest generation), with a connection
+/// to it; `None` if a site answered and none holds the run; an error if none answered.
+async fn locate(
+    store: &TcpRendezvousStore,
+    patience: Duration,
+) -> Result<Option<(usize, <TcpRendezvousStore as RendezvousStore>::Conn, Meta)>> {
+    let mut best: Option<(usize, _, Meta)> = None;
+    let mut failures = Vec::new();
+    for site in 0..store.sites() {
+        let found = async {
+            let mut conn = store.connect_site(site, patience).await?;
+            let meta = read_meta(&mut conn).await?;
+            Ok::<_, RendezvousError>(meta.map(|meta| (conn, meta)))
+        };
+        match found.await {
+            Ok(Some((conn, meta))) => {
+                if best.as_ref().is_none_or(|(_, _, known)| meta.generation > known.generation) {
+                    best = Some((site, conn, meta));
+                }
+            }
+            Ok(None) => {}
+            Err(err) if err.is_store_unreachable() => failures.push(format!("{}: {err}", store.describe_site(site))),
+            Err(err) => return Err(err),
+        }
+    }
+    if best.is_none() && failures.len() == store.sites() {
+        return Err(RendezvousError::Config(format!(
+            "cannot reach the rendezvous store within {patience:?}: {}",
+            failures.join("; ")
+        )));
+    }
+    Ok(best)
+}
+
+async fn counter<C: StoreConn>(conn: &mut C, key: &str) -> Result<i64> {
+    Ok(conn.try_get(key).await?.and_then(|value| parse_counter(&value).ok()).unwrap_or(0))
+}
+
+async fn record<C: StoreConn, T: serde::de::DeserializeOwned>(
+    conn: &mut C,
+    key: &str,
+    what: &str,
+) -> Result<Option<T>> {
+    match conn.try_get(key).await? {
+        Some(bytes) => Ok(Some(decode(&bytes, what)?)),
+        None => Ok(None),
+    }
+}
+
+async fn read<C: StoreConn>(conn: &mut C, meta: &Meta, run_id: &str) -> Result<JobStatus> {
+    let round = counter(conn, Keys::ROUND).await?.max(0) as u64;
+    let closed_reason = conn.try_get(Keys::CLOSED).await?.map(|reason| String::from_utf8_lossy(&reason).into_owned());
+    let seal: Option<Seal> = record(conn, &Keys::sealed(round), "seal").await?;
+    let formed = seal.as_ref().is_some_and(|seal| !seal.aborted);
+    let mut members = Vec::new();
+    let mut arrived = Vec::new();
+    match &seal {
+        Some(seal) if formed => {
+            for rank in 0..seal.world_size {
+                members.push(member(conn, round, rank, seal.world_size).await?);
+            }
+        }
+        _ => arrived = arrivals(conn, round).await?,
+    }
+    let lost = lost_nodes(conn).await?;
+    let size_before_loss = match lost.last() {
+        Some(last) if last.round < round => {
+            record::<_, Seal>(conn, &Keys::sealed(last.round), "seal").await?.map(|seal| seal.world_size)
+        }
+        _ => None,
+    };
+    let last_failure: Option<FailureRecord> = record(conn, Keys::LAST_FAILURE, "failure record").await?;
+    let allowed = match &last_failure {
+        Some(failure) => Some(failure.max_restarts),
+        None => None,
+    };
+    let now = now_ms();
+    let mut status = JobStatus {
+        v: STATUS_VERSION,
+        run_id: run_id.to_owned(),
+        backend: "c10d",
+        endpoint: String::new(),
+        health: Health::Healthy,
+        state: State::Running,
+        problems: Vec::new(),
+        min_nodes: meta.min_nodes,
+        max_nodes: meta.max_nodes,
+        round,
+        waiting: counter(conn, &Keys::waiting(round)).await?.max(0) as u64,
+        spares: counter(conn, &Keys::spares(round)).await?.max(0) as u64,
+        restarts: Restarts {
+            used: counter(conn, Keys::RESTARTS).await?,
+            allowed: members.iter().find_map(|m| m.max_restarts).or(allowed),
+        },
+        members: members.into_iter().map(|m| m.member).collect(),
+        arrived,
+        last_failure: last_failure.map(|failure| LastFailure {
+            round: failure.round,
+            host: failure.host,
+            rank: failure.rank,
+            local_rank: failure.local_rank,
+            exitcode: failure.exitcode,
+            signal: failure.signal,
+            message: failure.message,
+            age_s: now.saturating_sub(failure.at_ms) as f64 / 1000.0,
+        }),
+        lost,
+        closed_reason,
+    };
+    judge(&mut status, &Evidence { formed, size_before_loss });
+    Ok(status)
+}
+
+/// A member, and the restart budget its agent published.
+struct Read {
+    member: Member,
+    max_restarts: Option<u32>,
+}
+
+async fn member<C: StoreConn>(conn: &mut C, round: u64, rank: u32, world_size: u32) -> Result<Read> {
+    let arrival: Option<Arrival> = record(conn, &Keys::member(round, rank), "member").await?;
+    let status: Option<NodeStatus> = record(conn, &Keys::node_status(round, rank), "node status").await?;
+    let node = arrival.and_then(|arrival| arrival.node).or_else(|| status.as_ref().map(|s| s.node.clone()));
+    let heartbeat_age_s = if world_size > 1 { heartbeat_age(conn, round, rank).await? } else { None };
+    let facts = status.as_ref().map(|status| &status.facts);
+    let member = Member {
+        group_rank: rank,
+        node: node.as_ref().map_or_else(|| "unknown".to_owned(), ToString::to_string),
+        addr: node.as_ref().map_or_else(String::new, |node| node.addr.clone()),
+        pid: node.as_ref().map_or(0, |node| node.pid),
+        host: facts.map(|facts| facts.host.clone()),
+        role: facts.map(|facts| facts.role.clone()),
+        local_world_size: facts.map(|facts| facts.local_world_size),
+        ranks: facts
+            .map_or_else(Vec::new, |facts| (facts.first_rank..facts.first_rank + facts.local_world_size).collect()),
+        metrics_port: facts.and_then(|facts| facts.metrics_port),
+        heartbeat_age_s,
+        lost_after_s: status.as_ref().map(|status| status.lost_after_ms as f64 / 1000.0),
+    };
+    Ok(Read { member, max_restarts: facts.map(|facts| facts.max_restarts) })
+}
+
+/// Seconds since the member's last beat, from the clock value the beat carries (the newest
+/// beat may be counted and not written yet: then the one before it).
+async fn heartbeat_age<C: StoreConn>(conn: &mut C, round: u64, rank: u32) -> Result<Option<f64>> {
+    let latest = counter(conn, &Keys::beats(round, rank)).await?.max(0) as u64;
+    for seq in [latest, latest.saturating_sub(1)] {
+        if seq == 0 {
+            break;
+        }
+        if let Some(value) = conn.try_get(&Keys::heartbeat(round, rank, seq)).await? {
+            let Ok(sent) = String::from_utf8_lossy(&value).parse::<u64>() else { return Ok(None) };
+            return Ok(Some(now_ms().saturating_sub(sent) as f64 / 1000.0));
+        }
+    }
+    Ok(None)
+}
+
+/// The nodes that arrived in a forming round (the first [`ARRIVALS_NAMED`]).
+async fn arrivals<C: StoreConn>(conn: &mut C, round: u64) -> Result<Vec<String>> {
+    let arrived = counter(conn, &Keys::joined(round)).await?.max(0) as u64;
+    let mut names = Vec::new();
+    for i in 0..arrived.min(ARRIVALS_NAMED) {
+        if let Some(Arrival { node: Some(node), .. }) = record(conn, &Keys::arrival(round, i), "arrival").await? {
+            names.push(node.to_string());
+        }
+    }
+    Ok(names)
+}
+
+/// Lost-node reports among the last [`EVENTS_SCANNED`] events, oldest first.
+async fn lost_nodes<C: StoreConn>(conn: &mut C) -> Result<Vec<Lost>> {
+    let count = counter(conn, Keys::EVENTS).await?;
+    let mut lost = Vec::new();
+    for n in (count - EVENTS_SCANNED + 1).max(1)..=count {
+        if let Some(Event::Lost { round, rank, node, .. }) = record(conn, &Keys::event(n), "event").await? {
+            lost.push(Lost { round, group_rank: rank, node: node.map(|node| node.to_string()) });
+        }
+    }
+    Ok(lost)
+}

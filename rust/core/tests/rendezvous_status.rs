@@ -1,0 +1,120 @@
+//! `elastix status`'s reader against a live store: two nodes form a round and publish what
+//! their agents know; the reader sees both, their ranks and heartbeats, then the job's end.
+
+use std::time::Duration;
+
+use elastix_core::rendezvous::keys::run_prefix;
+use elastix_core::rendezvous::records::{now_ms, AgentFacts, FailureRecord, FORMAT_VERSION};
+use elastix_core::rendezvous::status::{job_status, Health, State, StatusQuery};
+use elastix_core::rendezvous::store::TcpRendezvousStore;
+use elastix_core::rendezvous::{ConfInput, DynamicRendezvous, RendezvousSettings};
+use elastix_core::store::{ConnectOptions, ServerConfig, StoreServer};
+
+const PATIENCE: Duration = Duration::from_secs(60);
+
+fn node(server: &StoreServer, run_id: &str) -> DynamicRendezvous<TcpRendezvousStore> {
+    let mut settings = RendezvousSettings::new(run_id, 2, 2).unwrap();
+    settings.join_timeout = PATIENCE;
+    settings.keep_alive_interval = Duration::from_millis(250);
+    settings.keep_alive_max_attempt = 8;
+    settings.local_addr = Some("127.0.0.1".into());
+    let options = ConnectOptions::new("127.0.0.1", server.port(), Some(Duration::from_secs(10)));
+    let store = TcpRendezvousStore::new(options, run_prefix(run_id), PATIENCE);
+    DynamicRendezvous::new(store, settings, run_prefix(run_id)).unwrap()
+}
+
+fn query(port: u16, run_id: &str) -> StatusQuery {
+    StatusQuery {
+        backend: "c10d".into(),
+        endpoint: format!("127.0.0.1:{port}"),
+        run_id: run_id.into(),
+        conf: ConfInput::default(),
+        timeout: Duration::from_secs(5),
+    }
+}
+
+fn facts(first_rank: u32) -> AgentFacts {
+    AgentFacts {
+        host: "h".into(),
+        role: "trainer".into(),
+        local_world_size: 2,
+        first_rank,
+        max_restarts: 3,
+        metrics_port: Some(9100),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_the_members_their_ranks_and_the_end() {
+    let server = StoreServer::start(&ServerConfig::default()).unwrap();
+    let run_id = "status-job";
+    assert_eq!(job_status(&query(server.port(), run_id)).await.unwrap(), None, "no such job yet");
+
+    let (mut a, mut b) = (node(&server, run_id), node(&server, run_id));
+    let joining = tokio::spawn(async move { (b.next_rendezvous().await.unwrap(), b) });
+    let info_a = tokio::time::timeout(PATIENCE, a.next_rendezvous()).await.unwrap().unwrap();
+    let (info_b, b) = tokio::time::timeout(PATIENCE, joining).await.unwrap().unwrap();
+    let (mut first, mut second) = if info_a.rank == 0 { (a, b) } else { (b, a) };
+    assert_eq!(info_a.world_size + info_b.world_size, 4);
+    first.publish_node_status(facts(0)).await.unwrap();
+    second.publish_node_status(facts(2)).await.unwrap();
+
+    // heartbeats start with the round; wait (bounded) until both have reached the store
+    let mut status = None;
+    for _ in 0..200 {
+        let now = job_status(&query(server.port(), run_id)).await.unwrap().unwrap();
+        if now.members.iter().all(|m| m.heartbeat_age_s.is_some()) {
+            status = Some(now);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let status = status.expect("both members' heartbeats reach the store");
+    assert_eq!((status.health, status.state), (Health::Healthy, State::Running), "{status:?}");
+    assert_eq!(status.members.len(), 2);
+    assert_eq!(status.members[1].ranks, [2, 3]);
+    assert_eq!(status.members[0].role.as_deref(), Some("trainer"));
+    assert_eq!(status.members[0].metrics_port, Some(9100));
+    assert_eq!(status.restarts.allowed, Some(3));
+    assert!(status.members.iter().all(|m| m.lost_after_s == Some(2.0)), "{status:?}");
+
+    let failure = FailureRecord {
+        v: FORMAT_VERSION,
+        round: status.round,
+        host: "h".into(),
+        at_ms: now_ms(),
+        rank: 3,
+        local_rank: 1,
+        exitcode: -9,
+        signal: Some("SIGKILL".into()),
+        message: "killed".into(),
+        restarts_used: 1,
+        max_restarts: 3,
+    };
+    second.publish_failure(&failure).await.unwrap();
+    first.set_closed_with("failed: rank 3 was killed").await.unwrap();
+    let status = job_status(&query(server.port(), run_id)).await.unwrap().unwrap();
+    assert_eq!((status.health, status.state), (Health::Failed, State::Failed));
+    let last = status.last_failure.expect("the failure is published");
+    assert_eq!((last.rank, last.signal.as_deref()), (3, Some("SIGKILL")));
+    let json = serde_json::to_value(job_status(&query(server.port(), run_id)).await.unwrap()).unwrap();
+    assert_eq!(json["v"], 1);
+    assert_eq!(json["health"], "failed");
+    first.shutdown();
+    second.shutdown();
+}
+
+#[tokio::test]
+async fn an_unreachable_store_and_unsupported_backends_are_clear_errors() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let mut unreachable = query(port, "job");
+    unreachable.timeout = Duration::from_millis(300);
+    let err = job_status(&unreachable).await.unwrap_err().to_string();
+    assert!(err.contains("cannot reach the rendezvous store") && err.contains(&port.to_string()), "{err}");
+
+    let etcd = StatusQuery { backend: "etcd".into(), ..query(port, "job") };
+    let err = job_status(&etcd).await.unwrap_err().to_string();
+    assert!(err.contains("does not support --rdzv-backend etcd yet"), "{err}");
+}
