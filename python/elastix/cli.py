@@ -1,5 +1,6 @@
 """The ``elastix`` command: ``elastix run`` (torchrun's launcher), ``elastix store`` (the
-standalone store server, same as ``elastix-store``) and ``--version``."""
+standalone store server, same as ``elastix-store``), ``elastix status`` (a job's state) and
+``--version``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import List, Optional
 COMMANDS = {
     "run": "launch workers on this node (torchrun's flags; `elastix run --help`)",
     "store": "serve a TCPStore-compatible key-value store (same as elastix-store)",
+    "status": "show a job's state from its rendezvous store (`elastix status --help`)",
 }
 
 
@@ -21,6 +23,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         from . import run
 
         run.main(argv[1:], prog="elastix run")
+        return
+    if argv[:1] == ["status"]:
+        from . import status
+
+        status.main(argv[1:], prog="elastix status")
         return
     if argv[:1] == ["store"]:
         from . import store_cli

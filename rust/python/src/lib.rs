@@ -10,6 +10,7 @@ mod interrupt;
 mod logging;
 mod rendezvous;
 mod shm;
+mod status;
 mod store_cli;
 mod tcp_store;
 mod timeout;
@@ -29,6 +30,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(store_cli::run_store_cli, module)?)?;
     module.add_function(wrap_pyfunction!(agent::run_agent, module)?)?;
     module.add_function(wrap_pyfunction!(agent::check_agent_config, module)?)?;
+    module.add_function(wrap_pyfunction!(status::job_status, module)?)?;
     module.add_function(wrap_pyfunction!(logging::init_cli_logging, module)?)?;
     module.add_function(wrap_pyfunction!(logging::reset_log_cache, module)?)?;
     collectives::register(module)?;

@@ -38,7 +38,7 @@ fn runtime() -> &'static Runtime {
     })
 }
 
-fn to_py(err: RendezvousError, pending: &PendingSignal) -> PyErr {
+pub(crate) fn to_py(err: RendezvousError, pending: &PendingSignal) -> PyErr {
     let message = err.to_string();
     match err {
         RendezvousError::Closed { .. } => RendezvousClosedError::new_err(message),

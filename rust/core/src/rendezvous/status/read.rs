@@ -81,7 +81,7 @@ async fn locate(
         };
         match found.await {
             Ok(Some((conn, meta))) => {
-                if best.as_ref().is_none_or(|(_, _, known)| meta.generation > known.generation) {
+                if !best.as_ref().is_some_and(|(_, _, known)| known.generation >= meta.generation) {
                     best = Some((site, conn, meta));
                 }
             }
@@ -137,10 +137,7 @@ async fn read<C: StoreConn>(conn: &mut C, meta: &Meta, run_id: &str) -> Result<J
         _ => None,
     };
     let last_failure: Option<FailureRecord> = record(conn, Keys::LAST_FAILURE, "failure record").await?;
-    let allowed = match &last_failure {
-        Some(failure) => Some(failure.max_restarts),
-        None => None,
-    };
+    let allowed = last_failure.as_ref().map(|failure| failure.max_restarts);
     let now = now_ms();
     let mut status = JobStatus {
         v: STATUS_VERSION,

@@ -1,0 +1,132 @@
+"""`elastix status` against live runs: a 2-node job seen whole, then degraded after one agent is
+killed, then finished; and bad input (unknown run ID, unreachable store, unsupported backend)
+as clear errors with their exit codes, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from agents import WORKERS, agent, assert_nothing_left, node_args, wait_for, wait_round
+from conftest import closed_port
+
+LOOP = os.path.join(WORKERS, "elastic_loop.py")
+# the test's own store holds the rendezvous (no agent hosts it); a node is lost after 2 s
+CONF = "is_host=false,keep_alive_interval=250ms,keep_alive_max_attempt=8,last_call_timeout=300ms,join_timeout=60s"
+HEALTHY, ERROR, USAGE, DEGRADED, NOT_FOUND, FAILED = 0, 1, 2, 3, 4, 5
+
+
+def status(*args, timeout=60):
+    argv = [sys.executable, "-m", "elastix", "status", *map(str, args)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def report(endpoint, run_id):
+    """The JSON report and the exit code."""
+    done = status("--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--json")
+    assert "Traceback" not in done.stderr, done.stderr
+    return (json.loads(done.stdout) if done.stdout else None), done.returncode
+
+
+def test_status_shows_both_nodes_then_the_lost_one_after_a_kill(tmp_path, marker, rdzv_port):
+    endpoint, run_id = f"127.0.0.1:{rdzv_port}", "status-2n"
+    nodes = [
+        agent(tmp_path, marker, name, "run", *node_args("1:2", endpoint, addr, CONF, LOOP, run_id=run_id))
+        for name, addr in (("a", "127.0.0.2"), ("b", "127.0.0.3"))
+    ]
+    try:
+        first = wait_round(tmp_path, 2)
+
+        def both_published():
+            now, code = report(endpoint, run_id)
+            members = now["members"] if now else []
+            ready = len(members) == 2 and all(m["host"] and m["heartbeat_age_s"] is not None for m in members)
+            return (now, code) if ready and now["round"] == first else None
+
+        now, code = wait_for(both_published, what="both members' status and heartbeats")
+        assert (now["health"], now["state"], code) == ("healthy", "running", HEALTHY), now
+        assert [m["addr"] for m in now["members"]] == ["127.0.0.2", "127.0.0.3"]
+        assert [m["ranks"] for m in now["members"]] == [[0], [1]]
+        assert now["restarts"] == {"used": 0, "allowed": 0}
+        assert (now["min_nodes"], now["max_nodes"], now["problems"]) == (1, 2, [])
+
+        human = status("--rdzv-endpoint", endpoint, "--rdzv-id", run_id)
+        assert human.returncode == HEALTHY, human.stderr
+        assert "HEALTHY" in human.stdout and "127.0.0.2" in human.stdout and "127.0.0.3" in human.stdout, human.stdout
+
+        nodes[1].proc.send_signal(signal.SIGKILL)
+        nodes[1].proc.wait(10)
+        wait_round(tmp_path, 1, after=first, what="the survivor re-forming alone")
+
+        def lost_reported():
+            now, code = report(endpoint, run_id)
+            return (now, code) if now and now["round"] > first and now["state"] == "running" else None
+
+        now, code = wait_for(lost_reported, what="a status of the re-formed round")
+        assert (now["health"], code) == ("degraded", DEGRADED), now
+        assert [m["addr"] for m in now["members"]] == ["127.0.0.2"]
+        assert [lost["node"].split("_")[0] for lost in now["lost"]] == ["127.0.0.3"], now["lost"]
+        assert any("127.0.0.3" in problem for problem in now["problems"]), now["problems"]
+        human = status("--rdzv-endpoint", endpoint, "--rdzv-id", run_id)
+        assert human.returncode == DEGRADED and "DEGRADED" in human.stdout and "lost:" in human.stdout, human.stdout
+
+        (tmp_path / "stop").touch()
+        assert nodes[0].finish() == 0, nodes[0].output()
+        now, code = report(endpoint, run_id)
+        assert (now["state"], now["health"], code) == ("succeeded", "healthy", HEALTHY), now
+    finally:
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.proc.kill()
+                node.proc.wait(10)
+    assert_nothing_left(marker)
+
+
+def test_a_failure_is_shown_with_its_root_cause_and_the_budget(tmp_path, marker, rdzv_port):
+    endpoint, run_id = f"127.0.0.1:{rdzv_port}", "status-failure"
+    args = node_args(1, endpoint, "127.0.0.2", CONF, LOOP, "--fail-once", 0, run_id=run_id, max_restarts=2)
+    node = agent(tmp_path, marker, "a", "run", *args)
+    try:
+        wait_for(lambda: len([p for p in os.listdir(tmp_path) if p.startswith("start_")]) >= 2, what="a restart")
+
+        def failure_shown():
+            now, _ = report(endpoint, run_id)
+            return now if now and now["last_failure"] and now["state"] == "running" else None
+
+        now = wait_for(failure_shown, what="the failure in the status")
+        assert now["restarts"] == {"used": 1, "allowed": 2}
+        failure = now["last_failure"]
+        assert (failure["rank"], failure["exitcode"], failure["signal"]) == (0, 1, None), failure
+        human = status("--rdzv-endpoint", endpoint, "--rdzv-id", run_id).stdout
+        assert "last failure: round" in human and "exit code 1" in human and "restarts: 1 of 2 used" in human, human
+        (tmp_path / "stop").touch()
+        assert node.finish() == 0, node.output()
+    finally:
+        if node.proc.poll() is None:
+            node.proc.kill()
+            node.proc.wait(10)
+    assert_nothing_left(marker)
+
+
+def test_bad_input_is_a_clear_error_with_its_exit_code(rdzv_port):
+    unknown = status("--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-id", "no-such-job")
+    assert unknown.returncode == NOT_FOUND, unknown
+    assert "no job with run ID 'no-such-job'" in unknown.stderr, unknown.stderr
+
+    with closed_port() as sock:
+        port = sock.getsockname()[1]
+        unreachable = status("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "x", "--timeout", "0.5")
+    assert unreachable.returncode == ERROR, unreachable
+    assert "cannot reach the rendezvous store" in unreachable.stderr and str(port) in unreachable.stderr
+    assert "Traceback" not in unreachable.stderr
+
+    etcd = status("--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:2379", "--rdzv-id", "x")
+    assert etcd.returncode == ERROR and "not support --rdzv-backend etcd yet" in etcd.stderr, etcd.stderr
+
+    missing = status("--rdzv-id", "x")
+    assert missing.returncode == USAGE and "--rdzv-endpoint is required" in missing.stderr
+    bad_conf = status("--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-conf", "bogus_key=1")
+    assert bad_conf.returncode == ERROR and "bogus_key" in bad_conf.stderr and "Traceback" not in bad_conf.stderr
