@@ -130,3 +130,40 @@ def test_bad_input_is_a_clear_error_with_its_exit_code(rdzv_port):
     assert missing.returncode == USAGE and "--rdzv-endpoint is required" in missing.stderr
     bad_conf = status("--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-conf", "bogus_key=1")
     assert bad_conf.returncode == ERROR and "bogus_key" in bad_conf.stderr and "Traceback" not in bad_conf.stderr
+
+
+def test_status_authenticates_as_the_agents_do(tmp_path, marker, monkeypatch):
+    path = tmp_path / "secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("status-s3cr3t\n")
+    for name in ("ELASTIX_AUTH_TOKEN", "ELASTIX_AUTH_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    argv = [sys.executable, "-m", "elastix", "store", "--host", "127.0.0.1", "--port", "0", "--auth-token-file", path]
+    store = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    node = None
+    try:
+        endpoint, run_id = f"127.0.0.1:{int(store.stdout.readline().rsplit(':', 1)[1])}", "status-auth"
+        conf = f"{CONF},auth_token_file={path}"
+        node = agent(tmp_path, marker, "a", "run", *node_args(1, endpoint, "127.0.0.2", conf, LOOP, run_id=run_id))
+        wait_round(tmp_path, 1)
+
+        refused = status("--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--timeout", 2)
+        assert refused.returncode == ERROR, refused
+        assert "elastix status: error:" in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+
+        given = status("--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rdzv-conf", f"auth_token_file={path}")
+        assert given.returncode == HEALTHY and "127.0.0.2" in given.stdout, (given.stdout, given.stderr)
+        monkeypatch.setenv("ELASTIX_AUTH_TOKEN_FILE", str(path))
+        from_env = status("--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--json")
+        assert from_env.returncode == HEALTHY and json.loads(from_env.stdout)["members"][0]["addr"] == "127.0.0.2"
+
+        (tmp_path / "stop").touch()
+        assert node.finish() == 0, node.output()
+    finally:
+        if node is not None and node.proc.poll() is None:
+            node.proc.kill()
+            node.proc.wait(10)
+        store.terminate()
+        store.wait(30)
+    assert_nothing_left(marker)
