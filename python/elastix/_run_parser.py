@@ -374,7 +374,7 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         default=None,
         pet=False,
         metavar="PORT",
-        help="[elastix] serve Prometheus metrics over HTTP at :PORT/metrics on every address "
+        help="[elastix] serve Prometheus metrics over HTTP at :PORT/metrics on every IPv4 address "
         "(0: a free port, logged); off by default",
     )
 

@@ -29,7 +29,7 @@ pub struct MetricsServer {
 }
 
 impl MetricsServer {
-    /// Binds `host:port` (every address when `host` is `None`; port 0 picks a free one) and
+    /// Binds `host:port` (every IPv4 address when `host` is `None`; port 0 picks a free one) and
     /// serves. A port in use is an error here, before anything else starts. Must be called
     /// inside a tokio runtime.
     pub fn start(host: Option<&str>, port: u16, exposes: Exposes) -> io::Result<MetricsServer> {
