@@ -81,6 +81,43 @@ def test_agent_metrics_count_rounds_restarts_and_worker_exits(tmp_path, marker):
     assert_nothing_left(marker)
 
 
+HANGS_ONCE = """
+import os, time
+import elastix
+out, restart = os.environ["OUT_DIR"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+open(os.path.join(out, f"start_{restart}"), "w").close()
+elastix.heartbeat()
+if restart == "0":
+    time.sleep(600)  # hung: no more beats
+deadline = time.monotonic() + 120
+while not os.path.exists(os.path.join(out, "stop")) and time.monotonic() < deadline:
+    elastix.heartbeat()
+    time.sleep(0.05)
+"""
+
+
+def test_hung_workers_and_worker_heartbeat_ages_are_exposed(tmp_path, marker):
+    script = tmp_path / "hangs_once.py"
+    script.write_text(HANGS_ONCE)
+    flags = ["--standalone", "--max-restarts", 1, "--worker-timeout", 1, "--metrics-port", 0]
+    node = agent(tmp_path, marker, "a", "run", *flags, script)
+    try:
+        port = wait_for(lambda: metrics_port(node.output), what="the metrics endpoint")
+        wait_for(lambda: (tmp_path / "start_1").exists(), what="the hung worker's restart")
+        age = "elastix_agent_worker_heartbeat_age_seconds"
+        families = wait_for(lambda: (lambda f: f if age in f else None)(scrape(port)), what="a worker heartbeat age")
+        assert value(families, "elastix_agent_hung_workers") == 1
+        assert value(families, "elastix_agent_restarts") == 1
+        assert 0 <= value(families, age, local_rank="0") < 60
+        (tmp_path / "stop").touch()
+        assert node.finish() == 0, node.output()
+    finally:
+        if node.proc.poll() is None:
+            node.proc.kill()
+            node.proc.wait(10)
+    assert_nothing_left(marker)
+
+
 def start_store(*args):
     argv = [sys.executable, "-m", "elastix", "store", "--host", "127.0.0.1", "--port", "0", *map(str, args)]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -225,6 +225,7 @@ impl WorkerGroup {
             .filter(|index| self.workers[*index].exit.is_none())
             .filter_map(|index| {
                 let slot = page.slot(index);
+                crate::metrics::agent::get().worker_heartbeat_at(index as u32, slot.last_beat);
                 slot.lapse(now, self.worker_timeout).map(|lapse| (index, lapse, slot))
             })
             .collect()

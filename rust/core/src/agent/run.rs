@@ -611,14 +611,19 @@ fn tail_of(text: &str, most: usize) -> String {
     format!("...{}", &text[cut..])
 }
 
-/// Counts the workers that ended by themselves (not those the agent then stopped), and that
-/// none runs once an attempt ended.
+/// Counts the workers that ended by themselves (not those the agent then stopped) and those
+/// the watchdog killed as hung, and that none runs once an attempt ended.
 fn count_exits(event: &Event, local_world_size: u32) {
     let counts = metrics::agent::get();
     match event {
         Event::Workers(GroupOutcome::Succeeded) => (0..local_world_size).for_each(|_| counts.worker_exited(0)),
         Event::Workers(GroupOutcome::Failed(failures)) => {
-            failures.iter().for_each(|failure| counts.worker_exited(failure.exitcode))
+            for failure in failures {
+                match failure.hung {
+                    Some(_) => counts.hung_worker(), // killed by the watchdog, not ended by itself
+                    None => counts.worker_exited(failure.exitcode),
+                }
+            }
         }
         Event::Change(_) | Event::Signal(..) => {}
     }

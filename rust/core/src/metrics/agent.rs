@@ -1,11 +1,11 @@
 //! What an agent counts. Everything here changes at round or failure time, never per output
 //! line or per request, so it is counted whether or not a metrics endpoint runs.
 //!
-//! Hooks for the worker heartbeat API and its watchdog (issue 14, points 1-2, not built yet):
-//! the watchdog calls [`AgentMetrics::hung_worker`] for each worker it kills as hung; the
-//! agent calls [`AgentMetrics::worker_heartbeat`] when local rank `r` beats and
-//! [`AgentMetrics::forget_worker_heartbeats`] when it starts a new set of workers. The
-//! scrape turns the beats into `elastix_agent_worker_heartbeat_age_seconds{local_rank}`.
+//! Worker heartbeats (`elastix.heartbeat()`, [`crate::agent::heartbeats`]): the group's
+//! watchdog hands each worker's last beat to [`AgentMetrics::worker_heartbeat_at`] as it reads
+//! the page, and the scrape turns them into
+//! `elastix_agent_worker_heartbeat_age_seconds{local_rank}`; workers it kills as hung are
+//! counted by [`AgentMetrics::hung_worker`].
 
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
@@ -68,7 +68,8 @@ pub struct AgentMetrics {
     heartbeat_age: FloatGauge,
     last_heartbeat: Mutex<Option<Instant>>,
     worker_heartbeat_age: Family<LocalRank, FloatGauge>,
-    worker_beats: Mutex<BTreeMap<u32, Instant>>,
+    /// Last beat of each local rank, on the workers' clock (CLOCK_MONOTONIC nanoseconds).
+    worker_beats: Mutex<BTreeMap<u32, u64>>,
     dropped_log_lines: Counter,
 }
 
@@ -162,8 +163,10 @@ impl AgentMetrics {
     pub(super) fn refresh(&self) {
         let age = |at: Option<Instant>| at.map_or(f64::NAN, |at| at.elapsed().as_secs_f64());
         self.heartbeat_age.set(age(*lock(&self.last_heartbeat)));
-        for (local_rank, at) in lock(&self.worker_beats).iter() {
-            self.worker_heartbeat_age.get_or_create(&LocalRank { local_rank: *local_rank }).set(age(Some(*at)));
+        let now_ns = crate::agent::heartbeats::now_ns();
+        for (local_rank, beat_ns) in lock(&self.worker_beats).iter() {
+            let since = now_ns.saturating_sub(*beat_ns) as f64 / 1e9;
+            self.worker_heartbeat_age.get_or_create(&LocalRank { local_rank: *local_rank }).set(since);
         }
         let console = [crate::agent::console::stdout(), crate::agent::console::stderr()];
         let dropped: u64 = console.iter().map(|stream| stream.mark().dropped).sum();
@@ -215,9 +218,12 @@ impl AgentMetrics {
         self.hung_workers.inc();
     }
 
-    /// Local rank `local_rank` sent a heartbeat now.
-    pub fn worker_heartbeat(&self, local_rank: u32) {
-        lock(&self.worker_beats).insert(local_rank, Instant::now());
+    /// Local rank `local_rank`'s last heartbeat, at `beat_ns` on the workers' clock
+    /// ([`crate::agent::heartbeats::now_ns`]; 0: none yet, which is not recorded).
+    pub fn worker_heartbeat_at(&self, local_rank: u32, beat_ns: u64) {
+        if beat_ns != 0 {
+            lock(&self.worker_beats).insert(local_rank, beat_ns);
+        }
     }
 
     /// A new set of workers starts: the old ones' beats no longer say anything.
@@ -247,7 +253,7 @@ mod tests {
         metrics.refresh();
         assert!(metrics.heartbeat_age.get().is_nan());
         metrics.heartbeat_sent();
-        metrics.worker_heartbeat(3);
+        metrics.worker_heartbeat_at(3, crate::agent::heartbeats::now_ns());
         metrics.refresh();
         assert!(metrics.heartbeat_age.get() >= 0.0);
         assert!(metrics.worker_heartbeat_age.get(&LocalRank { local_rank: 3 }).is_some());
