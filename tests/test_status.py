@@ -1,17 +1,22 @@
 """`elastix status` against live runs: a 2-node job seen whole, then degraded after one agent is
-killed, then finished; and bad input (unknown run ID, unreachable store, unsupported backend)
-as clear errors with their exit codes, never a traceback."""
+killed, then finished (on the c10d store and on etcd); and bad input (unknown run ID,
+unreachable store or etcd, the static backend) as clear errors with their exit codes, never a
+traceback."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 
+import pytest
+
 from agents import WORKERS, agent, assert_nothing_left, node_args, wait_for, wait_round
 from conftest import closed_port
+from etcd_cluster import EtcdCluster
 
 LOOP = os.path.join(WORKERS, "elastic_loop.py")
 # the test's own store holds the rendezvous (no agent hosts it); a node is lost after 2 s
@@ -48,7 +53,7 @@ def test_status_shows_both_nodes_then_the_lost_one_after_a_kill(tmp_path, marker
 
         now, code = wait_for(both_published, what="both members' status and heartbeats")
         assert (now["health"], now["state"], code) == ("healthy", "running", HEALTHY), now
-        assert [m["addr"] for m in now["members"]] == ["127.0.0.2", "127.0.0.3"]
+        assert sorted(m["addr"] for m in now["members"]) == ["127.0.0.2", "127.0.0.3"]  # ranks: arrival order
         assert [m["ranks"] for m in now["members"]] == [[0], [1]]
         assert now["restarts"] == {"used": 0, "allowed": 0}
         assert (now["min_nodes"], now["max_nodes"], now["problems"]) == (1, 2, [])
@@ -111,6 +116,75 @@ def test_a_failure_is_shown_with_its_root_cause_and_the_budget(tmp_path, marker,
     assert_nothing_left(marker)
 
 
+@pytest.fixture
+def etcd(tmp_path):
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (Debian package etcd-server; .ci/run installs it)")
+    data = tmp_path / "etcd"
+    data.mkdir()
+    cluster = EtcdCluster(data)
+    yield cluster
+    cluster.close()
+
+
+def test_status_on_etcd_shows_both_nodes_then_the_lost_one(tmp_path, marker, etcd):
+    run_id, conf = "status-etcd", "keep_alive_interval=250ms,keep_alive_max_attempt=8,last_call_timeout=300ms"
+    backend = ("--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--rdzv-id", run_id)
+    nodes = [
+        agent(
+            tmp_path,
+            marker,
+            name,
+            "run",
+            *node_args("1:2", etcd.endpoints, addr, conf, LOOP, run_id=run_id, backend="etcd"),
+        )
+        for name, addr in (("a", "127.0.0.2"), ("b", "127.0.0.3"))
+    ]
+
+    def etcd_report():
+        done = status(*backend, "--json")
+        assert "Traceback" not in done.stderr, done.stderr
+        return (json.loads(done.stdout) if done.stdout else None), done.returncode
+
+    try:
+        first = wait_round(tmp_path, 2)
+
+        def both_published():
+            now, code = etcd_report()
+            ready = now and now["round"] == first and all(m["host"] for m in now["members"])
+            return (now, code) if ready and len(now["members"]) == 2 else None
+
+        now, code = wait_for(both_published, what="both members' status on etcd")
+        assert (now["backend"], now["health"], code) == ("etcd", "healthy", HEALTHY), now
+        assert sorted(m["addr"] for m in now["members"]) == ["127.0.0.2", "127.0.0.3"]  # ranks: arrival order
+
+        nodes[1].proc.send_signal(signal.SIGKILL)
+        nodes[1].proc.wait(10)
+        wait_round(tmp_path, 1, after=first, what="the survivor re-forming alone")
+
+        def lost_reported():
+            now, code = etcd_report()
+            ready = now and now["round"] > first and now["state"] == "running" and now["members"][0]["host"]
+            return (now, code) if ready else None
+
+        now, code = wait_for(lost_reported, what="a status of the re-formed round")
+        assert (now["health"], code) == ("degraded", DEGRADED), now
+        assert [lost["node"].split("_")[0] for lost in now["lost"]] == ["127.0.0.3"], now["lost"]
+        human = status(*backend)
+        assert "DEGRADED" in human.stdout and "(etcd)" in human.stdout and "127.0.0.3" in human.stdout, human.stdout
+
+        unknown = status("--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--rdzv-id", "nope")
+        assert unknown.returncode == NOT_FOUND and "no job with run ID 'nope'" in unknown.stderr, unknown.stderr
+        (tmp_path / "stop").touch()
+        assert nodes[0].finish() == 0, nodes[0].output()
+    finally:
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.proc.kill()
+                node.proc.wait(10)
+    assert_nothing_left(marker)
+
+
 def test_bad_input_is_a_clear_error_with_its_exit_code(rdzv_port):
     unknown = status("--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-id", "no-such-job")
     assert unknown.returncode == NOT_FOUND, unknown
@@ -123,8 +197,13 @@ def test_bad_input_is_a_clear_error_with_its_exit_code(rdzv_port):
     assert "cannot reach the rendezvous store" in unreachable.stderr and str(port) in unreachable.stderr
     assert "Traceback" not in unreachable.stderr
 
-    etcd = status("--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:2379", "--rdzv-id", "x")
-    assert etcd.returncode == ERROR and "not support --rdzv-backend etcd yet" in etcd.stderr, etcd.stderr
+    with closed_port() as sock:
+        endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
+        no_etcd = status("--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", "x", "--timeout", "1")
+    assert no_etcd.returncode == ERROR and f"cannot reach etcd at {endpoint}" in no_etcd.stderr, no_etcd.stderr
+    assert "Traceback" not in no_etcd.stderr
+    static = status("--rdzv-backend", "static", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "x")
+    assert static.returncode == ERROR and "keeps no shared state" in static.stderr, static.stderr
 
     missing = status("--rdzv-id", "x")
     assert missing.returncode == USAGE and "--rdzv-endpoint is required" in missing.stderr

@@ -1,5 +1,5 @@
-"""``elastix status``: a job's state, read from its rendezvous store from any machine that can
-reach it (the c10d backend).
+"""``elastix status``: a job's state, read from its rendezvous store (c10d) or etcd cluster from
+any machine that can reach it.
 
 Exit status: 0 healthy (running as formed, or finished successfully); 3 degraded (a round still
 forming, a member silent or lost, fewer nodes than before a loss); 4 no such job at the
@@ -64,7 +64,7 @@ def build_parser(prog: str = "elastix status") -> EnvArgumentParser:
         type=str,
         default="c10d",
         metavar="BACKEND",
-        help="c10d (default; etcd is not supported yet)",
+        help="c10d (default) or etcd (the job's etcd endpoints as --rdzv-endpoint)",
     )
     parser.add_argument(
         "--rdzv-conf",
@@ -73,7 +73,8 @@ def build_parser(prog: str = "elastix status") -> EnvArgumentParser:
         type=str,
         default="",
         metavar="K=V,...",
-        help="the job's rendezvous settings, as given to `elastix run` (auth_token_file is used)",
+        help="the job's rendezvous settings, as given to `elastix run` (auth_token_file is used; on etcd "
+        "also protocol, cacert, cert, key and key_prefix)",
     )
     parser.add_argument("--json", action=EnvFlag, pet=False, help="print the report as one JSON object")
     parser.add_argument(

@@ -105,7 +105,7 @@ async fn status_shows_the_members_their_ranks_and_the_end() {
 }
 
 #[tokio::test]
-async fn an_unreachable_store_and_unsupported_backends_are_clear_errors() {
+async fn an_unreachable_store_and_an_unknown_backend_are_clear_errors() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = closed.local_addr().unwrap().port();
     drop(closed);
@@ -114,7 +114,7 @@ async fn an_unreachable_store_and_unsupported_backends_are_clear_errors() {
     let err = job_status(&unreachable).await.unwrap_err().to_string();
     assert!(err.contains("cannot reach the rendezvous store") && err.contains(&port.to_string()), "{err}");
 
-    let etcd = StatusQuery { backend: "etcd".into(), ..query(port, "job") };
-    let err = job_status(&etcd).await.unwrap_err().to_string();
-    assert!(err.contains("does not support --rdzv-backend etcd yet"), "{err}");
+    let unknown = StatusQuery { backend: "zookeeper".into(), ..query(port, "job") };
+    let err = job_status(&unknown).await.unwrap_err().to_string();
+    assert!(err.contains("\"zookeeper\" is unknown; elastix status reads c10d and etcd"), "{err}");
 }

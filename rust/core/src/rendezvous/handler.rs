@@ -153,20 +153,15 @@ impl Rendezvous {
         on_dynamic!(self, handler => handler.restart_count().await, static handler => Ok(handler.restart_count()))
     }
 
-    /// Publishes what `elastix status` shows about this member (c10d only, for now).
+    /// Publishes what `elastix status` shows about this member (the static backend has no
+    /// shared state to show).
     pub async fn publish_node_status(&mut self, facts: AgentFacts) -> Result<()> {
-        match self {
-            Rendezvous::Dynamic { handler, .. } => handler.publish_node_status(facts).await,
-            Rendezvous::Etcd(_) | Rendezvous::Static(_) => Ok(()),
-        }
+        on_dynamic!(self, handler => handler.publish_node_status(facts).await, static _ => Ok(()))
     }
 
-    /// Publishes the root cause of this node's last failure (c10d only, for now).
+    /// Publishes the root cause of this node's last failure, for `elastix status`.
     pub async fn publish_failure(&mut self, failure: &FailureRecord) -> Result<()> {
-        match self {
-            Rendezvous::Dynamic { handler, .. } => handler.publish_failure(failure).await,
-            Rendezvous::Etcd(_) | Rendezvous::Static(_) => Ok(()),
-        }
+        on_dynamic!(self, handler => handler.publish_failure(failure).await, static _ => Ok(()))
     }
 
     /// Stops this node's part (heartbeats, the workers' store); the rendezvous stays open.

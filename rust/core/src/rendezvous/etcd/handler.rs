@@ -22,7 +22,7 @@ use crate::rendezvous::change::{MembershipChange, RendezvousInfo};
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::keys::Keys;
 use crate::rendezvous::node::NodeDesc;
-use crate::rendezvous::records::{decode, encode, Master, Meta, FORMAT_VERSION};
+use crate::rendezvous::records::{decode, encode, AgentFacts, FailureRecord, Master, Meta, NodeStatus, FORMAT_VERSION};
 use crate::rendezvous::settings::RendezvousSettings;
 use crate::store::{ServerConfig, StoreServer};
 
@@ -32,6 +32,8 @@ const RETRY: Duration = Duration::from_millis(500);
 /// The round this node is a member of, with what runs for it.
 struct Membership {
     round: u64,
+    /// This node's group rank in the round.
+    rank: u32,
     task: JoinHandle<()>,
     changes: watch::Receiver<Option<MembershipChange>>,
     /// The workers' store, when this node is rank 0.
@@ -299,7 +301,7 @@ impl EtcdRendezvous {
             changes: Arc::new(sender),
             closed_reason: self.closed_reason.clone(),
         });
-        self.current = Some(Membership { round, task, changes, _master: rank0.map(|(server, _)| server) });
+        self.current = Some(Membership { round, rank, task, changes, _master: rank0.map(|(server, _)| server) });
         self.latest = Some(self.latest.map_or(round, |latest| latest.max(round)));
         tracing::info!(round, rank, world_size, "rendezvous complete");
         RendezvousInfo {
@@ -412,6 +414,25 @@ impl EtcdRendezvous {
         };
         let response = self.client.txn(request).await.map_err(|err| self.error(err))?;
         Ok(ops::counted(&response, 1) as i64)
+    }
+
+    /// Publishes what this member's agent knows about itself, for `elastix status`.
+    pub async fn publish_node_status(&mut self, facts: AgentFacts) -> Result<()> {
+        let Some((round, rank)) = self.current.as_ref().map(|m| (m.round, m.rank)) else { return Ok(()) };
+        let status = NodeStatus {
+            v: FORMAT_VERSION,
+            node: self.node.clone(),
+            facts,
+            lost_after_ms: u64::try_from(self.settings.node_lost_after().as_millis()).unwrap_or(u64::MAX),
+        };
+        let key = self.keys.node_status(round, rank);
+        self.client.put(&key, &encode(&status)).await.map_err(|err| self.error(err))
+    }
+
+    /// Publishes the root cause of this node's last failure, for `elastix status`.
+    pub async fn publish_failure(&mut self, failure: &FailureRecord) -> Result<()> {
+        let key = self.keys.last_failure();
+        self.client.put(&key, &encode(failure)).await.map_err(|err| self.error(err))
     }
 
     async fn read(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {

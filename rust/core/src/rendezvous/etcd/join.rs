@@ -52,6 +52,13 @@ pub(super) struct Size {
     last_member: i64,
 }
 
+impl Size {
+    /// Members of the round: the live keys at the seal, up to the cutoff.
+    pub(super) fn world_size(&self) -> u32 {
+        self.live.min(u64::from(self.cutoff)) as u32
+    }
+}
+
 /// What one node works with while it forms a round.
 pub(super) struct Ctx<'a> {
     pub client: &'a EtcdClient,
@@ -328,7 +335,7 @@ impl Ctx<'_> {
         if rank >= u64::from(size.cutoff) {
             return Ok(Outcome::Next { spare: true });
         }
-        let world_size = size.live.min(u64::from(size.cutoff)) as u32;
+        let world_size = size.world_size();
         Ok(Outcome::Member {
             rank: rank as u32,
             world_size,

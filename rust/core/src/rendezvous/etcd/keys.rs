@@ -4,7 +4,8 @@
 //! * `P failures/<r>`: round r failed; the number of these keys is the job-wide restart count;
 //! * `P j/<r>`: written by every arrival in round r, so its version counts them;
 //! * `P r/<r>/m/<lease>`: a member of round r, written under the agent's lease (gone with it);
-//! * `P r/<r>/s/{seal,size,master,closed}`: what became of round r.
+//! * `P r/<r>/s/{seal,size,master,closed}`: what became of round r;
+//! * `P status/<r>/<rank>`, `P last_failure`: what the agents publish for `elastix status`.
 //!
 //! Round numbers are zero-padded so that key order is round order: one watch on
 //! `[r/<r>/m/, r/<r+1>/m0)` sees round r's members leave and the next round's arrive, and
@@ -76,6 +77,21 @@ impl EtcdKeys {
 
     pub fn all_failures(&self) -> Range {
         self.under("failures/")
+    }
+
+    /// A member's [`crate::rendezvous::records::NodeStatus`] in round r, for `elastix
+    /// status`: outside the rounds' tree, so that no round's watch sees it.
+    pub fn node_status(&self, r: u64, rank: u32) -> Vec<u8> {
+        self.key(&format!("status/{r:012}/{rank}"))
+    }
+
+    pub fn node_statuses(&self, r: u64) -> Range {
+        self.under(&format!("status/{r:012}/"))
+    }
+
+    /// The last failure's [`crate::rendezvous::records::FailureRecord`].
+    pub fn last_failure(&self) -> Vec<u8> {
+        self.key(crate::rendezvous::keys::Keys::LAST_FAILURE)
     }
 
     pub fn joined(&self, r: u64) -> Vec<u8> {
@@ -173,6 +189,7 @@ mod tests {
         assert!(!inside(&keys.member(8, "c")));
         assert!(!inside(&keys.joined(10)));
         assert!(!inside(&keys.closed()));
+        assert!(!inside(&keys.node_status(9, 0)) && !inside(&keys.last_failure()));
         // zero padding: round 10 sorts after round 9
         assert!(keys.member(10, "a") > keys.member(9, "z"));
     }

@@ -4,13 +4,15 @@
 //!
 //! * [`handler`]: the handler ([`EtcdRendezvous`]); [`join`]: forming one round;
 //!   [`member`]: what a member of a running round watches;
-//! * [`keys`]: where the state lives; [`ops`]: transactions and their answers.
+//! * [`keys`]: where the state lives; [`ops`]: transactions and their answers;
+//! * [`status`]: the job's state as `elastix status` shows it.
 
 mod handler;
 mod join;
 mod keys;
 mod member;
 mod ops;
+mod status;
 
 pub use handler::EtcdRendezvous;
 
@@ -22,6 +24,7 @@ use super::conf::{RendezvousConf, ETCD_KEYS};
 use super::endpoint::parse_endpoints;
 use super::error::{RendezvousError, Result};
 use super::params::{apply_secret, dynamic_settings, RendezvousParams};
+use super::status::{JobStatus, StatusQuery};
 
 /// etcd's client port.
 pub const DEFAULT_ETCD_PORT: u16 = 2379;
@@ -55,6 +58,14 @@ pub(crate) async fn create_etcd(params: RendezvousParams) -> Result<EtcdRendezvo
     // workers keep running, up to the join timeout, unless etcd says its lease expired.
     settings.store_outage_limit = Some(settings.join_timeout);
 
+    let client = client(&conf, &params.endpoint, settings.heartbeat_timeout)?;
+    let prefix = run_prefix(&conf, &params.run_id);
+    EtcdRendezvous::new(client, settings, prefix)
+}
+
+/// A client for the cluster at `endpoint` (a list), with `conf`'s TLS files; each request is
+/// retried for up to `patience`.
+fn client(conf: &RendezvousConf, endpoint: &str, patience: Duration) -> Result<EtcdClient> {
     let tls = match conf.get("protocol").unwrap_or("http") {
         "http" => {
             if let Some(key) = ["cacert", "cert", "key"].into_iter().find(|key| conf.get(key).is_some()) {
@@ -62,21 +73,32 @@ pub(crate) async fn create_etcd(params: RendezvousParams) -> Result<EtcdRendezvo
             }
             None
         }
-        "https" => Some(tls_files(&conf)?),
+        "https" => Some(tls_files(conf)?),
         other => {
             return Err(RendezvousError::Config(format!("--rdzv-conf protocol={other:?}: use http or https")));
         }
     };
-    let sites = parse_endpoints(&params.endpoint, DEFAULT_ETCD_PORT)?;
+    let sites = parse_endpoints(endpoint, DEFAULT_ETCD_PORT)?;
     let endpoints = sites.iter().map(|(host, port)| format!("{host}:{port}")).collect();
-    let client = EtcdClient::new(&EtcdOptions { endpoints, tls, patience: settings.heartbeat_timeout })
-        .map_err(|err| RendezvousError::Config(err.to_string()))?;
+    EtcdClient::new(&EtcdOptions { endpoints, tls, patience }).map_err(|err| RendezvousError::Config(err.to_string()))
+}
+
+/// The run's prefix: `key_prefix` (default `/elastix/rdzv/`), then the run ID.
+fn run_prefix(conf: &RendezvousConf, run_id: &str) -> String {
     let mut prefix = conf.get("key_prefix").unwrap_or(DEFAULT_KEY_PREFIX).to_owned();
     if !prefix.ends_with('/') {
         prefix.push('/');
     }
-    let prefix = format!("{prefix}{}/", params.run_id);
-    EtcdRendezvous::new(client, settings, prefix)
+    format!("{prefix}{run_id}/")
+}
+
+/// `elastix status` on etcd: the job's state, or `None` if the cluster holds no such run.
+pub(crate) async fn etcd_status(query: &StatusQuery) -> Result<Option<JobStatus>> {
+    let conf = RendezvousConf::from_input(&query.conf, ETCD_KEYS)?;
+    apply_secret(&conf)?;
+    let client = client(&conf, &query.endpoint, query.timeout)?;
+    let keys = keys::EtcdKeys::new(run_prefix(&conf, &query.run_id));
+    status::read(&client, &keys, &query.run_id).await
 }
 
 fn tls_files(conf: &RendezvousConf) -> Result<TlsFiles> {

@@ -34,13 +34,12 @@ pub struct StatusQuery {
 
 /// The job's state, or `None` when the store answers but holds no run with that ID.
 pub async fn job_status(query: &StatusQuery) -> Result<Option<JobStatus>> {
+    if query.run_id.is_empty() {
+        return Err(RendezvousError::Config("--rdzv-id must not be empty".into()));
+    }
     match query.backend.as_str() {
         "c10d" => {}
-        "etcd" | "etcd-v3" => {
-            return Err(RendezvousError::Config(
-                "elastix status does not support --rdzv-backend etcd yet: it reads the c10d backend's store".into(),
-            ))
-        }
+        "etcd" | "etcd-v3" => return crate::rendezvous::etcd::etcd_status(query).await,
         "static" => {
             return Err(RendezvousError::Config(
                 "--rdzv-backend static keeps no shared state for elastix status to read".into(),
@@ -48,12 +47,9 @@ pub async fn job_status(query: &StatusQuery) -> Result<Option<JobStatus>> {
         }
         other => {
             return Err(RendezvousError::Config(format!(
-                "--rdzv-backend {other:?} is unknown; elastix status reads c10d"
+                "--rdzv-backend {other:?} is unknown; elastix status reads c10d and etcd"
             )))
         }
-    }
-    if query.run_id.is_empty() {
-        return Err(RendezvousError::Config("--rdzv-id must not be empty".into()));
     }
     let conf = RendezvousConf::from_input(&query.conf, DYNAMIC_KEYS)?;
     apply_secret(&conf)?;
