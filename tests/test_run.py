@@ -149,11 +149,18 @@ def test_the_console_event_log_handler_writes_torchelastic_events(tmp_path, mark
 
 def test_master_port_stays_the_same_across_restarts(tmp_path, marker):
     script = tmp_path / "port.py"
+    # in the first attempt rank 0 fails once rank 1 has written its port (the agent stops the
+    # others at once); the second attempt succeeds
     script.write_text(
-        "import os\n"
+        "import os, time\n"
         "restart, rank = os.environ['TORCHELASTIC_RESTART_COUNT'], os.environ['RANK']\n"
-        "open(os.path.join(os.environ['OUT_DIR'], f'port_{restart}_{rank}'), 'w').write(os.environ['MASTER_PORT'])\n"
-        "raise SystemExit(1 if restart == '0' else 0)\n"
+        "out = os.environ['OUT_DIR']\n"
+        "open(os.path.join(out, f'port_{restart}_{rank}'), 'w').write(os.environ['MASTER_PORT'])\n"
+        "if restart == '0':\n"
+        "    deadline = time.monotonic() + 30\n"
+        "    while rank == '0' and not os.path.exists(os.path.join(out, 'port_0_1')) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
+        "    raise SystemExit(1) if rank == '0' else time.sleep(60)\n"
     )
     proc = elastix_run(
         "--standalone", "--nproc-per-node", 2, "--max-restarts", 1, script, out_dir=tmp_path, marker=marker

@@ -187,3 +187,10 @@ def run_agent(config_json: str) -> str:
 def job_status(backend: str, endpoint: str, run_id: str, conf_json: str, timeout: float) -> Optional[str]:
     """`elastix status`'s report as JSON, or None when the store holds no such run; raises
     ValueError for bad settings or an unreachable store, the store's errors otherwise."""
+
+def job_dump(
+    backend: str, endpoint: str, run_id: str, conf_json: str, rank: Optional[int], timeout: float
+) -> Optional[str]:
+    """`elastix dump`'s stacks of a running job's workers as JSON, or None when the store holds
+    no such run; raises ValueError for bad settings, a job with no running round, a rank not
+    in it, or an unreachable store."""

@@ -1,6 +1,6 @@
 """The ``elastix`` command: ``elastix run`` (torchrun's launcher), ``elastix store`` (the
-standalone store server, same as ``elastix-store``), ``elastix status`` (a job's state) and
-``--version``."""
+standalone store server, same as ``elastix-store``), ``elastix status`` (a job's state),
+``elastix dump`` (its workers' stacks) and ``--version``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ COMMANDS = {
     "run": "launch workers on this node (torchrun's flags; `elastix run --help`)",
     "store": "serve a TCPStore-compatible key-value store (same as elastix-store)",
     "status": "show a job's state from its rendezvous store (`elastix status --help`)",
+    "dump": "show the stacks of a running job's workers (`elastix dump --help`)",
 }
 
 
@@ -28,6 +29,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         from . import status
 
         status.main(argv[1:], prog="elastix status")
+        return
+    if argv[:1] == ["dump"]:
+        from . import dump
+
+        dump.main(argv[1:], prog="elastix dump")
         return
     if argv[:1] == ["store"]:
         from . import store_cli

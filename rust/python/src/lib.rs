@@ -31,6 +31,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(agent::run_agent, module)?)?;
     module.add_function(wrap_pyfunction!(agent::check_agent_config, module)?)?;
     module.add_function(wrap_pyfunction!(status::job_status, module)?)?;
+    module.add_function(wrap_pyfunction!(status::job_dump, module)?)?;
     module.add_function(wrap_pyfunction!(logging::init_cli_logging, module)?)?;
     module.add_function(wrap_pyfunction!(logging::reset_log_cache, module)?)?;
     collectives::register(module)?;

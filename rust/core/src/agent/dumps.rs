@@ -10,16 +10,21 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use crate::rendezvous::RendezvousInfo;
+use crate::rendezvous::endpoint::{parse_endpoint, DEFAULT_PORT};
+use crate::rendezvous::status::{job_status, StatusQuery};
+use crate::rendezvous::{RendezvousError, RendezvousInfo};
 use crate::store::{TcpStore, TcpStoreOptions};
 
 /// How long a node's workers may take to answer one request.
 const ANSWER_WAIT: Duration = Duration::from_secs(10);
 /// How often `elastix dump` looks for replies.
 const REPLY_POLL: Duration = Duration::from_millis(50);
+type RdzvResult<T> = std::result::Result<T, RendezvousError>;
+
 /// Pause before connecting again after the store was lost.
 const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
 
@@ -35,7 +40,44 @@ pub fn reply_key(run_id: &str, n: i64, node: u32) -> String {
     format!("elastix/dump/{run_id}/{n}/node/{node}")
 }
 
-/// `elastix dump`'s side: asks the job's agents for their workers' stacks (of global rank
+/// `elastix dump`: finds the job's members as `elastix status` does, then asks them for
+/// their workers' stacks (of global rank `rank` only, if given). `Ok(None)`: no such job.
+pub async fn job_dump(query: &StatusQuery, rank: Option<u32>) -> RdzvResult<Option<Value>> {
+    let Some(status) = job_status(query).await? else { return Ok(None) };
+    if status.members.is_empty() {
+        return Err(RendezvousError::Config(format!(
+            "job {} has no running round to ask (state: {:?})",
+            query.run_id, status.state
+        )));
+    }
+    if let Some(rank) = rank {
+        let ranks: Vec<u32> = status.members.iter().flat_map(|m| m.ranks.iter().copied()).collect();
+        if !ranks.contains(&rank) {
+            let world = ranks.len();
+            return Err(RendezvousError::Config(format!(
+                "--rank {rank}: job {} has no such worker (its {world} workers have ranks 0 to {})",
+                query.run_id,
+                world.saturating_sub(1)
+            )));
+        }
+    }
+    let (host, port) = parse_endpoint(&status.endpoint, DEFAULT_PORT)?;
+    let options = TcpStoreOptions { timeout: Some(query.timeout), ..TcpStoreOptions::new(host, port) };
+    let mut store = TcpStore::open(options).await?;
+    let nodes: Vec<u32> = status.members.iter().map(|member| member.group_rank).collect();
+    let replies = request(&mut store, &query.run_id, rank, &nodes, query.timeout).await?;
+    let nodes: Vec<Value> = replies
+        .into_iter()
+        .map(|(node, reply)| {
+            reply
+                .and_then(|text| serde_json::from_str(&text).ok())
+                .unwrap_or_else(|| json!({"node": node, "missing": true}))
+        })
+        .collect();
+    Ok(Some(json!({"run_id": query.run_id, "rank": rank, "nodes": nodes})))
+}
+
+/// The command's side of a request: asks the job's agents for their workers' stacks (of global rank
 /// `rank` only, if given) and returns the replies of the nodes of group ranks `nodes` that
 /// came within `timeout`, each as its JSON text (`None`: no reply in time).
 pub async fn request(

@@ -1,0 +1,101 @@
+"""``elastix dump``: the Python stacks of every thread of a running job's workers (or of one
+rank), from any machine that can reach the job's rendezvous store; the job goes on.
+
+Each agent of the job has its matching workers dump their stacks (``faulthandler``, armed when
+a worker imports elastix) and replies through the store. Exit status: 0 every asked worker
+answered; 3 some did not (a worker that never imported elastix, a node that did not reply in
+time); 4 no such job; 1 the store could not be asked or the job has no running round;
+2 a bad command line (a rank not in the job included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Dict, List, Optional
+
+from . import status
+from ._envargs import EnvOption
+
+COMPLETE, ERROR, USAGE, INCOMPLETE, NOT_FOUND = 0, 1, 2, 3, 4
+DEFAULT_TIMEOUT = 10.0
+
+
+def build_parser(prog: str = "elastix dump") -> argparse.ArgumentParser:
+    parser = status.build_parser(prog)
+    parser.description = (
+        "Show the stacks of a running job's workers (every thread) without stopping them. Every option "
+        "can also be set as ELASTIX_<NAME> (or torchrun's PET_<NAME>)."
+    )
+    parser.epilog = (
+        "exit status:\n  0 every asked worker answered, 3 some did not, 4 no such job, 1 the store could not "
+        "be asked\n  or the job has no running round, 2 a bad command line\n\nexamples:\n"
+        "  elastix dump --rdzv-endpoint host0:29400 --rdzv-id job7\n"
+        "  elastix dump --rdzv-endpoint host0:29400 --rdzv-id job7 --rank 5"
+    )
+    parser.add_argument(
+        "--rank", action=EnvOption, type=int, default=None, pet=False, metavar="R", help="one global rank only"
+    )
+    parser.set_defaults(timeout=DEFAULT_TIMEOUT)
+    for action in parser._actions:
+        if action.dest == "timeout":
+            action.help = f"bound on reaching the store and on the replies (default: {DEFAULT_TIMEOUT:g})"
+    return parser
+
+
+def main(argv: Optional[List[str]] = None, prog: str = "elastix dump") -> None:
+    parser = build_parser(prog)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.rdzv_endpoint:
+        parser.error("--rdzv-endpoint is required (the job's rendezvous store, HOST:PORT)")
+    if args.rank is not None and args.rank < 0:
+        parser.error(f"--rank {args.rank}: ranks are 0 or more")
+    try:
+        sys.exit(run(args, prog))
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def run(args: argparse.Namespace, prog: str = "elastix dump") -> int:
+    from . import _core
+    from ._logging import setup_cli
+
+    setup_cli("error")
+    try:
+        report = _core.job_dump(
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, json.dumps(args.rdzv_conf), args.rank, args.timeout
+        )
+    except Exception as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return USAGE if str(err).startswith("--rank") else ERROR
+    if report is None:
+        print(f"{prog}: no job with run ID {args.rdzv_id!r} at {args.rdzv_endpoint}", file=sys.stderr)
+        return NOT_FOUND
+    dump = json.loads(report)
+    print(json.dumps(dump, indent=2) if args.json else render(dump))
+    return COMPLETE if complete(dump) else INCOMPLETE
+
+
+def complete(dump: Dict[str, Any]) -> bool:
+    nodes = dump["nodes"]
+    workers = [worker for node in nodes for worker in node.get("workers", [])]
+    return bool(workers) and not any(node.get("missing") for node in nodes) and all("stacks" in w for w in workers)
+
+
+def render(dump: Dict[str, Any]) -> str:
+    lines = []
+    for node in dump["nodes"]:
+        if node.get("missing"):
+            lines.append(f"=== node {node['node']}: no reply in time")
+            continue
+        for worker in node.get("workers", []):
+            where = f"rank {worker['rank']} (local rank {worker['local_rank']}, pid {worker['pid']}) on {node['host']}"
+            if "stacks" in worker:
+                lines += [f"=== {where}", worker["stacks"], ""]
+            else:
+                lines.append(f"=== {where}: no stacks: {worker['error']}")
+    return "\n".join(lines).rstrip()
+
+
+__all__ = ["main", "run", "render"]
