@@ -12,7 +12,6 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::error::{AgentError, Result};
-use super::logs::NO_LOGS;
 use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS, ETCD_KEYS, STATIC_KEYS};
 use crate::rendezvous::{ConfInput, RendezvousParams};
 
@@ -28,6 +27,9 @@ const RETIRED_BACKENDS: &[&str] = &["etcd-v2"];
 /// Which of a worker's streams go to a file (torch's `Std` mask).
 pub const STD_OUT: u8 = 1;
 pub const STD_ERR: u8 = 2;
+
+/// torch's way of turning log files (and error files) off: `--log-dir /dev/null`.
+pub(crate) const NO_LOGS: &str = "/dev/null";
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

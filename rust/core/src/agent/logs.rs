@@ -9,7 +9,7 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-use super::config::AgentConfig;
+use super::config::{AgentConfig, NO_LOGS};
 use super::process::Output;
 
 /// The run's log directory and its attempt directories.
@@ -19,9 +19,6 @@ pub struct LogDirs {
     /// Made by the agent in the temp directory (removed after a clean run).
     temporary: bool,
 }
-
-/// torch's way of turning log files (and error files) off.
-pub(crate) const NO_LOGS: &str = "/dev/null";
 
 impl LogDirs {
     /// Under `base` (or a new temporary directory): a directory of its own for this run,
