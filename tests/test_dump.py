@@ -57,16 +57,18 @@ def running_job(tmp_path, marker, rdzv_port):
 
 def test_dump_shows_the_stacks_of_a_running_job_and_it_goes_on(running_job):
     one = dump(running_job, "--rank", 0)
-    assert one.returncode == 0, one.stderr
-    assert "=== rank 0 (local rank 0, pid" in one.stdout and "in train_step_forever" in one.stdout
-    assert "rank 1" not in one.stdout
+    shown = f"stdout:\n{one.stdout}\nstderr:\n{one.stderr}"
+    assert one.returncode == 0, shown
+    assert "=== rank 0 (local rank 0, pid" in one.stdout and "in train_step_forever" in one.stdout, shown
+    assert "=== rank 1" not in one.stdout, shown
     every = dump(running_job)
+    shown = f"stdout:\n{every.stdout}\nstderr:\n{every.stderr}"
     # rank 1 never imported elastix: it is not signalled (that would kill it), and says why
-    assert every.returncode == 3, every.stderr
-    assert "in train_step_forever" in every.stdout
-    assert "rank 1 (local rank 1" in every.stdout and "no stacks: it has not armed stack dumps" in every.stdout
+    assert every.returncode == 3, shown
+    assert "in train_step_forever" in every.stdout, shown
+    assert "rank 1 (local rank 1" in every.stdout and "no stacks: it has not armed stack dumps" in every.stdout, shown
     again = dump(running_job, "--rank", 0, "--json")
-    assert again.returncode == 0 and '"stacks"' in again.stdout
+    assert again.returncode == 0 and '"stacks"' in again.stdout, again.stderr
 
 
 def test_bad_input_gets_a_clear_error_and_its_own_exit_status(running_job):
@@ -78,5 +80,7 @@ def test_bad_input_gets_a_clear_error_and_its_own_exit_status(running_job):
     with closed_port() as refused:
         unreachable = dump(refused.getsockname()[1], "--timeout", 1)
     assert unreachable.returncode == 1 and "cannot reach the rendezvous store" in unreachable.stderr
-    for result in (out_of_range, unknown, unreachable):
+    etcd = dump(running_job, "--rdzv-backend", "etcd")
+    assert etcd.returncode == 1 and "elastix dump asks jobs through their c10d rendezvous store only" in etcd.stderr
+    for result in (out_of_range, unknown, unreachable, etcd):
         assert "Traceback" not in result.stderr

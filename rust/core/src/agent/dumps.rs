@@ -43,6 +43,13 @@ pub fn reply_key(run_id: &str, n: i64, node: u32) -> String {
 /// `elastix dump`: finds the job's members as `elastix status` does, then asks them for
 /// their workers' stacks (of global rank `rank` only, if given). `Ok(None)`: no such job.
 pub async fn job_dump(query: &StatusQuery, rank: Option<u32>) -> RdzvResult<Option<Value>> {
+    if query.backend != "c10d" {
+        // the agents watch a TCP store for requests; an etcd job's is its rank 0's workers' store
+        return Err(RendezvousError::Config(format!(
+            "--rdzv-backend {}: elastix dump asks jobs through their c10d rendezvous store only",
+            query.backend
+        )));
+    }
     let Some(status) = job_status(query).await? else { return Ok(None) };
     if status.members.is_empty() {
         return Err(RendezvousError::Config(format!(
@@ -50,7 +57,9 @@ pub async fn job_dump(query: &StatusQuery, rank: Option<u32>) -> RdzvResult<Opti
             query.run_id, status.state
         )));
     }
-    if let Some(rank) = rank {
+    // a member publishes its ranks once its workers run: until then no rank can be refused
+    let published = status.members.iter().all(|member| !member.ranks.is_empty());
+    if let Some(rank) = rank.filter(|_| published) {
         let ranks: Vec<u32> = status.members.iter().flat_map(|m| m.ranks.iter().copied()).collect();
         if !ranks.contains(&rank) {
             let world = ranks.len();
