@@ -104,18 +104,20 @@ pub struct Heartbeats {
 }
 
 impl Heartbeats {
-    /// A fresh page for one attempt's `slots` workers.
+    /// A fresh page for one attempt's `slots` workers. The first one of a process also
+    /// removes the pages of agents that died without removing theirs (SIGKILL).
     pub fn for_attempt(slots: usize) -> io::Result<Heartbeats> {
         static ATTEMPTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = ATTEMPTS.fetch_add(1, Ordering::Relaxed);
-        Heartbeats::create(slots, &format!("elastix-heartbeats-{}-{n}", std::process::id()))
+        if n == 0 {
+            remove_orphans(&page_dir());
+        }
+        Heartbeats::create(slots, &format!("{PAGE_PREFIX}{}-{n}", std::process::id()))
     }
 
     /// A zeroed page for `slots` workers, in `/dev/shm` where there is one.
     pub fn create(slots: usize, name: &str) -> io::Result<Heartbeats> {
-        let dir = Path::new("/dev/shm");
-        let dir = if dir.is_dir() { dir.to_owned() } else { std::env::temp_dir() };
-        let path = dir.join(name);
+        let path = page_dir().join(name);
         let file = File::options().read(true).write(true).create_new(true).open(&path)?;
         let made = (|| {
             file.set_len((slots.max(1) * SLOT_WORDS * 8) as u64)?;
@@ -155,6 +157,32 @@ impl Heartbeats {
     }
 }
 
+/// Pages are named `<PAGE_PREFIX><agent pid>-<attempt>`.
+const PAGE_PREFIX: &str = "elastix-heartbeats-";
+
+fn page_dir() -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() {
+        shm.to_owned()
+    } else {
+        std::env::temp_dir()
+    }
+}
+
+/// Removes the pages in `dir` whose agent is no longer running.
+fn remove_orphans(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let pid = name.to_str().and_then(|n| n.strip_prefix(PAGE_PREFIX)).and_then(|rest| rest.split('-').next());
+        let Some(pid) = pid.and_then(|pid| pid.parse::<i32>().ok()) else { continue };
+        // ESRCH: no such process (EPERM means one runs, under another user)
+        if nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) == Err(nix::errno::Errno::ESRCH) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
 impl Drop for Heartbeats {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
@@ -184,6 +212,22 @@ mod tests {
         let timer = Slot { last_beat: 99 * S, deadline: 98 * S, ..Slot::default() };
         assert_eq!(timer.lapse(now, None), Some(Lapse::TimerExpired { late: Duration::from_secs(2) }));
         assert_eq!(Slot { deadline: 101 * S, ..Slot::default() }.lapse(now, None), None);
+    }
+
+    #[test]
+    fn pages_of_dead_agents_are_removed_and_live_ones_kept() {
+        let dir = std::env::temp_dir().join(format!("elastix-hb-orphans-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // a pid past the kernel's limit never runs
+        let dead = dir.join(format!("{PAGE_PREFIX}{}-0", i32::MAX));
+        let live = dir.join(format!("{PAGE_PREFIX}{}-0", std::process::id()));
+        let other = dir.join("unrelated-file");
+        for path in [&dead, &live, &other] {
+            std::fs::write(path, b"").unwrap();
+        }
+        remove_orphans(&dir);
+        assert!(!dead.exists() && live.exists() && other.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
