@@ -148,16 +148,7 @@ pub(super) async fn read(client: &EtcdClient, keys: &EtcdKeys, run_id: &str) -> 
                 .map(|status| status.facts.max_restarts)
                 .or(last_failure.as_ref().map(|failure| failure.max_restarts)),
         },
-        last_failure: last_failure.map(|failure| LastFailure {
-            round: failure.round,
-            host: failure.host,
-            rank: failure.rank,
-            local_rank: failure.local_rank,
-            exitcode: failure.exitcode,
-            signal: failure.signal,
-            message: failure.message,
-            age_s: now.saturating_sub(failure.at_ms) as f64 / 1000.0,
-        }),
+        last_failure: last_failure.map(|failure| LastFailure::from_record(failure, now)),
         lost,
         closed_reason,
     };

@@ -12,6 +12,8 @@ mod read;
 
 use serde::Serialize;
 
+use super::records::FailureRecord;
+
 pub use read::{job_status, StatusQuery};
 
 /// Format version of the JSON report.
@@ -113,6 +115,22 @@ pub struct LastFailure {
     pub message: String,
     /// Seconds since it happened.
     pub age_s: f64,
+}
+
+impl LastFailure {
+    /// The failure an agent published, as read at `now_ms`.
+    pub(crate) fn from_record(failure: FailureRecord, now_ms: u64) -> LastFailure {
+        LastFailure {
+            round: failure.round,
+            host: failure.host,
+            rank: failure.rank,
+            local_rank: failure.local_rank,
+            exitcode: failure.exitcode,
+            signal: failure.signal,
+            message: failure.message,
+            age_s: now_ms.saturating_sub(failure.at_ms) as f64 / 1000.0,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

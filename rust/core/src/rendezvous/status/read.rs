@@ -154,16 +154,7 @@ async fn read<C: StoreConn>(conn: &mut C, meta: &Meta, run_id: &str) -> Result<J
         },
         members: members.into_iter().map(|m| m.member).collect(),
         arrived,
-        last_failure: last_failure.map(|failure| LastFailure {
-            round: failure.round,
-            host: failure.host,
-            rank: failure.rank,
-            local_rank: failure.local_rank,
-            exitcode: failure.exitcode,
-            signal: failure.signal,
-            message: failure.message,
-            age_s: now.saturating_sub(failure.at_ms) as f64 / 1000.0,
-        }),
+        last_failure: last_failure.map(|failure| LastFailure::from_record(failure, now)),
         lost,
         closed_reason,
     };
