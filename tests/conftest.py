@@ -1,6 +1,7 @@
 import contextlib
 import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -104,3 +105,17 @@ def network_deadline():
     """The same for a connection's deadline: NetworkTimeoutError, or torch's DistNetworkError."""
     torch_distributed = sys.modules.get("torch.distributed")
     return torch_distributed.DistNetworkError if torch_distributed else elastix.NetworkTimeoutError
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """A real etcd cluster of three members (tests/etcd_cluster.py), closed after the test."""
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (Debian package etcd-server; .ci/run installs it)")
+    from etcd_cluster import EtcdCluster
+
+    data = tmp_path / "etcd"
+    data.mkdir()
+    cluster = EtcdCluster(data)
+    yield cluster
+    cluster.close()

@@ -25,17 +25,6 @@ LOOP = os.path.join(WORKERS, "elastic_loop.py")
 RUN_ID = "etcdjob"
 
 
-@pytest.fixture
-def etcd(tmp_path):
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd is not installed (Debian package etcd-server; .ci/run installs it)")
-    data = tmp_path / "etcd"
-    data.mkdir()
-    cluster = EtcdCluster(data)
-    yield cluster
-    cluster.close()
-
-
 def etcd_args(nnodes, endpoints, addr, conf=FAST, script=LOOP):
     return ["run", *node_args(nnodes, endpoints, addr, conf, script, backend="etcd", run_id=RUN_ID, max_restarts=3)]
 

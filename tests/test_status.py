@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 
-import pytest
-
 from agents import WORKERS, agent, assert_nothing_left, node_args, wait_for, wait_round
 from conftest import closed_port
-from etcd_cluster import EtcdCluster
 
 LOOP = os.path.join(WORKERS, "elastic_loop.py")
 # the test's own store holds the rendezvous (no agent hosts it); a node is lost after 2 s
@@ -114,17 +110,6 @@ def test_a_failure_is_shown_with_its_root_cause_and_the_budget(tmp_path, marker,
             node.proc.kill()
             node.proc.wait(10)
     assert_nothing_left(marker)
-
-
-@pytest.fixture
-def etcd(tmp_path):
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd is not installed (Debian package etcd-server; .ci/run installs it)")
-    data = tmp_path / "etcd"
-    data.mkdir()
-    cluster = EtcdCluster(data)
-    yield cluster
-    cluster.close()
 
 
 def test_status_on_etcd_shows_both_nodes_then_the_lost_one(tmp_path, marker, etcd):
