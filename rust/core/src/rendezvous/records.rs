@@ -96,6 +96,13 @@ pub struct NodeStatus {
     pub lost_after_ms: u64,
 }
 
+impl NodeStatus {
+    pub fn new(node: NodeDesc, facts: AgentFacts, lost_after: std::time::Duration) -> NodeStatus {
+        let lost_after_ms = u64::try_from(lost_after.as_millis()).unwrap_or(u64::MAX);
+        NodeStatus { v: FORMAT_VERSION, node, facts, lost_after_ms }
+    }
+}
+
 /// The root cause of a node's failed attempt, as far as `elastix status` shows it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FailureRecord {

@@ -419,12 +419,7 @@ impl EtcdRendezvous {
     /// Publishes what this member's agent knows about itself, for `elastix status`.
     pub async fn publish_node_status(&mut self, facts: AgentFacts) -> Result<()> {
         let Some((round, rank)) = self.current.as_ref().map(|m| (m.round, m.rank)) else { return Ok(()) };
-        let status = NodeStatus {
-            v: FORMAT_VERSION,
-            node: self.node.clone(),
-            facts,
-            lost_after_ms: u64::try_from(self.settings.node_lost_after().as_millis()).unwrap_or(u64::MAX),
-        };
+        let status = NodeStatus::new(self.node.clone(), facts, self.settings.node_lost_after());
         let key = self.keys.node_status(round, rank);
         self.client.put(&key, &encode(&status)).await.map_err(|err| self.error(err))
     }

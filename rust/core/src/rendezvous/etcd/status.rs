@@ -157,19 +157,6 @@ pub(super) async fn read(client: &EtcdClient, keys: &EtcdKeys, run_id: &str) -> 
 }
 
 fn member(rank: u32, status: Option<&NodeStatus>) -> Member {
-    let facts = status.map(|status| &status.facts);
-    Member {
-        group_rank: rank,
-        node: status.map_or_else(|| "unknown".to_owned(), |status| status.node.to_string()),
-        addr: status.map_or_else(String::new, |status| status.node.addr.clone()),
-        pid: status.map_or(0, |status| status.node.pid),
-        host: facts.map(|facts| facts.host.clone()),
-        role: facts.map(|facts| facts.role.clone()),
-        local_world_size: facts.map(|facts| facts.local_world_size),
-        ranks: facts
-            .map_or_else(Vec::new, |facts| (facts.first_rank..facts.first_rank + facts.local_world_size).collect()),
-        metrics_port: facts.and_then(|facts| facts.metrics_port),
-        heartbeat_age_s: None,
-        lost_after_s: status.map(|status| status.lost_after_ms as f64 / 1000.0),
-    }
+    // a lease carries no time: no heartbeat age on etcd
+    Member::new(rank, status.map(|status| &status.node), status, None)
 }

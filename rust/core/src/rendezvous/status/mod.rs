@@ -12,7 +12,8 @@ mod read;
 
 use serde::Serialize;
 
-use super::records::FailureRecord;
+use super::node::NodeDesc;
+use super::records::{FailureRecord, NodeStatus};
 
 pub use read::{job_status, StatusQuery};
 
@@ -115,6 +116,32 @@ pub struct LastFailure {
     pub message: String,
     /// Seconds since it happened.
     pub age_s: f64,
+}
+
+impl Member {
+    /// Group rank `rank`'s member, from its node (if known) and what its agent published.
+    pub(crate) fn new(
+        group_rank: u32,
+        node: Option<&NodeDesc>,
+        status: Option<&NodeStatus>,
+        heartbeat_age_s: Option<f64>,
+    ) -> Member {
+        let facts = status.map(|status| &status.facts);
+        Member {
+            group_rank,
+            node: node.map_or_else(|| "unknown".to_owned(), ToString::to_string),
+            addr: node.map_or_else(String::new, |node| node.addr.clone()),
+            pid: node.map_or(0, |node| node.pid),
+            host: facts.map(|facts| facts.host.clone()),
+            role: facts.map(|facts| facts.role.clone()),
+            local_world_size: facts.map(|facts| facts.local_world_size),
+            ranks: facts
+                .map_or_else(Vec::new, |facts| (facts.first_rank..facts.first_rank + facts.local_world_size).collect()),
+            metrics_port: facts.and_then(|facts| facts.metrics_port),
+            heartbeat_age_s,
+            lost_after_s: status.map(|status| status.lost_after_ms as f64 / 1000.0),
+        }
+    }
 }
 
 impl LastFailure {

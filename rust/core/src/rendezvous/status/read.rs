@@ -173,22 +173,8 @@ async fn member<C: StoreConn>(conn: &mut C, round: u64, rank: u32, world_size: u
     let status: Option<NodeStatus> = record(conn, &Keys::node_status(round, rank), "node status").await?;
     let node = arrival.and_then(|arrival| arrival.node).or_else(|| status.as_ref().map(|s| s.node.clone()));
     let heartbeat_age_s = if world_size > 1 { heartbeat_age(conn, round, rank).await? } else { None };
-    let facts = status.as_ref().map(|status| &status.facts);
-    let member = Member {
-        group_rank: rank,
-        node: node.as_ref().map_or_else(|| "unknown".to_owned(), ToString::to_string),
-        addr: node.as_ref().map_or_else(String::new, |node| node.addr.clone()),
-        pid: node.as_ref().map_or(0, |node| node.pid),
-        host: facts.map(|facts| facts.host.clone()),
-        role: facts.map(|facts| facts.role.clone()),
-        local_world_size: facts.map(|facts| facts.local_world_size),
-        ranks: facts
-            .map_or_else(Vec::new, |facts| (facts.first_rank..facts.first_rank + facts.local_world_size).collect()),
-        metrics_port: facts.and_then(|facts| facts.metrics_port),
-        heartbeat_age_s,
-        lost_after_s: status.as_ref().map(|status| status.lost_after_ms as f64 / 1000.0),
-    };
-    Ok(Read { member, max_restarts: facts.map(|facts| facts.max_restarts) })
+    let member = Member::new(rank, node.as_ref(), status.as_ref(), heartbeat_age_s);
+    Ok(Read { member, max_restarts: status.map(|status| status.facts.max_restarts) })
 }
 
 /// Seconds since the member's last beat, from the clock value the beat carries (the newest
