@@ -14,4 +14,5 @@ pub mod collectives;
 pub mod logging;
 pub mod metrics;
 pub mod rendezvous;
+pub mod rpc;
 pub mod store;

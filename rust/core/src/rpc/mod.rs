@@ -1,0 +1,10 @@
+//! `elastix.rpc`'s transport and RRef bookkeeping: remote calls between the workers of a
+//! job, and remote references counted with the protocol of torch's RRef design notes.
+//!
+//! * [`ids`]: globally unique RRef and fork ids.
+//! * [`frame`]: the wire format.
+//! * [`refs`]: the reference-counting protocol, as pure state.
+
+pub mod frame;
+pub mod ids;
+pub mod refs;
