@@ -100,21 +100,24 @@ class Ticket:
         self.error: Optional[BaseException] = None
 
 
-def group_key(store, me: int) -> bytes:
-    """This group's key for this round: rank 0 draws the nonce, everyone reads it (the read
-    waits for it, as the address reads do)."""
+def group_key(store, me: int, nonce_key: str = "tcp/nonce", label: bytes = KEY_LABEL) -> bytes:
+    """This group's key for this round: rank 0 draws the nonce (at ``nonce_key``), everyone
+    reads it (the read waits for it, as the address reads do). ``label`` keeps the keys of
+    different uses of one nonce apart (collectives, RPC)."""
     secret = load_secret()  # first: a bad secret file fails here, before anyone waits
     if me == 0:
-        store.set("tcp/nonce", secrets.token_bytes(NONCE_BYTES).hex())
+        store.set(nonce_key, secrets.token_bytes(NONCE_BYTES).hex())
     try:
-        nonce = bytes.fromhex(store.get("tcp/nonce").decode())
+        nonce = bytes.fromhex(store.get(nonce_key).decode())
     except ValueError:
         nonce = b""
     if len(nonce) != NONCE_BYTES:
-        raise CollectiveError("the group's store holds a malformed tcp/nonce; the store is shared with something else")
+        raise CollectiveError(
+            f"the group's store holds a malformed {nonce_key}; the store is shared with something else"
+        )
     if secret is None:
         return nonce
-    return hmac.new(secret, KEY_LABEL + nonce, hashlib.sha256).digest()
+    return hmac.new(secret, label + nonce, hashlib.sha256).digest()
 
 
 def _proof(key: bytes, side: bytes, nonce_c: bytes, nonce_a: bytes, connector: int, acceptor: int) -> bytes:

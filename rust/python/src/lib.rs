@@ -9,6 +9,7 @@ mod errors;
 mod interrupt;
 mod logging;
 mod rendezvous;
+mod rpc;
 mod shm;
 mod status;
 mod store_cli;
@@ -35,5 +36,6 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(logging::init_cli_logging, module)?)?;
     module.add_function(wrap_pyfunction!(logging::reset_log_cache, module)?)?;
     collectives::register(module)?;
+    rpc::register(module)?;
     Ok(())
 }

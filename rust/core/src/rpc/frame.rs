@@ -54,6 +54,8 @@ pub mod status {
     pub const OK: u8 = 0;
     /// The payload is the pickled exception the function raised.
     pub const ERROR: u8 = 1;
+    /// The callee could not take the request; the payload is a UTF-8 message.
+    pub const REFUSED: u8 = 2;
 }
 
 #[derive(Clone, Debug, PartialEq)]
