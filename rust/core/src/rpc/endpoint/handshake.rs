@@ -114,19 +114,30 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
 mod tests {
     use super::*;
 
+    /// Runs both sides; each closes its end when done, as a real connection would.
+    async fn pair(
+        connect_key: &[u8],
+        connector: WorkerId,
+        accept_key: &[u8],
+    ) -> (Result<(), HandshakeError>, Result<WorkerId, HandshakeError>) {
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        tokio::join!(async move { connect(&mut a, connect_key, connector, 0).await }, async move {
+            accept(&mut b, accept_key, 0, 4).await
+        })
+    }
+
     #[tokio::test]
     async fn both_sides_agree_only_with_the_same_key() {
-        let (mut a, mut b) = tokio::io::duplex(1024);
-        let (connected, accepted) = tokio::join!(connect(&mut a, b"k", 2, 0), accept(&mut b, b"k", 0, 4));
+        let (connected, accepted) = pair(b"k", 2, b"k").await;
         connected.unwrap();
         assert_eq!(accepted.unwrap(), 2);
 
-        let (mut a, mut b) = tokio::io::duplex(1024);
-        let (connected, _) = tokio::join!(connect(&mut a, b"other", 2, 0), accept(&mut b, b"k", 0, 4));
+        let (connected, accepted) = pair(b"other", 2, b"k").await;
         assert!(matches!(connected, Err(HandshakeError::WrongProof)));
+        assert!(accepted.is_err());
 
-        let (mut a, mut b) = tokio::io::duplex(1024);
-        let (_, accepted) = tokio::join!(connect(&mut a, b"k", 9, 0), accept(&mut b, b"k", 0, 4));
+        let (connected, accepted) = pair(b"k", 9, b"k").await;
         assert!(matches!(accepted, Err(HandshakeError::UnknownRank(9))));
+        assert!(connected.is_err());
     }
 }
