@@ -95,6 +95,9 @@ impl Endpoint {
         let (tx, rx) = sync_channel(1);
         let id = self.register(request, Deliver::Sync(tx));
         let deadline = timeout.map(|timeout| Instant::now() + timeout);
+        if let Some(result) = crate::rpc::queue::spin(|| rx.try_recv().ok()) {
+            return result;
+        }
         loop {
             let left = deadline.map_or(SIGNAL_CHECK, |d| d.saturating_duration_since(Instant::now()));
             match rx.recv_timeout(left.min(SIGNAL_CHECK)) {
