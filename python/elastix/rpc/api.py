@@ -4,29 +4,20 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from ..collectives.init import rendezvous
+from . import _current
+from ._current import current_agent
 from .errors import RpcError
 from .futures import Future
 from .options import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, RpcBackendOptions
 from .rpc_agent import RpcAgent, To
-from .rref import RRef
-from .serialize import OP_CALL, OP_REMOTE
+from .rref import RRef, create_remote
+from .serialize import OP_CALL
 from .worker_info import WorkerInfo
 
 log = logging.getLogger("elastix.rpc")
-
-_agent: Optional[RpcAgent] = None
-_lock = threading.Lock()
-
-
-def current_agent() -> RpcAgent:
-    agent = _agent
-    if agent is None:
-        raise RpcError("RPC is not running in this process: call elastix.rpc.init_rpc() first")
-    return agent
 
 
 def init_rpc(
@@ -40,13 +31,12 @@ def init_rpc(
     RANK and WORLD_SIZE, and the store to the one ``elastix run`` (or torchrun) gives its
     workers (``init_method`` in the options: env://, tcp://, file://). Returns once every
     worker has joined. ``backend`` is accepted for torch's signature and ignored."""
-    global _agent
     if not isinstance(name, str) or not name or len(name) > 128:
         raise ValueError(f"an RPC worker name is a non-empty string of at most 128 characters, got {name!r}")
     options = rpc_backend_options or RpcBackendOptions()
-    with _lock:
-        if _agent is not None:
-            raise RpcError(f"RPC is already running in this process (as {_agent.name!r}); shutdown() first")
+    with _current.lock:
+        if _current.agent is not None:
+            raise RpcError(f"RPC is already running in this process (as {_current.agent.name!r}); shutdown() first")
         timeout = options.rpc_timeout if options.rpc_timeout > 0 else None
         store, rank, world_size = rendezvous(options.init_method, rank, world_size, timeout)
         host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
@@ -54,8 +44,8 @@ def init_rpc(
             from urllib.parse import urlparse
 
             host = urlparse(options.init_method).hostname or host
-        _agent = RpcAgent(name, rank, world_size, options, store, host)
-        _agent.start()
+        _current.agent = RpcAgent(name, rank, world_size, options, store, host)
+        _current.agent.start()
     log.info("rpc: %s joined as rank %d of %d", name, rank, world_size)
 
 
@@ -64,9 +54,8 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     call and RRef message anywhere is done; RRefs still held are then deleted everywhere. With
     ``graceful=False`` this worker stops at once (its pending calls fail). ``timeout`` bounds
     the graceful wait (0: no limit)."""
-    global _agent
-    with _lock:
-        agent = _agent
+    with _current.lock:
+        agent = _current.agent
         if agent is None or agent.stopping:
             raise RpcError("RPC is not running in this process: nothing to shut down")
         agent.stopping = True
@@ -74,8 +63,8 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
         # the agent stays the process's agent meanwhile: the calls it still runs may make calls
         agent.shutdown(graceful, None if timeout <= 0 else float(timeout))
     finally:
-        with _lock:
-            _agent = None
+        with _current.lock:
+            _current.agent = None
 
 
 def get_worker_info(worker_name: Optional[str] = None) -> WorkerInfo:
@@ -125,12 +114,7 @@ def remote(
     """Runs ``func`` on ``to`` and returns at once an RRef to its result, which stays on
     ``to`` (the owner). ``timeout``: how long the owner may take to confirm the RRef."""
     agent = current_agent()
-    owner = agent.worker(to).id
-    message = _message(func, args, kwargs)
-    limit = agent.timeout(timeout)
-    rref_id, fork_id, handle = agent.endpoint.start_remote(owner)
-    creation = agent.call_async(owner, OP_REMOTE, message, None, rref_id, fork_id)
-    return RRef._wrap(handle, agent, creation, limit)
+    return create_remote(agent, agent.worker(to).id, _message(func, args, kwargs), agent.timeout(timeout))
 
 
 def _get_debug_info() -> Dict[str, Any]:

@@ -81,7 +81,7 @@ class RpcAgent:
         self.store = PrefixStore(f"rpc/{restart}", store)
         wait = timedelta(seconds=options.rpc_timeout) if options.rpc_timeout > 0 else None
         key = group_key(self.store, rank, nonce_key="nonce", label=KEY_LABEL)
-        self.endpoint = _core.RpcEndpoint(rank, _address_towards(host), key, _test_delay())
+        self.endpoint = _core.RpcEndpoint(rank, world_size, _address_towards(host), key, _test_delay())
         try:
             self.workers = self._exchange(wait)
         except BaseException:
@@ -239,19 +239,22 @@ class RpcAgent:
         except BaseException as err:
             failure = serialize.dump_error(err, self.where)
             if request.op == OP_REMOTE:
-                self.set_owner_value(request.rref, _Failure(failure))
-                request.responder.respond(STATUS_OK, b"", [])
+                self.set_owner_value(request, _Failure(failure))
             else:
                 request.responder.respond(STATUS_ERROR, failure, [])
             return
         if request.op == OP_REMOTE:
-            self.set_owner_value(request.rref, result)
-            request.responder.respond(STATUS_OK, b"", [])
+            self.set_owner_value(request, result)
         else:
             self.answer_value(request.responder, result)
 
-    def set_owner_value(self, rref: Tuple[int, int], value: Any) -> None:
-        for responder in self.endpoint.set_value(rref, value):
+    def set_owner_value(self, request: Any, value: Any) -> None:
+        """A REMOTE's value is in: the caller's fork is confirmed (its answer goes first, so
+        the caller knows its RRef is confirmed before any to_here of its own is answered),
+        then the TO_HEREs that waited get the value."""
+        waiting = self.endpoint.set_value(request.rref, value)
+        request.responder.respond(STATUS_OK, b"", [])
+        for responder in waiting:
             self.answer_value(responder, value)
 
     def answer_value(self, responder: Any, value: Any) -> None:

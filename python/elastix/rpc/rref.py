@@ -13,19 +13,15 @@ import time
 from typing import Any, Generic, Optional, TypeVar
 
 from . import serialize
+from ._current import current_agent
 from .errors import RpcError, RpcTimeoutError
 from .futures import Future
 from .options import UNSET_RPC_TIMEOUT
-from .serialize import OP_TO_HERE
+from .rpc_agent import RpcAgent, _Failure
+from .serialize import OP_CALL, OP_REMOTE, OP_TO_HERE
 from .worker_info import WorkerInfo
 
 T = TypeVar("T")
-
-
-def _agent():
-    from . import api
-
-    return api.current_agent()
 
 
 class RRef(Generic[T]):
@@ -33,7 +29,7 @@ class RRef(Generic[T]):
 
     def __init__(self, value: T, type_hint: Optional[type] = None) -> None:
         """A new RRef owned by this worker, holding ``value``."""
-        agent = _agent()
+        agent = current_agent()
         self._handle = agent.endpoint.new_owner(value)
         self._agent = agent
         self._creation: Optional[Future[None]] = None
@@ -68,8 +64,6 @@ class RRef(Generic[T]):
         return self._owner_value(None)
 
     def _owner_value(self, timeout: Optional[float]) -> T:
-        from .rpc_agent import _Failure
-
         try:
             value = self._agent.endpoint.owner_value(self._handle.rref_id(), timeout)
         except TimeoutError as err:
@@ -142,19 +136,34 @@ def _invoke(rref: RRef[Any], method: str, args: Any, kwargs: Any) -> Any:
     return getattr(rref.local_value(), method)(*args, **kwargs)
 
 
+def create_remote(agent: RpcAgent, owner: int, message: Any, timeout: Optional[float]) -> RRef[Any]:
+    """remote(): the caller's UserRRef (or OwnerRRef, to itself) for ``message`` run on ``owner``;
+    ``timeout`` bounds how long the owner may take to confirm it."""
+    rref_id, fork_id, handle = agent.endpoint.start_remote(owner)
+    creation = agent.call_async(owner, OP_REMOTE, message, None, rref_id, fork_id)
+    return RRef._wrap(handle, agent, creation, timeout)
+
+
 class _Proxy:
+    """``rref.rpc_sync()`` and friends: each method call runs on the owner, on the value."""
+
     __slots__ = ("_how", "_rref", "_timeout")
 
     def __init__(self, rref: RRef[Any], how: str, timeout: float) -> None:
         self._rref, self._how, self._timeout = rref, how, timeout
 
     def __getattr__(self, method: str):
-        from . import api
-
         def call(*args: Any, **kwargs: Any) -> Any:
-            run = getattr(api, self._how)
             rref = self._rref
-            return run(rref.owner(), _invoke, args=(rref, method, args, kwargs), timeout=self._timeout)
+            agent = rref._agent
+            owner = rref._handle.owner()
+            message: Any = (_invoke, (rref, method, args, kwargs), {})
+            limit = agent.timeout(self._timeout)
+            if self._how == "rpc_sync":
+                return agent.call(owner, OP_CALL, message, limit)
+            if self._how == "rpc_async":
+                return agent.call_async(owner, OP_CALL, message, limit)
+            return create_remote(agent, owner, message, limit)
 
         return call
 

@@ -73,12 +73,19 @@ pub struct RpcEndpoint {
 
 #[pymethods]
 impl RpcEndpoint {
-    /// Listens on `host` (port chosen by the kernel) as rank `rank`; every connection proves
+    /// Listens on `host` (port chosen by the kernel) as rank `rank` of `world`; every connection proves
     /// `key`. `control_delay` (seconds, low and high) is the test hook that delays each
     /// reference-counting message by a random time.
     #[new]
-    #[pyo3(signature = (rank, host, key, control_delay=None))]
-    fn new(py: Python<'_>, rank: u32, host: String, key: Vec<u8>, control_delay: Option<(f64, f64)>) -> PyResult<Self> {
+    #[pyo3(signature = (rank, world, host, key, control_delay=None))]
+    fn new(
+        py: Python<'_>,
+        rank: u32,
+        world: u32,
+        host: String,
+        key: Vec<u8>,
+        control_delay: Option<(f64, f64)>,
+    ) -> PyResult<Self> {
         let control_delay = match control_delay {
             None => None,
             Some((low, high)) => {
@@ -87,7 +94,7 @@ impl RpcEndpoint {
                 Some((low, high.max(low)))
             }
         };
-        let config = core::Config { me: rank, host, key, control_delay };
+        let config = core::Config { me: rank, world, host, key, control_delay };
         let (runtime, endpoint) = py.detach(|| {
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(RUNTIME_THREADS)

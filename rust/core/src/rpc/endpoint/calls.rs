@@ -58,7 +58,7 @@ impl Endpoint {
         if self.is_closed() {
             return Err(CallError::Refused("RPC is not running on this worker (shut down)".into()));
         }
-        if to >= self.world() {
+        if to as usize >= self.peers().len() {
             return Err(CallError::Refused(format!("rank {to} is not in this RPC group of {}", self.world())));
         }
         Ok(())

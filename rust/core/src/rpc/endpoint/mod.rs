@@ -57,6 +57,9 @@ pub struct Peer {
 #[derive(Clone, Debug)]
 pub struct Config {
     pub me: WorkerId,
+    /// Ranks of the group: a connection from any other rank is refused, even before the
+    /// peers' addresses are known.
+    pub world: u32,
     /// The host to listen on (the port is the kernel's choice).
     pub host: String,
     /// The group's key: every connection proves it (see [`handshake`]).
@@ -116,6 +119,7 @@ pub struct Completion {
 
 pub struct Endpoint {
     me: WorkerId,
+    world: u32,
     key: Vec<u8>,
     control_delay: Option<(Duration, Duration)>,
     runtime: Handle,
@@ -142,6 +146,7 @@ impl Endpoint {
         let listener = TcpListener::bind((config.host.as_str(), 0)).await?;
         let endpoint = Arc::new(Endpoint {
             me: config.me,
+            world: config.world,
             key: config.key,
             control_delay: config.control_delay,
             runtime: Handle::current(),
@@ -171,6 +176,10 @@ impl Endpoint {
 
     /// Every worker of the group, indexed by rank. Set once.
     pub fn set_peers(&self, peers: Vec<Peer>) -> Result<(), CallError> {
+        if peers.len() != self.world as usize {
+            let message = format!("{} peers for an RPC group of {}", peers.len(), self.world);
+            return Err(CallError::Refused(message));
+        }
         let slots = peers.into_iter().map(conn::PeerSlot::new).collect();
         self.peers.set(slots).map_err(|_| CallError::Refused("the RPC group's peers are already set".into()))
     }
@@ -180,7 +189,7 @@ impl Endpoint {
     }
 
     fn world(&self) -> u32 {
-        self.peers().len() as u32
+        self.world
     }
 
     /// "worker 'name' (rank r)", for messages.
