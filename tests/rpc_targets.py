@@ -13,6 +13,8 @@ import elastix.rpc as rpc
 
 # RRefs a worker was asked to keep, by key
 kept: dict = {}
+# keys of the chains that ended here (forward)
+arrivals: list = []
 released = threading.Event()
 # weak references to values this worker owns, to see them go
 alive: "weakref.WeakSet" = weakref.WeakSet()
@@ -104,12 +106,18 @@ def value_of(key):
     return kept[key].to_here()
 
 
-def forward(rref, hops, key):
-    """Sends rref on to the next hop without waiting, and lets go of its own at once."""
+def forward(rref, hops, key, count=None, delay=0.0):
+    """Sends rref on to the next hop without waiting, and lets go of its own at once. The last
+    hop adds 1 to the store key `count`, if given, so a test can wait for every chain. Each
+    hop first waits `delay` seconds."""
+    time.sleep(delay)
     if not hops:
         kept[key] = rref
+        arrivals.append(key)
+        if count:
+            rpc.api.current_agent().store.add(count, 1)
         return
-    rpc.rpc_async(hops[0], forward, args=(rref, hops[1:], key))
+    rpc.rpc_async(hops[0], forward, args=(rref, hops[1:], key, count, delay))
 
 
 def nested(peer, a, b):
@@ -125,6 +133,10 @@ def remote_chain(peer, n):
 
 def debug_info():
     return rpc._get_debug_info()
+
+
+def describe_refs():
+    return rpc.api.current_agent().endpoint.describe_refs()
 
 
 def live_values():

@@ -297,6 +297,21 @@ def shutdown_with_rrefs_alive():
     }
 
 
+def shutdown_while_calls_start_calls(chains):
+    import rpc_targets as t
+
+    rpc, rank = _init()
+    if rank == 0:
+        # every hop waits, then passes the RRef on without waiting: w1 and w2 are idle when
+        # the chains reach them, and each call is answered before the next hop starts
+        for i in range(chains):
+            rpc.rpc_async("w1", t.forward, args=(rpc.RRef(t.Box(i)), ["w2", "w0"], f"late{i}", None, 0.3))
+    agent = rpc.api.current_agent()
+    rpc.shutdown()
+    after = agent.endpoint.stats()
+    return {"arrived": len(t.arrivals), "after": [after["num_owner_rrefs"], after["num_user_rrefs"]]}
+
+
 def random_exchange(total, seed):
     import rpc_targets as t
 
@@ -304,6 +319,7 @@ def random_exchange(total, seed):
     rng = random.Random(seed + rank)
     world = len(WORKERS)
     pending = []
+    chains = 0
     for i in range(total // world):
         if rng.random() < 0.5:
             rref = rpc.RRef(t.Box(i))
@@ -314,24 +330,28 @@ def random_exchange(total, seed):
             pending.append(rpc.rpc_async(to, t.keep, args=(f"{rank}/{i % 50}", rref)))
         else:
             hops = [rng.choice(WORKERS) for _ in range(rng.randrange(3))]
-            pending.append(rpc.rpc_async(to, t.forward, args=(rref, hops, f"{rank}/f{i % 50}")))
+            pending.append(rpc.rpc_async(to, t.forward, args=(rref, hops, f"{rank}/f{i % 50}", "arrived")))
+            chains += 1
         del rref
         if len(pending) >= 64:
             rpc.wait_all(pending)
             pending = []
     rpc.wait_all(pending)
-    # everyone is done sending before anyone lets go
+    # every chain has arrived, whoever sent it, before anyone lets go
     store = rpc.api.current_agent().store
+    store.add("chains", chains)
     store.add("exchanged", 1)
     t.wait_until(lambda: store.add("exchanged", 0) == world, timeout=120)
+    t.wait_until(lambda: store.add("arrived", 0) == store.add("chains", 0), timeout=120)
     t.drop_all()
     gc.collect()
     store.add("dropped", 1)
     t.wait_until(lambda: store.add("dropped", 0) == world, timeout=120)
     infos = t.settle(WORKERS, timeout=60)
     leaks = t.wait_until(lambda: all(rpc.rpc_sync(w, t.debug_info)["num_owner_rrefs"] == 0 for w in WORKERS), 60)
+    held = [] if leaks else [rpc.rpc_sync(w, t.describe_refs) for w in WORKERS]
     rpc.shutdown()
-    return {"no_leaks": leaks, "counts": [(i["num_owner_rrefs"], i["num_user_rrefs"]) for i in infos]}
+    return {"no_leaks": leaks, "counts": [(i["num_owner_rrefs"], i["num_user_rrefs"]) for i in infos], "held": held}
 
 
 # -- tests ----------------------------------------------------------------------------------
@@ -411,6 +431,14 @@ def test_graceful_shutdown_with_rrefs_alive_everywhere_ends_with_no_owner_rrefs(
         assert out["before"] is True
         assert out["after"] == [0, 0, 0]
         assert out["values_gone"] is True
+
+
+def test_graceful_shutdown_waits_for_calls_that_running_calls_start_later():
+    arrived = []
+    for out in harness.run(shutdown_while_calls_start_calls, 3, timeout=120, kwargs={"chains": 5}):
+        assert out["after"] == [0, 0]
+        arrived.append(out["arrived"])
+    assert arrived == [5, 0, 0]  # every chain ended on w0, though w0 had called shutdown first
 
 
 def test_four_workers_exchanging_10000_rrefs_at_random_leak_nothing():

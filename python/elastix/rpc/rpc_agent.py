@@ -77,6 +77,11 @@ class RpcAgent:
     def __init__(self, name: str, rank: int, world_size: int, options: RpcBackendOptions, store: Any, host: str):
         self.name, self.rank, self.world_size, self.options = name, rank, world_size, options
         self.stopping = False
+        # calls issued and started so far (only whether it changes matters), and calls running:
+        # shutdown waits for a round in which no worker starts one and none runs
+        self.activity = 0
+        self._running = 0
+        self._running_lock = threading.Lock()
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.store = PrefixStore(f"rpc/{restart}", store)
         wait = timedelta(seconds=options.rpc_timeout) if options.rpc_timeout > 0 else None
@@ -158,6 +163,7 @@ class RpcAgent:
         raise RpcError(f"{self.endpoint.describe(callee)} refused the call: {bytes(payload).decode(errors='replace')}")
 
     def call(self, to: int, op: int, obj: Any, timeout: Optional[float], rref=None, fork=None) -> Any:
+        self.activity += 1
         payload, buffers, forks = self._dumps(obj)
         try:
             answer = self.endpoint.call(to, op, payload, buffers, rref, fork, timeout)
@@ -169,6 +175,7 @@ class RpcAgent:
         return self.decode(answer, to)
 
     def call_async(self, to: int, op: int, obj: Any, timeout: Optional[float], rref=None, fork=None) -> Future[Any]:
+        self.activity += 1
         payload, buffers, forks = self._dumps(obj)
         future: Future[Any] = Future()
         token = next(self._tokens)
@@ -224,10 +231,16 @@ class RpcAgent:
                 if self.endpoint.is_closed():
                     return
                 continue
+            with self._running_lock:
+                self._running += 1
+                self.activity += 1
             try:
                 self._run(request)
             except BaseException:
                 log.exception("rpc: %s failed to answer a request from rank %d", self.where, request.sender)
+            finally:
+                with self._running_lock:
+                    self._running -= 1
 
     def _run(self, request: Any) -> None:
         if request.op == OP_TO_HERE:
@@ -270,12 +283,33 @@ class RpcAgent:
 
     # -- shutdown -------------------------------------------------------------------------
 
-    def _barrier(self, name: str, deadline: Optional[float]) -> None:
+    def _barrier(self, name: str, deadline: Optional[float], busy: int = 0) -> int:
+        """Waits until every worker has reached barrier ``name``; returns the sum of their
+        ``busy`` (each adds its own before it counts itself in)."""
         key = f"shutdown/{name}"
+        self.store.add(f"{key}/busy", busy)
         if self.store.add(key, 1) == self.world_size:
             self.store.set(f"{key}/done", b"1")
         left = None if deadline is None else timedelta(seconds=max(0.001, deadline - time.monotonic()))
         self.store.wait([f"{key}/done"], left)
+        return self.store.add(f"{key}/busy", 0)
+
+    def _idle(self) -> bool:
+        return self._running == 0 and self.endpoint.outstanding()[0] == 0
+
+    def _quiesce(self, deadline: Optional[float]) -> None:
+        """Returns once a round passes in which no worker started a call, issued or run, and
+        none runs. A worker with nothing of its own waiting may still be sent a call (a
+        function that another worker runs may make one, without waiting, even after a delay),
+        so one barrier is not enough: rounds repeat until one sees no activity anywhere, and
+        from then on no user function runs anywhere."""
+        seen = -1
+        for round_ in itertools.count():
+            self._settle("calls waiting for answers or running", self._idle, deadline)
+            busy = int(self.activity != seen)
+            seen = self.activity
+            if self._barrier(f"calls/{round_}", deadline, busy) == 0:
+                return
 
     def _settle(self, what: str, done, deadline: Optional[float]) -> None:
         """Waits (bounded by the deadline) until done() holds, saying what it waits for."""
@@ -295,10 +329,8 @@ class RpcAgent:
         try:
             if graceful:
                 deadline = None if timeout is None else time.monotonic() + timeout
-                # 1. no call of this worker is waiting for an answer, then the same everywhere:
-                #    from then on, no user function runs anywhere
-                self._settle("calls waiting for answers", lambda: self.endpoint.outstanding()[0] == 0, deadline)
-                self._barrier("calls", deadline)
+                # 1. no call is waiting for an answer or running, anywhere
+                self._quiesce(deadline)
                 # 2. every fork goes (its owner is told), whatever the code still holds; then
                 #    every owner has heard of every deletion
                 self.endpoint.release_all_users()

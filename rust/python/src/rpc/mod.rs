@@ -250,6 +250,11 @@ impl RpcEndpoint {
         Ok(stats)
     }
 
+    /// What the RRef table still holds, one line each (diagnostics).
+    fn describe_refs(&self) -> Vec<String> {
+        self.endpoint.describe_refs()
+    }
+
     /// (calls waiting for answers, control messages waiting for acks).
     fn outstanding(&self) -> (usize, usize) {
         self.endpoint.outstanding()

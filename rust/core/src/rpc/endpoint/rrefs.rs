@@ -120,6 +120,10 @@ impl Endpoint {
         lock(&self.refs).value(rref).map(read)
     }
 
+    pub fn describe_refs(&self) -> Vec<String> {
+        lock(&self.refs).describe()
+    }
+
     pub fn ref_stats(&self) -> Stats {
         lock(&self.refs).stats()
     }

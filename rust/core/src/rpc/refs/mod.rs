@@ -418,6 +418,22 @@ impl<V, W> Table<V, W> {
         self.owners.drain().map(|(_, owner)| owner.slot).collect()
     }
 
+    /// One line per fork and OwnerRRef still held (diagnostics).
+    pub fn describe(&self) -> Vec<String> {
+        let users = self.users.iter().map(|(fork, user)| format!("user {fork}: {user:?}"));
+        let owners = self.owners.iter().map(|(rref, owner)| {
+            format!(
+                "owner {rref}: forks {:?} gone {} handles {} created {}",
+                owner.forks,
+                owner.gone.len(),
+                owner.handles,
+                owner.created
+            )
+        });
+        let children = self.children.iter().map(|(child, parent)| format!("child {child} of {parent:?}"));
+        users.chain(owners).chain(children).collect()
+    }
+
     pub fn stats(&self) -> Stats {
         Stats {
             owners: self.owners.len(),
