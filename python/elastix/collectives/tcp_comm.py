@@ -72,18 +72,18 @@ HEADER = struct.Struct("<QQ14q")
 INLINE_BYTES = 64 << 10  # sends up to this size fit in socket buffers: sent from the caller
 
 
-def local_address() -> str:
-    """The address peers reach this rank at: ELASTIX_COLLECTIVES_ADDR, else the source
-    address of the route to MASTER_ADDR, else this host's name."""
-    override = os.environ.get("ELASTIX_COLLECTIVES_ADDR")
+def local_address(override_env: str = "ELASTIX_COLLECTIVES_ADDR", towards: Optional[str] = None) -> str:
+    """The address peers reach this process at: the variable ``override_env``, else the source
+    address of the route to ``towards`` (default MASTER_ADDR), else this host's name."""
+    override = os.environ.get(override_env)
     if override:
         return override
-    master = os.environ.get("MASTER_ADDR")
-    if master:
+    target = towards or os.environ.get("MASTER_ADDR")
+    if target:
         try:
-            family = socket.AF_INET6 if ":" in master else socket.AF_INET
+            family = socket.AF_INET6 if ":" in target else socket.AF_INET
             with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.connect((master, 9))
+                s.connect((target, 9))
                 return s.getsockname()[0]
         except OSError:
             pass

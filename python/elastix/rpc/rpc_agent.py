@@ -12,14 +12,13 @@ import itertools
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .. import _core
-from ..collectives.tcp_comm import group_key
+from ..collectives.tcp_comm import group_key, local_address
 from ..store import PrefixStore
 from . import serialize
 from .errors import RpcError, translate
@@ -47,21 +46,6 @@ class _Failure:
         self.payload = payload
 
 
-def _address_towards(host: str) -> str:
-    """The address of this host that peers reach: ELASTIX_RPC_ADDR, else the source address of
-    the route to the store's host, else this host's name."""
-    override = os.environ.get("ELASTIX_RPC_ADDR")
-    if override:
-        return override
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))
-            return str(probe.getsockname()[0])
-    except OSError:
-        return socket.gethostname()
-
-
 def _test_delay() -> Optional[Tuple[float, float]]:
     value = os.environ.get(DELAY_ENV)
     if not value:
@@ -86,7 +70,7 @@ class RpcAgent:
         self.store = PrefixStore(f"rpc/{restart}", store)
         wait = timedelta(seconds=options.rpc_timeout) if options.rpc_timeout > 0 else None
         key = group_key(self.store, rank, nonce_key="nonce", label=KEY_LABEL)
-        self.endpoint = _core.RpcEndpoint(rank, world_size, _address_towards(host), key, _test_delay())
+        self.endpoint = _core.RpcEndpoint(rank, world_size, local_address("ELASTIX_RPC_ADDR", host), key, _test_delay())
         try:
             self.workers = self._exchange(wait)
         except BaseException:
@@ -112,7 +96,8 @@ class RpcAgent:
         me = json.dumps({"name": self.name, "addr": f"{host}:{port}"})
         self.store.set(f"worker/{self.rank}", me)
         keys = [f"worker/{rank}" for rank in range(self.world_size)]
-        log.info("rpc: %s waits for %d workers to publish their addresses", self.name, self.world_size)
+        limit = "with no limit" if wait is None else f"for up to {wait.total_seconds():g}s"
+        log.info("rpc: %s waits %s for %d workers to publish their addresses", self.name, limit, self.world_size)
         self.store.wait(keys, wait)
         entries = [json.loads(self.store.get(key)) for key in keys]
         seen: Dict[str, int] = {}

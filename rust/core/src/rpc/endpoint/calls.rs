@@ -1,15 +1,16 @@
 //! Calls waiting for their answer: each is answered once, by its response, its timeout, the
 //! loss of its peer, or the endpoint's close, whichever comes first.
 
-use std::sync::mpsc::{sync_channel, RecvTimeoutError, SyncSender};
+use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 
 use super::{lock, Completion, Endpoint, Message};
 use crate::rpc::frame::{op, Frame, Kind};
 use crate::rpc::ids::{Gid, WorkerId};
+use crate::rpc::queue::{wait_on, Waited};
 
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum CallError {
@@ -49,9 +50,6 @@ pub struct Request {
     pub payload: Bytes,
     pub buffers: Vec<Bytes>,
 }
-
-/// How often a waiting caller lets Python's signal handlers run.
-const SIGNAL_CHECK: Duration = Duration::from_millis(100);
 
 impl Endpoint {
     fn check_target(&self, to: WorkerId) -> Result<(), CallError> {
@@ -94,33 +92,19 @@ impl Endpoint {
         let to = request.to;
         let (tx, rx) = sync_channel(1);
         let id = self.register(request, Deliver::Sync(tx));
-        let deadline = timeout.map(|timeout| Instant::now() + timeout);
-        if let Some(result) = crate::rpc::queue::spin(|| rx.try_recv().ok()) {
-            return result;
-        }
-        loop {
-            let left = deadline.map_or(SIGNAL_CHECK, |d| d.saturating_duration_since(Instant::now()));
-            match rx.recv_timeout(left.min(SIGNAL_CHECK)) {
-                Ok(result) => return result,
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(CallError::Shutdown("RPC was shut down on this worker".into()))
-                }
-                Err(RecvTimeoutError::Timeout) => {}
-            }
-            let timed_out = deadline.is_some_and(|d| Instant::now() >= d);
-            if timed_out || interrupted() {
-                if lock(&self.calls).remove(&id).is_none() {
-                    // answered meanwhile
-                    if let Ok(result) = rx.try_recv() {
-                        return result;
-                    }
-                }
-                if !timed_out {
-                    return Err(CallError::Interrupted);
-                }
-                return Err(self.timeout_error(to, timeout.unwrap_or_default()));
+        let gave_up = match wait_on(&rx, timeout, interrupted) {
+            Waited::Got(result) => return result,
+            Waited::Gone => return Err(CallError::Shutdown("RPC was shut down on this worker".into())),
+            Waited::TimedOut => self.timeout_error(to, timeout.unwrap_or_default()),
+            Waited::Interrupted => CallError::Interrupted,
+        };
+        if lock(&self.calls).remove(&id).is_none() {
+            // answered meanwhile
+            if let Ok(result) = rx.try_recv() {
+                return result;
             }
         }
+        Err(gave_up)
     }
 
     /// Sends `request`; its answer comes out of `next_completion` with `token`.

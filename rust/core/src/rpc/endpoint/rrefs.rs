@@ -1,12 +1,13 @@
 //! The RRef table as this worker's code uses it: every change that lets go of something
 //! sends the control messages it asks for, and drops values outside the table's lock.
 
-use std::sync::mpsc::{sync_channel, RecvTimeoutError};
+use std::sync::mpsc::sync_channel;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::{drop_slots, lock, Endpoint, Responder, Value, Waiter};
 use crate::rpc::ids::{ForkId, RRefId, WorkerId};
+use crate::rpc::queue::{wait_on, Waited};
 use crate::rpc::refs::{ForkData, Handle, RefError, Stats};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -18,8 +19,6 @@ pub enum ValueError {
     #[error("interrupted")]
     Interrupted,
 }
-
-const SIGNAL_CHECK: Duration = Duration::from_millis(100);
 
 impl Endpoint {
     pub fn new_owner(&self, value: Value) -> Handle {
@@ -98,20 +97,11 @@ impl Endpoint {
                 return Ok(());
             }
         }
-        let deadline = timeout.map(|timeout| Instant::now() + timeout);
-        loop {
-            let left = deadline.map_or(SIGNAL_CHECK, |d| d.saturating_duration_since(Instant::now()));
-            match rx.recv_timeout(left.min(SIGNAL_CHECK)) {
-                Ok(()) => return Ok(()),
-                Err(RecvTimeoutError::Disconnected) => return Err(ValueError::Deleted),
-                Err(RecvTimeoutError::Timeout) => {}
-            }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                return Err(ValueError::TimedOut(timeout.unwrap_or_default().as_secs_f64()));
-            }
-            if interrupted() {
-                return Err(ValueError::Interrupted);
-            }
+        match wait_on(&rx, timeout, interrupted) {
+            Waited::Got(()) => Ok(()),
+            Waited::Gone => Err(ValueError::Deleted),
+            Waited::TimedOut => Err(ValueError::TimedOut(timeout.unwrap_or_default().as_secs_f64())),
+            Waited::Interrupted => Err(ValueError::Interrupted),
         }
     }
 
