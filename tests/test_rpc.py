@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import signal
 import socket
 import sys
 
@@ -135,6 +136,16 @@ def timeouts():
         except TimeoutError as err:
             out["async"] = [type(err).__name__, "w1" in str(err)]
         out["still_works"] = rpc.rpc_sync("w1", t.add, args=(1, 1))
+        # a stopped callee (SIGSTOP) is silent, not gone: a timeout, then calls go on after SIGCONT
+        pid = rpc.rpc_sync("w1", os.getpid)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            rpc.rpc_sync("w1", t.noop, timeout=0.5)
+        except TimeoutError as err:
+            out["stopped"] = [type(err).__name__, "w1" in str(err)]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        out["resumed"] = rpc.rpc_sync("w1", t.add, args=(2, 2))
     rpc.shutdown()
     return out
 
@@ -384,11 +395,13 @@ def test_remote_exceptions_arrive_as_their_own_type_with_the_remote_traceback():
     assert out["pickle_outside"] is True
 
 
-def test_a_timeout_names_the_callee_and_the_worker_goes_on():
+def test_a_timeout_names_the_callee_slow_or_stopped_and_the_worker_goes_on():
     out = harness.run(timeouts, 2, timeout=90)[0]
     assert out["sync"] == ["RpcTimeoutError", True]
     assert out["async"] == ["RpcTimeoutError", True]
     assert out["still_works"] == 2
+    assert out["stopped"] == ["RpcTimeoutError", True]
+    assert out["resumed"] == 4
 
 
 def test_to_here_before_the_owner_ran_the_function_and_nested_calls():
