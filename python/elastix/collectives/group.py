@@ -5,6 +5,8 @@ by ``new_group``. Each group lives in its own namespace of the job's store
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
 from datetime import timedelta
 from typing import Any, List, Optional, Sequence
@@ -17,6 +19,9 @@ from .work import Executor
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 STORE_PREFIX = "elastix/collectives"
 BACKENDS = ("cpu", "nccl")
+EXIT_JOIN_SECONDS = 5.0  # at exit, how long a group's threads get to end
+
+log = logging.getLogger(__name__)
 
 
 def normalize_backend(backend: Optional[str]) -> str:
@@ -70,7 +75,7 @@ class ProcessGroup:
     def __repr__(self) -> str:
         return f"ProcessGroup(name={self.name!r}, ranks={self.ranks}, rank={self._rank}, backend={self.backend_name!r})"
 
-    def close(self) -> None:
+    def close(self, join_timeout: float = 60.0) -> None:
         if self.destroyed:
             return
         self.destroyed = True
@@ -78,8 +83,8 @@ class ProcessGroup:
         if backend is not None and (self.executor.busy() or self.send_executor.busy()):
             # what runs or waits must fail now rather than wait for its peers: abort first
             backend.abort(f"group {self.name} was destroyed")
-        self.executor.close()
-        self.send_executor.close()
+        self.executor.close(join_timeout)
+        self.send_executor.close(join_timeout)
         if backend is not None:
             backend.close()
             self.backend = None
@@ -122,6 +127,7 @@ class World:
 
 _world: Optional[World] = None
 _lock = threading.RLock()
+_exit_hook = False
 
 
 def world() -> World:
@@ -133,8 +139,29 @@ def world() -> World:
 
 
 def set_world(w: Optional[World]) -> None:
-    global _world
+    global _world, _exit_hook
     _world = w
+    if w is not None and not _exit_hook:
+        atexit.register(_destroy_at_exit)
+        _exit_hook = True
+
+
+def _destroy_at_exit() -> None:
+    """Destroys the groups a program left behind, so that their threads (executors, TCP
+    accept and send threads, which call into the native module) have ended before the
+    interpreter finalises. Work still queued fails at once (the groups are aborted)."""
+    if not _lock.acquire(timeout=EXIT_JOIN_SECONDS):
+        log.warning("elastix.collectives: a thread holds the groups' lock at exit; groups left as they are")
+        return
+    try:
+        w = _world
+        if w is None:
+            return
+        for g in reversed(w.groups):
+            g.close(EXIT_JOIN_SECONDS)
+        set_world(None)
+    finally:
+        _lock.release()
 
 
 def resolve(group: Optional[ProcessGroup]) -> ProcessGroup:

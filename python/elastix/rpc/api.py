@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from typing import Any, Callable, Dict, Optional, Sequence
@@ -18,6 +19,7 @@ from .serialize import OP_CALL
 from .worker_info import WorkerInfo
 
 log = logging.getLogger("elastix.rpc")
+_exit_hook = False
 
 
 def init_rpc(
@@ -46,6 +48,10 @@ def init_rpc(
             host = urlparse(options.init_method).hostname or host
         _current.agent = RpcAgent(name, rank, world_size, options, store, host)
         _current.agent.start()
+        global _exit_hook
+        if not _exit_hook:
+            atexit.register(_stop_at_exit)
+            _exit_hook = True
     log.info("rpc: %s joined as rank %d of %d", name, rank, world_size)
 
 
@@ -62,6 +68,22 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     try:
         # the agent stays the process's agent meanwhile: the calls it still runs may make calls
         agent.shutdown(graceful, None if timeout <= 0 else float(timeout))
+    finally:
+        with _current.lock:
+            _current.agent = None
+
+
+def _stop_at_exit() -> None:
+    """A program that exits without shutdown() leaves RPC at once (as shutdown(graceful=False)
+    would: calls to this worker fail on the peers), so that the transport's threads have ended
+    before the interpreter finalises."""
+    with _current.lock:
+        agent = _current.agent
+        if agent is None or agent.stopping:
+            return
+        agent.stopping = True
+    try:
+        agent.shutdown(False, None)
     finally:
         with _current.lock:
             _current.agent = None

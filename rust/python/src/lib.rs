@@ -6,6 +6,7 @@ mod agent;
 mod blocking_store;
 mod collectives;
 mod errors;
+mod exit_gate;
 mod interrupt;
 mod logging;
 mod rendezvous;
@@ -20,7 +21,9 @@ use pyo3::prelude::*;
 
 #[pymodule]
 fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
-    // first, so that no event of the core is ever dropped
+    // first, so that its atexit hook runs after every hook of the Python package
+    exit_gate::register(module)?;
+    // then, so that no event of the core is ever dropped
     logging::install_bridge(module.py())?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     module

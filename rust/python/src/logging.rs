@@ -4,16 +4,21 @@
 //!   core's events into `log` records, and pyo3-log hands them to Python's `logging`, under
 //!   the logger `elastix.<rust module path>` (e.g. `elastix.elastix_core.rendezvous.round`).
 //!   pyo3-log caches loggers and their levels; `reset_log_cache()` picks up a changed
-//!   logging configuration.
+//!   logging configuration. Records pass the exit gate: once the interpreter is exiting,
+//!   warnings and errors are written to stderr directly and the rest dropped.
 //! * Command-line use (`elastix run`, `elastix-store`): `init_cli_logging(level)` installs the
 //!   stderr subscriber of `elastix_core::logging` first, which from then on receives every
 //!   event (tracing stops emitting `log` records once a subscriber exists).
 
+use std::io::Write;
 use std::sync::OnceLock;
 
+use log::{Level, LevelFilter, Log, Metadata, Record};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3_log::{Caching, Logger, ResetHandle};
+
+use crate::exit_gate::Pass;
 
 static BRIDGE: OnceLock<ResetHandle> = OnceLock::new();
 
@@ -24,10 +29,34 @@ pub fn install_bridge(py: Python<'_>) -> PyResult<()> {
         return Ok(());
     }
     let logger = Logger::new(py, Caching::LoggersAndLevels)?.set_prefix("elastix");
-    if let Ok(handle) = logger.install() {
+    let handle = logger.reset_handle();
+    if log::set_boxed_logger(Box::new(GatedLogger(logger))).is_ok() {
+        log::set_max_level(LevelFilter::Debug); // pyo3-log's own default; Python's levels filter further
         let _ = BRIDGE.set(handle);
     }
     Ok(())
+}
+
+/// pyo3-log behind the exit gate.
+struct GatedLogger(Logger);
+
+impl Log for GatedLogger {
+    fn enabled(&self, metadata: &Metadata<'_>) -> bool {
+        self.0.enabled(metadata) // reads pyo3-log's cache only: no call into Python
+    }
+
+    fn log(&self, record: &Record<'_>) {
+        match Pass::take() {
+            Some(_pass) => self.0.log(record),
+            None if record.level() <= Level::Warn => {
+                let line = format!("elastix.{} {}: {}\n", record.target(), record.level(), record.args());
+                let _ = std::io::stderr().lock().write_all(line.as_bytes());
+            }
+            None => {}
+        }
+    }
+
+    fn flush(&self) {}
 }
 
 /// Forgets the cached Python loggers and levels (after `logging` was configured anew).

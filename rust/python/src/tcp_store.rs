@@ -1,7 +1,8 @@
 //! `TcpStoreCore`: one TCPStore connection (and, for a master, its in-process server), driven
 //! by a current-thread tokio runtime of its own on the calling thread, with the GIL released.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::ops::{Deref, DerefMut};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use elastix_core::store::client::InterruptCheck;
@@ -13,6 +14,7 @@ use pyo3::types::PyBytes;
 use tokio::runtime::Runtime;
 
 use crate::errors::to_py;
+use crate::exit_gate::drop_without_gil;
 use crate::interrupt::PendingSignal;
 use crate::timeout::{from_seconds, to_seconds};
 
@@ -28,7 +30,8 @@ struct Connection {
 /// concurrency.
 #[pyclass(module = "elastix._core", frozen)]
 pub struct TcpStoreCore {
-    connection: Mutex<Connection>,
+    /// None only once dropped.
+    connection: Mutex<Option<Connection>>,
     pending: PendingSignal,
     host: String,
     port: u16,
@@ -37,7 +40,35 @@ pub struct TcpStoreCore {
     remote_addr: String,
 }
 
+/// The connection, locked (it is present until the object is dropped).
+struct Locked<'a>(MutexGuard<'a, Option<Connection>>);
+
+impl Deref for Locked<'_> {
+    type Target = Connection;
+    fn deref(&self) -> &Connection {
+        self.0.as_ref().expect("present until dropped")
+    }
+}
+
+impl DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Connection {
+        self.0.as_mut().expect("present until dropped")
+    }
+}
+
+impl Drop for TcpStoreCore {
+    fn drop(&mut self) {
+        // a master's server stops its threads here; they may be waiting for the GIL
+        let connection = self.connection.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+        drop_without_gil(connection);
+    }
+}
+
 impl TcpStoreCore {
+    fn lock(&self) -> Locked<'_> {
+        Locked(self.connection.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
     fn wrap(runtime: Runtime, mut store: TcpStore, pending: PendingSignal) -> Self {
         let check = pending.clone();
         store.set_interrupt_check(Some(InterruptCheck {
@@ -51,7 +82,7 @@ impl TcpStoreCore {
             is_server: store.is_server(),
             local_addr: client.local_addr().map(|a| a.to_string()).unwrap_or_default(),
             remote_addr: client.remote_addr().to_string(),
-            connection: Mutex::new(Connection { runtime, store }),
+            connection: Mutex::new(Some(Connection { runtime, store })),
             pending,
         }
     }
@@ -63,7 +94,7 @@ impl TcpStoreCore {
         op: impl AsyncFnOnce(&mut TcpStore) -> StoreResult<T> + Send,
     ) -> PyResult<T> {
         py.detach(|| {
-            let mut connection = self.connection.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut connection = self.lock();
             let Connection { runtime, store } = &mut *connection;
             runtime.block_on(op(store))
         })
@@ -137,7 +168,7 @@ impl TcpStoreCore {
         let pending = PendingSignal::default();
         let store = py
             .detach(|| {
-                let connection = self.connection.lock().unwrap_or_else(PoisonError::into_inner);
+                let connection = self.lock();
                 runtime.block_on(connection.store.duplicate())
             })
             .map_err(|err| to_py(err, &pending))?;
@@ -172,14 +203,14 @@ impl TcpStoreCore {
     /// The store timeout in seconds (`None`: no limit).
     #[getter]
     fn timeout(&self) -> Option<f64> {
-        let connection = self.connection.lock().unwrap_or_else(PoisonError::into_inner);
+        let connection = self.lock();
         to_seconds(connection.store.timeout())
     }
 
     #[pyo3(signature = (timeout))]
     fn set_timeout(&self, timeout: Option<f64>) -> PyResult<()> {
         let timeout = from_seconds(timeout)?;
-        self.connection.lock().unwrap_or_else(PoisonError::into_inner).store.set_timeout(timeout);
+        self.lock().store.set_timeout(timeout);
         Ok(())
     }
 

@@ -4,7 +4,8 @@
 //! are writable, as pickle's own are).
 //!
 //! Python objects the transport lets go of are dropped on a thread of their own, with the GIL:
-//! the transport's tasks never wait for the GIL.
+//! the transport's tasks never wait for the GIL. Once the interpreter is exiting they are
+//! leaked instead (the exit gate).
 
 use std::any::Any;
 use std::os::raw::{c_int, c_void};
@@ -19,6 +20,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use pyo3::{ffi, PyTypeInfo};
 
+use crate::exit_gate;
+
 /// Parts up to this size are copied: cheaper than keeping their object.
 const COPY_BELOW: usize = 64 << 10;
 
@@ -32,7 +35,11 @@ fn dropper() -> &'static Mutex<Sender<Garbage>> {
             .name("elastix-rpc-drop".into())
             .spawn(move || {
                 while let Ok(garbage) = rx.recv() {
-                    Python::attach(|_| drop(garbage));
+                    let mut garbage = Some(garbage);
+                    if exit_gate::attach(|_| drop(garbage.take())).is_none() {
+                        // the interpreter is exiting: dropping needs the GIL, so leak it
+                        std::mem::forget(garbage);
+                    }
                 }
             })
             .expect("cannot start the thread that drops Python objects");

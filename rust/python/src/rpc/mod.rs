@@ -16,6 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 use tokio::runtime::Runtime;
 
+use crate::exit_gate::drop_without_gil;
 use crate::interrupt::PendingSignal;
 use crate::timeout::from_seconds;
 use buffers::{recv_list, to_bytes, to_bytes_list, PyValue, RecvBuffer};
@@ -69,6 +70,14 @@ pub struct RpcEndpoint {
     endpoint: Arc<Endpoint>,
     runtime: std::sync::Mutex<Option<Runtime>>,
     pending: PendingSignal,
+}
+
+impl Drop for RpcEndpoint {
+    fn drop(&mut self) {
+        // the runtime's drop waits for its threads, which may be waiting for the GIL
+        let runtime = self.runtime.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        drop_without_gil(runtime);
+    }
 }
 
 #[pymethods]
