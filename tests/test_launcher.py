@@ -134,10 +134,11 @@ def test_launch_config_refuses_what_elastix_does_not_do(kwargs, needle):
         LaunchConfig(1, 1, 1, **kwargs)
 
 
-def test_agent_config_errors_come_from_the_agent_and_name_the_flag():
+def test_agent_config_errors_name_the_flag():
     cases = [
-        (LaunchConfig(3, 2, 1), "--nnodes: need 0 < MIN <= MAX"),
-        (LaunchConfig(1, 1, 1, max_restarts=-1), "--max-restarts: invalid value: integer `-1`"),
+        (LaunchConfig(3, 2, 1), "--nnodes: MIN \\(3\\) is greater than MAX \\(2\\)"),
+        (LaunchConfig(1, 1, 1, max_restarts=-1), "--max-restarts: must be at least 0, got -1"),
+        (LaunchConfig(1, 1, 1, rdzv_configs={"join_timeout": "-5"}), '--rdzv-conf join_timeout=-5: "-5" is not'),
         (LaunchConfig(1, 1, 1, rdzv_backend="etcd-v2"), "--rdzv-backend etcd-v2: etcd's v2 API is off"),
         (LaunchConfig(1, 1, 1, rdzv_configs={"heartbeat_timout": 10}), 'unknown key "heartbeat_timout"'),
     ]

@@ -6,6 +6,7 @@ is a ValueError that names its flag."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -23,24 +24,50 @@ def warn(message: str) -> None:
 
 
 def parse_nnodes(spec: str) -> "tuple[int, int]":
-    """``"N"`` or ``"MIN:MAX"`` (the agent checks that ``0 < MIN <= MAX``)."""
+    """``"N"`` or ``"MIN:MAX"``, with ``1 <= MIN <= MAX``."""
     parts = str(spec).strip().split(":")
     try:
-        if len(parts) == 1:
-            return int(parts[0]), int(parts[0])
-        if len(parts) == 2:
-            return int(parts[0]), int(parts[1])
-    except ValueError:
-        pass
+        if len(parts) in (1, 2):
+            low, high = int(parts[0]), int(parts[-1])
+            check_nnodes(low, high, f"--nnodes {spec}")
+            return low, high
+    except ValueError as err:
+        if str(err).startswith("--nnodes"):
+            raise
     raise ValueError(f"--nnodes: {spec!r} is not N or MIN:MAX (e.g. 2 or 1:4)")
 
 
+def check_nnodes(low: int, high: int, what: str = "--nnodes") -> None:
+    if low < 1:
+        raise ValueError(f"{what}: a job has at least one node")
+    if low > high:
+        raise ValueError(f"{what}: MIN ({low}) is greater than MAX ({high})")
+
+
 def parse_seconds(flag: str, value: Any) -> float:
-    """A number of seconds from a flag's or a variable's text (the agent checks its range)."""
+    """A finite number of seconds from a flag's or a variable's text (the agent checks its
+    range)."""
     try:
-        return float(value)
+        seconds = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{flag}: {value!r} is not a number of seconds") from None
+    if not math.isfinite(seconds):
+        raise ValueError(f"{flag}: {value!r} is not a finite number of seconds")
+    return seconds
+
+
+def whole_number(flag: str, value: Any, low: int = 0, high: Optional[int] = None) -> int:
+    """An integer flag's value, from ``low`` to ``high``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{flag}: {value!r} is not a whole number")
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{flag}: {value!r} is not a whole number") from None
+    if number < low or (high is not None and number > high):
+        span = f"at least {low}" if high is None else f"from {low} to {high}"
+        raise ValueError(f"{flag}: must be {span}, got {number}")
+    return number
 
 
 def build(
@@ -84,6 +111,7 @@ def build(
     """``python_workers``: the entrypoint is the Python interpreter the launcher chose, run
     with the arguments it built. ``standby_workers``: keep warm interpreters ready for the
     next restart when one can happen."""
+    check_nnodes(int(min_nodes), int(max_nodes))
     if rdzv_backend == "static":
         node_rank = 0 if node_rank is None else int(node_rank)
         if min_nodes != max_nodes:
@@ -105,12 +133,12 @@ def build(
         "rdzv_conf": rdzv_conf_values(rdzv_conf),
         "min_nodes": int(min_nodes),
         "max_nodes": int(max_nodes),
-        "node_rank": node_rank,
+        "node_rank": None if node_rank is None else whole_number("--node-rank", node_rank),
         "local_addr": local_addr or None,
         "master_addr": master_addr,
-        "master_port": None if master_port is None else int(master_port),
-        "max_restarts": int(max_restarts),
-        "signals_to_handle": parse_signals(signals_to_handle, warn),
+        "master_port": None if master_port is None else _port("--master-port", master_port),
+        "max_restarts": whole_number("--max-restarts", max_restarts),
+        "signals_to_handle": parse_signals(signals_to_handle),
         "shutdown_timeout": parse_seconds("--shutdown-timeout", shutdown_timeout),
         "exit_barrier_timeout": parse_seconds("--exit-barrier-timeout", exit_barrier_timeout),
         "worker_timeout": None if worker_timeout is None else parse_seconds("--worker-timeout", worker_timeout),
@@ -173,10 +201,7 @@ def _standby(
 
 def _port(flag: str, value: Any) -> int:
     """A TCP port number (0: any free one)."""
-    port = int(value)
-    if not 0 <= port <= 65535:
-        raise ValueError(f"{flag}: {value!r} is not a port number (0-65535)")
-    return port
+    return whole_number(flag, value, 0, 65535)
 
 
 def shutdown_timeout_from_env(value: Optional[float]) -> float:

@@ -59,7 +59,7 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = _ag
             if on_cli(dest):
                 warn(f"--{dest.replace('_', '-')} is ignored: --rdzv-endpoint {endpoint} is given")
 
-    if args.monitor_interval <= 0:
+    if _agent_config.parse_seconds("--monitor-interval", args.monitor_interval) <= 0:
         raise ValueError(f"--monitor-interval must be > 0, got {args.monitor_interval}")
     nproc = resolve_nproc(args.nproc_per_node)
     entrypoint, worker_args = _command(args, warn)

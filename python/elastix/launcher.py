@@ -75,7 +75,7 @@ class LaunchConfig:
             self.logs_specs = DefaultLogsSpecs()
         self.shutdown_timeout = _agent_config.shutdown_timeout_from_env(self.shutdown_timeout)
         self.exit_barrier_timeout = _agent_config.exit_barrier_timeout_from_env(self.exit_barrier_timeout)
-        if self.monitor_interval <= 0:
+        if _agent_config.parse_seconds("monitor_interval", self.monitor_interval) <= 0:
             raise ValueError(f"monitor_interval must be > 0, got {self.monitor_interval}")
         if self.start_method not in ("spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be spawn, fork or forkserver, got {self.start_method!r}")

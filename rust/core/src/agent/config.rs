@@ -12,8 +12,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::error::{AgentError, Result};
-use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS, ETCD_KEYS, STATIC_KEYS};
-use crate::rendezvous::{ConfInput, RendezvousParams};
+use crate::rendezvous::{ConfInput, Rendezvous, RendezvousParams};
 
 /// Most workers one agent runs: each is a process with pipes, a log pair and a standby
 /// interpreter; more than this on one machine is a typo (an extra digit), not a job.
@@ -101,7 +100,7 @@ impl AgentConfig {
         let config: AgentConfig = serde_path_to_error::deserialize(&mut input).map_err(|err| {
             let field = err.path().to_string();
             let what = flag(&field).map_or_else(|| format!("invalid agent configuration ({field})"), str::to_owned);
-            AgentError::Config(format!("{what}: {}", err.inner()))
+            AgentError::Config(format!("{what}: {}", plain_words(err.inner())))
         })?;
         config.validate()?;
         Ok(config)
@@ -125,12 +124,6 @@ impl AgentConfig {
             )));
         }
         self.check_backend()?;
-        let keys = match self.rdzv_backend.as_str() {
-            "static" => STATIC_KEYS,
-            "etcd" | "etcd-v3" => ETCD_KEYS,
-            _ => DYNAMIC_KEYS,
-        };
-        RendezvousConf::from_input(&self.rdzv_conf, keys).map_err(|err| AgentError::Config(err.to_string()))?;
         if self.rdzv_backend == "static" {
             // the static rendezvous waits for exactly max_nodes nodes, ranked 0..max_nodes-1
             match self.node_rank {
@@ -171,7 +164,8 @@ impl AgentConfig {
                 )));
             }
         }
-        Ok(())
+        // last: every --rdzv-conf value, the secret's file, the endpoint list
+        Rendezvous::check(&self.rendezvous_params()).map_err(|err| AgentError::Config(err.to_string()))
     }
 
     fn check_backend(&self) -> Result<()> {
@@ -247,6 +241,34 @@ impl AgentConfig {
     }
 }
 
+/// A JSON decoding error as a user reads it: no position in a text they never wrote, and the
+/// Rust type names turned into what they allow.
+fn plain_words(err: &serde_json::Error) -> String {
+    let mut text = err.to_string();
+    if err.line() > 0 {
+        let position = format!(" at line {} column {}", err.line(), err.column());
+        if let Some(stripped) = text.strip_suffix(&position) {
+            text = stripped.to_owned();
+        }
+    }
+    for (rust, words) in [
+        ("expected u8", "expected a whole number from 0 to 255"),
+        ("expected u16", "expected a whole number from 0 to 65535"),
+        ("expected u32", "expected a whole number from 0 to 4294967295"),
+        ("expected f64", "expected a number"),
+    ] {
+        text = text.replace(rust, words);
+    }
+    // `invalid value: integer `-1`, expected ...` -> `-1: expected ...`
+    if let Some(rest) = text.strip_prefix("invalid value: ") {
+        if let Some((kind_and_value, expected)) = rest.split_once(", ") {
+            let value = kind_and_value.split('`').nth(1).unwrap_or(kind_and_value);
+            text = format!("{value}: {expected}");
+        }
+    }
+    text
+}
+
 /// The command-line flag behind a configuration field, for error messages.
 fn flag(field: &str) -> Option<&'static str> {
     Some(match field.split(['.', '[']).next()? {
@@ -298,6 +320,49 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn bad_numbers_read_as_plain_words() {
+        for (field, value, expected) in [
+            ("max_restarts", serde_json::json!(-3), "--max-restarts: -3: expected a whole number from 0 to 4294967295"),
+            ("master_port", serde_json::json!(70000), "--master-port: 70000: expected a whole number from 0 to 65535"),
+            ("min_nodes", serde_json::json!(-1), "--nnodes: -1: expected a whole number from 0 to 4294967295"),
+            (
+                "shutdown_timeout",
+                serde_json::json!("soon"),
+                "--shutdown-timeout: invalid type: string \"soon\", expected a number",
+            ),
+        ] {
+            let mut bad = sample(1);
+            bad[field] = value;
+            let err = AgentConfig::from_json(&bad.to_string()).unwrap_err().to_string();
+            assert_eq!(err, expected);
+        }
+    }
+
+    #[test]
+    fn every_rdzv_conf_value_is_checked_before_anything_starts() {
+        for (backend, endpoint, conf, named) in [
+            ("c10d", "localhost:0", "join_timeout=-5", "join_timeout=-5"),
+            ("c10d", "localhost:0", "timeout=abc", "timeout=abc"),
+            ("c10d", "localhost:0", "keep_alive_max_attempt=0", "keep_alive_max_attempt=0"),
+            ("c10d", "localhost:0", "is_host=maybe", "is_host=maybe"),
+            ("c10d", "localhost:0", "auth_token_file=/nonexistent/secret", "/nonexistent/secret"),
+            ("etcd", "localhost:2379", "lease_ttl=abc", "lease_ttl=abc"),
+            ("etcd", "localhost:2379", "protocol=gopher", "protocol"),
+            ("static", "localhost:29500", "timeout=inf", "timeout=inf"),
+        ] {
+            let mut bad = sample(1);
+            bad["rdzv_backend"] = serde_json::json!(backend);
+            bad["rdzv_endpoint"] = serde_json::json!(endpoint);
+            bad["rdzv_conf"] = serde_json::json!(conf);
+            if backend == "static" {
+                bad["node_rank"] = serde_json::json!(0);
+            }
+            let err = AgentConfig::from_json(&bad.to_string()).unwrap_err().to_string();
+            assert!(err.contains(named), "{backend} {conf:?}: {err}");
+        }
+    }
+
+    #[test]
     fn parses_and_checks_masks() {
         let config = AgentConfig::from_json(&sample(2).to_string()).unwrap();
         assert_eq!(config.console_mask(0), 3);
@@ -326,8 +391,11 @@ pub(crate) mod tests {
             (Box::new(|v| v["min_nodes"] = 0.into()), "--nnodes: need 0 < MIN <= MAX"),
             (Box::new(|v| v["rdzv_backend"] = "etcd-v2".into()), "--rdzv-backend etcd-v2: etcd's v2 API is off"),
             (Box::new(|v| v["rdzv_backend"] = "zookeeper".into()), "unknown backend \"zookeeper\""),
-            (Box::new(|v| v["max_restarts"] = (-1).into()), "--max-restarts: invalid value: integer `-1`"),
-            (Box::new(|v| v["master_port"] = 70000.into()), "--master-port: invalid value: integer `70000`"),
+            (Box::new(|v| v["max_restarts"] = (-1).into()), "--max-restarts: -1: expected a whole number"),
+            (
+                Box::new(|v| v["master_port"] = 70000.into()),
+                "--master-port: 70000: expected a whole number from 0 to 65535",
+            ),
             (Box::new(|v| v["shutdown_timeout"] = (-1.0).into()), "--shutdown-timeout: must be a non-negative"),
             (Box::new(|v| v["log_dir"] = "/proc/self/stat".into()), "--log-dir: /proc/self/stat exists and is not"),
             (Box::new(|v| v["rdzv_conf"] = 5.into()), "--rdzv-conf: "),

@@ -138,17 +138,24 @@ pub fn process_secret() -> Result<Option<Secret>, SecretError> {
 pub fn use_secret(secret: Secret) -> Result<(), SecretError> {
     let mut process = PROCESS.lock().unwrap_or_else(PoisonError::into_inner);
     match process.get_or_insert_with(Secret::from_env) {
-        Ok(Some(existing)) if *existing != secret => Err(SecretError(format!(
-            "two different job secrets are given: {:?} and {:?}; give one",
-            existing.source(),
-            secret.source()
-        ))),
-        Ok(Some(_)) => Ok(()),
+        Ok(Some(existing)) => same_secret(existing, &secret),
         current => {
             *current = Ok(Some(secret));
             Ok(())
         }
     }
+}
+
+/// Two sources of the job secret must agree.
+pub fn same_secret(one: &Secret, other: &Secret) -> Result<(), SecretError> {
+    if one == other {
+        return Ok(());
+    }
+    Err(SecretError(format!(
+        "two different job secrets are given: {:?} and {:?}; give one",
+        one.source(),
+        other.source()
+    )))
 }
 
 /// [`process_secret`] for a server's or client's default: an unusable secret file is logged

@@ -11,14 +11,15 @@ use super::endpoint::{
     is_local_addr, is_loopback_name, is_this_machine, parse_endpoint, parse_endpoints, DEFAULT_PORT,
 };
 use super::error::{RendezvousError, Result};
-use super::etcd::{create_etcd, EtcdRendezvous};
+use super::etcd::{create_etcd, etcd_options, EtcdRendezvous};
 use super::keys::run_prefix;
-use super::params::{apply_secret, dynamic_settings};
+use super::params::{apply_secret, conf_secret, dynamic_settings};
 pub use super::params::{RendezvousParams, PROGRESS_INTERVAL_VAR};
 use super::records::{AgentFacts, FailureRecord};
+use super::settings::RendezvousSettings;
 use super::static_rdzv::StaticRendezvous;
 use super::store::TcpRendezvousStore;
-use crate::auth::PlainClients;
+use crate::auth::{PlainClients, Secret};
 use crate::store::{ServerConfig, StoreServer};
 
 /// torch's store operation timeout for the rendezvous store (`read_timeout`).
@@ -57,15 +58,22 @@ impl Rendezvous {
     /// store is served on it).
     pub async fn create(params: RendezvousParams) -> Result<Rendezvous> {
         match params.backend.as_str() {
-            "c10d" => create_c10d(params).await,
-            "static" => create_static(params),
-            "etcd" | "etcd-v3" => Ok(Rendezvous::Etcd(create_etcd(params).await?)),
-            "etcd-v2" => Err(RendezvousError::Config(
-                "--rdzv-backend etcd-v2: etcd's v2 API is off by default since etcd 3.4; use etcd (the v3 API)".into(),
-            )),
-            other => Err(RendezvousError::Config(format!(
-                "--rdzv-backend {other:?} is unknown; use c10d (elastic), etcd (elastic, on an etcd v3 cluster) or static"
-            ))),
+            "c10d" => create_c10d(&params, c10d_options(&params)?).await,
+            "static" => create_static(&params, static_options(&params)?),
+            "etcd" | "etcd-v3" => Ok(Rendezvous::Etcd(create_etcd(etcd_options(&params)?)?)),
+            other => Err(unknown_backend(other)),
+        }
+    }
+
+    /// Checks everything `create` would build from `params` (every `--rdzv-conf` value, the
+    /// secret's file, the endpoint list) without building anything, binding anything or
+    /// installing the secret: a bad value is a configuration error before the agent starts.
+    pub fn check(params: &RendezvousParams) -> Result<()> {
+        match params.backend.as_str() {
+            "c10d" => c10d_options(params).map(drop),
+            "static" => static_options(params).map(drop),
+            "etcd" | "etcd-v3" => etcd_options(params).map(drop),
+            other => Err(unknown_backend(other)),
         }
     }
 
@@ -170,9 +178,30 @@ impl Rendezvous {
     }
 }
 
-async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
+fn unknown_backend(name: &str) -> RendezvousError {
+    if name == "etcd-v2" {
+        return RendezvousError::Config(
+            "--rdzv-backend etcd-v2: etcd's v2 API is off by default since etcd 3.4; use etcd (the v3 API)".into(),
+        );
+    }
+    RendezvousError::Config(format!(
+        "--rdzv-backend {name:?} is unknown; use c10d (elastic), etcd (elastic, on an etcd v3 cluster) or static"
+    ))
+}
+
+/// `--rdzv-backend c10d`'s configuration, parsed and checked.
+struct C10dOptions {
+    settings: RendezvousSettings,
+    read_timeout: Duration,
+    sites: Vec<(String, u16)>,
+    /// `is_host` as given (None: decided per site from the addresses).
+    is_host: Option<bool>,
+    secret: Option<Secret>,
+}
+
+fn c10d_options(params: &RendezvousParams) -> Result<C10dOptions> {
     let conf = RendezvousConf::from_input(&params.conf, DYNAMIC_KEYS)?;
-    apply_secret(&conf)?;
+    let secret = conf_secret(&conf)?;
     if let Some(store_type) = conf.get("store_type") {
         if store_type != "tcp" {
             return Err(RendezvousError::Config(format!(
@@ -180,17 +209,24 @@ async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
             )));
         }
     }
-    let settings = dynamic_settings(&params, &conf)?;
+    conf.duration("timeout", Duration::ZERO)?; // taken for torch's sake, but still a duration
+    let settings = dynamic_settings(params, &conf)?;
     let read_timeout = conf.duration("read_timeout", DEFAULT_READ_TIMEOUT)?;
-    let mut sites = parse_endpoints(&params.endpoint, DEFAULT_PORT)?;
-    let explicit = conf.boolean("is_host")?;
-    if explicit.is_some() && sites.len() > 1 {
+    let sites = parse_endpoints(&params.endpoint, DEFAULT_PORT)?;
+    let is_host = conf.boolean("is_host")?;
+    if is_host.is_some() && sites.len() > 1 {
         return Err(RendezvousError::Config(
             "--rdzv-conf is_host applies to a single --rdzv-endpoint; with a list, each agent hosts the entries \
              naming its --local-addr (or this machine)"
                 .into(),
         ));
     }
+    Ok(C10dOptions { settings, read_timeout, sites, is_host, secret })
+}
+
+async fn create_c10d(params: &RendezvousParams, options: C10dOptions) -> Result<Rendezvous> {
+    let C10dOptions { settings, read_timeout, mut sites, is_host: explicit, secret } = options;
+    apply_secret(secret)?;
     let listed = sites.len() > 1;
     let mut servers = Vec::new();
     for site in sites.iter_mut() {
@@ -230,9 +266,17 @@ async fn create_c10d(params: RendezvousParams) -> Result<Rendezvous> {
     Ok(Rendezvous::Dynamic { handler, servers })
 }
 
-fn create_static(params: RendezvousParams) -> Result<Rendezvous> {
+/// `--rdzv-backend static`'s configuration, parsed and checked.
+struct StaticOptions {
+    rank: u32,
+    timeout: Duration,
+    endpoint: (String, u16),
+    secret: Option<Secret>,
+}
+
+fn static_options(params: &RendezvousParams) -> Result<StaticOptions> {
     let mut conf = RendezvousConf::from_input(&params.conf, STATIC_KEYS)?;
-    apply_secret(&conf)?;
+    let secret = conf_secret(&conf)?;
     if let Some(rank) = params.node_rank {
         conf.insert("rank", &rank.to_string(), STATIC_KEYS)?;
     }
@@ -242,14 +286,15 @@ fn create_static(params: RendezvousParams) -> Result<Rendezvous> {
     let rank = u32::try_from(rank)
         .map_err(|_| RendezvousError::Config(format!("static rendezvous: node rank {rank} is negative")))?;
     let timeout = conf.duration("timeout", DEFAULT_STATIC_TIMEOUT)?;
-    let (host, port) = parse_endpoint(&params.endpoint, DEFAULT_MASTER_PORT)?;
-    let handler = StaticRendezvous::new(
-        &params.run_id,
-        rank,
-        params.max_nodes,
-        (host, port),
-        timeout,
-        params.local_addr.as_deref(),
-    )?;
+    conf.duration("read_timeout", DEFAULT_READ_TIMEOUT)?;
+    let endpoint = parse_endpoint(&params.endpoint, DEFAULT_MASTER_PORT)?;
+    Ok(StaticOptions { rank, timeout, endpoint, secret })
+}
+
+fn create_static(params: &RendezvousParams, options: StaticOptions) -> Result<Rendezvous> {
+    let StaticOptions { rank, timeout, endpoint, secret } = options;
+    apply_secret(secret)?;
+    let handler =
+        StaticRendezvous::new(&params.run_id, rank, params.max_nodes, endpoint, timeout, params.local_addr.as_deref())?;
     Ok(Rendezvous::Static(handler))
 }

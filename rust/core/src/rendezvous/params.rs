@@ -1,8 +1,11 @@
 //! What the launcher gives a rendezvous backend, and the settings of the dynamic backends.
 
+use std::path::Path;
+
 use super::conf::{parse_duration, ConfInput, RendezvousConf};
 use super::error::{RendezvousError, Result};
 use super::settings::RendezvousSettings;
+use crate::auth::{Secret, SecretError};
 
 /// What the launcher knows (`--rdzv-backend`, `--rdzv-endpoint`, `--rdzv-id`, `--nnodes`,
 /// `--local-addr`, `--rdzv-conf`, `--node-rank`).
@@ -35,12 +38,23 @@ pub(crate) fn dynamic_settings(params: &RendezvousParams, conf: &RendezvousConf)
     Ok(settings)
 }
 
-/// Makes the job secret `--rdzv-conf auth_token_file` names this process's (and checks the
-/// environment's): an unusable secret is a configuration error, before anything connects.
-pub(crate) fn apply_secret(conf: &RendezvousConf) -> Result<()> {
-    let config = |err: crate::auth::SecretError| RendezvousError::Config(err.to_string());
-    if let Some(path) = conf.get("auth_token_file") {
-        let secret = crate::auth::Secret::from_file(std::path::Path::new(path)).map_err(config)?;
+/// The job secret `--rdzv-conf auth_token_file` names, read and checked but not yet used,
+/// after a check that the environment's secret (if any) is usable and the same.
+pub(crate) fn conf_secret(conf: &RendezvousConf) -> Result<Option<Secret>> {
+    let config = |err: SecretError| RendezvousError::Config(err.to_string());
+    let given =
+        conf.get("auth_token_file").map(|path| Secret::from_file(Path::new(path))).transpose().map_err(config)?;
+    if let (Some(given), Some(env)) = (&given, Secret::from_env().map_err(config)?) {
+        crate::auth::secret::same_secret(&env, given).map_err(config)?;
+    }
+    Ok(given)
+}
+
+/// Makes `secret` (from [`conf_secret`]) this process's, or else the environment's: what the
+/// stores and clients of this process prove from then on.
+pub(crate) fn apply_secret(secret: Option<Secret>) -> Result<()> {
+    let config = |err: SecretError| RendezvousError::Config(err.to_string());
+    if let Some(secret) = secret {
         crate::auth::use_secret(secret).map_err(config)?;
     }
     crate::auth::process_secret().map_err(config)?;

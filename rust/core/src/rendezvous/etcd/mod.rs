@@ -23,16 +23,26 @@ use elastix_etcd::{EtcdClient, EtcdOptions, TlsFiles};
 use super::conf::{RendezvousConf, ETCD_KEYS};
 use super::endpoint::parse_endpoints;
 use super::error::{RendezvousError, Result};
-use super::params::{apply_secret, dynamic_settings, RendezvousParams};
+use super::params::{apply_secret, conf_secret, dynamic_settings, RendezvousParams};
+use super::settings::RendezvousSettings;
 use super::status::{JobStatus, StatusQuery};
+use crate::auth::Secret;
 
 /// etcd's client port.
 pub const DEFAULT_ETCD_PORT: u16 = 2379;
 const DEFAULT_KEY_PREFIX: &str = "/elastix/rdzv/";
 
-pub(crate) async fn create_etcd(params: RendezvousParams) -> Result<EtcdRendezvous> {
+/// `--rdzv-backend etcd`'s configuration, parsed and checked (the TLS files read).
+pub(crate) struct EtcdRdzvOptions {
+    settings: RendezvousSettings,
+    client: EtcdOptions,
+    prefix: String,
+    secret: Option<Secret>,
+}
+
+pub(crate) fn etcd_options(params: &RendezvousParams) -> Result<EtcdRdzvOptions> {
     let mut conf = RendezvousConf::from_input(&params.conf, ETCD_KEYS)?;
-    apply_secret(&conf)?;
+    let secret = conf_secret(&conf)?;
     if let Some(timeout) = conf.get("timeout").map(str::to_owned) {
         if conf.get("join_timeout").is_none() {
             conf.insert("join_timeout", &timeout, ETCD_KEYS)?;
@@ -52,20 +62,26 @@ pub(crate) async fn create_etcd(params: RendezvousParams) -> Result<EtcdRendezvo
         conf.insert("keep_alive_interval", &format!("{}ms", (ttl / 3).as_millis()), ETCD_KEYS)?;
         conf.insert("keep_alive_max_attempt", "3", ETCD_KEYS)?;
     }
-    let mut settings = dynamic_settings(&params, &conf)?;
+    let mut settings = dynamic_settings(params, &conf)?;
     // Out of contact with etcd, a node cannot tell its own cut link from a cluster that is
     // down for everyone (a new leader renews every lease, so nobody is counted lost): its
     // workers keep running, up to the join timeout, unless etcd says its lease expired.
     settings.store_outage_limit = Some(settings.join_timeout);
-
-    let client = client(&conf, &params.endpoint, settings.heartbeat_timeout)?;
+    let client = client_options(&conf, &params.endpoint, settings.heartbeat_timeout)?;
     let prefix = run_prefix(&conf, &params.run_id);
+    Ok(EtcdRdzvOptions { settings, client, prefix, secret })
+}
+
+pub(crate) fn create_etcd(options: EtcdRdzvOptions) -> Result<EtcdRendezvous> {
+    let EtcdRdzvOptions { settings, client, prefix, secret } = options;
+    apply_secret(secret)?;
+    let client = EtcdClient::new(&client).map_err(|err| RendezvousError::Config(err.to_string()))?;
     EtcdRendezvous::new(client, settings, prefix)
 }
 
-/// A client for the cluster at `endpoint` (a list), with `conf`'s TLS files; each request is
-/// retried for up to `patience`.
-fn client(conf: &RendezvousConf, endpoint: &str, patience: Duration) -> Result<EtcdClient> {
+/// What a client of the cluster at `endpoint` (a list) needs, with `conf`'s TLS files; each
+/// request is retried for up to `patience`.
+fn client_options(conf: &RendezvousConf, endpoint: &str, patience: Duration) -> Result<EtcdOptions> {
     let tls = match conf.get("protocol").unwrap_or("http") {
         "http" => {
             if let Some(key) = ["cacert", "cert", "key"].into_iter().find(|key| conf.get(key).is_some()) {
@@ -80,7 +96,7 @@ fn client(conf: &RendezvousConf, endpoint: &str, patience: Duration) -> Result<E
     };
     let sites = parse_endpoints(endpoint, DEFAULT_ETCD_PORT)?;
     let endpoints = sites.iter().map(|(host, port)| format!("{host}:{port}")).collect();
-    EtcdClient::new(&EtcdOptions { endpoints, tls, patience }).map_err(|err| RendezvousError::Config(err.to_string()))
+    Ok(EtcdOptions { endpoints, tls, patience })
 }
 
 /// The run's prefix: `key_prefix` (default `/elastix/rdzv/`), then the run ID.
@@ -95,8 +111,9 @@ fn run_prefix(conf: &RendezvousConf, run_id: &str) -> String {
 /// `elastix status` on etcd: the job's state, or `None` if the cluster holds no such run.
 pub(crate) async fn etcd_status(query: &StatusQuery) -> Result<Option<JobStatus>> {
     let conf = RendezvousConf::from_input(&query.conf, ETCD_KEYS)?;
-    apply_secret(&conf)?;
-    let client = client(&conf, &query.endpoint, query.timeout)?;
+    apply_secret(conf_secret(&conf)?)?;
+    let options = client_options(&conf, &query.endpoint, query.timeout)?;
+    let client = EtcdClient::new(&options).map_err(|err| RendezvousError::Config(err.to_string()))?;
     let keys = keys::EtcdKeys::new(run_prefix(&conf, &query.run_id));
     status::read(&client, &keys, &query.run_id).await
 }

@@ -11,7 +11,7 @@ use crate::rendezvous::endpoint::{parse_endpoints, DEFAULT_PORT};
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::keys::{run_prefix, Keys};
 use crate::rendezvous::locate::read_meta;
-use crate::rendezvous::params::apply_secret;
+use crate::rendezvous::params::{apply_secret, conf_secret};
 use crate::rendezvous::records::{decode, now_ms, Arrival, Event, FailureRecord, Meta, NodeStatus, Seal};
 use crate::rendezvous::store::{RendezvousStore, StoreConn, TcpRendezvousStore};
 use crate::store::counter::parse_counter;
@@ -52,7 +52,7 @@ pub async fn job_status(query: &StatusQuery) -> Result<Option<JobStatus>> {
         }
     }
     let conf = RendezvousConf::from_input(&query.conf, DYNAMIC_KEYS)?;
-    apply_secret(&conf)?;
+    apply_secret(conf_secret(&conf)?)?;
     let sites = parse_endpoints(&query.endpoint, DEFAULT_PORT)?;
     let store = TcpRendezvousStore::with_sites(sites, Some(query.timeout), run_prefix(&query.run_id), query.timeout);
     let Some((site, mut conn, meta)) = locate(&store, query.timeout).await? else { return Ok(None) };
