@@ -1,6 +1,7 @@
 """The store server under bad input, and the elastix-store command."""
 
 import random
+import resource
 import shutil
 import signal
 import socket
@@ -8,6 +9,7 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.request
 from datetime import timedelta
 
 import pytest
@@ -116,3 +118,45 @@ def test_elastix_store_help_and_the_elastix_store_subcommand():
         [sys.executable, "-m", "elastix", "store", "--help"], capture_output=True, text=True, timeout=30
     )
     assert result.returncode == 0 and "--max-connections" in result.stdout
+
+
+def _open_connections(metrics_port: int) -> int:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    return int(float(next(line.split()[1] for line in text.splitlines() if line.startswith("elastix_store_connections "))))
+
+
+def test_connections_closed_on_errors_are_said_once_a_minute_per_address():
+    """2,000 connections cut in the middle of a request (churn, or a stranger) are 2,000
+    errors, counted, and one WARN line for their one address; the server goes on serving."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2000
+    if soft < want + 200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, want + 200), hard))
+    count = min(want, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 200)
+    proc, port = start_store("--port", "0", "--host", "127.0.0.1", "--log-level", "warn", "--metrics-port", "0")
+    try:
+        metrics_port = int(proc.stdout.readline().rsplit(":", 1)[1].split("/")[0])
+        socks = []
+        for _ in range(count):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"\x00")  # the first byte of a request, and no more
+            socks.append(sock)
+        for sock in socks:
+            sock.close()
+        deadline = time.monotonic() + 30
+        while _open_connections(metrics_port) > 0:  # every close handled
+            assert time.monotonic() < deadline, "the server did not notice the closed connections"
+            time.sleep(0.05)
+        store = elastix.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=10))
+        store.set("still", "served")
+        assert store.get("still") == b"served"
+        del store
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+    finally:
+        proc.kill()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    warned = [line for line in err.splitlines() if "WARN" in line and "closing" in line]
+    assert len(warned) == 1, f"{len(warned)} lines for {count} closed connections:\n" + "\n".join(warned[:5])
+    assert "connection closed in the middle of a request" in warned[0] and "once a minute per address" in warned[0]

@@ -4,10 +4,12 @@
 //!   (server, client, and the in-process and file-backed stores used for `file://` init).
 //! * [`rendezvous`]: elastic membership of a job's nodes over a store.
 //! * [`agent`]: the per-node agent that runs and supervises the workers.
-//! * [`logging`]: the command-line programs' log output.
+//! * [`logging`]: the command-line programs' log output; [`address_log`]: warnings about
+//!   peers, once a minute per address.
 //! * [`collectives`]: the reduction kernels and shared-memory waits of the CPU collectives
 //!   (the algorithms themselves are in the Python package).
 
+pub mod address_log;
 pub mod agent;
 pub mod auth;
 pub mod collectives;

@@ -3,9 +3,8 @@
 //! authentication) is admitted only where the server's [`PlainClients`] policy allows. A
 //! refused or slow connection is closed, counted, and logged once per address per minute.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -15,14 +14,10 @@ use tokio::time::Instant;
 
 use super::handshake::{self, MAGIC, SECRET_REQUIRED};
 use super::secret::Secret;
+use crate::address_log::AddressLog;
 
 /// Bound on a client's authentication, from its connection on.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
-/// A refusal is logged at WARN at most this often per address.
-const LOG_EVERY: Duration = Duration::from_secs(60);
-/// Addresses remembered for the once-a-minute log; past this many, the oldest are forgotten
-/// (a flood from many addresses must not grow the server's memory without bound).
-const LOGGED_ADDRESSES: usize = 4096;
 /// The plain handshake a refused torch client sends (VALIDATE, PING), read before answering.
 const PLAIN_HELLO: usize = 10;
 
@@ -41,19 +36,18 @@ pub struct Gate {
     plain: PlainClients,
     /// Addresses that authenticated.
     trusted: Mutex<HashSet<IpAddr>>,
-    refused: AtomicU64,
-    /// When each address's refusal was last logged at WARN.
-    logged: Mutex<HashMap<IpAddr, Instant>>,
+    /// Refusals, counted and said once a minute per address.
+    refused: AddressLog,
 }
 
 impl Gate {
     pub fn new(secret: Secret, plain: PlainClients) -> Gate {
-        Gate { secret, plain, trusted: Mutex::default(), refused: AtomicU64::new(0), logged: Mutex::default() }
+        Gate { secret, plain, trusted: Mutex::default(), refused: AddressLog::new() }
     }
 
     /// Connections refused so far.
     pub fn refused(&self) -> u64 {
-        self.refused.load(Ordering::Relaxed)
+        self.refused.count()
     }
 
     /// Whether to serve the client at `peer` (`false`: close the connection), deciding within
@@ -123,23 +117,11 @@ impl Gate {
     }
 
     fn refuse(&self, peer: SocketAddr, reason: &str) {
-        let count = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
-        let now = Instant::now();
-        let mut logged = self.logged.lock().unwrap_or_else(PoisonError::into_inner);
-        let due = logged.get(&peer.ip()).map_or(true, |last| now.duration_since(*last) >= LOG_EVERY);
-        if due {
-            if logged.len() >= LOGGED_ADDRESSES {
-                logged.retain(|_, last| now.duration_since(*last) < LOG_EVERY);
-                if logged.len() >= LOGGED_ADDRESSES {
-                    logged.clear(); // a flood: say each address again rather than grow
-                }
-            }
-            logged.insert(peer.ip(), now);
-            tracing::warn!(
+        match self.refused.note(peer.ip()) {
+            Some(count) => tracing::warn!(
                 "refused a connection from {peer}: {reason} ({count} refused so far; said at most once a minute per address)"
-            );
-        } else {
-            tracing::debug!("refused a connection from {peer}: {reason}");
+            ),
+            None => tracing::debug!("refused a connection from {peer}: {reason}"),
         }
     }
 }

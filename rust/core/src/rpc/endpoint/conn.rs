@@ -3,6 +3,7 @@
 //! queue (flushing once the queue is empty, so bursts share syscalls) and a reader that hands
 //! each frame to [`Endpoint::dispatch`].
 
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -176,6 +177,16 @@ impl Endpoint {
         self.retry_controls_to(peer);
     }
 
+    fn say_refused(&self, addr: SocketAddr, why: &str) {
+        match self.refused.note(addr.ip()) {
+            Some(count) => tracing::warn!(
+                "rpc: refused a connection from {addr}: {why} ({count} refused so far; said at most once a minute per \
+                 address)"
+            ),
+            None => tracing::debug!("rpc: refused a connection from {addr}: {why}"),
+        }
+    }
+
     pub(super) async fn accept_loop(self: Arc<Self>, listener: TcpListener) {
         loop {
             let (mut stream, addr) = match listener.accept().await {
@@ -195,10 +206,10 @@ impl Endpoint {
                         endpoint.spawn_conn(stream, Side::Theirs { peer });
                     }
                     Ok(Err(err)) => {
-                        tracing::warn!("rpc: refused a connection from {addr}: {err}");
+                        endpoint.say_refused(addr, &err.to_string());
                         let _ = stream.shutdown().await;
                     }
-                    Err(_) => tracing::warn!("rpc: refused a connection from {addr}: no handshake within 10 s"),
+                    Err(_) => endpoint.say_refused(addr, &format!("no handshake within {HANDSHAKE_LIMIT:?}")),
                 }
             });
             self.track(task.abort_handle());

@@ -30,6 +30,7 @@ use super::frame::Frame;
 use super::ids::{Gid, WorkerId};
 use super::queue::{BlockingQueue, Empty};
 use super::refs::{Slot, Table};
+use crate::address_log::AddressLog;
 
 pub use calls::{CallError, Request};
 pub use rrefs::ValueError;
@@ -133,6 +134,8 @@ pub struct Endpoint {
     completions: BlockingQueue<Completion>,
     closed: AtomicBool,
     tasks: Mutex<Vec<AbortHandle>>,
+    /// Connections that failed the handshake: counted, said once a minute per address.
+    refused: AddressLog,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -160,6 +163,7 @@ impl Endpoint {
             completions: BlockingQueue::default(),
             closed: AtomicBool::new(false),
             tasks: Mutex::new(Vec::new()),
+            refused: AddressLog::new(),
         });
         let accepting = tokio::spawn(endpoint.clone().accept_loop(listener));
         endpoint.track(accepting.abort_handle());

@@ -86,7 +86,14 @@ impl Connection {
         self.session.shared.db().forget(self.session.id);
         match result {
             Ok(()) => tracing::debug!(peer = %self.peer, "connection closed"),
-            Err(reason) => tracing::warn!(peer = %self.peer, "closing connection: {reason}"),
+            Err(reason) => match self.session.shared.closed_on_error.note(self.peer.ip()) {
+                Some(count) => tracing::warn!(
+                    "closing the connection from {}: {reason} ({count} closed on errors so far; said at most once a \
+                     minute per address)",
+                    self.peer
+                ),
+                None => tracing::debug!(peer = %self.peer, "closing connection: {reason}"),
+            },
         }
     }
 

@@ -24,6 +24,7 @@ use self::shutdown::Shutdown;
 use super::counter::parse_counter;
 use super::db::Db;
 use super::limits::Limits;
+use crate::address_log::AddressLog;
 use crate::auth::{process_secret_or_log, Gate, PlainClients, Secret};
 
 /// How to run a server.
@@ -94,6 +95,9 @@ pub(crate) struct Shared {
     idle_timeout: Option<Duration>,
     /// Present when clients must prove the job secret.
     gate: Option<Gate>,
+    /// Connections closed on an error (garbage, cut mid-request, idle): counted, and said
+    /// once a minute per address.
+    closed_on_error: AddressLog,
 }
 
 impl Shared {
@@ -158,6 +162,7 @@ impl StoreServer {
             admission: Admission::new(config.max_connections),
             idle_timeout: config.idle_timeout,
             gate: config.auth.clone().map(|(secret, plain)| Gate::new(secret, plain)),
+            closed_on_error: AddressLog::new(),
         });
         let (stop, stop_signal) = watch::channel(false);
         let (task_done, finished) = mpsc::channel(1);
