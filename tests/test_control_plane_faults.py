@@ -78,6 +78,29 @@ def test_a_store_that_restarts_empty_mid_run_is_found_again_and_the_job_complete
     assert_nothing_left(marker)
 
 
+def test_a_store_that_never_comes_back_is_waited_for_aloud_then_named_in_the_error(tmp_path, marker, free_port):
+    store = store_server(free_port, tmp_path)
+    endpoint = f"127.0.0.1:{free_port}"
+    conf = FAST.replace("join_timeout=60s", "join_timeout=15s")  # the warning repeats every 10 s
+    agents = [agent(tmp_path, marker, f"n{i}", *run_args(2, endpoint, f"127.0.0.{i}", conf)) for i in (1, 2)]
+    try:
+        wait_round(tmp_path, 2)
+    finally:
+        store.kill()  # for good: every node loses it
+        store.wait()
+    for a in agents:
+        assert a.finish(timeout=60) == 1, a.output()
+        out = a.output()
+        # it stops its workers saying what it knows (its own contact), not what the others do
+        assert "has not answered this node for" in out and "Connection refused" in out, out
+        assert "count this one as lost" not in out, out
+        # and waits aloud: the first warning, then again while the store stays away, with the deadline
+        assert f"cannot connect to the store at {endpoint}" in out, out
+        assert f"still no store at {endpoint} after" in out and "giving up in" in out, out
+        assert f"{free_port}" in out.strip().splitlines()[-1], out
+    assert_nothing_left(marker)
+
+
 def test_losing_the_node_that_hosts_the_store_moves_it_to_the_next_listed_node(tmp_path, marker):
     ports = []
     import socket

@@ -122,7 +122,9 @@ def test_elastix_store_help_and_the_elastix_store_subcommand():
 
 def _open_connections(metrics_port: int) -> int:
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    return int(float(next(line.split()[1] for line in text.splitlines() if line.startswith("elastix_store_connections "))))
+    return int(
+        float(next(line.split()[1] for line in text.splitlines() if line.startswith("elastix_store_connections ")))
+    )
 
 
 def test_connections_closed_on_errors_are_said_once_a_minute_per_address():

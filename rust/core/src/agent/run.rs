@@ -692,8 +692,11 @@ fn describe(change: &MembershipChange) -> String {
         },
         MembershipChange::RoundSuperseded { round } => format!("another node restarted (round {round})"),
         MembershipChange::StoreReset => "the rendezvous store restarted without the job's state".to_owned(),
-        MembershipChange::StoreUnreachable { store, silent_for } => format!(
-            "the rendezvous store at {store} has not answered for {:.1}s, so the other nodes count this one as lost",
+        // Said from this node's side only: it cannot tell a store that is down for everyone
+        // from one out of its own reach (the last error often can: a refused connection).
+        MembershipChange::StoreUnreachable { store, silent_for, error } => format!(
+            "the rendezvous store at {store} has not answered this node for {:.1}s (last error: {error}); \
+             a node out of contact this long counts as lost to any node the store still answers",
             silent_for.as_secs_f64()
         ),
         MembershipChange::StoreMoved { to } => format!("the job's rendezvous moved to {to}"),

@@ -36,8 +36,10 @@ pub enum MembershipChange {
     /// The store came back without the job's state (it restarted empty): re-form there.
     StoreReset,
     /// This node has not reached the store for as long as the others take to count a node
-    /// lost: they re-form without it, so its workers must stop; it re-joins when it can.
-    StoreUnreachable { store: String, silent_for: Duration },
+    /// lost: any node the store still answers re-forms without it, so its workers must stop;
+    /// it re-joins when it can. `error`: the last failure (a refused connection means the
+    /// store is down for every node, not only out of this node's reach).
+    StoreUnreachable { store: String, silent_for: Duration, error: String },
     /// The job's state moved to another site (its store was lost by the others).
     StoreMoved { to: String },
     /// The job is over.

@@ -66,8 +66,8 @@ pub(crate) fn spawn_heartbeats<S: RendezvousStore>(context: RoundContext<S>, ran
                     }
                     if silent_for >= outage_limit && !reported {
                         reported = true;
-                        let store = store.describe();
-                        let _ = changes.send(Some(MembershipChange::StoreUnreachable { store, silent_for }));
+                        let (store, error) = (store.describe(), err.to_string());
+                        let _ = changes.send(Some(MembershipChange::StoreUnreachable { store, silent_for, error }));
                     }
                 }
             }

@@ -190,12 +190,13 @@ impl RoundWatch {
     }
 
     fn lease_change(&self, state: &LeaseState) -> Option<MembershipChange> {
-        let silent_for = match state {
+        let (silent_for, error) = match state {
             LeaseState::Alive => return None,
-            LeaseState::Expired => self.lease_ttl,
-            LeaseState::Unreachable { silent_for, .. } => *silent_for,
+            LeaseState::Expired => (self.lease_ttl, "etcd says this node's lease expired".to_owned()),
+            LeaseState::Unreachable { silent_for, detail } => (*silent_for, detail.clone()),
         };
-        Some(MembershipChange::StoreUnreachable { store: format!("etcd {}", self.client.endpoints()), silent_for })
+        let store = format!("etcd {}", self.client.endpoints());
+        Some(MembershipChange::StoreUnreachable { store, silent_for, error })
     }
 
     /// The rank of the member whose key was created at `created`: the members created before it.

@@ -50,10 +50,14 @@ impl ConnectOptions {
 /// A client commonly starts moments before its server: failures within this long after the
 /// first attempt are routine (DEBUG); the first one after it is worth a WARN.
 const QUIET_START: Duration = Duration::from_secs(1);
+/// While the server stays away, the WARN is repeated this often (with the attempts so far and
+/// the time left): a store that never comes back must not look like a hang.
+const SAY_AGAIN_EVERY: Duration = Duration::from_secs(10);
 
 /// Connects and completes the handshake, retrying refused, reset, timed-out and unresolvable
 /// attempts until the deadline. Never silent for long: the first failure past [`QUIET_START`]
-/// is a WARN naming the address, the error and the deadline, and a later success an INFO.
+/// is a WARN naming the address, the error and the deadline, repeated every
+/// [`SAY_AGAIN_EVERY`] while it lasts, and a later success an INFO.
 pub(super) async fn connect(options: &ConnectOptions) -> Result<(TcpStream, SocketAddr)> {
     let start = Instant::now();
     let deadline = options.timeout.map(|timeout| start + timeout);
@@ -61,12 +65,12 @@ pub(super) async fn connect(options: &ConnectOptions) -> Result<(TcpStream, Sock
     let mut tried: Vec<String> = Vec::new();
     let mut attempts = 0;
     let mut last_error = String::new();
-    let mut warned = false;
+    let mut warned: Option<Instant> = None;
     loop {
         attempts += 1;
         match attempt(options, deadline, &mut tried).await {
             Ok(connected) => {
-                if warned {
+                if warned.is_some() {
                     tracing::info!(
                         "connected to the store at {}:{} after {attempts} attempts ({:.1?})",
                         options.host,
@@ -96,14 +100,24 @@ pub(super) async fn connect(options: &ConnectOptions) -> Result<(TcpStream, Sock
                 last_error,
             });
         }
-        if !warned && now.duration_since(start) >= QUIET_START {
-            warned = true;
+        let say = match warned {
+            None => now.duration_since(start) >= QUIET_START,
+            Some(said) => now.duration_since(said) >= SAY_AGAIN_EVERY,
+        };
+        if say {
             let until = remaining.map_or_else(|| "no deadline".to_owned(), |r| format!("giving up in {:.0?}", r));
-            tracing::warn!(
-                "cannot connect to the store at {}:{} ({last_error}); retrying, {until}",
-                options.host,
-                options.port
-            );
+            let (host, port) = (&options.host, options.port);
+            match warned {
+                None => {
+                    tracing::warn!("cannot connect to the store at {host}:{port} ({last_error}); retrying, {until}")
+                }
+                Some(_) => tracing::warn!(
+                    "still no store at {host}:{port} after {attempts} attempts over {:.0?} ({last_error}); retrying, \
+                     {until}",
+                    now.duration_since(start)
+                ),
+            }
+            warned = Some(now);
         } else {
             tracing::debug!(host = %options.host, port = options.port, attempts, "store connect failed, retrying: {last_error}");
         }
