@@ -35,7 +35,7 @@ def mismatch(shape_only=False):
             seen.append(f"{name}: no error")
         except cc.MismatchError as err:
             seen.append(f"{name}: {err}")
-        except cc.CollectiveError as err:  # over TCP a neighbour may see the abort instead
+        except cc.CollectiveError as err:  # over TCP the group is unusable after the first one
             seen.append(f"{name}: other {type(err).__name__}: {err}")
             break
     x = np.ones(3)
@@ -44,6 +44,66 @@ def mismatch(shape_only=False):
     seen.append(float(x[0]))
     cc.destroy_process_group()
     return seen
+
+
+def mismatch_then_call(between_hosts=False, op="all_reduce"):
+    """A mismatched call (shapes differ by rank, or by host), then a matching one: what each
+    rank raised, as [class, message] (or "ok")."""
+    cc = harness.init()
+    r = cc.get_rank()
+    n = 4 + (r // 2 if between_hosts else r)
+    first = {
+        "all_reduce": lambda: cc.all_reduce(np.zeros(n, np.float32)),
+        "broadcast": lambda: cc.broadcast(np.zeros(n, np.float32), 0),
+    }[op]
+    seen = []
+    for call in (first, lambda: cc.all_reduce(np.ones(3))):
+        try:
+            call()
+            seen.append("ok")
+        except cc.CollectiveError as err:
+            seen.append([type(err).__name__, str(err)])
+    return seen
+
+
+UNUSABLE = "this group is unusable now: destroy it and create a new one"
+
+
+@pytest.mark.parametrize(
+    "hosts,between_hosts",
+    [(["a", "b"], False), (["a", "b", "c"], False), (["a", "a", "b", "b"], True)],
+    ids=["2-hosts", "3-hosts", "2x2-between-hosts"],
+)
+def test_over_tcp_every_rank_raises_the_mismatch_and_the_group_says_it_is_unusable(hosts, between_hosts):
+    results = harness.run(
+        mismatch_then_call, len(hosts), hosts=hosts, timeout=60, kwargs={"between_hosts": between_hosts}
+    )
+    for r, (first, second) in enumerate(results):
+        # every rank names the mismatch itself, not a peer that "closed its connection"
+        assert first[0] == "MismatchError" and "called all_reduce(shape" in first[1] and UNUSABLE in first[1], (
+            r,
+            first,
+        )
+        assert "Broken pipe" not in first[1] and "exited or failed" not in first[1], (r, first)
+        # and the next call says why the group cannot be used
+        assert second[0] == "CollectiveError", (r, second)
+        assert "unusable after an earlier failure (mismatch: " in second[1], (r, second)
+        assert "destroy it and create a new one" in second[1], (r, second)
+
+
+def test_a_broadcast_root_that_only_sends_learns_of_the_mismatch_at_its_next_call():
+    root, other = harness.run(mismatch_then_call, 2, hosts=["a", "b"], timeout=60, kwargs={"op": "broadcast"})
+    assert other[0][0] == "MismatchError" and UNUSABLE in other[0][1], other
+    assert root[0] == "ok", root  # it sent, and nothing told it otherwise during the call
+    assert root[1][0] == "MismatchError" and "found by another rank" in root[1][1], root
+    assert "called broadcast(shape" in root[1][1] and UNUSABLE in root[1][1], root
+
+
+def test_in_shared_memory_the_mismatch_says_the_group_is_still_usable():
+    results = harness.run(mismatch_then_call, 2, timeout=60)
+    for first, second in results:
+        assert first[0] == "MismatchError" and first[1].endswith("the group is still usable"), first
+        assert second == "ok"
 
 
 def dies_or_waits(victim=1, how="exit", sleep=0.0):

@@ -14,14 +14,16 @@ Ranks here are group ranks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
 from . import _native, shm_algos, shm_segment, tcp_algos
-from .shm_comm import ABORT_DESTROYED, ShmComm, default_slot_bytes, segment_bytes
+from .mismatch import MismatchRecord
+from .shm_comm import ABORT_DESTROYED, ABORT_ERROR, ShmComm, default_slot_bytes, segment_bytes
 from .shm_p2p import HEADER as P2P_HEADER
 from .shm_p2p import MAGIC as P2P_MAGIC
 from .shm_p2p import ShmP2P
@@ -56,11 +58,13 @@ class CpuBackend:
         self.mode = self.topo.mode
         self.local = self.topo.local(rank)
         self.leaders = self.topo.leaders
+        # over TCP a mismatch breaks the group: its cause is left here for every rank to read
+        self.record = MismatchRecord(store) if len(self.topo.hosts) > 1 else None
         if len(self.local) > 1:
             self._setup_shm()
             self.p2p = ShmP2P(store, rank, self.ranks, {r: self.pids[r] for r in self.local}, timeout)
         if len(self.topo.hosts) > 1:
-            self.tcp = TcpComm(store, rank, self.ranks, timeout)
+            self.tcp = TcpComm(store, rank, self.ranks, timeout, self.record)
 
     def _setup_shm(self) -> None:
         local = self.local
@@ -80,7 +84,14 @@ class CpuBackend:
             seg.release_name()
         self.segment = seg
         self.shm = ShmComm(
-            seg, len(local), me, [self.ranks[r] for r in local], [self.pids[r] for r in local], self.timeout, slot
+            seg,
+            len(local),
+            me,
+            [self.ranks[r] for r in local],
+            [self.pids[r] for r in local],
+            self.timeout,
+            slot,
+            self.record,
         )
 
     # -- helpers ------------------------------------------------------------------------------
@@ -100,6 +111,18 @@ class CpuBackend:
     @property
     def is_leader(self) -> bool:
         return self.local[0] == self.rank
+
+    @contextlib.contextmanager
+    def _hosts_phase(self) -> Iterator[None]:
+        """The leaders' TCP phase of a hierarchical collective. If it fails, the host's other
+        ranks, which wait in shared memory for their leader, fail at once too (they read a
+        mismatch's cause from the group's record) rather than at the group's timeout."""
+        try:
+            yield
+        except BaseException as err:
+            if self.shm is not None:
+                self.shm.abort(ABORT_ERROR, (self.tcp.broken if self.tcp else None) or str(err))
+            raise
 
     # -- collectives (x: contiguous 1-D numpy; reductions get kernel-typed views) -------------
 
@@ -122,7 +145,8 @@ class CpuBackend:
             shm_algos.all_reduce(self.shm, x, code, op, 1, desc, root=0, what="all_reduce (host)")
         if self.is_leader:
             assert self.tcp is not None
-            tcp_algos.all_reduce(self.tcp, self.leaders, x, code, op, div, desc, what="all_reduce (hosts)")
+            with self._hosts_phase():
+                tcp_algos.all_reduce(self.tcp, self.leaders, x, code, op, div, desc, what="all_reduce (hosts)")
         if len(self.local) > 1:
             assert self.shm is not None
             shm_algos.broadcast(self.shm, x.view(_U8), 0, desc)
@@ -152,7 +176,8 @@ class CpuBackend:
             if on_root_host and len(self.local) > 1:
                 shm_algos.broadcast(self.shm, x, self._local_index(root), desc)
             if self.is_leader:
-                tcp_algos.broadcast(self.tcp, self.leaders, x, root_leader, desc)
+                with self._hosts_phase():
+                    tcp_algos.broadcast(self.tcp, self.leaders, x, root_leader, desc)
             if not on_root_host and len(self.local) > 1:
                 shm_algos.broadcast(self.shm, x, 0, desc)
 
@@ -180,7 +205,8 @@ class CpuBackend:
         everything = np.empty(self.size * nb, np.uint8)
         if self.is_leader:
             blocks = [np.empty(len(h) * nb, np.uint8) for h in self.topo.hosts]
-            tcp_algos.all_gather(self.tcp, self.leaders, blocks, host_block, desc, what="all_gather (hosts)")
+            with self._hosts_phase():
+                tcp_algos.all_gather(self.tcp, self.leaders, blocks, host_block, desc, what="all_gather (hosts)")
             for h, ranks in enumerate(self.topo.hosts):
                 for i, r in enumerate(ranks):
                     everything[r * nb : (r + 1) * nb] = blocks[h][i * nb : (i + 1) * nb]
@@ -258,7 +284,8 @@ class CpuBackend:
             if len(self.local) > 1:
                 shm_algos.barrier(self.shm, desc)
             if self.is_leader:
-                tcp_algos.barrier(self.tcp, self.leaders, desc)
+                with self._hosts_phase():
+                    tcp_algos.barrier(self.tcp, self.leaders, desc)
             if len(self.local) > 1:
                 shm_algos.barrier(self.shm, desc)
 

@@ -14,7 +14,12 @@ class CollectiveError(DistBackendError):
 
 class MismatchError(CollectiveError, ValueError):
     """Ranks called a collective with different shapes, dtypes, ops, roots, or different
-    collectives. Every rank of the group raises it, and the group stays usable."""
+    collectives. Between ranks of one host (shared memory) every rank raises it in the same
+    call and the group stays usable. Over TCP the mismatched calls' data is already in flight,
+    so the group is unusable afterwards (destroy it and make a new one): the ranks that read a
+    mismatched header raise it, the others when they next find a connection closed (a rank
+    that only sends, such as a broadcast's root, may finish that call first). The message
+    says which case it is."""
 
 
 class PeerError(CollectiveError):

@@ -32,6 +32,7 @@ import numpy as np
 
 from . import _native
 from .errors import CollectiveError, CollectiveTimeoutError, MismatchError, PeerError
+from .mismatch import STILL_USABLE, MismatchRecord, seen_elsewhere
 from .shm_segment import PAGE, Segment, view
 
 CTRL_BYTES = 512
@@ -88,8 +89,10 @@ class ShmComm:
         pids: Sequence[int],
         timeout: Optional[float],
         slot_bytes: int,
+        record: Optional[MismatchRecord] = None,
     ):
         self.segment = segment
+        self.record = record  # a hierarchical group's record of a mismatch between hosts
         self.n = nranks
         self.me = me
         self.ranks = list(ranks)  # global ranks, for messages
@@ -164,6 +167,8 @@ class ShmComm:
 
     def step(self, desc: Optional[List[int]] = None, what: str = "collective") -> int:
         """Publishes the next step and waits for every peer; returns the buffer it used."""
+        if self.broken is not None:
+            self.check_usable()
         self.seq += 1
         try:
             outcome = self.waiter.step(self.seq, desc, self.timeout)
@@ -182,7 +187,8 @@ class ShmComm:
             mine = self._describe(desc)
             theirs = self._describe(self._peer_desc(j, len(desc), self.seq & 1))
             raise MismatchError(
-                f"{what}: rank {self.ranks[self.me]} called {mine} but rank {self.ranks[j]} called {theirs}"
+                f"{what}: rank {self.ranks[self.me]} called {mine} but rank {self.ranks[j]} called {theirs}; "
+                f"{STILL_USABLE}"
             )
         if kind == "timeout":
             late = [self.ranks[self._peers[int(i)]] for i in args]
@@ -200,6 +206,10 @@ class ShmComm:
             raise CollectiveError(message)
         j = self._peers[int(args[0])]
         rank = self.ranks[j]
+        found = self.record.read() if kind != "dead" and self.record is not None else None
+        if found is not None:  # the host's leader gave up on a mismatch between hosts
+            self.abort(ABORT_ERROR, f"mismatch: {found}")
+            raise MismatchError(seen_elsewhere(found, f"rank {rank}, this host's leader, gave up on it"))
         if kind == "dead":
             message = f"{what}: rank {rank} died (its process exited) before reaching this collective"
         else:

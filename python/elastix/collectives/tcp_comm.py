@@ -4,7 +4,8 @@ Every rank listens on a port chosen by the kernel and publishes ``host:port`` in
 store; a connection between two ranks is made the first time they talk, by the lower rank
 (the higher one's accept thread takes it, whenever it comes, and files it by rank). Each
 message of a collective starts with a 128-byte header (magic + the sender's descriptor), which
-the receiver compares with its own: ranks that disagree raise ``MismatchError``.
+the receiver compares with its own: ranks that disagree raise ``MismatchError``, and the group is
+unusable afterwards (the mismatched calls' data is in flight; see ``mismatch.py``).
 
 Large transfers are queued to a sender thread (``sendall`` releases the GIL), so a rank sends
 to its right neighbour while it receives from its left one and reduces what arrived. A peer
@@ -53,10 +54,11 @@ import socket
 import struct
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, NoReturn, Optional, Sequence, Set
 
 from .._auth import load_secret
 from .errors import AuthenticationError, CollectiveError, CollectiveTimeoutError, MismatchError, PeerError
+from .mismatch import UNUSABLE, MismatchRecord, seen_elsewhere
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +147,15 @@ class _Handshake:
 
 
 class TcpComm:
-    def __init__(self, store, me: int, ranks: Sequence[int], timeout: Optional[float]):
+    def __init__(
+        self, store, me: int, ranks: Sequence[int], timeout: Optional[float], record: Optional[MismatchRecord] = None
+    ):
         self.store = store
         self.me = me
         self.ranks = list(ranks)  # global ranks of the group, for messages
         self.timeout = timeout
         self.broken: Optional[str] = None
+        self.record = record or MismatchRecord(store)
         self._key = group_key(store, me)
         addr = local_address()
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -187,6 +192,8 @@ class TcpComm:
         return HANDSHAKE_LIMIT if self.timeout is None else min(self.timeout, HANDSHAKE_LIMIT)
 
     def conn(self, peer: int) -> socket.socket:
+        if self.broken is not None:  # not the shut sockets of a group that failed: why it failed
+            self.check_usable()
         sock = self.conns.get(peer)
         if sock is not None:
             return sock
@@ -490,9 +497,7 @@ class TcpComm:
                 self._raise_io(peer, err, "receiving from")
             if k == 0:
                 who = "a peer" if peer is None else f"rank {self.ranks[peer]}"
-                message = f"{who} closed its connection (it exited or failed)"
-                self.abort(message)
-                raise PeerError(message, None if peer is None else self.ranks[peer])
+                self._peer_gone(peer, f"{who} closed its connection (it exited or failed)")
             got += k
 
     def recv_into(self, peer: int, view) -> None:
@@ -520,8 +525,9 @@ class TcpComm:
                 f"{what}: rank {self.ranks[self.me]} called {describe(desc)} but rank "
                 f"{self.ranks[peer]} called {describe(theirs)}"
             )
-            self.abort(message)
-            raise MismatchError(message)
+            self.record.write(message)  # first: whoever sees the connections close finds it
+            self.abort(f"mismatch: {message}")
+            raise MismatchError(f"{message}; {UNUSABLE}")
 
     # -- failure ------------------------------------------------------------------------------
 
@@ -533,7 +539,15 @@ class TcpComm:
             message = f"timed out {doing} {who}"
             self.abort(message)
             raise CollectiveTimeoutError(message, [] if peer is None else [self.ranks[peer]]) from None
-        message = f"connection to {who} failed while {doing} it ({err}); it probably exited or failed"
+        self._peer_gone(peer, f"connection to {who} failed while {doing} it ({err}); it probably exited or failed")
+
+    def _peer_gone(self, peer: Optional[int], message: str) -> NoReturn:
+        """A peer's connection closed or broke: a PeerError, unless a rank found a mismatch
+        and closed its connections for it (then this rank raises the mismatch too)."""
+        found = self.record.read()
+        if found is not None:
+            self.abort(f"mismatch: {found}")
+            raise MismatchError(seen_elsewhere(found, "it closed its connections")) from None
         self.abort(message)
         raise PeerError(message, None if peer is None else self.ranks[peer]) from None
 
