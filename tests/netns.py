@@ -69,6 +69,18 @@ class Hosts:
     def heal(self, i: int) -> None:
         _ip("link", "set", self._veths[i], "up")
 
+    def kill(self, i: int) -> list[int]:
+        """Kills host i as a power loss would its software: SIGKILL to every process in its
+        namespace at once (agent, workers, any store it serves). Returns their pids."""
+        found = subprocess.run(["ip", "netns", "pids", self.names[i]], capture_output=True, text=True, timeout=20)
+        pids = [int(pid) for pid in found.stdout.split()]
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        return pids
+
     def close(self) -> None:
         for name in self.names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -204,7 +204,7 @@ def test_a_node_cut_off_by_the_network_stops_its_workers_and_comes_back_when_hea
     two = wait_round(tmp_path, 2, after=three, what="the majority re-forming without the cut node")
     wait_for(lambda: cut_worker not in marked_processes(marker), timeout=30, what="the cut node stopping its worker")
     noticed = time.monotonic() - cut_at
-    assert "has not answered for" in agents[2].output(), agents[2].output()
+    assert "has not answered this node for" in agents[2].output(), agents[2].output()
     hosts.heal(2)
     healed_at = time.monotonic()
     back = wait_round(tmp_path, 3, after=two, what="the healed node re-joining")

@@ -50,6 +50,11 @@ const STORE_TIMEOUT: Duration = Duration::from_secs(300);
 const BARRIER_RECONNECT: Duration = Duration::from_secs(5);
 /// Consecutive worker starts that may fail for a lost store before the run fails.
 const MAX_LOST_STARTS: u32 = 3;
+/// Lost members named in a failed run's summary, at most.
+const LOST_NAMED: usize = 4;
+/// Beyond the loss window, how long a failure waits for a silent member to be reported lost
+/// (the monitor's reading of the store, and its report, take a moment).
+const LOSS_VERDICT_SLACK: Duration = Duration::from_secs(2);
 
 /// Runs an agent to the end and reports how it went. Must run inside a multi-thread tokio
 /// runtime that lives as long as the call (workers die with the thread that started them).
@@ -68,9 +73,14 @@ pub async fn run_agent(config: AgentConfig) -> AgentResult {
             End::Interrupted(signal)
         }
         Err(err) => {
-            tracing::error!("agent failed: {err}");
-            report.summary = Some(err.to_string());
-            report.error = Some(AgentErrorInfo { kind: err.kind().to_owned(), message: err.to_string() });
+            // a job that ends for want of nodes ends because of the ones it lost: name them
+            let message = match report.lost.as_slice() {
+                [] => err.to_string(),
+                lost => format!("{err}; lost before: {}", lost.join("; ")),
+            };
+            tracing::error!("agent failed: {message}");
+            report.summary = Some(message.clone());
+            report.error = Some(AgentErrorInfo { kind: err.kind().to_owned(), message });
             End::Failed
         }
     };
@@ -171,6 +181,8 @@ struct Report {
     logs_kept: bool,
     /// Whether a log file could not be written completely.
     logs_incomplete: bool,
+    /// The members this node saw lost, most recent last (a few at most).
+    lost: Vec<String>,
 }
 
 impl Report {
@@ -384,23 +396,23 @@ impl Agent {
                 }
                 Event::Workers(GroupOutcome::Failed(failures)) => {
                     self.events.workers_failed(&failures).await;
+                    // a member's death breaks its peers' collectives first: that is its loss
+                    if let Some(change) = self.member_loss(&mut changes).await {
+                        tracing::info!("the workers failed with the loss of a member: no restart is charged");
+                        if let Some(end) = self.on_change(change, &mut group, report).await? {
+                            return Ok(end);
+                        }
+                        continue;
+                    }
                     group.stop(Signal::SIGTERM, grace).await;
                     if let Some(end) = self.after_failure(failures, report).await? {
                         return Ok(end);
                     }
                 }
                 Event::Change(change) => {
-                    let closed = change == MembershipChange::Closed;
-                    let next = if closed { "stopping the workers" } else { "restarting the workers" };
-                    let description = describe(&change);
-                    tracing::info!("{description}; {next}");
-                    self.events.membership_changed(&change, &description).await;
-                    group.stop(Signal::SIGTERM, grace).await;
-                    if closed {
-                        return self.closed(report).await;
+                    if let Some(end) = self.on_change(change, &mut group, report).await? {
+                        return Ok(end);
                     }
-                    self.events.restart(report.restart_count, self.config.max_restarts, &description).await;
-                    counts.reformed(change.kind());
                 }
                 Event::Signal(signal, forward) => {
                     tracing::info!("received {signal}; stopping the workers");
@@ -410,6 +422,75 @@ impl Agent {
                 }
             }
         }
+    }
+
+    /// Stops the workers for a membership change; `Some` ends the agent (the job closed).
+    async fn on_change(
+        &mut self,
+        change: MembershipChange,
+        group: &mut WorkerGroup,
+        report: &mut Report,
+    ) -> Result<Option<End>> {
+        let closed = change == MembershipChange::Closed;
+        let next = if closed { "stopping the workers" } else { "restarting the workers" };
+        let description = describe(&change);
+        tracing::info!("{description}; {next}");
+        if matches!(change, MembershipChange::NodeLost { .. }) {
+            report.lost.push(format!("{description} in round {}", self.round));
+            let excess = report.lost.len().saturating_sub(LOST_NAMED);
+            report.lost.drain(..excess);
+        }
+        self.events.membership_changed(&change, &description).await;
+        group.stop(Signal::SIGTERM, self.config.shutdown_timeout()).await;
+        if closed {
+            return self.closed(report).await.map(Some);
+        }
+        self.events.restart(report.restart_count, self.config.max_restarts, &description).await;
+        metrics::agent::get().reformed(change.kind());
+        Ok(None)
+    }
+
+    /// Whether the workers failed because a member of the round is gone: a node's death
+    /// breaks its peers' collectives at once, a loss window before its heartbeats lapse. The
+    /// members' agents are asked directly ([`Rendezvous::census`]; the gone ones are reported
+    /// lost to everyone); a member that does not answer is settled by its heartbeats or lease,
+    /// waited for up to a loss window. `Some`: the change that explains the failure.
+    async fn member_loss(
+        &mut self,
+        changes: &mut Option<watch::Receiver<Option<MembershipChange>>>,
+    ) -> Option<MembershipChange> {
+        // another member may have found the loss first
+        if let Some(change) = changes.as_ref().and_then(|changes| changes.borrow().clone()) {
+            return Some(change);
+        }
+        let census = match self.rdzv.census().await {
+            Ok(census) => census,
+            // the store went with the failure: its host is lost as well (or this node is cut
+            // off); re-joining finds the store, or its next site, or says why not
+            Err(err) if err.is_store_unreachable() => {
+                let error = err.to_string();
+                let store = self.rdzv.describe_store();
+                return Some(MembershipChange::StoreUnreachable { store, silent_for: Duration::ZERO, error });
+            }
+            Err(err) => {
+                tracing::warn!("could not ask the other members whether they are still there ({err}); counting the failure as the workers' own");
+                return None;
+            }
+        };
+        if let Some((rank, node)) = census.gone.into_iter().next() {
+            return Some(MembershipChange::NodeLost { rank: Some(rank), node: Some(node) });
+        }
+        if census.unsure.is_empty() {
+            return None;
+        }
+        let window = self.rdzv.loss_window() + LOSS_VERDICT_SLACK;
+        let unsure: Vec<String> =
+            census.unsure.iter().map(|(rank, why)| format!("group rank {rank} ({why})")).collect();
+        tracing::info!(
+            "the workers failed and {} did not answer; waiting up to {window:.1?} for the heartbeats to say whether it is lost",
+            unsure.join(", ")
+        );
+        tokio::time::timeout(window, next_change(changes)).await.ok()
     }
 
     /// Exchanges ranks with the other nodes and starts the local workers. A stop signal ends

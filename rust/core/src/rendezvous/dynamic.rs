@@ -24,9 +24,10 @@ use super::contact::Contact;
 use super::error::{RendezvousError, Result};
 use super::events;
 use super::keys::Keys;
-use super::liveness::{member_key, spawn_heartbeats, spawn_monitor, RoundContext};
+use super::liveness::{member_key, report_lost, spawn_heartbeats, spawn_monitor, RoundContext};
 use super::locate::{self, Choice, Known};
 use super::node::NodeDesc;
+use super::presence::{self, Census, Presence, PROBE_TIMEOUT};
 use super::records::{
     decode, encode, AgentFacts, Arrival, Event, FailureRecord, Master, Meta, NodeStatus, FORMAT_VERSION,
 };
@@ -66,7 +67,7 @@ pub struct DynamicRendezvous<S: RendezvousStore> {
     current: Option<Membership>,
     /// The last round this node was a member of (it opens the next one when it comes back),
     /// and how many nodes to expect back.
-    last_round: Option<(u64, u32)>,
+    last_round: Option<LastRound>,
     /// The copy of the state this node works with (see [`super::locate`]).
     known: Option<Known>,
     /// The last round ended because the state moved to another site.
@@ -79,13 +80,17 @@ pub struct DynamicRendezvous<S: RendezvousStore> {
     store_prefix: String,
     /// The port of the workers' store this node last served, tried first next time.
     workers_store_port: Option<u16>,
+    /// What the other members probe to ask whether this node's agent is still there.
+    _presence: Option<Presence>,
 }
 
 impl<S: RendezvousStore> DynamicRendezvous<S> {
     /// `store_prefix` is the run's prefix in the store, for the [`RendezvousInfo`].
     pub fn new(store: S, settings: RendezvousSettings, store_prefix: String) -> Result<Self> {
         settings.validate()?;
-        let node = NodeDesc::this_process(settings.local_addr.as_deref());
+        let mut node = NodeDesc::this_process(settings.local_addr.as_deref());
+        let presence = Presence::start();
+        node.presence = presence.as_ref().map(Presence::port);
         Ok(DynamicRendezvous {
             store,
             settings,
@@ -99,6 +104,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             closed_reason: Arc::default(),
             store_prefix,
             workers_store_port: None,
+            _presence: presence,
         })
     }
 
@@ -112,6 +118,11 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
 
     pub fn settings(&self) -> &RendezvousSettings {
         &self.settings
+    }
+
+    /// The store site in use, for messages.
+    pub fn describe_store(&self) -> String {
+        self.store.describe()
     }
 
     async fn conn(&mut self) -> Result<&mut S::Conn> {
@@ -142,7 +153,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     pub async fn next_rendezvous(&mut self) -> Result<RendezvousInfo> {
         let deadline = Instant::now() + self.settings.join_timeout;
         if let Some(membership) = self.current.take() {
-            self.last_round = Some((membership.round, expected_back(&membership, self.store.sites())));
+            self.last_round = Some(LastRound::of(&membership, self.store.sites()));
             // a newer copy elsewhere: the one at hand is stale even though it answers
             self.moved = matches!(*membership.changes.borrow(), Some(MembershipChange::StoreMoved { .. }));
         }
@@ -171,10 +182,10 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             return Err(RendezvousError::Closed { run_id: self.settings.run_id.clone() });
         }
         let mut round = self.with_conn(async |conn| current_round(conn).await).await?;
-        if let Some((last, world_size)) = self.last_round {
-            if round <= last {
-                self.open_round(round, last + 1, Some(world_size)).await?;
-                round = last + 1;
+        if let Some(last) = self.last_round {
+            if round <= last.round {
+                self.open_round(round, last.round + 1, Some(last)).await?;
+                round = last.round + 1;
             }
         }
         let (outcome, seen) = self.join(round, deadline).await?;
@@ -342,14 +353,18 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     /// Moves the round number from `from` to `to` (if nobody did yet) and announces it. When
     /// the previous round's size is known, the new round forms as soon as that many nodes
     /// (plus the late ones) are back, without waiting for the last call.
-    async fn open_round(&mut self, from: u64, to: u64, previous_size: Option<u32>) -> Result<()> {
+    async fn open_round(&mut self, from: u64, to: u64, previous: Option<LastRound>) -> Result<()> {
         let max = self.settings.max_nodes;
         let min = self.settings.min_nodes;
         self.with_conn(async |conn| {
-            if let Some(size) = previous_size {
+            if let Some(last) = previous {
                 let previous = to - 1;
                 let late = conn.tally(&Keys::waiting(previous)).await? + conn.tally(&Keys::spares(previous)).await?;
-                let expected = (i64::from(size) + late).min(i64::from(max));
+                // members reported lost are not coming back; a lost store site's host may be
+                // one of them, or unreported: the larger of the two counts
+                let reported = conn.tally(&Keys::lost_count(previous)).await?.max(0) as u32;
+                let back = last.world_size.saturating_sub(reported.max(last.site_host_lost)).max(1);
+                let expected = (i64::from(back) + late).min(i64::from(max));
                 if expected >= i64::from(min) {
                     // first writer wins, so joiners never see the expectation change
                     conn.compare_set(&Keys::expected(to), b"", expected.to_string().as_bytes()).await?;
@@ -514,6 +529,35 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         Ok(waiting.max(0) as u32)
     }
 
+    /// Asks the other members of the current round whether their agents are still there
+    /// ([`super::presence`]), and reports the gone ones lost at once (the heartbeat monitor
+    /// would, a loss window later), so that every member re-forms without them now.
+    pub async fn census(&mut self) -> Result<Census> {
+        let Some((round, rank, world_size)) = self.current.as_ref().map(|m| (m.round, m.rank, m.world_size)) else {
+            return Ok(Census::default());
+        };
+        let members = self
+            .with_conn(async |conn| {
+                let mut found = Vec::new();
+                for other in (0..world_size).filter(|other| *other != rank) {
+                    if let Some(bytes) = conn.try_get(&member_key(round, other)).await? {
+                        if let Ok(Arrival { node: Some(node), .. }) = decode::<Arrival>(&bytes, "member") {
+                            found.push((other, node));
+                        }
+                    }
+                }
+                Ok(found)
+            })
+            .await?;
+        let census = presence::census(members, PROBE_TIMEOUT).await;
+        for (lost, node) in &census.gone {
+            let why = format!("its agent at {} is gone (its presence port refused the probe)", node.addr);
+            let node = Some(node.clone());
+            self.with_conn(async |conn| report_lost(conn, round, *lost, node, &why).await).await?;
+        }
+        Ok(census)
+    }
+
     pub async fn is_closed(&mut self) -> Result<bool> {
         self.with_conn(async |conn| conn.check(&[Keys::CLOSED.to_owned()]).await).await
     }
@@ -565,7 +609,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     /// every node, so only the first report of a round counts as a job-wide restart. Returns
     /// the number of restarts so far.
     pub async fn report_failure(&mut self) -> Result<i64> {
-        let round = self.current.as_ref().map(|m| m.round).or(self.last_round.map(|(round, _)| round));
+        let round = self.current.as_ref().map(|m| m.round).or(self.last_round.map(|last| last.round));
         let Some(round) = round else { return self.restart_count().await };
         let restarts = self
             .with_conn(async |conn| {
@@ -618,15 +662,28 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     }
 }
 
-/// How many of the previous round's nodes to expect back: less the one known lost, and with
-/// several store sites, less the agent that hosted a site lost to the others.
-fn expected_back(membership: &Membership, sites: usize) -> u32 {
-    let lost = match &*membership.changes.borrow() {
-        Some(MembershipChange::NodeLost { .. }) => true,
-        Some(MembershipChange::StoreMoved { .. } | MembershipChange::StoreUnreachable { .. }) => sites > 1,
-        _ => false,
-    };
-    membership.world_size - u32::from(lost && membership.world_size > 1)
+/// The round this node was last a member of, for the next one to expect its nodes back.
+#[derive(Clone, Copy, Debug)]
+struct LastRound {
+    round: u64,
+    world_size: u32,
+    /// 1 if the round ended because its store site was lost to the others with several sites:
+    /// the agent that hosted it is gone too, whether or not anyone reported it lost.
+    site_host_lost: u32,
+}
+
+impl LastRound {
+    fn of(membership: &Membership, sites: usize) -> LastRound {
+        let site_lost = matches!(
+            &*membership.changes.borrow(),
+            Some(MembershipChange::StoreMoved { .. } | MembershipChange::StoreUnreachable { .. })
+        );
+        LastRound {
+            round: membership.round,
+            world_size: membership.world_size,
+            site_host_lost: u32::from(site_lost && sites > 1 && membership.world_size > 1),
+        }
+    }
 }
 
 async fn current_round<C: StoreConn>(conn: &mut C) -> Result<u64> {
@@ -713,7 +770,7 @@ mod tests {
 
     #[test]
     fn only_events_about_this_round_or_later_matter() {
-        let node = NodeDesc { addr: "a".into(), pid: 1, local_id: 0 };
+        let node = NodeDesc { addr: "a".into(), pid: 1, local_id: 0, presence: None };
         assert_eq!(relevance(&Event::Opened { v: 1, round: 3 }, 3), None);
         assert_eq!(
             relevance(&Event::Opened { v: 1, round: 4 }, 3),

@@ -15,6 +15,7 @@ use super::etcd::{create_etcd, etcd_options, EtcdRendezvous};
 use super::keys::run_prefix;
 use super::params::{apply_secret, conf_secret, dynamic_settings};
 pub use super::params::{RendezvousParams, PROGRESS_INTERVAL_VAR};
+use super::presence::Census;
 use super::records::{AgentFacts, FailureRecord};
 use super::settings::RendezvousSettings;
 use super::static_rdzv::StaticRendezvous;
@@ -132,6 +133,30 @@ impl Rendezvous {
 
     pub async fn set_closed(&mut self) -> Result<()> {
         on_dynamic!(self, handler => handler.set_closed().await, static _ => Ok(()))
+    }
+
+    /// Asks the other members of the current round whether their agents are still there, and
+    /// reports the gone ones lost ([`super::presence`]).
+    pub async fn census(&mut self) -> Result<Census> {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.census().await,
+            Rendezvous::Etcd(handler) => handler.census().await,
+            Rendezvous::Static(_) => Ok(Census::default()),
+        }
+    }
+
+    /// Where the rendezvous state lives, for messages.
+    pub fn describe_store(&self) -> String {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => handler.describe_store(),
+            Rendezvous::Etcd(handler) => handler.describe_store(),
+            Rendezvous::Static(_) => "the static rendezvous' store".to_owned(),
+        }
+    }
+
+    /// How long a member may be silent (heartbeats, lease) before the others count it lost.
+    pub fn loss_window(&self) -> Duration {
+        on_dynamic!(self, handler => handler.settings().node_lost_after(), static _ => Duration::ZERO)
     }
 
     /// Changes that should end the current round (dynamic backend only).

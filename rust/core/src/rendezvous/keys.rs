@@ -60,6 +60,16 @@ impl Keys {
         format!("r{r}/failures")
     }
 
+    /// Marks member `rank` of round `r` reported lost (compare-and-set: one report each).
+    pub fn lost(r: u64, rank: u32) -> String {
+        format!("r{r}/lost/{rank}")
+    }
+
+    /// Members of round `r` reported lost: the next round expects that many fewer back.
+    pub fn lost_count(r: u64) -> String {
+        format!("r{r}/lost")
+    }
+
     /// Late nodes that want the job to re-form with them (torch's wait list).
     pub fn waiting(r: u64) -> String {
         format!("r{r}/waiting")

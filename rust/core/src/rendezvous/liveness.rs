@@ -191,13 +191,35 @@ async fn watch_neighbour<S: RendezvousStore>(context: &RoundContext<S>, neighbou
 /// Reports `neighbour` lost, unless the round ended meanwhile (silence after the round ended
 /// is no loss: the neighbour moved on).
 async fn blame<C: StoreConn>(conn: &mut C, settings: &RendezvousSettings, round: u64, neighbour: u32) -> Result<()> {
+    let node = member(conn, round, neighbour).await;
+    let why = format!("no heartbeat for {:?}", settings.node_lost_after());
+    report_lost(conn, round, neighbour, node, &why).await.map(drop)
+}
+
+/// Reports member `rank` of `round` lost (for `why`), once however many members find it: the
+/// first report counts it in [`Keys::lost_count`] and tells every member ([`Event::Lost`]).
+/// Nothing is reported once the round is over or the job closed. True if this was the report.
+pub(crate) async fn report_lost<C: StoreConn>(
+    conn: &mut C,
+    round: u64,
+    rank: u32,
+    node: Option<NodeDesc>,
+    why: &str,
+) -> Result<bool> {
     let current = conn.add(Keys::ROUND, 0).await? as u64;
     if current != round || conn.check(&[Keys::CLOSED.to_owned()]).await? {
-        return Ok(());
+        return Ok(false);
     }
-    let node = member(conn, round, neighbour).await;
-    tracing::warn!(round, rank = neighbour, node = ?node, "node lost: no heartbeat for {:?}", settings.node_lost_after());
-    events::publish(conn, &Event::Lost { v: FORMAT_VERSION, round, rank: neighbour, node }).await
+    // compare-and-set answers the desired value both when it swaps and when the key already
+    // held it: a token of this report's own tells the one report that won
+    let token = fastrand::u64(..).to_string();
+    if conn.compare_set(&Keys::lost(round, rank), b"", token.as_bytes()).await?.as_ref() != token.as_bytes() {
+        return Ok(false); // another member reported it first
+    }
+    conn.count_up(&Keys::lost_count(round)).await?;
+    tracing::warn!(round, rank, node = ?node, "node lost: {why}");
+    events::publish(conn, &Event::Lost { v: FORMAT_VERSION, round, rank, node }).await?;
+    Ok(true)
 }
 
 /// The node holding `rank` in `round`, if it published itself.

@@ -9,6 +9,7 @@
 //! * [`settings`], [`conf`], [`endpoint`]: configuration; [`records`], [`keys`]: the
 //!   versioned JSON state and where it lives.
 //! * [`status`]: the job's state as `elastix status` reads it, from any machine.
+//! * [`presence`]: asking the other members' agents whether they are still there.
 
 mod change;
 pub mod conf;
@@ -24,6 +25,7 @@ mod liveness;
 mod locate;
 pub mod node;
 mod params;
+pub mod presence;
 pub mod records;
 mod round;
 pub mod settings;

@@ -13,6 +13,9 @@ pub struct NodeDesc {
     pub pid: u32,
     /// Distinguishes several handlers in one process.
     pub local_id: u32,
+    /// The port of the agent's presence listener at `addr` ([`super::presence`]), if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub presence: Option<u16>,
 }
 
 impl NodeDesc {
@@ -23,6 +26,7 @@ impl NodeDesc {
             addr: addr.map_or_else(host_name, str::to_owned),
             pid: std::process::id(),
             local_id: NEXT_LOCAL_ID.fetch_add(1, Ordering::Relaxed),
+            presence: None,
         }
     }
 
@@ -59,7 +63,7 @@ mod tests {
 
     #[test]
     fn nodes_order_by_address_then_pid_then_local_id() {
-        let node = |addr: &str, pid, local_id| NodeDesc { addr: addr.into(), pid, local_id };
+        let node = |addr: &str, pid, local_id| NodeDesc { addr: addr.into(), pid, local_id, presence: None };
         let mut nodes = [node("b", 1, 0), node("a", 9, 1), node("a", 9, 0), node("a", 10, 0)];
         nodes.sort();
         let order: Vec<String> = nodes.iter().map(ToString::to_string).collect();

@@ -22,6 +22,7 @@ use crate::rendezvous::change::{MembershipChange, RendezvousInfo};
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::keys::Keys;
 use crate::rendezvous::node::NodeDesc;
+use crate::rendezvous::presence::Census;
 use crate::rendezvous::records::{decode, encode, AgentFacts, FailureRecord, Master, Meta, NodeStatus, FORMAT_VERSION};
 use crate::rendezvous::settings::RendezvousSettings;
 use crate::store::{ServerConfig, StoreServer};
@@ -99,6 +100,11 @@ impl EtcdRendezvous {
 
     pub fn settings(&self) -> &RendezvousSettings {
         &self.settings
+    }
+
+    /// The cluster, for messages.
+    pub fn describe_store(&self) -> String {
+        format!("etcd {}", self.client.endpoints())
     }
 
     fn error(&self, err: elastix_etcd::EtcdError) -> RendezvousError {
@@ -323,6 +329,12 @@ impl EtcdRendezvous {
     }
 
     /// Nodes that entered the round after the current one (late nodes and spares).
+    /// The etcd backend's census: not yet probing (a member's loss shows when its lease
+    /// expires).
+    pub async fn census(&mut self) -> Result<Census> {
+        Ok(Census::default())
+    }
+
     pub async fn num_nodes_waiting(&mut self) -> Result<u32> {
         let Some(round) = self.current.as_ref().map(|m| m.round) else { return Ok(0) };
         let request = TxnRequest { success: vec![ops::count(&self.keys.members(round + 1), 0)], ..Default::default() };

@@ -1,0 +1,204 @@
+//! Whether a member's agent is still there, asked the moment it matters.
+//!
+//! A node's death reaches its peers' workers first (their collective breaks) and its heartbeats
+//! only a loss window later, so an agent whose workers failed asks the other members directly
+//! before it counts the failure as their own: every agent listens on a port of its own that
+//! accepts and closes (published in its member record), and a probe connects to it. A refused
+//! connection is final (the machine answers, the agent is gone: a crash, a kill, a host whose
+//! processes all died); no answer at all is only a suspicion (a dead machine, a cut link, or a
+//! flood of strangers filling the backlog), which the heartbeats or the lease then settle.
+
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::net::{lookup_host, TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+use super::node::NodeDesc;
+use crate::store::server::listener;
+
+/// How long a probe waits for the connection: a live agent's kernel answers in well under a
+/// millisecond on a LAN, and a longer wait only delays the unsure verdict.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// This agent's presence listener; stops when dropped.
+pub struct Presence {
+    port: u16,
+    task: JoinHandle<()>,
+}
+
+impl Presence {
+    /// Listens on every address, on a port the kernel picks; `None` outside a tokio runtime
+    /// (then nobody can probe this node, and its peers rely on its heartbeats).
+    pub fn start() -> Option<Presence> {
+        tokio::runtime::Handle::try_current().ok()?;
+        let listening = listener::bind(None, 0).and_then(|std| {
+            std.set_nonblocking(true)?;
+            TcpListener::from_std(std)
+        });
+        let listener = match listening {
+            Ok(listener) => listener,
+            Err(err) => {
+                tracing::warn!("cannot listen for presence probes ({err}): peers will notice this node's loss by its heartbeats only");
+                return None;
+            }
+        };
+        let port = listener.local_addr().ok()?.port();
+        let task = tokio::spawn(async move {
+            loop {
+                // accepted and closed at once: the connection itself is the answer
+                if let Err(err) = listener.accept().await {
+                    tracing::debug!("presence listener: {err}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        });
+        Some(Presence { port, task })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+}
+
+impl Drop for Presence {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// What a probe found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Probe {
+    /// The agent accepted the connection.
+    Present,
+    /// The machine refused it: nothing listens there any more.
+    Gone,
+    /// No answer within the timeout, or the network said no route (the reason).
+    Unsure(String),
+}
+
+/// Probes the agent at `host:port`, within `timeout`.
+pub async fn probe(host: &str, port: u16, timeout: Duration) -> Probe {
+    let attempt = async {
+        let addrs: Vec<SocketAddr> = lookup_host((host, port)).await?.collect();
+        let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{host} resolves to no address"));
+        for addr in addrs {
+            match TcpStream::connect(addr).await {
+                Ok(_) => return Ok(()),
+                Err(err) => last = err,
+            }
+        }
+        Err(last)
+    };
+    match tokio::time::timeout(timeout, attempt).await {
+        Ok(Ok(())) => Probe::Present,
+        Ok(Err(err)) if err.kind() == io::ErrorKind::ConnectionRefused => Probe::Gone,
+        Ok(Err(err)) => Probe::Unsure(err.to_string()),
+        Err(_) => Probe::Unsure(format!("no answer within {timeout:?}")),
+    }
+}
+
+/// Probes at once in flight, at most (a large job's agents must not open a descriptor per
+/// member at the same moment).
+const PROBES_IN_FLIGHT: usize = 64;
+
+/// What a look at the round's other members found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Census {
+    /// Members whose agents are gone (group rank, node).
+    pub gone: Vec<(u32, NodeDesc)>,
+    /// Members that did not answer (group rank, why): only their heartbeats or leases can tell.
+    pub unsure: Vec<(u32, String)>,
+}
+
+/// Probes every member that published a presence port (group rank, node), all at once up to
+/// [`PROBES_IN_FLIGHT`].
+pub async fn census(members: Vec<(u32, NodeDesc)>, timeout: Duration) -> Census {
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(PROBES_IN_FLIGHT));
+    let mut probes = tokio::task::JoinSet::new();
+    for (rank, node) in members {
+        let Some(port) = node.presence else { continue };
+        let slots = slots.clone();
+        probes.spawn(async move {
+            let _slot = slots.acquire_owned().await;
+            let found = probe(&node.addr, port, timeout).await;
+            (rank, node, found)
+        });
+    }
+    let mut census = Census::default();
+    while let Some(done) = probes.join_next().await {
+        let Ok((rank, node, found)) = done else { continue };
+        match found {
+            Probe::Present => {}
+            Probe::Gone => census.gone.push((rank, node)),
+            Probe::Unsure(why) => census.unsure.push((rank, why)),
+        }
+    }
+    census.gone.sort_by_key(|(rank, _)| *rank);
+    census.unsure.sort_by_key(|(rank, _)| *rank);
+    census
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_live_agent_is_present_and_a_closed_port_is_gone() {
+        let presence = Presence::start().expect("inside a runtime");
+        assert_eq!(probe("127.0.0.1", presence.port(), PROBE_TIMEOUT).await, Probe::Present);
+        let port = presence.port();
+        drop(presence);
+        tokio::task::yield_now().await; // the listener goes with its task
+        let found = probe("127.0.0.1", port, PROBE_TIMEOUT).await;
+        assert_eq!(found, Probe::Gone, "nothing listens on port {port} any more");
+    }
+
+    /// A listener that never accepts, with its accept queue filled: a SYN to it goes
+    /// unanswered, as to a dead machine (or one flooded by strangers).
+    fn silent_listener() -> (socket2::Socket, u16, Vec<std::net::TcpStream>) {
+        use socket2::{Domain, Socket, Type};
+        let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        socket.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into()).unwrap();
+        socket.listen(0).unwrap();
+        let port = socket.local_addr().unwrap().as_socket().unwrap().port();
+        let mut fillers = Vec::new();
+        let target = SocketAddr::from(([127, 0, 0, 1], port));
+        while let Ok(stream) = std::net::TcpStream::connect_timeout(&target, Duration::from_millis(100)) {
+            fillers.push(stream);
+            assert!(fillers.len() < 16, "the accept queue never filled");
+        }
+        (socket, port, fillers)
+    }
+
+    #[tokio::test]
+    async fn a_census_sorts_members_into_gone_and_unsure() {
+        let alive = Presence::start().unwrap();
+        let dead = Presence::start().unwrap();
+        let dead_port = dead.port();
+        drop(dead);
+        tokio::task::yield_now().await;
+        let (_silent, silent_port, _fillers) = silent_listener();
+        let node = |presence| NodeDesc { addr: "127.0.0.1".into(), pid: 1, local_id: 0, presence };
+        let members = vec![
+            (1, node(Some(alive.port()))),
+            (2, node(Some(dead_port))),
+            (3, node(Some(silent_port))),
+            (4, node(None)), // cannot be asked: not counted either way
+        ];
+        let census = census(members, Duration::from_millis(200)).await;
+        assert_eq!(census.gone.iter().map(|(rank, _)| *rank).collect::<Vec<_>>(), [2]);
+        assert_eq!(census.unsure.iter().map(|(rank, _)| *rank).collect::<Vec<_>>(), [3]);
+    }
+
+    #[tokio::test]
+    async fn a_machine_that_never_answers_is_unsure_not_gone() {
+        let (_silent, port, _fillers) = silent_listener();
+        match probe("127.0.0.1", port, Duration::from_millis(200)).await {
+            Probe::Unsure(_) => {}
+            other => panic!("expected Unsure, got {other:?}"),
+        }
+    }
+}

@@ -1,0 +1,111 @@
+"""A node dying while its peers' workers are in a collective is a lost node, as in real jobs:
+the survivors' workers fail first (their all_reduce breaks), long before any heartbeat lapses.
+The agents ask the other members' agents directly, report the dead one lost, charge no restart,
+and re-form at once without waiting for a last call. Hosts are network namespaces; a host's
+death kills every process in it (agent, workers, the store it may serve)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agents import WORKERS, agent, assert_nothing_left, finish_all, node_args, rounds_of, starts, wait_round
+from netns import hosts_for_a_test
+
+TRAIN = os.path.join(WORKERS, "train_loop.py")
+# torch's defaults (a node is lost after 15 s of silence, a last call of 30 s), so that a
+# re-form that waited for either would show
+CONF = "join_timeout=60s"
+
+
+@pytest.fixture
+def hosts():
+    yield from hosts_for_a_test(3)
+
+
+def node(tmp_path, marker, hosts, i, nnodes, endpoint, max_restarts=0, conf=CONF):
+    # namespaces share the host name: a collectives host id per node keeps them on TCP
+    python = hosts.command(i, "env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", sys.executable)
+    args = node_args(nnodes, endpoint, hosts.addr(i), conf, TRAIN, run_id="loss", max_restarts=max_restarts)
+    return agent(tmp_path, marker, f"h{i}", "run", *args, python=python)
+
+
+def steps_after(tmp_path, round_, since):
+    """Steps trained in `round_` after the wall-clock time `since`, by any rank."""
+    count = 0
+    for path in glob.glob(str(tmp_path / f"steps_{round_}_*.txt")):
+        with open(path) as f:
+            count += sum(1 for line in f if line.strip() and float(line.split()[0]) > since)
+    return count
+
+
+def test_a_host_killed_mid_all_reduce_is_a_lost_node_and_the_others_train_on(tmp_path, marker, hosts):
+    endpoint = f"{hosts.addr(0)}:29400"  # host 0's agent serves the rendezvous store
+    agents = [node(tmp_path, marker, hosts, i, "2:3", endpoint) for i in range(3)]
+    three = wait_round(tmp_path, 3)
+    # the three are training: their all_reduces run back to back
+    deadline = time.monotonic() + 30
+    while steps_after(tmp_path, three, 0) < 30:
+        assert time.monotonic() < deadline, "the three nodes never trained"
+        time.sleep(0.05)
+    killed_at = time.time()
+    assert hosts.kill(2), "host 2 had no process to kill"
+    two = wait_round(tmp_path, 2, after=three, what="the two survivors re-forming")
+    deadline = time.monotonic() + 30
+    while steps_after(tmp_path, two, killed_at) < 10:
+        assert time.monotonic() < deadline, "the survivors never trained again"
+        time.sleep(0.05)
+    first_step = min(
+        float(line.split()[0])
+        for path in glob.glob(str(tmp_path / f"steps_{two}_*.txt"))
+        for line in open(path)
+        if line.strip()
+    )
+    print(f"node loss mid-all_reduce: training again as 2 nodes {first_step - killed_at:.2f}s after the kill")
+    # no restart charged: with --max-restarts 0 the job goes on, with the count still 0
+    assert {r["restart"] for r in starts(tmp_path) if r["round"] == two} == {0}, starts(tmp_path)
+    survivors = agents[:2]
+    for a in survivors:
+        out = a.output()
+        assert (
+            "the workers failed with the loss of a member: no restart is charged" in out or "stopped responding" in out
+        ), out
+    assert any("presence port refused the probe" in a.output() for a in survivors), [a.output() for a in survivors]
+    # elastix status: running, but with fewer nodes than before the loss, which it names
+    status = subprocess.run(
+        [*hosts.python(0, "-m", "elastix", "status"), "--rdzv-endpoint", endpoint, "--rdzv-id", "loss", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 3, status.stdout + status.stderr  # degraded
+    report = json.loads(status.stdout)
+    assert report["health"] == "degraded" and len(report["members"]) == 2, report
+    assert any(lost["group_rank"] == 2 and hosts.addr(2) in (lost["node"] or "") for lost in report["lost"]), report
+    finish_all(tmp_path, survivors, marker)
+    assert len(rounds_of(tmp_path, 2)) == 1, "one re-form for one loss"
+    assert_nothing_left(marker)
+
+
+def test_a_loss_that_leaves_too_few_nodes_ends_the_job_naming_the_lost_node(tmp_path, marker, hosts):
+    endpoint = f"{hosts.addr(0)}:29400"
+    agents = [node(tmp_path, marker, hosts, i, 3, endpoint, conf="join_timeout=8s") for i in range(3)]
+    three = wait_round(tmp_path, 3)
+    deadline = time.monotonic() + 30
+    while steps_after(tmp_path, three, 0) < 10:
+        assert time.monotonic() < deadline, "the three nodes never trained"
+        time.sleep(0.05)
+    hosts.kill(2)
+    for a in agents[:2]:
+        assert a.finish(timeout=60) == 1, a.output()
+        last = a.output().strip().splitlines()[-1]
+        # the error says what is missing, and which node was lost
+        assert "needs at least 3" in last and f"lost before: node {hosts.addr(2)}_" in last, a.output()
+        assert "(group rank 2)" in last and "in round 0" in last, last
+    assert_nothing_left(marker)
