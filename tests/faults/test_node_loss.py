@@ -109,3 +109,54 @@ def test_a_loss_that_leaves_too_few_nodes_ends_the_job_naming_the_lost_node(tmp_
         assert "needs at least 3" in last and f"lost before: node {hosts.addr(2)}_" in last, a.output()
         assert "(group rank 2)" in last and "in round 0" in last, last
     assert_nothing_left(marker)
+
+
+def test_the_store_host_killed_mid_all_reduce_moves_the_job_to_the_next_site(tmp_path, marker, hosts):
+    # hosts 0 and 1 each serve a site; the state lives at the first, on host 0
+    endpoint = f"{hosts.addr(0)}:29400,{hosts.addr(1)}:29400"
+    agents = [node(tmp_path, marker, hosts, i, "2:3", endpoint) for i in range(3)]
+    three = wait_round(tmp_path, 3)
+    deadline = time.monotonic() + 30
+    while steps_after(tmp_path, three, 0) < 30:
+        assert time.monotonic() < deadline, "the three nodes never trained"
+        time.sleep(0.05)
+    killed_at = time.time()
+    hosts.kill(0)  # its agent, its workers and the store holding the job's state
+    two = wait_round(tmp_path, 2, after=three, what="the survivors re-forming at the second site")
+    deadline = time.monotonic() + 30
+    while steps_after(tmp_path, two, killed_at) < 10:
+        assert time.monotonic() < deadline, "the survivors never trained again"
+        time.sleep(0.05)
+    first_step = min(
+        float(line.split()[0])
+        for path in glob.glob(str(tmp_path / f"steps_{two}_*.txt"))
+        for line in open(path)
+        if line.strip()
+    )
+    print(f"store host lost mid-all_reduce: training again as 2 nodes {first_step - killed_at:.2f}s after the kill")
+    assert {r["restart"] for r in starts(tmp_path) if r["round"] == two} == {0}, starts(tmp_path)
+    survivors = agents[1:]
+    finish_all(tmp_path, survivors, marker)
+    assert_nothing_left(marker)
+
+
+def test_a_host_killed_while_the_others_wait_at_the_exit_barrier_is_not_waited_for(tmp_path, marker, hosts):
+    endpoint = f"{hosts.addr(0)}:29400"
+    finish = os.path.join(WORKERS, "finish_after.py")
+    agents = []
+    for i in range(3):
+        python = hosts.command(i, "env", "FINISH_AFTER_2=120", sys.executable)
+        args = node_args(3, endpoint, hosts.addr(i), CONF, finish, run_id="barrier", max_restarts=0)
+        agents.append(agent(tmp_path, marker, f"h{i}", "run", *args, python=python))
+    # the group ranks follow the addresses: host 2's node is the one still working
+    deadline = time.monotonic() + 60
+    while not all("working" in a.output() for a in agents):
+        assert time.monotonic() < deadline, [a.output() for a in agents]
+        time.sleep(0.05)
+    time.sleep(0.5)  # hosts 0 and 1 are at the exit barrier now
+    hosts.kill(2)
+    for a in agents[:2]:
+        assert a.finish(timeout=60) == 0, a.output()  # well before the 300 s barrier timeout
+    # one survivor found it gone and closed the job as succeeded; the other left on the close
+    assert any("(group rank 2) is gone; not waiting for it" in a.output() for a in agents[:2])
+    assert_nothing_left(marker)

@@ -48,6 +48,8 @@ const FAILED: &str = "failed: ";
 const STORE_TIMEOUT: Duration = Duration::from_secs(300);
 /// How long the exit barrier waits for the store on each reconnect.
 const BARRIER_RECONNECT: Duration = Duration::from_secs(5);
+/// How often the exit barrier looks at who has not arrived (and whether they are still there).
+const BARRIER_LOOK_EVERY: Duration = Duration::from_secs(2);
 /// Consecutive worker starts that may fail for a lost store before the run fails.
 const MAX_LOST_STARTS: u32 = 3;
 /// Lost members named in a failed run's summary, at most.
@@ -328,7 +330,15 @@ impl Agent {
             report.failures.clear(); // the result describes the last attempt
             report.group_rank = Some(info.rank);
             report.group_world_size = Some(info.world_size);
-            report.restart_count = self.rdzv.restart_count().await?;
+            report.restart_count = match self.rdzv.restart_count().await {
+                Ok(count) => count,
+                Err(err) if err.is_store_unreachable() && lost_starts < MAX_LOST_STARTS => {
+                    lost_starts += 1;
+                    tracing::warn!("the rendezvous store went away as the round formed ({err}); re-joining");
+                    continue;
+                }
+                Err(err) => return Err(err.into()),
+            };
             self.events.round_formed(&info, report.restart_count).await;
             counts.joined_round(info.round, info.world_size, asked.elapsed());
             self.round = info.round;
@@ -463,14 +473,16 @@ impl Agent {
         if let Some(change) = changes.as_ref().and_then(|changes| changes.borrow().clone()) {
             return Some(change);
         }
-        let census = match self.rdzv.census().await {
+        let census = match self.rdzv.census(None).await {
             Ok(census) => census,
-            // the store went with the failure: its host is lost as well (or this node is cut
-            // off); re-joining finds the store, or its next site, or says why not
+            // the store went with the failure (its host is lost, or this node is cut off): the
+            // rendezvous noted it as the round's change; re-joining finds the store, or its
+            // next site, or says why not
             Err(err) if err.is_store_unreachable() => {
+                let noted = changes.as_ref().and_then(|changes| changes.borrow().clone());
                 let error = err.to_string();
                 let store = self.rdzv.describe_store();
-                return Some(MembershipChange::StoreUnreachable { store, silent_for: Duration::ZERO, error });
+                return noted.or(Some(MembershipChange::StoreUnreachable { store, silent_for: Duration::ZERO, error }));
             }
             Err(err) => {
                 tracing::warn!("could not ask the other members whether they are still there ({err}); counting the failure as the workers' own");
@@ -498,7 +510,8 @@ impl Agent {
     async fn start_workers(&mut self, info: &RendezvousInfo, restart_count: i64) -> Result<WorkerGroup> {
         let me = RoleInfo { role: self.config.role.clone(), local_world_size: self.config.local_world_size };
         let exchange = async {
-            let store = connect_store(&mut self.store, info, STORE_TIMEOUT).await?;
+            let at = (info.store_host.clone(), info.store_port);
+            let store = connect_store(&mut self.store, &at, STORE_TIMEOUT).await?;
             ranks::assign(store, &info.store_prefix, info.rank, info.world_size, &me, STORE_TIMEOUT).await
         };
         let assignment = tokio::select! {
@@ -526,7 +539,20 @@ impl Agent {
     /// Spends a restart if this is the round's first failure report; past the budget, closes
     /// the job as failed. `Some` ends the agent.
     async fn after_failure(&mut self, failures: Vec<Failure>, report: &mut Report) -> Result<Option<End>> {
-        let restarts = self.rdzv.report_failure().await?;
+        let restarts = match self.rdzv.report_failure().await {
+            Ok(restarts) => restarts,
+            // the store went away as well: a lost store is a lost node (its host); re-joining
+            // finds it or its next site, and the failure is not charged
+            Err(err) if err.is_store_unreachable() => {
+                tracing::warn!(
+                    "could not report the workers' failure: {err}; re-joining without charging a restart (the store's \
+                     host is lost, or this node is cut off)"
+                );
+                self.events.restart(report.restart_count, self.config.max_restarts, "rendezvous store lost").await;
+                return Ok(None);
+            }
+            Err(err) => return Err(err.into()),
+        };
         report.restart_count = restarts;
         metrics::agent::get().job_restarts(restarts, self.config.max_restarts);
         self.publish_failure(&failures, report.restart_count).await;
@@ -618,8 +644,9 @@ impl Agent {
     /// Waits until every node's workers are done (`None`), a membership change or a signal
     /// comes first (`Some`), or the timeout passes (`None`, with a warning: this node's
     /// workers did succeed). Each node marks its own key, so the barrier survives the store
-    /// going away and coming back (empty, even): it reconnects and marks again. Changes that
-    /// are only about the store do not end it.
+    /// going away and coming back (empty, even): it reconnects and marks again, at the site the
+    /// state moved to if it moved. A member that does not arrive is asked whether it is still
+    /// there: a gone one is not waited for. Changes that are only about the store do not end it.
     async fn exit_barrier(
         &mut self,
         info: &RendezvousInfo,
@@ -627,21 +654,43 @@ impl Agent {
     ) -> Result<Option<Event>> {
         let timeout = self.config.exit_barrier_timeout();
         let deadline = tokio::time::Instant::now() + timeout;
-        let keys: Vec<Vec<u8>> =
-            (0..info.world_size).map(|rank| format!("{}/terminal/{rank}", info.store_prefix).into_bytes()).collect();
-        let slot = &mut self.store;
+        let key = |rank: u32| format!("{}/terminal/{rank}", info.store_prefix).into_bytes();
+        let (rdzv, slot, signals) = (&mut self.rdzv, &mut self.store, &mut self.signals);
+        let mut at = (info.store_host.clone(), info.store_port);
+        let mut awaited: Vec<u32> = (0..info.world_size).filter(|rank| *rank != info.rank).collect();
         let done = async {
             let mut warned = false;
             loop {
                 let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+                let slice = remaining.min(BARRIER_LOOK_EVERY);
                 let attempt = async {
-                    let store = connect_store(slot, info, remaining.min(BARRIER_RECONNECT)).await?;
-                    store.set(&keys[info.rank as usize], b"1").await?;
+                    let store = connect_store(slot, &at, remaining.min(BARRIER_RECONNECT)).await?;
+                    store.set(&key(info.rank), b"1").await?;
+                    let keys: Vec<Vec<u8>> = awaited.iter().map(|rank| key(*rank)).collect();
                     let keys: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-                    Ok::<_, AgentError>(store.wait(&keys, Some(remaining)).await?)
+                    Ok::<_, AgentError>(store.wait(&keys, Some(slice)).await?)
                 };
                 match attempt.await {
                     Ok(()) => return Ok(true),
+                    Err(AgentError::Store(err)) if err.is_timeout() && slice < remaining => {
+                        // who has not arrived, and is any of them gone?
+                        let store = connect_store(slot, &at, BARRIER_RECONNECT).await?;
+                        let mut missing = Vec::new();
+                        for rank in awaited.iter().copied() {
+                            if !store.check(&[key(rank).as_slice()]).await? {
+                                missing.push(rank);
+                            }
+                        }
+                        if let Ok(census) = rdzv.census(Some(&missing)).await {
+                            for (rank, node) in &census.gone {
+                                tracing::warn!(
+                                    "exit barrier: node {node} (group rank {rank}) is gone; not waiting for it"
+                                );
+                            }
+                            missing.retain(|rank| census.gone.iter().all(|(gone, _)| gone != rank));
+                        }
+                        awaited = missing;
+                    }
                     Err(err) if err.is_store_unreachable() && !remaining.is_zero() => {
                         if !warned {
                             warned = true;
@@ -651,7 +700,14 @@ impl Agent {
                             );
                         }
                         *slot = None;
-                        tokio::time::sleep(Duration::from_millis(200).min(remaining)).await;
+                        // with several sites, the state moves as it does for a re-join
+                        match rdzv.locate_store().await {
+                            Some(Ok(now)) if now != at => {
+                                tracing::info!("exit barrier: the rendezvous store is now at {}:{}", now.0, now.1);
+                                at = now;
+                            }
+                            _ => tokio::time::sleep(Duration::from_millis(200).min(remaining)).await,
+                        }
                     }
                     Err(AgentError::Store(err)) if err.is_timeout() => return Ok(false),
                     Err(err) => return Err(err),
@@ -674,7 +730,7 @@ impl Agent {
                         return Ok(Some(Event::Change(change)));
                     }
                 }
-                (signal, forward) = self.signals.recv() => return Ok(Some(Event::Signal(signal, forward))),
+                (signal, forward) = signals.recv() => return Ok(Some(Event::Signal(signal, forward))),
             }
         }
     }
@@ -711,21 +767,17 @@ fn count_exits(event: &Event, local_world_size: u32) {
     counts.workers_running(0);
 }
 
-/// A connection to the rendezvous store, kept in `slot` while it stays usable; a new one is
-/// tried for up to `patience`.
+/// A connection to the rendezvous store at `at` (host, port), kept in `slot` while it stays
+/// usable; a new one is tried for up to `patience`.
 async fn connect_store<'a>(
     slot: &'a mut Option<TcpStore>,
-    info: &RendezvousInfo,
+    at: &(String, u16),
     patience: Duration,
 ) -> Result<&'a mut TcpStore> {
-    let reusable = slot.as_ref().is_some_and(|store| {
-        store.client().is_usable() && store.host() == info.store_host && store.port() == info.store_port
-    });
+    let reusable =
+        slot.as_ref().is_some_and(|store| store.client().is_usable() && store.host() == at.0 && store.port() == at.1);
     if !reusable {
-        let options = TcpStoreOptions {
-            timeout: Some(patience),
-            ..TcpStoreOptions::new(info.store_host.clone(), info.store_port)
-        };
+        let options = TcpStoreOptions { timeout: Some(patience), ..TcpStoreOptions::new(at.0.clone(), at.1) };
         *slot = Some(TcpStore::open(options).await?);
     }
     Ok(slot.as_mut().expect("opened above"))

@@ -47,6 +47,8 @@ struct Membership {
     world_size: u32,
     tasks: Vec<JoinHandle<()>>,
     changes: watch::Receiver<Option<MembershipChange>>,
+    /// Where the round's changes are sent (by its tasks, and by the handler itself).
+    notify: Arc<watch::Sender<Option<MembershipChange>>>,
     /// The workers' store, when this node is rank 0.
     _master: Option<StoreServer>,
 }
@@ -497,7 +499,8 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             let interval = self.settings.keep_alive_interval;
             tasks.push(locate::spawn_site_watcher(self.store.clone(), known, interval, context.changes.clone()));
         }
-        self.current = Some(Membership { round, rank, world_size, tasks, changes, _master: master_server });
+        let notify = context.changes.clone();
+        self.current = Some(Membership { round, rank, world_size, tasks, changes, notify, _master: master_server });
         let (store_host, store_port) = match self.store.serves_rounds() {
             true => self.store.address(self.store.active_site()),
             false => (master.addr.clone(), master.port),
@@ -532,14 +535,17 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     /// Asks the other members of the current round whether their agents are still there
     /// ([`super::presence`]), and reports the gone ones lost at once (the heartbeat monitor
     /// would, a loss window later), so that every member re-forms without them now.
-    pub async fn census(&mut self) -> Result<Census> {
+    /// `only`: the group ranks to ask (default: every other member).
+    pub async fn census(&mut self, only: Option<&[u32]>) -> Result<Census> {
         let Some((round, rank, world_size)) = self.current.as_ref().map(|m| (m.round, m.rank, m.world_size)) else {
             return Ok(Census::default());
         };
+        let asked: Vec<u32> =
+            (0..world_size).filter(|other| *other != rank && only.map_or(true, |only| only.contains(other))).collect();
         let members = self
             .with_conn(async |conn| {
                 let mut found = Vec::new();
-                for other in (0..world_size).filter(|other| *other != rank) {
+                for &other in &asked {
                     if let Some(bytes) = conn.try_get(&member_key(round, other)).await? {
                         if let Ok(Arrival { node: Some(node), .. }) = decode::<Arrival>(&bytes, "member") {
                             found.push((other, node));
@@ -548,7 +554,27 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
                 }
                 Ok(found)
             })
-            .await?;
+            .await;
+        let members = match members {
+            Ok(members) => members,
+            Err(err) => {
+                // the store went with the failure: that ends the round (and with several
+                // sites, its host is one of the members not coming back)
+                if err.is_store_unreachable() {
+                    let change = MembershipChange::StoreUnreachable {
+                        store: self.store.describe(),
+                        silent_for: Duration::ZERO,
+                        error: err.to_string(),
+                    };
+                    if let Some(membership) = &self.current {
+                        membership
+                            .notify
+                            .send_if_modified(|current| current.is_none() && current.replace(change).is_none());
+                    }
+                }
+                return Err(err);
+            }
+        };
         let census = presence::census(members, PROBE_TIMEOUT).await;
         for (lost, node) in &census.gone {
             let why = format!("its agent at {} is gone (its presence port refused the probe)", node.addr);
@@ -556,6 +582,15 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             self.with_conn(async |conn| report_lost(conn, round, *lost, node, &why).await).await?;
         }
         Ok(census)
+    }
+
+    /// The address of the store site that holds the job's state now: with several sites, the
+    /// one a lost site's nodes moved to (found, or set up, as a re-join would).
+    pub async fn locate_store(&mut self) -> Result<(String, u16)> {
+        if self.store.sites() > 1 {
+            self.place(Instant::now() + self.settings.heartbeat_timeout * 2).await?;
+        }
+        Ok(self.store.address(self.store.active_site()))
     }
 
     pub async fn is_closed(&mut self) -> Result<bool> {

@@ -135,13 +135,23 @@ impl Rendezvous {
         on_dynamic!(self, handler => handler.set_closed().await, static _ => Ok(()))
     }
 
-    /// Asks the other members of the current round whether their agents are still there, and
-    /// reports the gone ones lost ([`super::presence`]).
-    pub async fn census(&mut self) -> Result<Census> {
+    /// Asks the other members of the current round (`only` these group ranks, if given)
+    /// whether their agents are still there, and reports the gone ones lost
+    /// ([`super::presence`]).
+    pub async fn census(&mut self, only: Option<&[u32]>) -> Result<Census> {
         match self {
-            Rendezvous::Dynamic { handler, .. } => handler.census().await,
-            Rendezvous::Etcd(handler) => handler.census().await,
+            Rendezvous::Dynamic { handler, .. } => handler.census(only).await,
+            Rendezvous::Etcd(handler) => handler.census(only).await,
             Rendezvous::Static(_) => Ok(Census::default()),
+        }
+    }
+
+    /// Where the round's store is now, if it can move (a c10d site list): `None` where the
+    /// store a round was given is the only one.
+    pub async fn locate_store(&mut self) -> Option<Result<(String, u16)>> {
+        match self {
+            Rendezvous::Dynamic { handler, .. } => Some(handler.locate_store().await),
+            Rendezvous::Etcd(_) | Rendezvous::Static(_) => None,
         }
     }
 

@@ -134,6 +134,10 @@ pub trait StoreConn: Send + 'static {
     }
 }
 
+/// Connection attempts to one of several sites before it counts as down (a refusal is
+/// answer enough; the second attempt covers a connection reset while it restarts).
+const SITE_ATTEMPTS: u32 = 2;
+
 /// TCPStore servers (elastix's or torch's) holding the rendezvous under a key prefix: one, or
 /// an ordered list of sites.
 #[derive(Clone, Debug)]
@@ -200,7 +204,10 @@ impl RendezvousStore for TcpRendezvousStore {
     type Conn = TcpConn;
 
     async fn connect(&self) -> Result<TcpConn> {
-        self.open(self.active_site(), self.patience, None).await
+        // with several sites a refused connection means this site's store is down: the next
+        // one is tried at once (a single store is waited for: it may start after its agents)
+        let attempts = (self.sites.len() > 1).then_some(SITE_ATTEMPTS);
+        self.open(self.active_site(), self.patience, attempts).await
     }
 
     async fn connect_site(&self, site: usize, patience: Duration) -> Result<TcpConn> {
@@ -208,7 +215,7 @@ impl RendezvousStore for TcpRendezvousStore {
     }
 
     async fn probe_site(&self, site: usize, patience: Duration) -> Result<TcpConn> {
-        self.open(site, Some(patience), Some(2)).await
+        self.open(site, Some(patience), Some(SITE_ATTEMPTS)).await
     }
 
     fn sites(&self) -> usize {
