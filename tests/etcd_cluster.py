@@ -85,8 +85,12 @@ class EtcdCluster:
         extra_args: tuple[str, ...] = (),
         tls: Tls | None = None,
         client_certs: bool = False,
+        client_host: str = "127.0.0.1",
     ):
-        """`client_certs`: clients must show a certificate signed by the TLS CA (mutual TLS)."""
+        """`client_certs`: clients must show a certificate signed by the TLS CA (mutual TLS).
+        `client_host`: an address clients reach the members at besides 127.0.0.1 (the
+        gateway of namespace hosts)."""
+        self.client_host = client_host
         self.etcd = shutil.which("etcd")
         if self.etcd is None:
             raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
@@ -110,7 +114,7 @@ class EtcdCluster:
 
     @property
     def endpoints(self) -> str:
-        return ",".join(f"127.0.0.1:{port}" for port in self.client_ports)
+        return ",".join(f"{self.client_host}:{port}" for port in self.client_ports)
 
     def start(self, i: int, state: str = "existing") -> None:
         client, peer = self.client_ports[i], self.peer_ports[i]
@@ -119,8 +123,8 @@ class EtcdCluster:
             [
                 self.etcd,
                 *("--name", self.names[i], "--data-dir", os.path.join(self.data_dir, self.names[i])),
-                *("--listen-client-urls", f"{self.scheme}://127.0.0.1:{client}"),
-                *("--advertise-client-urls", f"{self.scheme}://127.0.0.1:{client}"),
+                *("--listen-client-urls", self._client_urls(client)),
+                *("--advertise-client-urls", f"{self.scheme}://{self.client_host}:{client}"),
                 *("--listen-peer-urls", f"http://127.0.0.1:{peer}"),
                 *("--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}"),
                 *("--initial-cluster", self._initial, "--initial-cluster-state", state),
@@ -131,6 +135,10 @@ class EtcdCluster:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+
+    def _client_urls(self, port: int) -> str:
+        hosts = dict.fromkeys(["127.0.0.1", self.client_host])
+        return ",".join(f"{self.scheme}://{host}:{port}" for host in hosts)
 
     def _call(self, i: int, path: str, body: dict) -> dict | None:
         """etcd's JSON gateway on member i (None if it does not answer)."""

@@ -1,6 +1,7 @@
 """Simulated hosts for fault tests: network namespaces joined by a bridge, as machines on one
 switch. Host i has the address `Hosts.addr(i)` on its own veth; `cut(i)` takes its link down
-(a partition: packets are dropped, nothing is refused) and `heal(i)` brings it back.
+(a partition: packets are dropped, nothing is refused) and `heal(i)` brings it back; `kill(i)`
+kills every process on it. This machine itself is `Hosts.gateway` on the switch.
 
 Needs root and `ip` (iproute2); `Hosts.available()` says why not where they are missing."""
 
@@ -27,6 +28,7 @@ class Hosts:
         self._veths = [f"elx{tag}v{i}" for i in range(count)]
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for name, veth, i in zip(self.names, self._veths, range(count)):
                 _ip("netns", "add", name)
@@ -55,6 +57,12 @@ class Hosts:
 
     def addr(self, i: int) -> str:
         return f"{self._subnet}.{i + 1}"
+
+    @property
+    def gateway(self) -> str:
+        """This machine's own address on the hosts' switch: a service the test runs outside the
+        hosts (an etcd cluster) listens there for them."""
+        return f"{self._subnet}.254"
 
     def command(self, i: int, *argv: str) -> list[str]:
         """argv run on host i (the process keeps the pid of `ip netns exec`, which execs)."""

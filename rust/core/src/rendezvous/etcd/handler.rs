@@ -22,8 +22,10 @@ use crate::rendezvous::change::{MembershipChange, RendezvousInfo};
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::keys::Keys;
 use crate::rendezvous::node::NodeDesc;
-use crate::rendezvous::presence::Census;
-use crate::rendezvous::records::{decode, encode, AgentFacts, FailureRecord, Master, Meta, NodeStatus, FORMAT_VERSION};
+use crate::rendezvous::presence::{self, Census, Presence, PROBE_TIMEOUT};
+use crate::rendezvous::records::{
+    decode, encode, AgentFacts, Arrival, FailureRecord, Master, Meta, NodeStatus, FORMAT_VERSION,
+};
 use crate::rendezvous::settings::RendezvousSettings;
 use crate::store::{ServerConfig, StoreServer};
 
@@ -35,6 +37,10 @@ struct Membership {
     round: u64,
     /// This node's group rank in the round.
     rank: u32,
+    /// The revision the round was sealed at, and the creation revision of its last member:
+    /// the members as sealed, in entry order, are its ranks.
+    sealed_at: i64,
+    last_member: i64,
     task: JoinHandle<()>,
     changes: watch::Receiver<Option<MembershipChange>>,
     /// The workers' store, when this node is rank 0.
@@ -67,13 +73,17 @@ pub struct EtcdRendezvous {
     /// The port of the workers' store this node last served, tried first next time (a
     /// restarted job keeps its MASTER_PORT).
     workers_store_port: Option<u16>,
+    /// What the other members probe to ask whether this node's agent is still there.
+    _presence: Option<Presence>,
 }
 
 impl EtcdRendezvous {
     /// `prefix` holds the run's keys (ends with `/`); leases last `settings.node_lost_after()`.
     pub fn new(client: EtcdClient, settings: RendezvousSettings, prefix: String) -> Result<Self> {
         settings.validate()?;
-        let node = NodeDesc::this_process(settings.local_addr.as_deref());
+        let mut node = NodeDesc::this_process(settings.local_addr.as_deref());
+        let presence = Presence::start();
+        node.presence = presence.as_ref().map(Presence::port);
         Ok(EtcdRendezvous {
             client,
             keys: EtcdKeys::new(prefix),
@@ -87,6 +97,7 @@ impl EtcdRendezvous {
             last_round: None,
             closed_reason: Arc::default(),
             workers_store_port: None,
+            _presence: presence,
         })
     }
 
@@ -307,7 +318,8 @@ impl EtcdRendezvous {
             changes: Arc::new(sender),
             closed_reason: self.closed_reason.clone(),
         });
-        self.current = Some(Membership { round, rank, task, changes, _master: rank0.map(|(server, _)| server) });
+        let _master = rank0.map(|(server, _)| server);
+        self.current = Some(Membership { round, rank, sealed_at, last_member, task, changes, _master });
         self.latest = Some(self.latest.map_or(round, |latest| latest.max(round)));
         tracing::info!(round, rank, world_size, "rendezvous complete");
         RendezvousInfo {
@@ -329,10 +341,35 @@ impl EtcdRendezvous {
     }
 
     /// Nodes that entered the round after the current one (late nodes and spares).
-    /// The etcd backend's census: not yet probing (a member's loss shows when its lease
-    /// expires).
-    pub async fn census(&mut self, _only: Option<&[u32]>) -> Result<Census> {
-        Ok(Census::default())
+    /// Asks the other members of the current round (`only` these group ranks, if given)
+    /// whether their agents are still there ([`crate::rendezvous::presence`]); a gone one's
+    /// lease is revoked, which deletes its member key: every member's watch then sees it lost
+    /// now rather than when its lease would have expired.
+    pub async fn census(&mut self, only: Option<&[u32]>) -> Result<Census> {
+        let Some(membership) = &self.current else { return Ok(Census::default()) };
+        let (round, me) = (membership.round, membership.rank);
+        let request = ops::members_as_sealed(&self.keys.members(round), membership.sealed_at, membership.last_member);
+        let response = self.client.range(request).await.map_err(|err| self.error(err))?;
+        let mut leases = std::collections::HashMap::new();
+        let mut members = Vec::new();
+        for (rank, kv) in (0u32..).zip(&response.kvs) {
+            if rank == me || only.is_some_and(|only| !only.contains(&rank)) {
+                continue;
+            }
+            if let Ok(Arrival { node: Some(node), .. }) = decode::<Arrival>(&kv.value, "member") {
+                leases.insert(rank, kv.lease);
+                members.push((rank, node));
+            }
+        }
+        let census = presence::census(members, PROBE_TIMEOUT).await;
+        for (rank, node) in &census.gone {
+            tracing::warn!(round, rank, node = ?node, "node lost: its agent at {} is gone (its presence port refused the probe); revoking its lease", node.addr);
+            let lease = Lease { id: leases[rank], ttl: Duration::ZERO };
+            if let Err(err) = self.client.revoke_lease(lease).await {
+                tracing::debug!(round, rank, "could not revoke the lost member's lease ({err}); it expires on its own");
+            }
+        }
+        Ok(census)
     }
 
     pub async fn num_nodes_waiting(&mut self) -> Result<u32> {

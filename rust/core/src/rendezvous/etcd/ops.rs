@@ -90,6 +90,20 @@ pub(super) fn first_created(range: &Range, revision: i64, limit: u32) -> RangeRe
     }
 }
 
+/// The members of a round as sealed (`range` at `revision`, created up to `last_member`),
+/// with their values and leases, in the order they entered: their group ranks.
+pub(super) fn members_as_sealed(range: &Range, revision: i64, last_member: i64) -> RangeRequest {
+    RangeRequest {
+        key: range.key.clone(),
+        range_end: range.end.clone(),
+        revision,
+        max_create_revision: last_member,
+        sort_order: SortOrder::Ascend as i32,
+        sort_target: SortTarget::Create as i32,
+        ..Default::default()
+    }
+}
+
 /// The revision a transaction was applied at.
 pub(super) fn revision(response: &TxnResponse) -> i64 {
     response.header.as_ref().map_or(0, |header| header.revision)
