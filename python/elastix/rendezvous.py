@@ -116,7 +116,7 @@ class RendezvousHandler:
     def wait_for_change(self, timeout: Optional[float] = None) -> Optional[str]:
         """Blocks until the current round should end; returns why ("nodes_waiting",
         "node_lost:RANK[:NODE]", "round_superseded:ROUND", "store_reset", "store_unreachable:STORE",
-        "store_moved:STORE", "closed"), or None on timeout."""
+        "store_moved:STORE", "minority:SITES", "closed"), or None on timeout."""
         return self._core.wait_for_change(timeout)
 
     def record_restart(self) -> int:

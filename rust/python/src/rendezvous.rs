@@ -117,6 +117,7 @@ fn describe(change: &MembershipChange) -> String {
         MembershipChange::StoreReset => "store_reset".to_owned(),
         MembershipChange::StoreUnreachable { store, .. } => format!("store_unreachable:{store}"),
         MembershipChange::StoreMoved { to } => format!("store_moved:{to}"),
+        MembershipChange::Minority { reached, .. } => format!("minority:{}", reached.join(",")),
         MembershipChange::Closed => "closed".to_owned(),
     }
 }

@@ -833,6 +833,12 @@ fn describe(change: &MembershipChange) -> String {
             silent_for.as_secs_f64()
         ),
         MembershipChange::StoreMoved { to } => format!("the job's rendezvous moved to {to}"),
+        MembershipChange::Minority { reached, silent } => format!(
+            "this node has reached no majority of the rendezvous sites for the loss window (it reaches {}; not {}): \
+             it is on the minority side of a partition, where the job must not run",
+            if reached.is_empty() { "none".to_owned() } else { reached.join(", ") },
+            silent.join(", ")
+        ),
         MembershipChange::Closed => "the job's rendezvous was closed".to_owned(),
     }
 }

@@ -42,6 +42,10 @@ pub enum MembershipChange {
     StoreUnreachable { store: String, silent_for: Duration, error: String },
     /// The job's state moved to another site (its store was lost by the others).
     StoreMoved { to: String },
+    /// This node has not reached a majority of the rendezvous sites for the loss window: it
+    /// is on the minority side of a partition, where the job must not run (the sites it
+    /// reached, and the others with why).
+    Minority { reached: Vec<String>, silent: Vec<String> },
     /// The job is over.
     Closed,
 }
@@ -56,6 +60,7 @@ impl MembershipChange {
             MembershipChange::StoreReset => "store_reset",
             MembershipChange::StoreUnreachable { .. } => "store_unreachable",
             MembershipChange::StoreMoved { .. } => "store_moved",
+            MembershipChange::Minority { .. } => "minority",
             MembershipChange::Closed => "closed",
         }
     }
@@ -67,6 +72,7 @@ impl MembershipChange {
             MembershipChange::StoreReset
                 | MembershipChange::StoreUnreachable { .. }
                 | MembershipChange::StoreMoved { .. }
+                | MembershipChange::Minority { .. }
         )
     }
 }

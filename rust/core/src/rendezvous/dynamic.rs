@@ -25,7 +25,7 @@ use super::error::{RendezvousError, Result};
 use super::events;
 use super::keys::Keys;
 use super::liveness::{member_key, report_lost, spawn_heartbeats, spawn_monitor, RoundContext};
-use super::locate::{self, Choice, Known};
+use super::locate::{self, Choice, Known, Probe};
 use super::node::NodeDesc;
 use super::presence::{self, Census, Presence, PROBE_TIMEOUT};
 use super::records::{
@@ -72,8 +72,6 @@ pub struct DynamicRendezvous<S: RendezvousStore> {
     last_round: Option<LastRound>,
     /// The copy of the state this node works with (see [`super::locate`]).
     known: Option<Known>,
-    /// The last round ended because the state moved to another site.
-    moved: bool,
     /// The highest job-wide restart count seen, carried to a new copy of the state.
     restarts_seen: i64,
     /// How the job ended, as the close event said (the store may be gone when it is asked).
@@ -101,7 +99,6 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             current: None,
             last_round: None,
             known: None,
-            moved: false,
             restarts_seen: 0,
             closed_reason: Arc::default(),
             store_prefix,
@@ -156,8 +153,6 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         let deadline = Instant::now() + self.settings.join_timeout;
         if let Some(membership) = self.current.take() {
             self.last_round = Some(LastRound::of(&membership, self.store.sites()));
-            // a newer copy elsewhere: the one at hand is stale even though it answers
-            self.moved = matches!(*membership.changes.borrow(), Some(MembershipChange::StoreMoved { .. }));
         }
         loop {
             match self.try_round(deadline).await {
@@ -216,17 +211,19 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
 
     /// Finds the copy of the state to work with ([`super::locate`]), setting one up where the
     /// rules say so, and fails fast if other agents use different bounds or another format.
+    /// With several sites every one is asked each time: only a node that reaches a majority
+    /// of them may run the job, and the best copy may be anywhere.
     async fn place(&mut self, deadline: Instant) -> Result<()> {
-        if self.store.sites() > 1 && !self.moved && self.still_placed().await {
-            return Ok(());
-        }
-        self.moved = false;
         let mut reported = Instant::now();
+        let mut said_minority = false;
         loop {
             let probes = self.probe_sites().await?;
-            match locate::choose(&probes, self.known) {
+            let choice = locate::choose(&probes, self.known);
+            match choice {
                 Choice::Join(site) => {
-                    let meta = probes[site].clone().ok().flatten().expect("joined sites hold the state");
+                    let Probe::Answer(Some(meta)) = probes[site].clone() else {
+                        unreachable!("joined sites hold the state")
+                    };
                     return self.settle(site, meta).await;
                 }
                 Choice::Create { site, generation } => {
@@ -242,31 +239,41 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
                         self.with_conn(async |conn| conn.compare_set(Keys::META, b"", &encode(&ours)).await).await?;
                     return self.settle(site, decode(&stored, "metadata")?).await;
                 }
-                Choice::Wait => {
+                Choice::Wait | Choice::Minority => {
                     let now = Instant::now();
-                    let tried: Vec<String> = probes
-                        .iter()
-                        .enumerate()
-                        .map(|(site, probe)| match probe {
-                            Ok(_) => format!("{} (no state)", self.store.describe_site(site)),
-                            Err(err) => format!("{} ({err})", self.store.describe_site(site)),
-                        })
-                        .collect();
+                    let (reached, silent) = locate::split_sites(&self.store, &probes);
+                    let what = match choice {
+                        Choice::Minority => format!(
+                            "a majority of the {} rendezvous sites (this node reaches {}; not {}): it is on the \
+                             minority side of a partition, and the job may run on the other side",
+                            probes.len(),
+                            list_or_none(&reached),
+                            silent.join(", ")
+                        ),
+                        _ => format!(
+                            "a rendezvous store site to answer: {}",
+                            reached
+                                .iter()
+                                .map(|site| format!("{site} (no state)"))
+                                .chain(silent)
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    };
                     if now >= deadline {
                         return Err(RendezvousError::Timeout(format!(
-                            "rendezvous {:?}: no store site could be used within {:?} (join_timeout): {}",
-                            self.settings.run_id,
-                            self.settings.join_timeout,
-                            tried.join(", ")
+                            "rendezvous {:?}: waited {:?} (join_timeout) for {what}",
+                            self.settings.run_id, self.settings.join_timeout,
                         )));
                     }
-                    if now.duration_since(reported) >= self.settings.progress_interval {
+                    if choice == Choice::Minority && !said_minority {
+                        // said at once: this node's workers are not running, and this is why
+                        said_minority = true;
                         reported = now;
-                        tracing::info!(
-                            "waiting for a rendezvous store site to answer: {}; deadline in {}s",
-                            tried.join(", "),
-                            deadline.duration_since(now).as_secs()
-                        );
+                        tracing::warn!("waiting for {what}; deadline in {}s", deadline.duration_since(now).as_secs());
+                    } else if now.duration_since(reported) >= self.settings.progress_interval {
+                        reported = now;
+                        tracing::info!("waiting for {what}; deadline in {}s", deadline.duration_since(now).as_secs());
                     }
                     tokio::time::sleep(SITE_RETRY.min(deadline.duration_since(now))).await;
                 }
@@ -274,28 +281,14 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         }
     }
 
-    /// Whether the copy of the state this node knew is still where it was (the usual case,
-    /// which then costs no look at the other sites).
-    async fn still_placed(&mut self) -> bool {
-        let Some(known) = self.known else { return false };
-        if known.site != self.store.active_site() {
-            return false;
-        }
-        match self.with_conn(async |conn| locate::read_meta(conn).await).await {
-            Ok(Some(meta)) => meta.incarnation == known.incarnation,
-            _ => false,
-        }
-    }
-
     /// What each site holds. A single store is asked through the main connection, which
     /// waits for it (up to the store's patience) as an unreachable store always did.
-    async fn probe_sites(&mut self) -> Result<Vec<locate::Probe>> {
+    async fn probe_sites(&mut self) -> Result<Vec<Probe>> {
         if self.store.sites() == 1 {
             let meta = self.with_conn(async |conn| locate::read_meta(conn).await).await?;
-            return Ok(vec![Ok(meta)]);
+            return Ok(vec![Probe::Answer(meta)]);
         }
-        let probes = locate::probe_others(&self.store, None).await;
-        Ok(probes.into_iter().map(|probe| probe.unwrap_or_else(|| Err("the probe did not finish".into()))).collect())
+        Ok(locate::probe_all(&self.store).await)
     }
 
     fn move_to(&mut self, site: usize) {
@@ -496,8 +489,9 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             tasks.push(spawn_monitor(context.clone(), rank, world_size));
         }
         if self.store.sites() > 1 {
-            let interval = self.settings.keep_alive_interval;
-            tasks.push(locate::spawn_site_watcher(self.store.clone(), known, interval, context.changes.clone()));
+            let (interval, window) = (self.settings.keep_alive_interval, self.settings.node_lost_after());
+            let changes = context.changes.clone();
+            tasks.push(locate::spawn_site_watcher(self.store.clone(), known, interval, window, changes));
         }
         let notify = context.changes.clone();
         self.current = Some(Membership { round, rank, world_size, tasks, changes, notify, _master: master_server });
@@ -718,6 +712,14 @@ impl LastRound {
             world_size: membership.world_size,
             site_host_lost: u32::from(site_lost && sites > 1 && membership.world_size > 1),
         }
+    }
+}
+
+fn list_or_none(items: &[String]) -> String {
+    if items.is_empty() {
+        "none".to_owned()
+    } else {
+        items.join(", ")
     }
 }
 

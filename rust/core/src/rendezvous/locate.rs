@@ -5,16 +5,24 @@
 //! [`Meta`]: `generation` counts the moves, `incarnation` tells one copy from a later one at
 //! the same site. Every node applies the same rules on its own, so no node is special:
 //!
-//! * the job is at the reachable site holding the highest generation (ties: the earliest
-//!   site); copies older than what this node already knew are stale and ignored;
+//! * only a node that reaches a majority of the sites may run the job (join a copy, or move
+//!   it): more than half of the sites that are not known to be down, a site being down when
+//!   its host refuses the connection (nothing listens there, for anyone). So with one site the
+//!   store's side runs; with two, both must answer unless one is down; with three or more, any
+//!   two of three and so on. Of two sides of a partition at most one has a majority; a site
+//!   that is silent (a dead machine, or a cut link: the two look alike) is never counted out;
+//! * the job is at the reachable site holding the best copy: the highest generation, the
+//!   earliest site among equals; copies older than what this node already knew are stale and
+//!   ignored;
 //! * no copy anywhere: a new job starts at the first site (waiting for it to come up); a node
 //!   that knew the job at site `i` sets the state up again one generation up, at `i` if `i`
 //!   answers (its store restarted empty), else at the next site that answers.
 //!
 //! Nodes that decide alike create the same copy: the compare-and-set of `meta` keeps the first.
-//! A node cut off from the sites the others use may set up a copy of its own; it cannot form a
-//! round below `min_nodes`, and once the link heals the copies meet at the highest generation
-//! (members watch the other sites, [`spawn_site_watcher`]), which costs one re-form.
+//! Members watch every site ([`spawn_site_watcher`]): one that has not reached a majority for
+//! the loss window stops its workers (the other side goes on without it), and a better copy
+//! elsewhere (the other side moved, or a link healed) moves everyone there, so copies always
+//! meet again.
 
 use std::time::Duration;
 
@@ -24,6 +32,7 @@ use tokio::task::JoinHandle;
 use super::change::MembershipChange;
 use super::error::Result;
 use super::keys::Keys;
+use super::presence;
 use super::records::{decode, Meta};
 use super::store::{RendezvousStore, StoreConn};
 
@@ -38,9 +47,42 @@ pub(crate) struct Known {
     pub incarnation: u64,
 }
 
-/// What one site holds: `Err` if it could not be reached (why), `Ok(None)` if it holds no
-/// state of this run.
-pub(crate) type Probe = std::result::Result<Option<Meta>, String>;
+/// What a probe of one site found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Probe {
+    /// It answered: the state it holds of this run, if any.
+    Answer(Option<Meta>),
+    /// Its host refused the connection: its store is down (for every node alike).
+    Down(String),
+    /// No answer in time (a dead or stopped machine, a cut link): it may serve others.
+    Silent(String),
+}
+
+impl Probe {
+    fn meta(&self) -> Option<&Meta> {
+        match self {
+            Probe::Answer(meta) => meta.as_ref(),
+            _ => None,
+        }
+    }
+
+    fn answers(&self) -> bool {
+        matches!(self, Probe::Answer(_))
+    }
+}
+
+/// Whether these probes reach a majority of the sites that are not down.
+pub(crate) fn has_majority(probes: &[Probe]) -> bool {
+    let electorate = probes.iter().filter(|probe| !matches!(probe, Probe::Down(_))).count();
+    let reached = probes.iter().filter(|probe| probe.answers()).count();
+    reached > 0 && 2 * reached > electorate
+}
+
+/// Whether the copy (`generation`, at `site`) ranks before the copy `than`: the same order on
+/// every node, so copies always meet.
+pub(crate) fn better(generation: u64, site: usize, than: Known) -> bool {
+    (std::cmp::Reverse(generation), site) < (std::cmp::Reverse(than.generation), than.site)
+}
 
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Choice {
@@ -50,15 +92,21 @@ pub(crate) enum Choice {
     Create { site: usize, generation: u64 },
     /// Nothing usable answers yet.
     Wait,
+    /// This node does not reach a majority of the sites: the job may run on the other side.
+    Minority,
 }
 
 /// Applies the rules of this module to what each site holds.
 pub(crate) fn choose(probes: &[Probe], known: Option<Known>) -> Choice {
+    // (nothing answering at all is waited for below, as for a single store)
+    if probes.len() > 1 && probes.iter().any(Probe::answers) && !has_majority(probes) {
+        return Choice::Minority;
+    }
     let floor = known.map_or(0, |known| known.generation);
     let best = probes
         .iter()
         .enumerate()
-        .filter_map(|(site, probe)| Some((site, probe.as_ref().ok()?.as_ref()?.generation)))
+        .filter_map(|(site, probe)| Some((site, probe.meta()?.generation)))
         // copies older than the one this node knew were left behind by a move
         .filter(|(_, generation)| *generation >= floor)
         // the highest generation, the earliest site among equals
@@ -66,10 +114,10 @@ pub(crate) fn choose(probes: &[Probe], known: Option<Known>) -> Choice {
     if let Some((site, _)) = best {
         return Choice::Join(site);
     }
-    let answers = |site: &usize| probes[*site].is_ok();
+    let answers = |site: &usize| probes[*site].answers();
     match known {
         None => match probes.first() {
-            Some(Ok(_)) => Choice::Create { site: 0, generation: 0 },
+            Some(Probe::Answer(_)) => Choice::Create { site: 0, generation: 0 },
             _ => Choice::Wait,
         },
         Some(known) => {
@@ -91,58 +139,92 @@ pub(crate) async fn read_meta<C: StoreConn>(conn: &mut C) -> Result<Option<Meta>
     }
 }
 
-/// What `site` holds, asked over a new connection that may take [`PROBE_PATIENCE`].
+/// What `site` holds, asked over a new connection that may take [`PROBE_PATIENCE`]. A
+/// refused connection is told apart from silence first: a site can be down for everyone only
+/// when its host says so.
 pub(crate) async fn probe<S: RendezvousStore>(store: &S, site: usize) -> Probe {
+    let (host, port) = store.address(site);
+    match presence::probe(&host, port, PROBE_PATIENCE).await {
+        presence::Probe::Present => {}
+        presence::Probe::Gone => return Probe::Down("its host refused the connection".into()),
+        presence::Probe::Unsure(why) => return Probe::Silent(why),
+    }
     let probing = async {
         let mut conn = store.probe_site(site, PROBE_PATIENCE).await?;
         read_meta(&mut conn).await
     };
     match tokio::time::timeout(PROBE_PATIENCE * 2, probing).await {
-        Ok(Ok(meta)) => Ok(meta),
-        Ok(Err(err)) => Err(err.to_string()),
-        Err(_) => Err(format!("no answer within {:?}", PROBE_PATIENCE * 2)),
+        Ok(Ok(meta)) => Probe::Answer(meta),
+        Ok(Err(err)) => Probe::Silent(err.to_string()),
+        Err(_) => Probe::Silent(format!("no answer within {:?}", PROBE_PATIENCE * 2)),
     }
 }
 
-/// Probes every site but `skip` at once.
-pub(crate) async fn probe_others<S: RendezvousStore>(store: &S, skip: Option<usize>) -> Vec<Option<Probe>> {
+/// Probes every site at once.
+pub(crate) async fn probe_all<S: RendezvousStore>(store: &S) -> Vec<Probe> {
     let mut probing = tokio::task::JoinSet::new();
-    for site in (0..store.sites()).filter(|site| Some(*site) != skip) {
+    for site in 0..store.sites() {
         let store = store.clone();
         probing.spawn(async move { (site, probe(&store, site).await) });
     }
-    let mut probes = vec![None; store.sites()];
+    let mut probes = vec![Probe::Silent("the probe did not finish".into()); store.sites()];
     while let Some(done) = probing.join_next().await {
         if let Ok((site, probe)) = done {
-            probes[site] = Some(probe);
+            probes[site] = probe;
         }
     }
     probes
 }
 
-/// While a member, watches the sites other than its own every `interval`: a newer copy of the
-/// state elsewhere (nodes that lost this site moved on, and this node has just got its link
-/// back) means the job now lives there.
+/// While a member, probes every site every `interval`. A better copy of the state elsewhere
+/// (the other side of a partition moved on, or this node's link just healed) means the job
+/// lives there now ([`MembershipChange::StoreMoved`]); no majority of the sites for `window`
+/// means this node is on the minority side of a partition ([`MembershipChange::Minority`]).
 pub(crate) fn spawn_site_watcher<S: RendezvousStore>(
     store: S,
     known: Known,
     interval: Duration,
+    window: Duration,
     changes: std::sync::Arc<watch::Sender<Option<MembershipChange>>>,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
+        let mut minority_since: Option<tokio::time::Instant> = None;
         loop {
             tokio::time::sleep(interval).await;
-            for (site, probe) in probe_others(&store, Some(known.site)).await.into_iter().enumerate() {
-                let Some(Ok(Some(meta))) = probe else { continue };
-                if meta.generation > known.generation {
+            let probes = probe_all(&store).await;
+            for (site, probe) in probes.iter().enumerate() {
+                let Some(meta) = probe.meta() else { continue };
+                if better(meta.generation, site, known) {
                     let to = store.describe_site(site);
                     tracing::debug!(site, generation = meta.generation, "the rendezvous state moved to {to}");
                     let _ = changes.send(Some(MembershipChange::StoreMoved { to }));
                     return;
                 }
             }
+            if has_majority(&probes) {
+                minority_since = None;
+                continue;
+            }
+            let since = *minority_since.get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() >= window {
+                let (reached, silent) = split_sites(&store, &probes);
+                let _ = changes.send(Some(MembershipChange::Minority { reached, silent }));
+                return;
+            }
         }
     })
+}
+
+/// The sites that answered, and the others with why, for messages.
+pub(crate) fn split_sites<S: RendezvousStore>(store: &S, probes: &[Probe]) -> (Vec<String>, Vec<String>) {
+    let (mut reached, mut silent) = (Vec::new(), Vec::new());
+    for (site, probe) in probes.iter().enumerate() {
+        match probe {
+            Probe::Answer(_) => reached.push(store.describe_site(site)),
+            Probe::Down(why) | Probe::Silent(why) => silent.push(format!("{} ({why})", store.describe_site(site))),
+        }
+    }
+    (reached, silent)
 }
 
 #[cfg(test)]
@@ -150,11 +232,19 @@ mod tests {
     use super::*;
 
     fn meta(generation: u64, incarnation: u64) -> Probe {
-        Ok(Some(Meta { v: 1, min_nodes: 1, max_nodes: 2, incarnation, generation }))
+        Probe::Answer(Some(Meta { v: 1, min_nodes: 1, max_nodes: 2, incarnation, generation }))
+    }
+
+    fn empty() -> Probe {
+        Probe::Answer(None)
     }
 
     fn down() -> Probe {
-        Err("refused".into())
+        Probe::Down("refused".into())
+    }
+
+    fn silent() -> Probe {
+        Probe::Silent("no answer".into())
     }
 
     fn known(site: usize, generation: u64, incarnation: u64) -> Option<Known> {
@@ -163,14 +253,14 @@ mod tests {
 
     #[test]
     fn a_new_job_starts_at_the_first_site_and_waits_for_it() {
-        assert_eq!(choose(&[Ok(None), Ok(None)], None), Choice::Create { site: 0, generation: 0 });
-        assert_eq!(choose(&[down(), Ok(None)], None), Choice::Wait);
+        assert_eq!(choose(&[empty(), empty()], None), Choice::Create { site: 0, generation: 0 });
+        assert_eq!(choose(&[down(), empty()], None), Choice::Wait);
         assert_eq!(choose(&[down()], None), Choice::Wait);
     }
 
     #[test]
     fn joiners_find_the_newest_copy() {
-        assert_eq!(choose(&[Ok(None), meta(0, 7)], None), Choice::Join(1));
+        assert_eq!(choose(&[empty(), meta(0, 7)], None), Choice::Join(1));
         assert_eq!(choose(&[meta(0, 7), meta(1, 8), down()], None), Choice::Join(1));
         assert_eq!(choose(&[meta(2, 7), meta(2, 8)], None), Choice::Join(0));
     }
@@ -178,12 +268,12 @@ mod tests {
     #[test]
     fn a_member_stays_with_its_copy() {
         assert_eq!(choose(&[meta(0, 7)], known(0, 0, 7)), Choice::Join(0));
-        assert_eq!(choose(&[meta(0, 7), Ok(None)], known(0, 0, 7)), Choice::Join(0));
+        assert_eq!(choose(&[meta(0, 7), empty()], known(0, 0, 7)), Choice::Join(0));
     }
 
     #[test]
     fn a_store_that_restarted_empty_is_set_up_again_one_generation_up() {
-        assert_eq!(choose(&[Ok(None)], known(0, 0, 7)), Choice::Create { site: 0, generation: 1 });
+        assert_eq!(choose(&[empty()], known(0, 0, 7)), Choice::Create { site: 0, generation: 1 });
         // another node did it first (or a new node started the job afresh there)
         assert_eq!(choose(&[meta(1, 9)], known(0, 0, 7)), Choice::Join(0));
         assert_eq!(choose(&[meta(0, 9)], known(0, 0, 7)), Choice::Join(0));
@@ -191,11 +281,38 @@ mod tests {
 
     #[test]
     fn a_lost_site_moves_the_state_to_the_next_one_that_answers() {
-        assert_eq!(choose(&[down(), Ok(None), Ok(None)], known(0, 0, 7)), Choice::Create { site: 1, generation: 1 });
-        assert_eq!(choose(&[down(), down(), Ok(None)], known(0, 0, 7)), Choice::Create { site: 2, generation: 1 });
-        assert_eq!(choose(&[Ok(None), down(), down()], known(1, 3, 7)), Choice::Create { site: 0, generation: 4 });
+        assert_eq!(choose(&[down(), empty(), empty()], known(0, 0, 7)), Choice::Create { site: 1, generation: 1 });
+        assert_eq!(choose(&[down(), down(), empty()], known(0, 0, 7)), Choice::Create { site: 2, generation: 1 });
+        assert_eq!(choose(&[empty(), down(), down()], known(1, 3, 7)), Choice::Create { site: 0, generation: 4 });
         assert_eq!(choose(&[down(), down()], known(0, 0, 7)), Choice::Wait);
         // stale copies (older generations) left at a site that came back are ignored
-        assert_eq!(choose(&[meta(0, 5), down(), Ok(None)], known(1, 1, 7)), Choice::Create { site: 2, generation: 2 });
+        assert_eq!(choose(&[meta(0, 5), down(), empty()], known(1, 1, 7)), Choice::Create { site: 2, generation: 2 });
+    }
+
+    #[test]
+    fn only_a_majority_of_the_sites_that_are_not_down_may_run_the_job() {
+        // three sites: one side of any partition has two of them
+        assert_eq!(choose(&[meta(0, 7), silent(), silent()], known(0, 0, 7)), Choice::Minority);
+        assert_eq!(choose(&[silent(), empty(), empty()], known(0, 0, 7)), Choice::Create { site: 1, generation: 1 });
+        // a site that is down (refused) counts for no side
+        assert_eq!(choose(&[down(), silent(), empty()], known(0, 0, 7)), Choice::Minority);
+        assert_eq!(choose(&[down(), down(), empty()], known(0, 0, 7)), Choice::Create { site: 2, generation: 1 });
+        // two sites: both, unless one is down; a silent one (dead, or cut off) stops the job
+        assert_eq!(choose(&[silent(), empty()], known(0, 0, 7)), Choice::Minority);
+        assert_eq!(choose(&[meta(0, 7), silent()], known(0, 0, 7)), Choice::Minority);
+        assert_eq!(choose(&[down(), empty()], known(0, 0, 7)), Choice::Create { site: 1, generation: 1 });
+        // one site: the store's side (this node reaches it, or waits for it)
+        assert_eq!(choose(&[meta(0, 7)], known(0, 0, 7)), Choice::Join(0));
+        assert_eq!(choose(&[silent()], known(0, 0, 7)), Choice::Wait);
+    }
+
+    #[test]
+    fn copies_rank_by_generation_then_site_on_every_node() {
+        let here = Known { site: 1, generation: 2, incarnation: 7 };
+        assert!(better(3, 2, here), "a newer generation anywhere");
+        assert!(better(2, 0, here), "the same generation at an earlier site: two copies meet there");
+        assert!(!better(2, 1, here) && !better(2, 2, here) && !better(1, 0, here));
+        assert!(has_majority(&[meta(0, 1), empty(), silent()]));
+        assert!(!has_majority(&[down(), down(), down()]), "nothing reached is no majority");
     }
 }
