@@ -119,3 +119,30 @@ def etcd(tmp_path):
     cluster = EtcdCluster(data)
     yield cluster
     cluster.close()
+
+
+@pytest.fixture
+def hosts():
+    """Three simulated hosts in network namespaces (tests/netns.py), removed after the test."""
+    from netns import hosts_for_a_test
+
+    yield from hosts_for_a_test(3)
+
+
+@pytest.fixture
+def rendezvous(request, tmp_path, hosts):
+    """(backend, endpoint) for the hosts (indirect parameter "c10d" or "etcd"): host 0's agent
+    serving the c10d store, or a real etcd cluster of three members on this machine, reached
+    through the hosts' gateway."""
+    if request.param == "c10d":
+        yield "c10d", f"{hosts.addr(0)}:29400"
+        return
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (Debian package etcd-server; .ci/run installs it)")
+    from etcd_cluster import EtcdCluster
+
+    data = tmp_path / "etcd"
+    data.mkdir()
+    cluster = EtcdCluster(data, client_host=hosts.gateway)
+    yield "etcd", cluster.endpoints
+    cluster.close()

@@ -18,7 +18,6 @@ import pytest
 
 from agents import WORKERS, agent, assert_nothing_left, finish_all, node_args, rounds_of, starts, wait_for, wait_round
 from conftest import marked_processes
-from netns import hosts_for_a_test
 
 # A node is lost after 2 s without a heartbeat; one beat may take 1 s; short last calls.
 FAST = (
@@ -184,11 +183,6 @@ def test_when_the_failing_node_hosts_the_store_every_node_prints_the_root_cause(
     assert "closed; stopping the workers" in other.output(), other.output()
     assert "restarting the workers" not in other.output(), other.output()
     assert_nothing_left(marker)
-
-
-@pytest.fixture
-def hosts():
-    yield from hosts_for_a_test(3)
 
 
 def test_a_node_cut_off_by_the_network_stops_its_workers_and_comes_back_when_healed(tmp_path, marker, hosts):

@@ -6,106 +6,47 @@ death kills every process in it (agent, workers, the store it may serve)."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
-from agents import WORKERS, agent, assert_nothing_left, finish_all, node_args, rounds_of, starts, wait_round
-from netns import hosts_for_a_test
+from agents import WORKERS, agent, assert_nothing_left, finish_all, node_args, rounds_of, starts, wait_for, wait_round
+from training import first_step_time, steps_in, train_node
 
-TRAIN = os.path.join(WORKERS, "train_loop.py")
 # torch's defaults (a node is lost after 15 s of silence, a last call of 30 s), so that a
 # re-form that waited for either would show
 CONF = "join_timeout=60s"
 
 
-@pytest.fixture
-def hosts():
-    yield from hosts_for_a_test(3)
-
-
-def node(tmp_path, marker, hosts, i, nnodes, endpoint, max_restarts=0, conf=CONF, backend="c10d"):
-    # namespaces share the host name: a collectives host id per node keeps them on TCP
-    python = hosts.command(i, "env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", sys.executable)
-    args = node_args(
-        nnodes, endpoint, hosts.addr(i), conf, TRAIN, run_id="loss", max_restarts=max_restarts, backend=backend
-    )
-    return agent(tmp_path, marker, f"h{i}", "run", *args, python=python)
-
-
-@pytest.fixture
-def rendezvous(request, tmp_path, hosts):
-    """(backend, endpoint) for the hosts: host 0's agent serving the c10d store, or a real
-    etcd cluster of three members on this machine, reached through the hosts' gateway."""
-    if request.param == "c10d":
-        yield "c10d", f"{hosts.addr(0)}:29400"
-        return
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd is not installed (Debian package etcd-server; .ci/run installs it)")
-    from etcd_cluster import EtcdCluster
-
-    data = tmp_path / "etcd"
-    data.mkdir()
-    cluster = EtcdCluster(data, client_host=hosts.gateway)
-    yield "etcd", cluster.endpoints
-    cluster.close()
-
-
-def steps_after(tmp_path, round_, since):
-    """Steps trained in `round_` after the wall-clock time `since`, by any rank."""
-    count = 0
-    for path in glob.glob(str(tmp_path / f"steps_{round_}_*.txt")):
-        with open(path) as f:
-            count += sum(1 for line in f if line.strip() and float(line.split()[0]) > since)
-    return count
+def trained(tmp_path, round_, since=0.0, steps=30):
+    wait_for(lambda: steps_in(tmp_path, round_, since) >= steps, timeout=30, what=f"{steps} steps in round {round_}")
 
 
 @pytest.mark.parametrize("rendezvous", ["c10d", "etcd"], indirect=True)
 def test_a_host_killed_mid_all_reduce_is_a_lost_node_and_the_others_train_on(tmp_path, marker, hosts, rendezvous):
     backend, endpoint = rendezvous
-    agents = [node(tmp_path, marker, hosts, i, "2:3", endpoint, backend=backend) for i in range(3)]
+    agents = [train_node(tmp_path, marker, hosts, i, "2:3", endpoint, CONF, "loss", backend=backend) for i in range(3)]
     three = wait_round(tmp_path, 3)
-    # the three are training: their all_reduces run back to back
-    deadline = time.monotonic() + 30
-    while steps_after(tmp_path, three, 0) < 30:
-        assert time.monotonic() < deadline, "the three nodes never trained"
-        time.sleep(0.05)
+    trained(tmp_path, three)  # the three are training: their all_reduces run back to back
     killed_at = time.time()
     assert hosts.kill(2), "host 2 had no process to kill"
     two = wait_round(tmp_path, 2, after=three, what="the two survivors re-forming")
-    deadline = time.monotonic() + 30
-    while steps_after(tmp_path, two, killed_at) < 10:
-        assert time.monotonic() < deadline, "the survivors never trained again"
-        time.sleep(0.05)
-    first_step = min(
-        float(line.split()[0])
-        for path in glob.glob(str(tmp_path / f"steps_{two}_*.txt"))
-        for line in open(path)
-        if line.strip()
+    trained(tmp_path, two, since=killed_at, steps=10)
+    print(
+        f"node loss mid-all_reduce ({backend}): training again {first_step_time(tmp_path, two) - killed_at:.2f}s after"
     )
-    print(f"node loss mid-all_reduce: training again as 2 nodes {first_step - killed_at:.2f}s after the kill")
     # no restart charged: with --max-restarts 0 the job goes on, with the count still 0
     assert {r["restart"] for r in starts(tmp_path) if r["round"] == two} == {0}, starts(tmp_path)
     survivors = agents[:2]
-    for a in survivors:
-        out = a.output()
-        assert (
-            "the workers failed with the loss of a member: no restart is charged" in out or "stopped responding" in out
-        ), out
     assert any("presence port refused the probe" in a.output() for a in survivors), [a.output() for a in survivors]
     # elastix status: running, but with fewer nodes than before the loss, which it names
     where = ["--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", "loss"]
     status = subprocess.run(
-        [*hosts.python(0, "-m", "elastix", "status"), *where, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
+        [*hosts.python(0, "-m", "elastix", "status"), *where, "--json"], capture_output=True, text=True, timeout=60
     )
     assert status.returncode == 3, status.stdout + status.stderr  # degraded
     report = json.loads(status.stdout)
@@ -119,12 +60,8 @@ def test_a_host_killed_mid_all_reduce_is_a_lost_node_and_the_others_train_on(tmp
 
 def test_a_loss_that_leaves_too_few_nodes_ends_the_job_naming_the_lost_node(tmp_path, marker, hosts):
     endpoint = f"{hosts.addr(0)}:29400"
-    agents = [node(tmp_path, marker, hosts, i, 3, endpoint, conf="join_timeout=8s") for i in range(3)]
-    three = wait_round(tmp_path, 3)
-    deadline = time.monotonic() + 30
-    while steps_after(tmp_path, three, 0) < 10:
-        assert time.monotonic() < deadline, "the three nodes never trained"
-        time.sleep(0.05)
+    agents = [train_node(tmp_path, marker, hosts, i, 3, endpoint, "join_timeout=8s", "loss") for i in range(3)]
+    trained(tmp_path, wait_round(tmp_path, 3), steps=10)
     hosts.kill(2)
     for a in agents[:2]:
         assert a.finish(timeout=60) == 1, a.output()
@@ -138,29 +75,16 @@ def test_a_loss_that_leaves_too_few_nodes_ends_the_job_naming_the_lost_node(tmp_
 def test_the_store_host_killed_mid_all_reduce_moves_the_job_to_the_next_site(tmp_path, marker, hosts):
     # hosts 0 and 1 each serve a site; the state lives at the first, on host 0
     endpoint = f"{hosts.addr(0)}:29400,{hosts.addr(1)}:29400"
-    agents = [node(tmp_path, marker, hosts, i, "2:3", endpoint) for i in range(3)]
+    agents = [train_node(tmp_path, marker, hosts, i, "2:3", endpoint, CONF, "loss") for i in range(3)]
     three = wait_round(tmp_path, 3)
-    deadline = time.monotonic() + 30
-    while steps_after(tmp_path, three, 0) < 30:
-        assert time.monotonic() < deadline, "the three nodes never trained"
-        time.sleep(0.05)
+    trained(tmp_path, three)
     killed_at = time.time()
     hosts.kill(0)  # its agent, its workers and the store holding the job's state
     two = wait_round(tmp_path, 2, after=three, what="the survivors re-forming at the second site")
-    deadline = time.monotonic() + 30
-    while steps_after(tmp_path, two, killed_at) < 10:
-        assert time.monotonic() < deadline, "the survivors never trained again"
-        time.sleep(0.05)
-    first_step = min(
-        float(line.split()[0])
-        for path in glob.glob(str(tmp_path / f"steps_{two}_*.txt"))
-        for line in open(path)
-        if line.strip()
-    )
-    print(f"store host lost mid-all_reduce: training again as 2 nodes {first_step - killed_at:.2f}s after the kill")
+    trained(tmp_path, two, since=killed_at, steps=10)
+    print(f"store host lost mid-all_reduce: training again {first_step_time(tmp_path, two) - killed_at:.2f}s after")
     assert {r["restart"] for r in starts(tmp_path) if r["round"] == two} == {0}, starts(tmp_path)
-    survivors = agents[1:]
-    finish_all(tmp_path, survivors, marker)
+    finish_all(tmp_path, agents[1:], marker)
     assert_nothing_left(marker)
 
 
@@ -173,10 +97,7 @@ def test_a_host_killed_while_the_others_wait_at_the_exit_barrier_is_not_waited_f
         args = node_args(3, endpoint, hosts.addr(i), CONF, finish, run_id="barrier", max_restarts=0)
         agents.append(agent(tmp_path, marker, f"h{i}", "run", *args, python=python))
     # the group ranks follow the addresses: host 2's node is the one still working
-    deadline = time.monotonic() + 60
-    while not all("working" in a.output() for a in agents):
-        assert time.monotonic() < deadline, [a.output() for a in agents]
-        time.sleep(0.05)
+    wait_for(lambda: all("working" in a.output() for a in agents), what="the workers working")
     time.sleep(0.5)  # hosts 0 and 1 are at the exit barrier now
     hosts.kill(2)
     for a in agents[:2]:

@@ -1,22 +1,18 @@
-"""Partitions with a site list: at most one side of a partition runs the job. Three hosts each
-serve a rendezvous site (A, B, C); the host of the site holding the state is cut off from the
-two others. Only the side that reaches a majority of the sites may train: the cut-off node
-stops its workers and says why, the two others move the state to a site they reach and train
-on, and once the link heals the three are one job again."""
+"""Partitions: at most one side runs the job. With a site list, three hosts each serve a
+rendezvous site (A, B, C) and the host of the site holding the state is cut off from the two
+others: only the side that reaches a majority of the sites may train. On etcd, a node cut off
+from the cluster stops its workers once its lease can no longer be live (its TTL), while the
+others, whose leases etcd keeps, re-form without it."""
 
 from __future__ import annotations
 
-import glob
-import os
-import sys
 import time
 
 import pytest
 
-from agents import WORKERS, agent, assert_nothing_left, finish_all, node_args, wait_for, wait_round
-from netns import hosts_for_a_test
+from agents import assert_nothing_left, finish_all, wait_for, wait_round
+from training import steps, train_node
 
-TRAIN = os.path.join(WORKERS, "train_loop.py")
 # a node counts as lost after 2 s without a beat (the loss window); short last calls
 FAST = (
     "keep_alive_interval=250ms,keep_alive_max_attempt=8,heartbeat_timeout=1s,last_call_timeout=500ms,join_timeout=60s"
@@ -24,32 +20,11 @@ FAST = (
 LOSS_WINDOW = 2.0
 
 
-@pytest.fixture
-def hosts():
-    yield from hosts_for_a_test(3)
-
-
-def steps_between(tmp_path, start, end):
-    """Steps trained between two wall-clock times, by round and rank."""
-    found = {}
-    for path in glob.glob(str(tmp_path / "steps_*_*.txt")):
-        round_, rank = os.path.basename(path)[len("steps_") : -len(".txt")].split("_")
-        with open(path) as f:
-            count = sum(1 for line in f if line.strip() and start < float(line.split()[0]) < end)
-        if count:
-            found[(int(round_), int(rank))] = count
-    return found
-
-
 def test_a_cut_off_site_host_stops_training_the_majority_trains_on_and_all_meet_after_the_heal(tmp_path, marker, hosts):
     endpoint = ",".join(f"{hosts.addr(i)}:29400" for i in range(3))
-    agents = []
-    for i in range(3):
-        python = hosts.command(i, "env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", sys.executable)
-        args = node_args("1:3", endpoint, hosts.addr(i), FAST, TRAIN, run_id="partition", max_restarts=0)
-        agents.append(agent(tmp_path, marker, f"h{i}", "run", *args, python=python))
+    agents = [train_node(tmp_path, marker, hosts, i, "1:3", endpoint, FAST, "partition") for i in range(3)]
     three = wait_round(tmp_path, 3)
-    wait_for(lambda: steps_between(tmp_path, 0, time.time() + 1), what="the three nodes training")
+    wait_for(lambda: steps(tmp_path), what="the three nodes training")
     hosts.cut(0)  # the host of site A, which holds the state, alone on one side
     cut_at = time.time()
     two = wait_round(tmp_path, 2, after=three, what="the two-site side re-forming")
@@ -58,12 +33,33 @@ def test_a_cut_off_site_host_stops_training_the_majority_trains_on_and_all_meet_
     healed_at = time.time()
     hosts.heal(0)
     # only one side trains: from the loss window + 2 s after the cut until the heal
-    trained = steps_between(tmp_path, cut_at + LOSS_WINDOW + 2.0, healed_at)
-    rounds = {round_ for round_, _ in trained}
-    assert rounds == {two}, f"rounds that trained while cut: {trained} (the majority's is round {two})"
+    trained = steps(tmp_path, cut_at + LOSS_WINDOW + 2.0, healed_at)
+    assert {round_ for round_, _ in trained} == {two}, f"rounds that trained while cut: {trained} (majority: {two})"
     assert len({rank for _, rank in trained}) == 2, trained
     back = wait_round(tmp_path, 3, after=two, what="the three nodes meeting again after the heal")
-    print(f"partition: one job of three again {time.time() - healed_at:.2f}s after the heal (round {back})")
-    assert "minority side of a partition" in agents[0].output()
+    print(f"partition (sites): one job of three again {time.time() - healed_at:.2f}s after the heal (round {back})")
+    finish_all(tmp_path, agents, marker)
+    assert_nothing_left(marker)
+
+
+@pytest.mark.parametrize("rendezvous", ["etcd"], indirect=True)
+def test_a_node_cut_off_from_etcd_stops_training_at_its_lease_ttl_and_comes_back(tmp_path, marker, hosts, rendezvous):
+    backend, endpoint = rendezvous
+    conf = FAST.replace("keep_alive_interval=250ms,keep_alive_max_attempt=8", "lease_ttl=2s").replace("60s", "120s")
+    agents = [train_node(tmp_path, marker, hosts, i, "2:3", endpoint, conf, "cut", backend=backend) for i in range(3)]
+    three = wait_round(tmp_path, 3)
+    wait_for(lambda: steps(tmp_path), what="the three nodes training")
+    hosts.cut(2)
+    cut_at = time.time()
+    two = wait_round(tmp_path, 2, after=three, what="the two others re-forming as the cut node's lease expires")
+    # the cut node stops its workers at its TTL, not at the join timeout (120 s)
+    wait_for(lambda: "lease can no longer be live" in agents[2].output(), timeout=30, what="the cut node stopping")
+    time.sleep(2.0)
+    healed_at = time.time()
+    hosts.heal(2)
+    trained = steps(tmp_path, cut_at + LOSS_WINDOW + 2.0, healed_at)
+    assert {round_ for round_, _ in trained} == {two}, f"rounds that trained while cut: {trained} (the others': {two})"
+    back = wait_round(tmp_path, 3, after=two, what="the three nodes meeting again after the heal")
+    print(f"partition (etcd): one job of three again {time.time() - healed_at:.2f}s after the heal (round {back})")
     finish_all(tmp_path, agents, marker)
     assert_nothing_left(marker)

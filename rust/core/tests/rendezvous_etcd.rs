@@ -2,51 +2,24 @@
 //! (its lease expires), the restart count and the close. Needs `etcd` on PATH (Debian's
 //! etcd-server, which `.ci/run` installs); says so and passes trivially without it.
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use elastix_core::rendezvous::etcd::EtcdRendezvous;
 use elastix_core::rendezvous::{MembershipChange, RendezvousError, RendezvousInfo, RendezvousSettings};
-use elastix_etcd::{EtcdClient, EtcdOptions};
+use elastix_etcd::testing::LocalEtcd;
+use elastix_etcd::EtcdClient;
 use tokio::task::JoinHandle;
 
-/// One etcd member on free ports, with its data in a temporary directory; killed on drop.
-struct Etcd {
-    child: Child,
-    data: std::path::PathBuf,
-    endpoint: String,
-}
+/// The local etcd, and nodes of runs on it.
+struct Etcd(LocalEtcd);
 
 impl Etcd {
     fn start() -> Option<Etcd> {
-        let which = Command::new("sh").args(["-c", "command -v etcd"]).output().ok()?;
-        if !which.status.success() {
-            eprintln!("etcd is not installed (Debian: etcd-server): skipping");
-            return None;
-        }
-        let port = || TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let (client, peer) = (port(), port());
-        let data = std::env::temp_dir().join(format!("elastix-etcd-test-{}-{client}", std::process::id()));
-        let child = Command::new("etcd")
-            .args(["--name", "solo", "--data-dir"])
-            .arg(&data)
-            .args(["--listen-client-urls", &format!("http://127.0.0.1:{client}")])
-            .args(["--advertise-client-urls", &format!("http://127.0.0.1:{client}")])
-            .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
-            .args(["--initial-advertise-peer-urls", &format!("http://127.0.0.1:{peer}")])
-            .args(["--initial-cluster", &format!("solo=http://127.0.0.1:{peer}")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start etcd");
-        Some(Etcd { child, data, endpoint: format!("127.0.0.1:{client}") })
+        LocalEtcd::start().map(Etcd)
     }
 
     fn client(&self) -> EtcdClient {
-        let options =
-            EtcdOptions { endpoints: vec![self.endpoint.clone()], tls: None, patience: Duration::from_secs(30) };
-        EtcdClient::new(&options).unwrap()
+        self.0.client()
     }
 
     /// A node of run `run_id` with `min..max` nodes, lost 2 s (etcd's shortest lease) after
@@ -90,20 +63,11 @@ async fn change(node: &EtcdRendezvous, within: Duration) -> Option<MembershipCha
     tokio::time::timeout(within, waiting).await.ok()
 }
 
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.data);
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_round_of_more_nodes_than_one_etcd_transaction_holds_forms() {
     let Some(etcd) = Etcd::start() else { return };
     const NODES: u32 = 200;
-    let options = EtcdOptions { endpoints: vec![etcd.endpoint.clone()], tls: None, patience: Duration::from_secs(30) };
-    let client = EtcdClient::new(&options).unwrap();
+    let client = etcd.client();
     let mut settings = RendezvousSettings::new("big", NODES, NODES).unwrap();
     settings.join_timeout = Duration::from_secs(120);
     settings.local_addr = Some("127.0.0.1".into());

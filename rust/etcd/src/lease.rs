@@ -27,6 +27,12 @@ pub struct Lease {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LeaseState {
     Alive,
+    /// Renewals fail (`detail`: the first failure): unless one gets through (or a new leader
+    /// renews every lease), the lease lapses at `renewed_at` plus its TTL. Still retried.
+    Failing {
+        renewed_at: Instant,
+        detail: String,
+    },
     /// etcd answered that the lease is gone: the keys written under it were deleted.
     Expired,
     /// No member renewed it for `silent_for`; `detail` is the last failure.
@@ -36,6 +42,14 @@ pub enum LeaseState {
     },
 }
 
+impl LeaseState {
+    /// Whether the keep-alive has ended: the lease expired, or nobody renewed it for the
+    /// outage limit.
+    pub fn is_over(&self) -> bool {
+        matches!(self, LeaseState::Expired | LeaseState::Unreachable { .. })
+    }
+}
+
 /// Renews a lease until dropped.
 pub struct KeepAlive {
     state: watch::Receiver<LeaseState>,
@@ -43,7 +57,8 @@ pub struct KeepAlive {
 }
 
 impl KeepAlive {
-    /// The lease's state; changes once, from `Alive` to why it ended.
+    /// The lease's state: `Alive`, `Failing` while renewals fail (back to `Alive` when one
+    /// gets through), then why it ended.
     pub fn state(&self) -> watch::Receiver<LeaseState> {
         self.state.clone()
     }
@@ -115,6 +130,7 @@ async fn renew(client: EtcdClient, lease: Lease, outage_limit: Duration, state: 
                 renewed = Instant::now();
                 if failing.take().is_some() {
                     tracing::info!(lease = lease.id, "etcd at {} renews this node's lease again", client.endpoints());
+                    let _ = state.send(LeaseState::Alive);
                 }
             }
             Ok(false) => {
@@ -140,6 +156,9 @@ async fn renew(client: EtcdClient, lease: Lease, outage_limit: Duration, state: 
                 if silent_for >= outage_limit {
                     let _ = state.send(LeaseState::Unreachable { silent_for, detail: why });
                     return;
+                }
+                if failing.is_none() {
+                    let _ = state.send(LeaseState::Failing { renewed_at: renewed, detail: why.clone() });
                 }
                 failing = Some(why);
             }

@@ -5,6 +5,8 @@
 
 mod client;
 mod lease;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod watch;
 
 pub use client::{put_op, range_op, requests_sent, EtcdClient, EtcdError, EtcdOptions, TlsFiles, MAX_TXN_OPS};

@@ -251,7 +251,7 @@ impl EtcdRendezvous {
     /// This node's live lease, granted (and kept alive) when it has none.
     async fn lease(&mut self) -> Result<(Lease, watch::Receiver<LeaseState>)> {
         if let Some((lease, keep_alive)) = &self.lease {
-            if *keep_alive.state().borrow() == LeaseState::Alive {
+            if !keep_alive.state().borrow().is_over() {
                 return Ok((*lease, keep_alive.state()));
             }
             self.drop_lease().await;

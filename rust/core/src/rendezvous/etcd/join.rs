@@ -159,7 +159,9 @@ impl Ctx<'_> {
         let request = TxnRequest {
             compare: vec![ops::absent(&keys.seal(r)), ops::absent(&keys.closed())],
             success,
-            failure: vec![ops::get(&keys.closed()), ops::get(&keys.round())],
+            // a retry whose first attempt got in before the seal (its answer lost) must not
+            // leave that key behind: the next round would count this node as still in this one
+            failure: vec![ops::get(&keys.closed()), ops::get(&keys.round()), ops::delete(&keys.member(r, &id))],
         };
         let response = self.txn(request).await?;
         if !response.succeeded {
@@ -284,7 +286,7 @@ impl Ctx<'_> {
                 },
                 Ok(()) = lease_state.changed() => {
                     let state = lease_state.borrow().clone();
-                    if state != LeaseState::Alive {
+                    if state.is_over() {
                         return Ok(Outcome::LeaseLost(state));
                     }
                 },
@@ -319,7 +321,7 @@ impl Ctx<'_> {
             }
         };
         let state = lease_state.borrow().clone();
-        if state != LeaseState::Alive {
+        if state.is_over() {
             return Ok(Outcome::LeaseLost(state)); // this node's key may be gone at the seal
         }
         if size.live < min {
@@ -561,5 +563,38 @@ pub(super) async fn wait_master(ctx: &Ctx<'_>, r: u64, watcher: &mut Watcher, de
             "rendezvous {:?} round {r}: rank 0 never published the workers' store address",
             ctx.settings.run_id
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use elastix_etcd::testing::LocalEtcd;
+
+    use super::*;
+
+    /// A retried entry whose first attempt got in (its answer lost), finding the round sealed
+    /// meanwhile, leaves no key of this node in that round: the next round would count it as
+    /// still there (and wait for it until the join timeout).
+    #[tokio::test]
+    async fn a_retried_entry_that_finds_the_round_sealed_leaves_no_key_behind() {
+        let Some(etcd) = LocalEtcd::start() else { return };
+        let client = etcd.client();
+        let keys = EtcdKeys::new("/elastix/rdzv/retry/".into());
+        let settings = RendezvousSettings::new("retry", 1, 2).unwrap();
+        let node = NodeDesc::this_process(Some("127.0.0.1"));
+        let lease = client.grant_lease(Duration::from_secs(10)).await.unwrap();
+        let (_keep, lease_state) = watch::channel(LeaseState::Alive);
+        let ctx = Ctx { client: &client, keys: &keys, settings: &settings, node: &node, lease, lease_state };
+        // the first attempt: applied by etcd (its answer, say, never arrived)
+        assert!(matches!(ctx.enter(0, None).await.unwrap(), Entry::Joined(_)));
+        let mine = keys.member(0, &member_id(lease));
+        assert!(client.get(&mine).await.unwrap().0.is_some());
+        // another node seals the round meanwhile
+        client.put(&keys.seal(0), b"sealed").await.unwrap();
+        // the retry
+        assert!(matches!(ctx.enter(0, None).await.unwrap(), Entry::Taken { .. }));
+        assert_eq!(client.get(&mine).await.unwrap().0, None, "the first attempt's key is gone");
     }
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 use elastix_etcd::pb::etcdserverpb::TxnRequest;
 use elastix_etcd::pb::mvccpb::event::EventType;
@@ -19,6 +20,7 @@ use super::keys::{EtcdKeys, KeyKind};
 use super::ops;
 use crate::rendezvous::change::MembershipChange;
 use crate::rendezvous::node::NodeDesc;
+use crate::rendezvous::presence::{self, PROBE_TIMEOUT};
 use crate::rendezvous::records::{decode, Arrival};
 
 /// What one batch of writes in a round's watch means.
@@ -109,6 +111,8 @@ pub(super) fn spawn(round: RoundWatch) -> JoinHandle<()> {
         let mut watcher = round.client.watch(&range.key, &range.end, round.sealed_at + 1, true);
         // watched until it reports the end of the lease (once is enough)
         let mut lease_state = Some(round.lease_state.clone());
+        // while renewals fail: when the lease lapses unless one gets through
+        let mut lapses_at: Option<Instant> = None;
         let mut ended = false;
         loop {
             tokio::select! {
@@ -147,29 +151,87 @@ pub(super) fn spawn(round: RoundWatch) -> JoinHandle<()> {
                         return;
                     }
                 },
-                state = lease_ended(&mut lease_state) => {
-                    if let Some(change) = round.lease_change(&state) {
-                        let _ = round.changes.send(Some(change));
+                state = lease_changed(&mut lease_state) => match state {
+                    LeaseState::Alive => lapses_at = None,
+                    LeaseState::Failing { renewed_at, .. } => lapses_at = Some(renewed_at + round.lease_ttl),
+                    over => {
+                        if let Some(change) = round.lease_change(&over) {
+                            let _ = round.changes.send(Some(change));
+                        }
+                        (lease_state, lapses_at) = (None, None);
                     }
-                    lease_state = None;
+                },
+                () = sleep_until_some(lapses_at) => {
+                    lapses_at = None;
+                    if etcd_down_everywhere(&round.client).await {
+                        // nobody can renew a lease or form a round: no other side can run the
+                        // job, so the workers go on until etcd returns (or the join timeout)
+                        tracing::warn!(
+                            round = r,
+                            "every etcd endpoint ({}) refuses connections: etcd is down for every node; the workers keep \
+                             running until it returns",
+                            round.client.endpoints()
+                        );
+                        lapses_at = Some(Instant::now() + round.lease_ttl); // look again
+                    } else {
+                        // cut off from a cluster others may reach: they count this node lost
+                        let change = MembershipChange::StoreUnreachable {
+                            store: format!("etcd {}", round.client.endpoints()),
+                            silent_for: round.lease_ttl,
+                            error: format!(
+                                "this node's lease can no longer be live: no renewal got through for its TTL ({:?})",
+                                round.lease_ttl
+                            ),
+                        };
+                        let _ = round.changes.send(Some(change));
+                        lease_state = None;
+                    }
                 },
             }
         }
     })
 }
 
-/// The lease's state once it is no longer alive; never, once it was reported (`None`) or when
-/// nobody renews it any more.
-async fn lease_ended(watched: &mut Option<watch::Receiver<LeaseState>>) -> LeaseState {
+/// The lease's next state; never, once its end was reported (`None`) or when nobody renews it
+/// any more.
+async fn lease_changed(watched: &mut Option<watch::Receiver<LeaseState>>) -> LeaseState {
     if let Some(receiver) = watched {
-        while receiver.changed().await.is_ok() {
-            let state = receiver.borrow_and_update().clone();
-            if state != LeaseState::Alive {
-                return state;
-            }
+        if receiver.changed().await.is_ok() {
+            return receiver.borrow_and_update().clone();
         }
     }
     std::future::pending().await
+}
+
+/// Sleeps until `at`; never without it.
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Whether every etcd endpoint refuses connections: its members are down (for every node
+/// alike), as opposed to silent (a cut link: others may reach them).
+async fn etcd_down_everywhere(client: &EtcdClient) -> bool {
+    let endpoints: Vec<(String, u16)> = client
+        .endpoints()
+        .split(',')
+        .filter_map(|endpoint| {
+            let endpoint = endpoint.trim().trim_start_matches("https://").trim_start_matches("http://");
+            let (host, port) = endpoint.rsplit_once(':')?;
+            Some((host.trim_matches(['[', ']']).to_owned(), port.parse().ok()?))
+        })
+        .collect();
+    let mut probes = tokio::task::JoinSet::new();
+    for (host, port) in endpoints.clone() {
+        probes.spawn(async move { presence::probe(&host, port, PROBE_TIMEOUT).await });
+    }
+    let mut down = 0;
+    while let Some(probe) = probes.join_next().await {
+        down += usize::from(matches!(probe, Ok(presence::Probe::Gone)));
+    }
+    !endpoints.is_empty() && down == endpoints.len()
 }
 
 impl RoundWatch {
@@ -191,7 +253,7 @@ impl RoundWatch {
 
     fn lease_change(&self, state: &LeaseState) -> Option<MembershipChange> {
         let (silent_for, error) = match state {
-            LeaseState::Alive => return None,
+            LeaseState::Alive | LeaseState::Failing { .. } => return None,
             LeaseState::Expired => (self.lease_ttl, "etcd says this node's lease expired".to_owned()),
             LeaseState::Unreachable { silent_for, detail } => (*silent_for, detail.clone()),
         };
