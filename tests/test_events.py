@@ -21,14 +21,16 @@ def test_a_run_with_one_failure_and_one_restart_logs_its_events_in_order(tmp_pat
     assert code == 0, err
     events = [json.loads(line) for line in log.read_text().splitlines()]
     assert [e["event"] for e in events] == [
-        "round_formed", "workers_started", "worker_failed", "restart",
-        "round_formed", "workers_started", "job_finished",
+        "round_formed", "workers_started", "worker_failed", "workers_stopped", "restart",
+        "round_formed", "workers_started", "workers_stopped", "job_finished",
     ]  # fmt: skip
-    failed, restart, finished = events[2], events[3], events[6]
+    failed, stopped, restart, finished = events[2], events[3], events[4], events[8]
+    assert (stopped["round"], stopped["why"], events[7]["why"]) == (0, "failed", "succeeded")
+    assert events[1]["round"] == 0 and events[6]["round"] == 1
     assert (failed["global_rank"], failed["exitcode"], failed["hung"]) == (0, 1, None)
     assert (restart["restart_count"], restart["max_restarts"], restart["reason"]) == (1, 1, "worker failure")
     assert (finished["state"], finished["exit_code"]) == ("SUCCEEDED", 0)
-    assert events[4]["restart_count"] == 1
+    assert events[5]["restart_count"] == 1
     assert all(e["run_id"] == events[0]["run_id"] and e["pid"] == proc.pid for e in events)
     # jsonl: the same events on stderr, as they happen
     on_stderr = [json.loads(line) for line in err.splitlines() if line.startswith('{"event"')]
@@ -44,7 +46,7 @@ def test_events_are_appended_to_an_existing_log(tmp_path, marker):
     code, _out, err = finish(elastix_run("--standalone", "--event-log", log, script, out_dir=tmp_path, marker=marker))
     assert code == 0, err
     names = [json.loads(line)["event"] for line in log.read_text().splitlines()]
-    assert names == ["earlier", "round_formed", "workers_started", "job_finished"]
+    assert names == ["earlier", "round_formed", "workers_started", "workers_stopped", "job_finished"]
     assert '{"event"' not in err  # no jsonl handler: nothing on stderr
 
 

@@ -12,14 +12,17 @@ from agents import WORKERS, agent, node_args
 TRAIN = os.path.join(WORKERS, "train_loop.py")
 
 
-def train_node(tmp_path, marker, hosts, i, nnodes, endpoint, conf, run_id, max_restarts=0, backend="c10d"):
+def train_node(
+    tmp_path, marker, hosts, i, nnodes, endpoint, conf, run_id, max_restarts=0, backend="c10d", env=(), flags=()
+):
     """`elastix run` of train_loop.py on host i. Namespaces share the host name: a collectives
-    host id per node keeps the nodes' ranks on TCP, as on real machines."""
-    python = hosts.command(i, "env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", sys.executable)
+    host id per node keeps the nodes' ranks on TCP, as on real machines. `env`: more
+    NAME=value settings for the node; `flags`: more `elastix run` flags."""
+    python = hosts.command(i, "env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", *env, sys.executable)
     args = node_args(
         nnodes, endpoint, hosts.addr(i), conf, TRAIN, run_id=run_id, max_restarts=max_restarts, backend=backend
     )
-    return agent(tmp_path, marker, f"h{i}", "run", *args, python=python)
+    return agent(tmp_path, marker, f"h{i}", "run", *flags, *args, python=python)
 
 
 def steps(tmp_path, start=0.0, end=float("inf")):

@@ -2,7 +2,8 @@
 the whole world (so a peer's death breaks it at once, as in real training), and every step is
 logged to $OUT_DIR/steps_<round>_<rank>.txt as "<unix time> <step>" lines, so that a test can
 tell which rounds trained when. Reports each start like elastic_loop.py; works until
-$OUT_DIR/stop exists (or 180 s pass).
+$OUT_DIR/stop exists (or 180 s pass); then, given $LINGER seconds (set on one node), stays
+that long (the other nodes wait for it at the exit barrier).
 
 Over network namespaces every node shares the host name, so ELASTIX_COLLECTIVES_HOST_ID (set
 by the test per node) keeps the ranks of different nodes on TCP, as on real machines."""
@@ -24,6 +25,7 @@ record = {
     "group_rank": int(os.environ["GROUP_RANK"]),
     "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
     "pid": os.getpid(),
+    "host": os.environ.get("ELASTIX_COLLECTIVES_HOST_ID"),
 }
 path = os.path.join(out, f"start_{record['round']}_{rank}_{os.getpid()}.json")
 with open(path + ".tmp", "w") as f:
@@ -48,3 +50,4 @@ while True:
     step += 1
     if grad[-1] > 0:
         break
+time.sleep(float(os.environ.get("LINGER", "0")))

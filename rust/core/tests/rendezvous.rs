@@ -146,6 +146,22 @@ async fn min_below_max_waits_for_the_last_call() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_join_deadline_a_round_with_min_nodes_starts_whatever_is_left_of_its_last_call() {
+    let server = StoreServer::start(&ServerConfig::default()).unwrap();
+    let run = "deadline";
+    // the last call would outlast the join timeout: with min_nodes there, the deadline starts it
+    let short = RendezvousSettings { join_timeout: Duration::from_secs(1), ..endless_last_call(run, 2, 4) };
+    let first = join(node(&server, &short));
+    let second = join(node(&server, &short));
+    let (first, second) = (formed(first).await, formed(second).await);
+    assert_consistent(&[&first.1, &second.1], 2);
+    // alone below min_nodes, the deadline is still an error
+    let alone = RendezvousSettings { join_timeout: Duration::from_millis(500), ..endless_last_call("alone", 2, 4) };
+    let outcome = tokio::time::timeout(PATIENCE, join(node(&server, &alone))).await.unwrap().unwrap().1;
+    assert!(matches!(outcome, Err(RendezvousError::Timeout(_))), "{outcome:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_node_waits_and_the_members_re_form_with_it() {
     let server = StoreServer::start(&ServerConfig::default()).unwrap();
     let run = "late";

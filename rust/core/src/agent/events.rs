@@ -64,8 +64,8 @@ impl EventLog {
         self.emit("round_formed", fields).await;
     }
 
-    pub async fn workers_started(&self, global_ranks: &[u32], pids: &[u32]) {
-        self.emit("workers_started", json!({"global_ranks": global_ranks, "pids": pids})).await;
+    pub async fn workers_started(&self, round: u64, global_ranks: &[u32], pids: &[u32]) {
+        self.emit("workers_started", json!({"round": round, "global_ranks": global_ranks, "pids": pids})).await;
     }
 
     /// `worker_hung` or `worker_failed`, one per failure.
@@ -90,6 +90,12 @@ impl EventLog {
         };
         fields["reason"] = description.into();
         self.emit(name, fields).await;
+    }
+
+    /// The workers of `round` are no longer running (`why`: "succeeded", "failed", "changed",
+    /// "signal"): with `workers_started`, when each round trained on this node.
+    pub async fn workers_stopped(&self, round: u64, why: &str) {
+        self.emit("workers_stopped", json!({"round": round, "why": why})).await;
     }
 
     pub async fn restart(&self, restart_count: i64, max_restarts: u32, reason: &str) {

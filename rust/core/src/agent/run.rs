@@ -226,6 +226,13 @@ impl Report {
     }
 }
 
+/// What starting an attempt's workers came to.
+enum Start {
+    Running(WorkerGroup),
+    /// The round ended before the workers started (a member lost during the rank exchange).
+    Changed(MembershipChange),
+}
+
 /// What ended one attempt.
 enum Event {
     Workers(GroupOutcome),
@@ -343,11 +350,24 @@ impl Agent {
             counts.joined_round(info.round, info.world_size, asked.elapsed());
             self.round = info.round;
             counts.job_restarts(report.restart_count, self.config.max_restarts);
-            let mut group = match self.start_workers(&info, report.restart_count).await {
-                Ok(group) => {
+            let mut changes = self.rdzv.changes();
+            let mut group = match self.start_workers(&info, report.restart_count, &mut changes).await {
+                Ok(Start::Running(group)) => {
                     lost_starts = 0;
-                    self.events.workers_started(&group.global_ranks(), &group.pids()).await;
+                    self.events.workers_started(info.round, &group.global_ranks(), &group.pids()).await;
                     group
+                }
+                // a member lost before it exchanged ranks (it died as the round formed): the
+                // round is over before it began, and no restart is charged
+                Ok(Start::Changed(change)) => {
+                    let description = describe(&change);
+                    tracing::info!("{description} while the workers were starting; re-joining");
+                    self.events.membership_changed(&change, &description).await;
+                    if change == MembershipChange::Closed {
+                        return self.closed(report).await;
+                    }
+                    counts.reformed(change.kind());
+                    continue;
                 }
                 Err(AgentError::Interrupted(signal)) => {
                     tracing::info!("received {signal} while starting the workers; stopping");
@@ -366,7 +386,6 @@ impl Agent {
             counts.forget_worker_heartbeats();
             counts.workers_running(self.config.local_world_size);
             self.publish_node_status(&report.global_ranks).await;
-            let mut changes = self.rdzv.changes();
             let mut dumps = DumpRequests::watch(&info, &self.host);
             // the summary of a failure that ends the job lists all that fail with it
             let last_chance = report.restart_count >= i64::from(self.config.max_restarts);
@@ -383,6 +402,7 @@ impl Agent {
                     // the last lines belong in the log files the run's outcome vouches for
                     group.drain_output().await;
                     drop(group);
+                    self.events.workers_stopped(info.round, "succeeded").await;
                     match self.exit_barrier(&info, &mut changes).await? {
                         None => {
                             // every node is through: the job is done
@@ -415,6 +435,7 @@ impl Agent {
                         continue;
                     }
                     group.stop(Signal::SIGTERM, grace).await;
+                    self.events.workers_stopped(info.round, "failed").await;
                     if let Some(end) = self.after_failure(failures, report).await? {
                         return Ok(end);
                     }
@@ -428,6 +449,7 @@ impl Agent {
                     tracing::info!("received {signal}; stopping the workers");
                     // workers get the signal itself when it is one to forward, else SIGTERM
                     group.stop(if forward { signal } else { Signal::SIGTERM }, grace).await;
+                    self.events.workers_stopped(info.round, "signal").await;
                     return Ok(End::Interrupted(signal));
                 }
             }
@@ -452,6 +474,7 @@ impl Agent {
         }
         self.events.membership_changed(&change, &description).await;
         group.stop(Signal::SIGTERM, self.config.shutdown_timeout()).await;
+        self.events.workers_stopped(self.round, "changed").await;
         if closed {
             return self.closed(report).await.map(Some);
         }
@@ -472,6 +495,11 @@ impl Agent {
         // another member may have found the loss first
         if let Some(change) = changes.as_ref().and_then(|changes| changes.borrow().clone()) {
             return Some(change);
+        }
+        // or the others re-formed without this node (its agent was stopped, or cut off): its
+        // workers failed because their peers moved on
+        if let Ok(Some(round)) = self.rdzv.newer_round().await {
+            return Some(MembershipChange::RoundSuperseded { round });
         }
         let census = match self.rdzv.census(None).await {
             Ok(census) => census,
@@ -507,15 +535,22 @@ impl Agent {
 
     /// Exchanges ranks with the other nodes and starts the local workers. A stop signal ends
     /// the exchange ([`AgentError::Interrupted`]): it can take as long as the slowest node.
-    async fn start_workers(&mut self, info: &RendezvousInfo, restart_count: i64) -> Result<WorkerGroup> {
+    async fn start_workers(
+        &mut self,
+        info: &RendezvousInfo,
+        restart_count: i64,
+        changes: &mut Option<watch::Receiver<Option<MembershipChange>>>,
+    ) -> Result<Start> {
         let me = RoleInfo { role: self.config.role.clone(), local_world_size: self.config.local_world_size };
         let exchange = async {
             let at = (info.store_host.clone(), info.store_port);
             let store = connect_store(&mut self.store, &at, STORE_TIMEOUT).await?;
             ranks::assign(store, &info.store_prefix, info.rank, info.world_size, &me, STORE_TIMEOUT).await
         };
+        // every member takes part in the exchange: one lost meanwhile never will
         let assignment = tokio::select! {
             assignment = exchange => assignment?,
+            change = next_change(changes) => return Ok(Start::Changed(change)),
             (signal, _) = self.signals.recv() => return Err(AgentError::Interrupted(signal)),
         };
         let attempt_dir = self.logs.attempt(self.attempt, self.config.local_world_size)?;
@@ -533,7 +568,7 @@ impl Agent {
         let group = WorkerGroup::start(&launch, &mut self.standbys)?;
         // the next attempt's interpreters start while this one runs
         self.standbys.refill();
-        Ok(group)
+        Ok(Start::Running(group))
     }
 
     /// Spends a restart if this is the round's first failure report; past the budget, closes
@@ -658,6 +693,8 @@ impl Agent {
         let (rdzv, slot, signals) = (&mut self.rdzv, &mut self.store, &mut self.signals);
         let mut at = (info.store_host.clone(), info.store_port);
         let mut awaited: Vec<u32> = (0..info.world_size).filter(|rank| *rank != info.rank).collect();
+        // members reported lost meanwhile (a cut link, a silent machine): not waited for either
+        let lost = std::sync::Mutex::new(Vec::<u32>::new());
         let done = async {
             let mut warned = false;
             loop {
@@ -689,6 +726,8 @@ impl Agent {
                             }
                             missing.retain(|rank| census.gone.iter().all(|(gone, _)| gone != rank));
                         }
+                        let lost = lost.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                        missing.retain(|rank| !lost.contains(rank));
                         awaited = missing;
                     }
                     Err(err) if err.is_store_unreachable() && !remaining.is_zero() => {
@@ -724,12 +763,18 @@ impl Agent {
                     }
                     return Ok(None);
                 }
-                change = next_change(changes) => {
-                    // workers that have finished are not concerned
-                    if !change.is_about_the_store() {
-                        return Ok(Some(Event::Change(change)));
+                change = new_change(changes) => match change {
+                    // a lost member's work is not waited for; this node's workers are done
+                    MembershipChange::NodeLost { rank: Some(rank), node } => {
+                        let who = node.map_or_else(|| format!("group rank {rank}"), |node| format!("node {node} (group rank {rank})"));
+                        tracing::warn!("exit barrier: {who} was reported lost; not waiting for it");
+                        lost.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(rank);
                     }
-                }
+                    // finished workers are not concerned by the store's changes; another
+                    // node's restart makes the job run again, with them
+                    change if !change.is_about_the_store() => return Ok(Some(Event::Change(change))),
+                    _ => {}
+                },
                 (signal, forward) = signals.recv() => return Ok(Some(Event::Signal(signal, forward))),
             }
         }
@@ -810,6 +855,19 @@ async fn next_change(changes: &mut Option<watch::Receiver<Option<MembershipChang
         }
         if receiver.changed().await.is_err() {
             return std::future::pending().await;
+        }
+    }
+}
+
+/// The next membership change not seen yet (never, for a backend without any).
+async fn new_change(changes: &mut Option<watch::Receiver<Option<MembershipChange>>>) -> MembershipChange {
+    let Some(receiver) = changes else { return std::future::pending().await };
+    loop {
+        if receiver.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+        if let Some(change) = receiver.borrow_and_update().clone() {
+            return change;
         }
     }
 }

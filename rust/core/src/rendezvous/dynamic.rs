@@ -578,6 +578,14 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         Ok(census)
     }
 
+    /// The round opened after this node's, if one was: the others re-formed without it (this
+    /// agent was stopped, or cut off, while they did).
+    pub async fn newer_round(&mut self) -> Result<Option<u64>> {
+        let Some(round) = self.current.as_ref().map(|m| m.round) else { return Ok(None) };
+        let current = self.with_conn(async |conn| current_round(conn).await).await?;
+        Ok((current > round).then_some(current))
+    }
+
     /// The address of the store site that holds the job's state now: with several sites, the
     /// one a lost site's nodes moved to (found, or set up, as a re-join would).
     pub async fn locate_store(&mut self) -> Result<(String, u16)> {

@@ -146,6 +146,11 @@ impl Rendezvous {
         }
     }
 
+    /// The round opened after this node's, if one was (the others re-formed without it).
+    pub async fn newer_round(&mut self) -> Result<Option<u64>> {
+        on_dynamic!(self, handler => handler.newer_round().await, static _ => Ok(None))
+    }
+
     /// Where the round's store is now, if it can move (a c10d site list): `None` where the
     /// store a round was given is the only one.
     pub async fn locate_store(&mut self) -> Option<Result<(String, u16)>> {

@@ -135,15 +135,21 @@ impl<C: StoreConn> RoundJoin<'_, C> {
             {
                 return Claim::decode(&claim);
             }
+            let count = self.conn.tally(&Keys::joined(self.round)).await? as u64;
             if Instant::now() >= self.deadline {
-                return Err(self.timeout_error().await);
+                if count < min {
+                    return Err(self.timeout_error().await);
+                }
+                // the join deadline with enough nodes: the round starts with them, whatever
+                // is left of a last call (any node may claim it now)
+                self.try_claim(Claim { cutoff: count.min(max), claimer: arrival }).await?;
+                continue;
             }
             if wake < until {
                 self.report_progress(last_call_ends).await;
                 continue;
             }
             // last call over: the round starts with everyone who has arrived
-            let count = self.conn.tally(&Keys::joined(self.round)).await? as u64;
             self.try_claim(Claim { cutoff: count.min(max), claimer: arrival }).await?;
         }
     }

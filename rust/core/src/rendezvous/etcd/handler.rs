@@ -422,6 +422,13 @@ impl EtcdRendezvous {
         }
     }
 
+    /// The last sealed round, if it is newer than this node's: the others re-formed without it.
+    pub async fn newer_round(&mut self) -> Result<Option<u64>> {
+        let Some(round) = self.current_round() else { return Ok(None) };
+        let latest = self.read(&self.keys.round()).await?.map(|bytes| ops::number(&bytes, "round")).transpose()?;
+        Ok(latest.map(|latest| latest.max(0) as u64).filter(|latest| *latest > round))
+    }
+
     fn current_round(&self) -> Option<u64> {
         self.current.as_ref().map(|membership| membership.round)
     }

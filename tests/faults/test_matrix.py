@@ -1,0 +1,34 @@
+"""A sample of the fault matrix (tests/faults/matrix.py): one cell per fault, across the phases
+and backends, each judged by the matrix's invariants. benches/fault_matrix.py runs every cell."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from matrix import FAULTS, run_cell
+
+SAMPLE = [
+    ("worker-kill", "training", "c10d"),
+    ("agent-kill", "rendezvous", "c10d"),
+    ("host-kill", "training", "etcd"),
+    ("host-kill", "exit-barrier", "sites"),
+    ("agent-stop", "training", "sites"),
+    ("short-cut", "training", "c10d"),
+    ("long-cut", "training", "sites"),
+    ("store-restart", "training", "store"),
+    ("etcd-leader-kill", "training", "etcd"),
+]
+assert {fault for fault, _, _ in SAMPLE} == set(FAULTS), "one cell per fault"
+
+
+@pytest.mark.parametrize("fault,phase,backend", SAMPLE, ids=["/".join(cell) for cell in SAMPLE])
+def test_a_cell_of_the_fault_matrix(tmp_path, marker, hosts, fault, phase, backend):
+    if backend == "etcd" and shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (Debian package etcd-server; .ci/run installs it)")
+    verdict = run_cell(fault, phase, backend, tmp_path, hosts, marker)
+    print(verdict.describe())
+    if verdict.outcome != "survived":
+        logs = "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in sorted(tmp_path.glob("h*.log")))
+        pytest.fail(f"{verdict.describe()}\n{logs}")
