@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use elastix_core::auth::Secret;
+use elastix_core::rendezvous::c10d::keys::run_prefix;
 use elastix_core::rendezvous::etcd::EtcdRendezvous;
-use elastix_core::rendezvous::keys::run_prefix;
 use elastix_core::rendezvous::store::{RendezvousStore, TcpRendezvousStore};
 use elastix_core::rendezvous::{DynamicRendezvous, RendezvousError, RendezvousInfo, RendezvousSettings};
 use elastix_core::store::{BackgroundServer, Client, ConnectOptions, ServerConfig};

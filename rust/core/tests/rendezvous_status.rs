@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use elastix_core::rendezvous::keys::run_prefix;
+use elastix_core::rendezvous::c10d::keys::run_prefix;
 use elastix_core::rendezvous::records::{now_ms, AgentFacts, FailureRecord, FORMAT_VERSION};
 use elastix_core::rendezvous::status::{job_status, Health, State, StatusQuery};
 use elastix_core::rendezvous::store::TcpRendezvousStore;

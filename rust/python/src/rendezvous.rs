@@ -147,7 +147,7 @@ impl RendezvousCore {
         let handler = block_on(py, &pending, || Rendezvous::create(params))?;
         Ok(RendezvousCore {
             run_id: handler.run_id().to_owned(),
-            backend: handler.backend(),
+            backend: handler.name(),
             hosted_port: handler.hosted_port(),
             handler: Mutex::new(handler),
             pending,

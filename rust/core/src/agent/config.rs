@@ -224,7 +224,7 @@ impl AgentConfig {
             (endpoint, "static") if endpoint.is_empty() => format!(
                 "{}:{}",
                 self.master_addr.as_deref().unwrap_or("127.0.0.1"),
-                self.master_port.unwrap_or(crate::rendezvous::handler::DEFAULT_MASTER_PORT)
+                self.master_port.unwrap_or(crate::rendezvous::static_rdzv::DEFAULT_MASTER_PORT)
             ),
             (endpoint, _) => endpoint.clone(),
         };

@@ -496,10 +496,11 @@ impl Agent {
         if let Some(change) = changes.as_ref().and_then(|changes| changes.borrow().clone()) {
             return Some(change);
         }
-        // or the others re-formed without this node (its agent was stopped, or cut off): its
-        // workers failed because their peers moved on
-        if let Ok(Some(round)) = self.rdzv.newer_round().await {
-            return Some(MembershipChange::RoundSuperseded { round });
+        // or the round ended without this node's watcher saying so yet (the others re-formed
+        // without it while its agent was stopped, or the store lost the state): its workers
+        // failed because their peers moved on
+        if let Ok(Some(change)) = self.rdzv.round_ended().await {
+            return Some(change);
         }
         let census = match self.rdzv.census(None).await {
             Ok(census) => census,
@@ -740,8 +741,12 @@ impl Agent {
                         }
                         *slot = None;
                         // with several sites, the state moves as it does for a re-join
-                        match rdzv.locate_store().await {
-                            Some(Ok(now)) if now != at => {
+                        let located = match rdzv.locate_store() {
+                            Some(locating) => locating.await.ok(),
+                            None => None,
+                        };
+                        match located {
+                            Some(now) if now != at => {
                                 tracing::info!("exit barrier: the rendezvous store is now at {}:{}", now.0, now.1);
                                 at = now;
                             }
@@ -770,9 +775,12 @@ impl Agent {
                         tracing::warn!("exit barrier: {who} was reported lost; not waiting for it");
                         lost.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(rank);
                     }
-                    // finished workers are not concerned by the store's changes; another
-                    // node's restart makes the job run again, with them
-                    change if !change.is_about_the_store() => return Ok(Some(Event::Change(change))),
+                    // finished workers are not concerned by the store's blips; another node's
+                    // restart, or a store that lost the job's state, makes the job re-form and
+                    // run again, with them
+                    change if !change.is_about_the_store() || change == MembershipChange::StoreReset => {
+                        return Ok(Some(Event::Change(change)))
+                    }
                     _ => {}
                 },
                 (signal, forward) = signals.recv() => return Ok(Some(Event::Signal(signal, forward))),

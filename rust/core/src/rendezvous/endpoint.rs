@@ -40,7 +40,7 @@ pub fn parse_endpoint(endpoint: &str, default_port: u16) -> Result<(String, u16)
 }
 
 /// Parses `--rdzv-endpoint`: one endpoint, or an ordered, comma-separated list of them (the
-/// sites the job's store may live at, see [`super::locate`]).
+/// sites the job's store may live at, see [`super::c10d::locate`]).
 pub fn parse_endpoints(text: &str, default_port: u16) -> Result<Vec<(String, u16)>> {
     if !text.contains(',') {
         return Ok(vec![parse_endpoint(text, default_port)?]);

@@ -1,41 +1,37 @@
 //! Rendezvous: how the agents of a job find each other, agree on membership and ranks, and
 //! re-form when nodes join, leave or die.
 //!
-//! * [`handler`]: creating a rendezvous (`c10d`, `etcd`, `static`) and its common interface.
-//! * [`etcd`]: the elastic rendezvous on an etcd v3 cluster, on leases, transactions and watches.
-//! * [`dynamic`]: the elastic handler; [`round`]: forming one round; [`liveness`]:
-//!   heartbeats; [`events`]: the run's event log.
-//! * [`store`]: the store operations it needs, as a backend trait (TCPStore protocol here).
-//! * [`settings`], [`conf`], [`endpoint`]: configuration; [`records`], [`keys`]: the
-//!   versioned JSON state and where it lives.
+//! * [`backend`]: the interface every backend implements, and creating the one the launcher
+//!   names ([`Rendezvous`]), its configuration parsed once, up front;
+//! * the backends: [`c10d`] (over TCPStore servers: one endpoint or a list of sites),
+//!   [`etcd`] (on an etcd v3 cluster's leases, transactions and watches), [`static_rdzv`];
+//! * shared: [`store`] (the TCP store as the rendezvous uses it), [`change`] (what ends a
+//!   round), [`presence`] (asking the other members' agents whether they are still there),
+//!   [`records`] (the versioned JSON state), [`node`], [`settings`], [`conf`], [`params`],
+//!   [`endpoint`], [`error`];
 //! * [`status`]: the job's state as `elastix status` reads it, from any machine.
-//! * [`presence`]: asking the other members' agents whether they are still there.
 
+pub mod backend;
+pub mod c10d;
 mod change;
 pub mod conf;
-mod contact;
-pub mod dynamic;
 pub mod endpoint;
 pub mod error;
 pub mod etcd;
-mod events;
-pub mod handler;
-pub mod keys;
-mod liveness;
-mod locate;
 pub mod node;
 mod params;
 pub mod presence;
 pub mod records;
-mod round;
 pub mod settings;
 pub mod static_rdzv;
 pub mod status;
 pub mod store;
 
+pub use backend::{Backend, Rendezvous};
+pub use c10d::dynamic::DynamicRendezvous;
+pub use change::{MembershipChange, RendezvousInfo};
 pub use conf::ConfInput;
-pub use dynamic::{DynamicRendezvous, MembershipChange, RendezvousInfo};
 pub use error::RendezvousError;
-pub use handler::{Rendezvous, RendezvousParams};
 pub use node::NodeDesc;
+pub use params::RendezvousParams;
 pub use settings::RendezvousSettings;

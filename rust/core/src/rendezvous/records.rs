@@ -9,6 +9,15 @@ use super::node::NodeDesc;
 
 pub const FORMAT_VERSION: u32 = 1;
 
+/// Where a run keeps its [`FailureRecord`] (under the run's prefix), on every backend.
+pub const LAST_FAILURE_KEY: &str = "last_failure";
+
+/// The namespace of round `round`'s workers' store (under the run's prefix), handed to the
+/// agent and its workers: the same on every backend.
+pub fn round_store(round: u64) -> String {
+    format!("r{round}/store")
+}
+
 /// Written once per store holding the run: lets agents started with different settings or
 /// versions fail fast, and tells one holding of the state from another.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -6,12 +6,49 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::dynamic::RendezvousInfo;
+use super::backend::{Backend, Fut};
+use super::change::RendezvousInfo;
+use super::conf::{RendezvousConf, STATIC_KEYS};
+use super::endpoint::parse_endpoint;
 use super::error::{RendezvousError, Result};
 use super::node::NodeDesc;
+use super::params::{apply_secret, conf_secret, RendezvousParams};
 use super::records::{encode, Arrival, FORMAT_VERSION};
-use super::store::{RendezvousStore, StoreConn, TcpRendezvousStore};
+use super::store::{RendezvousStore, StoreConn, TcpRendezvousStore, DEFAULT_READ_TIMEOUT};
+use crate::auth::Secret;
 use crate::store::{ConnectOptions, ServerConfig, StoreServer};
+
+/// torch's `timeout` default for the static backend.
+const DEFAULT_STATIC_TIMEOUT: Duration = Duration::from_secs(600);
+/// torch's default master port for the static backend.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// `--rdzv-backend static`'s configuration, parsed and checked (without side effects).
+pub(crate) struct StaticOptions {
+    rank: u32,
+    timeout: Duration,
+    endpoint: (String, u16),
+    secret: Option<Secret>,
+}
+
+impl StaticOptions {
+    pub(crate) fn parse(params: &RendezvousParams) -> Result<StaticOptions> {
+        let mut conf = RendezvousConf::from_input(&params.conf, STATIC_KEYS)?;
+        let secret = conf_secret(&conf)?;
+        if let Some(rank) = params.node_rank {
+            conf.insert("rank", &rank.to_string(), STATIC_KEYS)?;
+        }
+        let rank = conf
+            .int("rank")?
+            .ok_or_else(|| RendezvousError::Config("static rendezvous needs the node rank (--node-rank)".into()))?;
+        let rank = u32::try_from(rank)
+            .map_err(|_| RendezvousError::Config(format!("static rendezvous: node rank {rank} is negative")))?;
+        let timeout = conf.duration("timeout", DEFAULT_STATIC_TIMEOUT)?;
+        conf.duration("read_timeout", DEFAULT_READ_TIMEOUT)?;
+        let endpoint = parse_endpoint(&params.endpoint, DEFAULT_MASTER_PORT)?;
+        Ok(StaticOptions { rank, timeout, endpoint, secret })
+    }
+}
 
 pub struct StaticRendezvous {
     run_id: String,
@@ -30,6 +67,13 @@ pub struct StaticRendezvous {
 }
 
 impl StaticRendezvous {
+    /// The static backend for `options` (the secret becomes this process's).
+    pub(crate) fn create(params: &RendezvousParams, options: StaticOptions) -> Result<StaticRendezvous> {
+        let StaticOptions { rank, timeout, endpoint, secret } = options;
+        apply_secret(secret)?;
+        StaticRendezvous::new(&params.run_id, rank, params.max_nodes, endpoint, timeout, params.local_addr.as_deref())
+    }
+
     pub fn new(
         run_id: &str,
         rank: u32,
@@ -139,4 +183,39 @@ impl StaticRendezvous {
 fn serve(port: u16) -> Result<StoreServer> {
     StoreServer::start(&ServerConfig { port, ..ServerConfig::default() })
         .map_err(|err| RendezvousError::Config(format!("static rendezvous: rank 0 cannot serve the store: {err}")))
+}
+
+impl Backend for StaticRendezvous {
+    fn name(&self) -> &'static str {
+        "static"
+    }
+
+    fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    fn next_rendezvous(&mut self) -> Fut<'_, RendezvousInfo> {
+        Box::pin(StaticRendezvous::next_rendezvous(self))
+    }
+
+    fn report_failure(&mut self) -> Fut<'_, i64> {
+        let restarts = StaticRendezvous::report_failure(self);
+        Box::pin(std::future::ready(Ok(restarts)))
+    }
+
+    fn record_restart(&mut self) -> Fut<'_, i64> {
+        Backend::report_failure(self)
+    }
+
+    fn restart_count(&mut self) -> Fut<'_, i64> {
+        Box::pin(std::future::ready(Ok(self.restarts)))
+    }
+
+    fn describe_store(&self) -> String {
+        format!("{}:{}", self.master_addr, self.master_port)
+    }
+
+    fn hosted_port(&self) -> Option<u16> {
+        StaticRendezvous::hosted_port(self)
+    }
 }

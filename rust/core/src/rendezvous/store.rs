@@ -1,6 +1,6 @@
 //! The store operations the c10d rendezvous is built from, as a backend trait: implemented here
 //! over the TCPStore protocol (elastix's server or torch's). (etcd has a rendezvous of its own,
-//! built on leases and watches: [`super::etcd`].)
+//! built on leases and watches: [`crate::rendezvous::etcd`].)
 //!
 //! Every key is relative to the run's prefix. Reads of keys that may be missing go through
 //! `wait`/`check` first: torch's legacy server drops a connection that GETs a missing key.
@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::error::Result;
+use crate::rendezvous::error::Result;
 use crate::store::client::Backoff;
 use crate::store::{Client, ConnectOptions, StoreError};
 
@@ -133,6 +133,9 @@ pub trait StoreConn: Send + 'static {
         }
     }
 }
+
+/// torch's store operation timeout for the rendezvous store (`read_timeout`).
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Connection attempts to one of several sites before it counts as down (a refusal is
 /// answer enough; the second attempt covers a connection reset while it restarts).

@@ -18,13 +18,13 @@ use super::join::{member_id, wait_master, Ctx, Entry, Joined, Outcome};
 use super::keys::EtcdKeys;
 use super::member::{self, RoundWatch};
 use super::ops::{self, etcd_error};
+use crate::rendezvous::backend::{Backend, Fut};
 use crate::rendezvous::change::{MembershipChange, RendezvousInfo};
 use crate::rendezvous::error::{RendezvousError, Result};
-use crate::rendezvous::keys::Keys;
 use crate::rendezvous::node::NodeDesc;
 use crate::rendezvous::presence::{self, Census, Presence, PROBE_TIMEOUT};
 use crate::rendezvous::records::{
-    decode, encode, AgentFacts, Arrival, FailureRecord, Master, Meta, NodeStatus, FORMAT_VERSION,
+    decode, encode, round_store, AgentFacts, Arrival, FailureRecord, Master, Meta, NodeStatus, FORMAT_VERSION,
 };
 use crate::rendezvous::settings::RendezvousSettings;
 use crate::store::{ServerConfig, StoreServer};
@@ -183,8 +183,18 @@ impl EtcdRendezvous {
                     (Some((_, published)), _) => published.clone(),
                     (None, Some(master)) => master,
                     (None, None) => {
+                        // a live rank 0 publishes its address as the round seals: one that has
+                        // not within two loss windows died with the seal, and the round with it
                         let patience = Instant::now() + self.settings.node_lost_after() * 2;
-                        wait_master(&ctx, target, &mut watcher, deadline.max(patience)).await?
+                        match wait_master(&ctx, target, &mut watcher, deadline.min(patience)).await {
+                            Ok(master) => master,
+                            Err(RendezvousError::Timeout(why)) if Instant::now() < deadline => {
+                                tracing::warn!(round = target, "{why}: it is lost; forming the next round");
+                                self.last_round = Some(target);
+                                return Ok(None);
+                            }
+                            Err(err) => return Err(err),
+                        }
                     }
                 };
                 drop(watcher);
@@ -331,7 +341,7 @@ impl EtcdRendezvous {
             master_port: master.port,
             store_host: master.addr,
             store_port: master.port,
-            store_prefix: format!("{}{}", self.keys.prefix().trim_start_matches('/'), Keys::round_store(round)),
+            store_prefix: format!("{}{}", self.keys.prefix().trim_start_matches('/'), round_store(round)),
         }
     }
 
@@ -422,11 +432,12 @@ impl EtcdRendezvous {
         }
     }
 
-    /// The last sealed round, if it is newer than this node's: the others re-formed without it.
-    pub async fn newer_round(&mut self) -> Result<Option<u64>> {
+    /// A round sealed after this node's, if one was: the others re-formed without it.
+    pub async fn round_ended(&mut self) -> Result<Option<MembershipChange>> {
         let Some(round) = self.current_round() else { return Ok(None) };
         let latest = self.read(&self.keys.round()).await?.map(|bytes| ops::number(&bytes, "round")).transpose()?;
-        Ok(latest.map(|latest| latest.max(0) as u64).filter(|latest| *latest > round))
+        let newer = latest.map(|latest| latest.max(0) as u64).filter(|latest| *latest > round);
+        Ok(newer.map(|round| MembershipChange::RoundSuperseded { round }))
     }
 
     fn current_round(&self) -> Option<u64> {
@@ -501,5 +512,84 @@ impl EtcdRendezvous {
     /// [`Self::shutdown`].
     pub fn disconnect(&mut self) {
         self.shutdown();
+    }
+}
+
+impl Backend for EtcdRendezvous {
+    fn name(&self) -> &'static str {
+        "etcd"
+    }
+
+    fn run_id(&self) -> &str {
+        EtcdRendezvous::run_id(self)
+    }
+
+    fn next_rendezvous(&mut self) -> Fut<'_, RendezvousInfo> {
+        Box::pin(EtcdRendezvous::next_rendezvous(self))
+    }
+
+    fn report_failure(&mut self) -> Fut<'_, i64> {
+        Box::pin(EtcdRendezvous::report_failure(self))
+    }
+
+    fn record_restart(&mut self) -> Fut<'_, i64> {
+        Box::pin(EtcdRendezvous::record_restart(self))
+    }
+
+    fn restart_count(&mut self) -> Fut<'_, i64> {
+        Box::pin(EtcdRendezvous::restart_count(self))
+    }
+
+    fn describe_store(&self) -> String {
+        EtcdRendezvous::describe_store(self)
+    }
+
+    fn loss_window(&self) -> Duration {
+        self.settings.node_lost_after()
+    }
+
+    fn num_nodes_waiting(&mut self) -> Fut<'_, u32> {
+        Box::pin(EtcdRendezvous::num_nodes_waiting(self))
+    }
+
+    fn is_closed(&mut self) -> Fut<'_, bool> {
+        Box::pin(EtcdRendezvous::is_closed(self))
+    }
+
+    fn set_closed_with<'a>(&'a mut self, reason: &'a str) -> Fut<'a, ()> {
+        Box::pin(EtcdRendezvous::set_closed_with(self, reason))
+    }
+
+    fn closed_reason(&mut self) -> Fut<'_, Option<String>> {
+        Box::pin(EtcdRendezvous::closed_reason(self))
+    }
+
+    fn changes(&self) -> Option<watch::Receiver<Option<MembershipChange>>> {
+        EtcdRendezvous::changes(self)
+    }
+
+    fn publish_node_status(&mut self, facts: AgentFacts) -> Fut<'_, ()> {
+        Box::pin(EtcdRendezvous::publish_node_status(self, facts))
+    }
+
+    fn publish_failure<'a>(&'a mut self, failure: &'a FailureRecord) -> Fut<'a, ()> {
+        Box::pin(EtcdRendezvous::publish_failure(self, failure))
+    }
+
+    fn census<'a>(&'a mut self, only: Option<&'a [u32]>) -> Fut<'a, Census> {
+        Box::pin(EtcdRendezvous::census(self, only))
+    }
+
+    fn round_ended(&mut self) -> Fut<'_, Option<MembershipChange>> {
+        Box::pin(EtcdRendezvous::round_ended(self))
+    }
+
+    fn shutdown(&mut self) {
+        EtcdRendezvous::shutdown(self);
+    }
+
+    fn linger(&mut self, _within: Duration) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        self.disconnect();
+        Box::pin(std::future::ready(()))
     }
 }

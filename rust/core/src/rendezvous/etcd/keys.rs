@@ -91,7 +91,7 @@ impl EtcdKeys {
 
     /// The last failure's [`crate::rendezvous::records::FailureRecord`].
     pub fn last_failure(&self) -> Vec<u8> {
-        self.key(crate::rendezvous::keys::Keys::LAST_FAILURE)
+        self.key(crate::rendezvous::records::LAST_FAILURE_KEY)
     }
 
     pub fn joined(&self, r: u64) -> Vec<u8> {

@@ -40,43 +40,50 @@ pub(crate) struct EtcdRdzvOptions {
     secret: Option<Secret>,
 }
 
-pub(crate) fn etcd_options(params: &RendezvousParams) -> Result<EtcdRdzvOptions> {
-    let mut conf = RendezvousConf::from_input(&params.conf, ETCD_KEYS)?;
-    let secret = conf_secret(&conf)?;
-    if let Some(timeout) = conf.get("timeout").map(str::to_owned) {
-        if conf.get("join_timeout").is_none() {
-            conf.insert("join_timeout", &timeout, ETCD_KEYS)?;
+impl EtcdRdzvOptions {
+    /// Parses and checks the etcd backend's configuration (the TLS files read), with no
+    /// other side effect.
+    pub(crate) fn parse(params: &RendezvousParams) -> Result<EtcdRdzvOptions> {
+        let mut conf = RendezvousConf::from_input(&params.conf, ETCD_KEYS)?;
+        let secret = conf_secret(&conf)?;
+        if let Some(timeout) = conf.get("timeout").map(str::to_owned) {
+            if conf.get("join_timeout").is_none() {
+                conf.insert("join_timeout", &timeout, ETCD_KEYS)?;
+            }
         }
+        if conf.get("lease_ttl").is_some() {
+            if conf.get("keep_alive_interval").is_some() || conf.get("keep_alive_max_attempt").is_some() {
+                return Err(RendezvousError::Config(
+                    "--rdzv-conf lease_ttl sets keep_alive_interval and keep_alive_max_attempt; give one or the other"
+                        .into(),
+                ));
+            }
+            let ttl = conf.duration("lease_ttl", Duration::ZERO)?;
+            if ttl < Duration::from_millis(300) {
+                return Err(RendezvousError::Config(format!("--rdzv-conf lease_ttl={ttl:?} is too short")));
+            }
+            conf.insert("keep_alive_interval", &format!("{}ms", (ttl / 3).as_millis()), ETCD_KEYS)?;
+            conf.insert("keep_alive_max_attempt", "3", ETCD_KEYS)?;
+        }
+        let mut settings = dynamic_settings(params, &conf)?;
+        // The keep-alive retries up to the join timeout; the round's watch decides sooner,
+        // when the lease would lapse: a node cut off stops its workers then, while a cluster
+        // that refuses everyone (down for all: a new leader renews every lease) is waited for.
+        settings.store_outage_limit = Some(settings.join_timeout);
+        let client = client_options(&conf, &params.endpoint, settings.heartbeat_timeout)?;
+        let prefix = run_prefix(&conf, &params.run_id);
+        Ok(EtcdRdzvOptions { settings, client, prefix, secret })
     }
-    if conf.get("lease_ttl").is_some() {
-        if conf.get("keep_alive_interval").is_some() || conf.get("keep_alive_max_attempt").is_some() {
-            return Err(RendezvousError::Config(
-                "--rdzv-conf lease_ttl sets keep_alive_interval and keep_alive_max_attempt; give one or the other"
-                    .into(),
-            ));
-        }
-        let ttl = conf.duration("lease_ttl", Duration::ZERO)?;
-        if ttl < Duration::from_millis(300) {
-            return Err(RendezvousError::Config(format!("--rdzv-conf lease_ttl={ttl:?} is too short")));
-        }
-        conf.insert("keep_alive_interval", &format!("{}ms", (ttl / 3).as_millis()), ETCD_KEYS)?;
-        conf.insert("keep_alive_max_attempt", "3", ETCD_KEYS)?;
-    }
-    let mut settings = dynamic_settings(params, &conf)?;
-    // Out of contact with etcd, a node cannot tell its own cut link from a cluster that is
-    // down for everyone (a new leader renews every lease, so nobody is counted lost): its
-    // workers keep running, up to the join timeout, unless etcd says its lease expired.
-    settings.store_outage_limit = Some(settings.join_timeout);
-    let client = client_options(&conf, &params.endpoint, settings.heartbeat_timeout)?;
-    let prefix = run_prefix(&conf, &params.run_id);
-    Ok(EtcdRdzvOptions { settings, client, prefix, secret })
 }
 
-pub(crate) fn create_etcd(options: EtcdRdzvOptions) -> Result<EtcdRendezvous> {
-    let EtcdRdzvOptions { settings, client, prefix, secret } = options;
-    apply_secret(secret)?;
-    let client = EtcdClient::new(&client).map_err(|err| RendezvousError::Config(err.to_string()))?;
-    EtcdRendezvous::new(client, settings, prefix)
+impl EtcdRendezvous {
+    /// The etcd backend for `options` (the secret becomes this process's).
+    pub(crate) fn create(options: EtcdRdzvOptions) -> Result<EtcdRendezvous> {
+        let EtcdRdzvOptions { settings, client, prefix, secret } = options;
+        apply_secret(secret)?;
+        let client = EtcdClient::new(&client).map_err(|err| RendezvousError::Config(err.to_string()))?;
+        EtcdRendezvous::new(client, settings, prefix)
+    }
 }
 
 /// What a client of the cluster at `endpoint` (a list) needs, with `conf`'s TLS files; each

@@ -11,15 +11,15 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::{sleep, timeout, Instant};
 
-use super::change::MembershipChange;
 use super::contact::Contact;
-use super::error::{RendezvousError, Result};
 use super::events;
 use super::keys::Keys;
-use super::node::NodeDesc;
-use super::records::{decode, now_ms, Arrival, Event, FORMAT_VERSION};
-use super::settings::RendezvousSettings;
-use super::store::{RendezvousStore, StoreConn};
+use crate::rendezvous::change::MembershipChange;
+use crate::rendezvous::error::{RendezvousError, Result};
+use crate::rendezvous::node::NodeDesc;
+use crate::rendezvous::records::{decode, now_ms, Arrival, Event, FORMAT_VERSION};
+use crate::rendezvous::settings::RendezvousSettings;
+use crate::rendezvous::store::{RendezvousStore, StoreConn};
 
 /// What the background tasks of one round share.
 #[derive(Clone)]

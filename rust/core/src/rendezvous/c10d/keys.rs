@@ -2,11 +2,13 @@
 //! run's base prefix; each round has its own sub-tree, so a round is written once and never
 //! rewritten (no read-modify-write of a growing shared blob).
 
+use crate::rendezvous::records;
+
 /// Keys relative to the run's base prefix.
 pub struct Keys;
 
 impl Keys {
-    /// JSON [`super::records::Meta`]: format version and node bounds, written once per run.
+    /// JSON [`crate::rendezvous::records::Meta`]: format version and node bounds, written once per run.
     pub const META: &'static str = "meta";
     /// The current round number (decimal); moved forward with compare-and-set.
     pub const ROUND: &'static str = "round";
@@ -17,9 +19,9 @@ impl Keys {
     /// Job-wide count of restarts after failures.
     pub const RESTARTS: &'static str = "restarts";
 
-    /// JSON [`super::records::FailureRecord`]: the job's last worker failure, for `elastix
-    /// status` (each failing node overwrites it; written at failure time only).
-    pub const LAST_FAILURE: &'static str = "last_failure";
+    /// JSON [`FailureRecord`](crate::rendezvous::records::FailureRecord): the job's last worker
+    /// failure, for `elastix status` (each failing node overwrites it; at failure time only).
+    pub const LAST_FAILURE: &'static str = records::LAST_FAILURE_KEY;
 
     pub fn event(n: i64) -> String {
         format!("event/{n}")
@@ -50,7 +52,7 @@ impl Keys {
         format!("r{r}/rank/{i}")
     }
 
-    /// JSON [`super::records::Seal`], written once by compare-and-set.
+    /// JSON [`crate::rendezvous::records::Seal`], written once by compare-and-set.
     pub fn sealed(r: u64) -> String {
         format!("r{r}/sealed")
     }
@@ -85,7 +87,7 @@ impl Keys {
         format!("r{r}/master")
     }
 
-    /// JSON [`super::records::NodeStatus`] of the member with group rank `rank`, written once
+    /// JSON [`crate::rendezvous::records::NodeStatus`] of the member with group rank `rank`, written once
     /// its workers run (for `elastix status`).
     pub fn node_status(r: u64, rank: u32) -> String {
         format!("r{r}/node/{rank}")
@@ -109,7 +111,7 @@ impl Keys {
 
     /// The prefix of the round's store, handed to the agent (and its users) as a namespace.
     pub fn round_store(r: u64) -> String {
-        format!("r{r}/store")
+        records::round_store(r)
     }
 }
 

@@ -1,56 +1,27 @@
-//! Reading a job's state for `elastix status`: only CHECK and GET (no ADD, not even of 0,
+//! Reading a c10d job's state for `elastix status`: only CHECK and GET (no ADD, not even of 0,
 //! which would create a missing counter), O(members + [`EVENTS_SCANNED`]) requests, each
 //! bounded by the query's timeout.
 
 use std::time::Duration;
 
-use super::{judge, Evidence, Health, JobStatus, LastFailure, Lost, Member, Restarts, State};
-use super::{EVENTS_SCANNED, STATUS_VERSION};
-use crate::rendezvous::conf::{ConfInput, RendezvousConf, DYNAMIC_KEYS};
+use super::keys::{run_prefix, Keys};
+use super::locate::read_meta;
+use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS};
 use crate::rendezvous::endpoint::{parse_endpoints, DEFAULT_PORT};
 use crate::rendezvous::error::{RendezvousError, Result};
-use crate::rendezvous::keys::{run_prefix, Keys};
-use crate::rendezvous::locate::read_meta;
 use crate::rendezvous::params::{apply_secret, conf_secret};
 use crate::rendezvous::records::{decode, now_ms, Arrival, Event, FailureRecord, Meta, NodeStatus, Seal};
+use crate::rendezvous::status::{judge, Evidence, Health, JobStatus, LastFailure, Lost, Member, Restarts, State};
+use crate::rendezvous::status::{StatusQuery, EVENTS_SCANNED, STATUS_VERSION};
 use crate::rendezvous::store::{RendezvousStore, StoreConn, TcpRendezvousStore};
 use crate::store::counter::parse_counter;
 
 /// Arrivals named while a round forms.
 const ARRIVALS_NAMED: u64 = 32;
 
-/// What `elastix status` asks for.
-#[derive(Clone, Debug)]
-pub struct StatusQuery {
-    pub backend: String,
-    pub endpoint: String,
-    pub run_id: String,
-    /// `--rdzv-conf`: only `auth_token_file` matters here, but every key `elastix run`
-    /// takes is accepted, so the same flags work for both.
-    pub conf: ConfInput,
-    /// Bound on reaching the store and on each request.
-    pub timeout: Duration,
-}
-
-/// The job's state, or `None` when the store answers but holds no run with that ID.
-pub async fn job_status(query: &StatusQuery) -> Result<Option<JobStatus>> {
-    if query.run_id.is_empty() {
-        return Err(RendezvousError::Config("--rdzv-id must not be empty".into()));
-    }
-    match query.backend.as_str() {
-        "c10d" => {}
-        "etcd" | "etcd-v3" => return crate::rendezvous::etcd::etcd_status(query).await,
-        "static" => {
-            return Err(RendezvousError::Config(
-                "--rdzv-backend static keeps no shared state for elastix status to read".into(),
-            ))
-        }
-        other => {
-            return Err(RendezvousError::Config(format!(
-                "--rdzv-backend {other:?} is unknown; elastix status reads c10d and etcd"
-            )))
-        }
-    }
+/// The job's state at a c10d store (site list), or `None` when a site answers but holds no
+/// run with that ID.
+pub(crate) async fn c10d_status(query: &StatusQuery) -> Result<Option<JobStatus>> {
     let conf = RendezvousConf::from_input(&query.conf, DYNAMIC_KEYS)?;
     apply_secret(conf_secret(&conf)?)?;
     let sites = parse_endpoints(&query.endpoint, DEFAULT_PORT)?;

@@ -5,10 +5,10 @@
 
 use std::time::Duration;
 
-use super::error::Result;
 use super::keys::Keys;
-use super::records::{decode, encode, Event};
-use super::store::StoreConn;
+use crate::rendezvous::error::Result;
+use crate::rendezvous::records::{decode, encode, Event};
+use crate::rendezvous::store::StoreConn;
 
 /// Appends `event` to the log. Producers change the state first and publish after, so a
 /// reader that sees the event also sees the change.

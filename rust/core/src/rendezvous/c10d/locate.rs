@@ -29,12 +29,12 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::change::MembershipChange;
-use super::error::Result;
 use super::keys::Keys;
-use super::presence;
-use super::records::{decode, Meta};
-use super::store::{RendezvousStore, StoreConn};
+use crate::rendezvous::change::MembershipChange;
+use crate::rendezvous::error::Result;
+use crate::rendezvous::presence;
+use crate::rendezvous::records::{decode, Meta};
+use crate::rendezvous::store::{RendezvousStore, StoreConn};
 
 /// How long probing one site may take: a site that does not answer within this is skipped.
 pub(crate) const PROBE_PATIENCE: Duration = Duration::from_secs(1);

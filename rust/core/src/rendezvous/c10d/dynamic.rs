@@ -19,21 +19,21 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-pub use super::change::{MembershipChange, RendezvousInfo};
 use super::contact::Contact;
-use super::error::{RendezvousError, Result};
 use super::events;
 use super::keys::Keys;
 use super::liveness::{member_key, report_lost, spawn_heartbeats, spawn_monitor, RoundContext};
 use super::locate::{self, Choice, Known, Probe};
-use super::node::NodeDesc;
-use super::presence::{self, Census, Presence, PROBE_TIMEOUT};
-use super::records::{
+use super::round::{JoinOutcome, RoundJoin};
+use crate::rendezvous::change::{MembershipChange, RendezvousInfo};
+use crate::rendezvous::error::{RendezvousError, Result};
+use crate::rendezvous::node::NodeDesc;
+use crate::rendezvous::presence::{self, Census, Presence, PROBE_TIMEOUT};
+use crate::rendezvous::records::{
     decode, encode, AgentFacts, Arrival, Event, FailureRecord, Master, Meta, NodeStatus, FORMAT_VERSION,
 };
-use super::round::{JoinOutcome, RoundJoin};
-use super::settings::RendezvousSettings;
-use super::store::{RendezvousStore, StoreConn};
+use crate::rendezvous::settings::RendezvousSettings;
+use crate::rendezvous::store::{RendezvousStore, StoreConn};
 use crate::store::{ServerConfig, StoreServer};
 
 /// How long a node waits between looks for a store site that answers.
@@ -188,7 +188,11 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         let (outcome, seen) = self.join(round, deadline).await?;
         match outcome {
             JoinOutcome::Member { rank, world_size } => {
-                return Ok(Some(self.start_membership(round, rank, world_size, seen, deadline).await?));
+                if let Some(info) = self.start_membership(round, rank, world_size, seen, deadline).await? {
+                    return Ok(Some(info));
+                }
+                // rank 0 died with the seal: the round never starts; the next one forms
+                self.open_round(round, round + 1, None).await?;
             }
             JoinOutcome::Aborted => self.open_round(round, round + 1, None).await?,
             JoinOutcome::Late { world_size } => self.wait_as_late_node(round, world_size, deadline).await?,
@@ -431,7 +435,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     }
 
     /// Announces this member, sets up the workers' store (rank 0) and the round's background
-    /// tasks, and returns the round's information.
+    /// tasks, and returns the round's information (`None`: rank 0 died with the seal).
     async fn start_membership(
         &mut self,
         round: u64,
@@ -439,7 +443,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         world_size: u32,
         seen: i64,
         deadline: Instant,
-    ) -> Result<RendezvousInfo> {
+    ) -> Result<Option<RendezvousInfo>> {
         let member = Arrival { v: FORMAT_VERSION, node: Some(self.node.clone()) };
         let master_server = if rank == 0 {
             Some(
@@ -458,21 +462,29 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             port: server.port(),
         });
         let run_id = self.settings.run_id.clone();
-        let master: Master = self
+        // a live rank 0 publishes its address as the round seals: one that has not within two
+        // loss windows died with the seal (None), unless the join deadline comes first
+        let patience = self.settings.node_lost_after() * 2;
+        let master: Option<Master> = self
             .with_conn(async |conn| {
                 conn.set(&member_key(round, rank), &encode(&member)).await?;
                 if let Some(master) = &published {
                     conn.set(&Keys::master(round), &encode(master)).await?;
                 }
-                let timeout = deadline.saturating_duration_since(Instant::now());
-                match conn.wait_get(&Keys::master(round), Some(timeout)).await? {
-                    Some(bytes) => decode(&bytes, "master address"),
+                let remaining = deadline.saturating_duration_since(Instant::now());
+                match conn.wait_get(&Keys::master(round), Some(remaining.min(patience))).await? {
+                    Some(bytes) => decode(&bytes, "master address").map(Some),
+                    None if remaining > patience => Ok(None),
                     None => Err(RendezvousError::Timeout(format!(
                         "rendezvous {run_id:?} round {round}: rank 0 never published the workers' store address"
                     ))),
                 }
             })
             .await?;
+        let Some(master) = master else {
+            tracing::warn!(round, "rank 0 did not publish the workers' store address within {patience:?}: it is lost");
+            return Ok(None);
+        };
 
         let (sender, changes) = watch::channel(None);
         let context = RoundContext {
@@ -500,7 +512,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             false => (master.addr.clone(), master.port),
         };
         tracing::info!(round, rank, world_size, "rendezvous complete");
-        Ok(RendezvousInfo {
+        Ok(Some(RendezvousInfo {
             run_id: self.settings.run_id.clone(),
             round,
             rank,
@@ -510,7 +522,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             store_host,
             store_port,
             store_prefix: format!("{}{}", self.store_prefix.trim_start_matches('/'), Keys::round_store(round)),
-        })
+        }))
     }
 
     /// Changes to the current round (`None` until one happens). Stale once the node moves
@@ -527,7 +539,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     }
 
     /// Asks the other members of the current round whether their agents are still there
-    /// ([`super::presence`]), and reports the gone ones lost at once (the heartbeat monitor
+    /// ([`crate::rendezvous::presence`]), and reports the gone ones lost at once (the heartbeat monitor
     /// would, a loss window later), so that every member re-forms without them now.
     /// `only`: the group ranks to ask (default: every other member).
     pub async fn census(&mut self, only: Option<&[u32]>) -> Result<Census> {
@@ -578,12 +590,26 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         Ok(census)
     }
 
-    /// The round opened after this node's, if one was: the others re-formed without it (this
-    /// agent was stopped, or cut off, while they did).
-    pub async fn newer_round(&mut self) -> Result<Option<u64>> {
+    /// What ended this node's round without its watcher having said so yet: a newer round
+    /// (the others re-formed without it: this agent was stopped, or cut off, while they did),
+    /// or the store losing the state the round lived in (it restarted empty).
+    pub async fn round_ended(&mut self) -> Result<Option<MembershipChange>> {
         let Some(round) = self.current.as_ref().map(|m| m.round) else { return Ok(None) };
-        let current = self.with_conn(async |conn| current_round(conn).await).await?;
-        Ok((current > round).then_some(current))
+        let known = self.known;
+        let look = async |conn: &mut S::Conn| {
+            let meta = locate::read_meta(conn).await?;
+            if known.is_some_and(|known| meta.as_ref().map_or(true, |meta| meta.incarnation != known.incarnation)) {
+                return Ok(Some(MembershipChange::StoreReset));
+            }
+            let current = current_round(conn).await?;
+            Ok((current > round).then_some(MembershipChange::RoundSuperseded { round: current }))
+        };
+        match self.with_conn(look).await {
+            // the main connection may have gone stale while idle (the store restarted): these
+            // reads are safe to make again, on a fresh one
+            Err(err) if err.is_store_unreachable() => self.with_conn(look).await,
+            found => found,
+        }
     }
 
     /// The address of the store site that holds the job's state now: with several sites, the

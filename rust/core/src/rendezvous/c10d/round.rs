@@ -18,12 +18,12 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::error::{RendezvousError, Result};
 use super::keys::Keys;
-use super::node::NodeDesc;
-use super::records::{decode, encode, Arrival, Seal, FORMAT_VERSION};
-use super::settings::RendezvousSettings;
-use super::store::StoreConn;
+use crate::rendezvous::error::{RendezvousError, Result};
+use crate::rendezvous::node::NodeDesc;
+use crate::rendezvous::records::{decode, encode, Arrival, Seal, FORMAT_VERSION};
+use crate::rendezvous::settings::RendezvousSettings;
+use crate::rendezvous::store::StoreConn;
 
 /// Most arrivals named in a timeout message.
 const NAMED_IN_ERRORS: u64 = 32;

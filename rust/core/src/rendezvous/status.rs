@@ -1,21 +1,51 @@
 //! `elastix status`: a job's state as the rendezvous store holds it, read from any machine
 //! that can reach the store, and a verdict on its health.
 //!
-//! * [`read`]: finding the run at the endpoint and reading its state (read-only: no key is
-//!   created or changed, whatever the job's state).
-//! * here: the report and the verdict (pure).
+//! * here: the query, the report and the verdict (pure);
+//! * each backend's reading of its store (`c10d::status`, `etcd::status`): read-only, no key
+//!   is created or changed, whatever the job's state.
 //!
 //! The report is JSON with a format version `v`; fields are only ever added. Ages are
 //! computed against this machine's clock: a skewed clock shifts them (never below zero).
 
-mod read;
+use std::time::Duration;
 
 use serde::Serialize;
 
+use super::conf::ConfInput;
+use super::error::{RendezvousError, Result};
 use super::node::NodeDesc;
 use super::records::{FailureRecord, NodeStatus};
 
-pub use read::{job_status, StatusQuery};
+/// What `elastix status` asks for.
+#[derive(Clone, Debug)]
+pub struct StatusQuery {
+    pub backend: String,
+    pub endpoint: String,
+    pub run_id: String,
+    /// `--rdzv-conf`: only `auth_token_file` matters here, but every key `elastix run`
+    /// takes is accepted, so the same flags work for both.
+    pub conf: ConfInput,
+    /// Bound on reaching the store and on each request.
+    pub timeout: Duration,
+}
+
+/// The job's state, or `None` when the store answers but holds no run with that ID.
+pub async fn job_status(query: &StatusQuery) -> Result<Option<JobStatus>> {
+    if query.run_id.is_empty() {
+        return Err(RendezvousError::Config("--rdzv-id must not be empty".into()));
+    }
+    match query.backend.as_str() {
+        "c10d" => super::c10d::status::c10d_status(query).await,
+        "etcd" | "etcd-v3" => super::etcd::etcd_status(query).await,
+        "static" => Err(RendezvousError::Config(
+            "--rdzv-backend static keeps no shared state for elastix status to read".into(),
+        )),
+        other => Err(RendezvousError::Config(format!(
+            "--rdzv-backend {other:?} is unknown; elastix status reads c10d and etcd"
+        ))),
+    }
+}
 
 /// Format version of the JSON report.
 pub const STATUS_VERSION: u32 = 1;

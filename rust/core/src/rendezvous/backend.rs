@@ -1,0 +1,181 @@
+//! One interface over the rendezvous backends ([`Backend`]: c10d, etcd, static), and the one
+//! the launcher's parameters name ([`Rendezvous`]), its configuration parsed once, up front.
+
+use std::future::Future;
+use std::ops::{Deref, DerefMut};
+use std::pin::Pin;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::c10d::{C10dOptions, C10dRendezvous};
+use super::change::{MembershipChange, RendezvousInfo};
+use super::error::{RendezvousError, Result};
+use super::etcd::{EtcdRdzvOptions, EtcdRendezvous};
+use super::params::RendezvousParams;
+use super::presence::Census;
+use super::records::{AgentFacts, FailureRecord};
+use super::static_rdzv::{StaticOptions, StaticRendezvous};
+
+/// A backend's answer, later.
+pub type Fut<'a, T> = Pin<Box<dyn Future<Output = Result<T>> + Send + 'a>>;
+
+fn ready<'a, T: Send + 'a>(value: T) -> Fut<'a, T> {
+    Box::pin(std::future::ready(Ok(value)))
+}
+
+/// What a rendezvous backend does for an agent. The futures are boxed so that the agent (and
+/// the Python binding) can hold whichever backend the configuration names; the defaults are
+/// what a backend without shared state (static) does.
+pub trait Backend: Send {
+    /// Its name, as `--rdzv-backend` takes it.
+    fn name(&self) -> &'static str;
+
+    fn run_id(&self) -> &str;
+
+    /// Joins the next round and returns this node's place in it.
+    fn next_rendezvous(&mut self) -> Fut<'_, RendezvousInfo>;
+
+    /// Reports that this node's round ended in a failure; returns the restarts so far
+    /// (job-wide on the elastic backends, this node's on static).
+    fn report_failure(&mut self) -> Fut<'_, i64>;
+
+    /// Counts one restart after a failure; returns the new total.
+    fn record_restart(&mut self) -> Fut<'_, i64>;
+
+    fn restart_count(&mut self) -> Fut<'_, i64>;
+
+    /// Where the job's state lives, for messages.
+    fn describe_store(&self) -> String;
+
+    /// The port of the rendezvous store this agent serves, if it serves one.
+    fn hosted_port(&self) -> Option<u16> {
+        None
+    }
+
+    /// How long a member may be silent (heartbeats, lease) before the others count it lost.
+    fn loss_window(&self) -> Duration {
+        Duration::ZERO
+    }
+
+    /// Late nodes waiting for the current round to re-form with them (torch's wait list).
+    fn num_nodes_waiting(&mut self) -> Fut<'_, u32> {
+        ready(0)
+    }
+
+    fn is_closed(&mut self) -> Fut<'_, bool> {
+        ready(false)
+    }
+
+    /// Ends the job's rendezvous with a reason every node can read back; the first stays.
+    fn set_closed_with<'a>(&'a mut self, _reason: &'a str) -> Fut<'a, ()> {
+        ready(())
+    }
+
+    fn set_closed(&mut self) -> Fut<'_, ()> {
+        self.set_closed_with("closed")
+    }
+
+    /// Why the job's rendezvous was closed, if it was.
+    fn closed_reason(&mut self) -> Fut<'_, Option<String>> {
+        ready(None)
+    }
+
+    /// Changes that should end the current round.
+    fn changes(&self) -> Option<watch::Receiver<Option<MembershipChange>>> {
+        None
+    }
+
+    /// Publishes what `elastix status` shows about this member.
+    fn publish_node_status(&mut self, _facts: AgentFacts) -> Fut<'_, ()> {
+        ready(())
+    }
+
+    /// Publishes the root cause of this node's last failure, for `elastix status`.
+    fn publish_failure<'a>(&'a mut self, _failure: &'a FailureRecord) -> Fut<'a, ()> {
+        ready(())
+    }
+
+    /// Asks the other members of the current round (`only` these group ranks, if given)
+    /// whether their agents are still there, and reports the gone ones lost
+    /// ([`super::presence`]).
+    fn census<'a>(&'a mut self, _only: Option<&'a [u32]>) -> Fut<'a, Census> {
+        ready(Census::default())
+    }
+
+    /// What ended this node's round without its watcher having said so yet: a newer round
+    /// (the others re-formed without it), or a store that lost the round's state.
+    fn round_ended(&mut self) -> Fut<'_, Option<MembershipChange>> {
+        ready(None)
+    }
+
+    /// Where the round's store is now, if it can move (a site list): `None` where the store a
+    /// round was given is the only one.
+    fn locate_store(&mut self) -> Option<Fut<'_, (String, u16)>> {
+        None
+    }
+
+    /// Stops this node's part (heartbeats, the workers' store); the rendezvous stays open.
+    fn shutdown(&mut self) {}
+
+    /// Before an agent exits: stops its part, and keeps a store it serves up a little (at most
+    /// `within`) for the nodes still reading how the job ended.
+    fn linger(&mut self, _within: Duration) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+        self.shutdown();
+        Box::pin(std::future::ready(()))
+    }
+}
+
+/// The rendezvous backend `--rdzv-backend` names.
+pub struct Rendezvous(Box<dyn Backend>);
+
+impl Rendezvous {
+    /// Builds the backend `params.backend` names. Must run inside a tokio runtime (a hosted
+    /// store is served on it).
+    pub async fn create(params: RendezvousParams) -> Result<Rendezvous> {
+        let backend: Box<dyn Backend> = match params.backend.as_str() {
+            "c10d" => Box::new(C10dRendezvous::create(&params, C10dOptions::parse(&params)?).await?),
+            "static" => Box::new(StaticRendezvous::create(&params, StaticOptions::parse(&params)?)?),
+            "etcd" | "etcd-v3" => Box::new(EtcdRendezvous::create(EtcdRdzvOptions::parse(&params)?)?),
+            other => return Err(unknown_backend(other)),
+        };
+        Ok(Rendezvous(backend))
+    }
+
+    /// Checks everything `create` would build from `params` (every `--rdzv-conf` value, the
+    /// secret's file, the endpoint list) without building anything, binding anything or
+    /// installing the secret: a bad value is a configuration error before the agent starts.
+    pub fn check(params: &RendezvousParams) -> Result<()> {
+        match params.backend.as_str() {
+            "c10d" => C10dOptions::parse(params).map(drop),
+            "static" => StaticOptions::parse(params).map(drop),
+            "etcd" | "etcd-v3" => EtcdRdzvOptions::parse(params).map(drop),
+            other => Err(unknown_backend(other)),
+        }
+    }
+}
+
+impl Deref for Rendezvous {
+    type Target = dyn Backend;
+
+    fn deref(&self) -> &(dyn Backend + 'static) {
+        &*self.0
+    }
+}
+
+impl DerefMut for Rendezvous {
+    fn deref_mut(&mut self) -> &mut (dyn Backend + 'static) {
+        &mut *self.0
+    }
+}
+
+fn unknown_backend(name: &str) -> RendezvousError {
+    if name == "etcd-v2" {
+        return RendezvousError::Config(
+            "--rdzv-backend etcd-v2: etcd's v2 API is off by default since etcd 3.4; use etcd (the v3 API)".into(),
+        );
+    }
+    RendezvousError::Config(format!(
+        "--rdzv-backend {name:?} is unknown; use c10d (elastic), etcd (elastic, on an etcd v3 cluster) or static"
+    ))
+}

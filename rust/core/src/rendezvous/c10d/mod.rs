@@ -1,0 +1,235 @@
+//! `--rdzv-backend c10d`: the elastic rendezvous over TCPStore servers (one endpoint, or a list
+//! of sites), each hosted by an agent or by `elastix-store`.
+//!
+//! * [`dynamic`]: the handler; [`round`]: forming one round in O(1) store operations per node;
+//! * [`liveness`]: heartbeats and the ring monitor; [`contact`]: this node's contact with the
+//!   store;
+//! * [`locate`]: where the state lives among the sites, and moving it; [`events`]: the run's
+//!   event log in the store;
+//! * [`keys`]: where the state lives in the store; [`status`]: reading it for `elastix status`.
+//!
+//! [`C10dRendezvous`] is the backend an agent holds: the handler, and the sites it serves.
+
+mod contact;
+pub mod dynamic;
+mod events;
+pub mod keys;
+mod liveness;
+mod locate;
+mod round;
+pub(crate) mod status;
+
+use std::io;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use self::dynamic::DynamicRendezvous;
+use self::keys::run_prefix;
+use super::backend::{Backend, Fut};
+use super::change::{MembershipChange, RendezvousInfo};
+use super::conf::{RendezvousConf, DYNAMIC_KEYS};
+use super::endpoint::{is_local_addr, is_loopback_name, is_this_machine, parse_endpoints, DEFAULT_PORT};
+use super::error::{RendezvousError, Result};
+use super::params::{apply_secret, conf_secret, dynamic_settings, RendezvousParams};
+use super::presence::Census;
+use super::records::{AgentFacts, FailureRecord};
+use super::settings::RendezvousSettings;
+use super::store::{TcpRendezvousStore, DEFAULT_READ_TIMEOUT};
+use crate::auth::{PlainClients, Secret};
+use crate::store::{ServerConfig, StoreServer};
+
+/// `--rdzv-backend c10d`'s configuration, parsed and checked (without side effects).
+pub(crate) struct C10dOptions {
+    settings: RendezvousSettings,
+    read_timeout: Duration,
+    sites: Vec<(String, u16)>,
+    /// `is_host` as given (None: decided per site from the addresses).
+    is_host: Option<bool>,
+    secret: Option<Secret>,
+}
+
+impl C10dOptions {
+    pub(crate) fn parse(params: &RendezvousParams) -> Result<C10dOptions> {
+        let conf = RendezvousConf::from_input(&params.conf, DYNAMIC_KEYS)?;
+        let secret = conf_secret(&conf)?;
+        if let Some(store_type) = conf.get("store_type") {
+            if store_type != "tcp" {
+                return Err(RendezvousError::Config(format!(
+                    "--rdzv-conf store_type={store_type}: elastix's c10d backend uses a TCP store (store_type=tcp)"
+                )));
+            }
+        }
+        conf.duration("timeout", Duration::ZERO)?; // taken for torch's sake, but still a duration
+        let settings = dynamic_settings(params, &conf)?;
+        let read_timeout = conf.duration("read_timeout", DEFAULT_READ_TIMEOUT)?;
+        let sites = parse_endpoints(&params.endpoint, DEFAULT_PORT)?;
+        let is_host = conf.boolean("is_host")?;
+        if is_host.is_some() && sites.len() > 1 {
+            return Err(RendezvousError::Config(
+                "--rdzv-conf is_host applies to a single --rdzv-endpoint; with a list, each agent hosts the entries \
+                 naming its --local-addr (or this machine)"
+                    .into(),
+            ));
+        }
+        Ok(C10dOptions { settings, read_timeout, sites, is_host, secret })
+    }
+}
+
+/// The c10d backend: the handler, and the store sites this agent serves.
+pub struct C10dRendezvous {
+    handler: DynamicRendezvous<TcpRendezvousStore>,
+    /// The rendezvous store sites this agent hosts (none, or one per listed address of its own).
+    servers: Vec<StoreServer>,
+}
+
+impl C10dRendezvous {
+    /// Serves the sites that are this node's and makes the handler. Must run inside a tokio
+    /// runtime (the sites are served on it).
+    pub(crate) async fn create(params: &RendezvousParams, options: C10dOptions) -> Result<C10dRendezvous> {
+        let C10dOptions { settings, read_timeout, mut sites, is_host: explicit, secret } = options;
+        apply_secret(secret)?;
+        let listed = sites.len() > 1;
+        let mut servers = Vec::new();
+        for site in sites.iter_mut() {
+            let hosting = match (explicit, &params.local_addr) {
+                (Some(explicit), _) => explicit,
+                (None, Some(local_addr)) if listed => is_local_addr(&site.0, local_addr).await,
+                (None, _) => is_this_machine(&site.0).await,
+            };
+            if !hosting {
+                continue;
+            }
+            // only agents connect to the rendezvous store, and with a secret they all prove it
+            let auth = crate::auth::process_secret().ok().flatten().map(|secret| (secret, PlainClients::Refuse));
+            // a store for agents on this machine alone (--standalone) is reachable from it alone
+            let host = is_loopback_name(&site.0).then(|| site.0.clone());
+            match StoreServer::start(&ServerConfig { host, port: site.1, auth, ..ServerConfig::default() }) {
+                Ok(server) => {
+                    site.1 = server.port();
+                    servers.push(server);
+                }
+                // another agent on this machine got there first: use its store
+                Err(err) if explicit.is_none() && err.kind() == io::ErrorKind::AddrInUse => {}
+                Err(err) => {
+                    return Err(RendezvousError::Config(format!(
+                        "cannot host the rendezvous store on port {}: {err}",
+                        site.1
+                    )))
+                }
+            }
+        }
+        // A single store that starts later than this agent is waited for, up to the join
+        // timeout; with several sites, one that does not answer soon is passed over.
+        let patience = if sites.len() == 1 { settings.join_timeout } else { settings.heartbeat_timeout };
+        let prefix = run_prefix(&params.run_id);
+        let store = TcpRendezvousStore::with_sites(sites, Some(patience), prefix.clone(), read_timeout);
+        let handler = DynamicRendezvous::new(store, settings, prefix)?;
+        Ok(C10dRendezvous { handler, servers })
+    }
+}
+
+impl Backend for C10dRendezvous {
+    fn name(&self) -> &'static str {
+        "c10d"
+    }
+
+    fn run_id(&self) -> &str {
+        self.handler.run_id()
+    }
+
+    fn next_rendezvous(&mut self) -> Fut<'_, RendezvousInfo> {
+        Box::pin(self.handler.next_rendezvous())
+    }
+
+    fn report_failure(&mut self) -> Fut<'_, i64> {
+        Box::pin(self.handler.report_failure())
+    }
+
+    fn record_restart(&mut self) -> Fut<'_, i64> {
+        Box::pin(self.handler.record_restart())
+    }
+
+    fn restart_count(&mut self) -> Fut<'_, i64> {
+        Box::pin(self.handler.restart_count())
+    }
+
+    /// The first site it hosts.
+    fn hosted_port(&self) -> Option<u16> {
+        self.servers.first().map(StoreServer::port)
+    }
+
+    fn describe_store(&self) -> String {
+        self.handler.describe_store()
+    }
+
+    fn loss_window(&self) -> Duration {
+        self.handler.settings().node_lost_after()
+    }
+
+    fn num_nodes_waiting(&mut self) -> Fut<'_, u32> {
+        Box::pin(self.handler.num_nodes_waiting())
+    }
+
+    fn is_closed(&mut self) -> Fut<'_, bool> {
+        Box::pin(self.handler.is_closed())
+    }
+
+    fn set_closed_with<'a>(&'a mut self, reason: &'a str) -> Fut<'a, ()> {
+        Box::pin(self.handler.set_closed_with(reason))
+    }
+
+    fn closed_reason(&mut self) -> Fut<'_, Option<String>> {
+        Box::pin(self.handler.closed_reason())
+    }
+
+    fn changes(&self) -> Option<watch::Receiver<Option<MembershipChange>>> {
+        self.handler.changes()
+    }
+
+    fn publish_node_status(&mut self, facts: AgentFacts) -> Fut<'_, ()> {
+        Box::pin(self.handler.publish_node_status(facts))
+    }
+
+    fn publish_failure<'a>(&'a mut self, failure: &'a FailureRecord) -> Fut<'a, ()> {
+        Box::pin(self.handler.publish_failure(failure))
+    }
+
+    fn census<'a>(&'a mut self, only: Option<&'a [u32]>) -> Fut<'a, Census> {
+        Box::pin(self.handler.census(only))
+    }
+
+    fn round_ended(&mut self) -> Fut<'_, Option<MembershipChange>> {
+        Box::pin(self.handler.round_ended())
+    }
+
+    fn locate_store(&mut self) -> Option<Fut<'_, (String, u16)>> {
+        Some(Box::pin(self.handler.locate_store()))
+    }
+
+    fn shutdown(&mut self) {
+        self.handler.shutdown();
+    }
+
+    /// Keeps the sites this agent serves up (at most `within`) while other nodes are still
+    /// connected, reading how the job ended.
+    fn linger(&mut self, within: Duration) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(async move {
+            self.handler.disconnect();
+            let deadline = tokio::time::Instant::now() + within;
+            for server in &self.servers {
+                if server.connections() > 0 {
+                    tracing::debug!(
+                        "keeping the rendezvous store on port {} up for the other nodes ({} connected), at most \
+                         {within:?}",
+                        server.port(),
+                        server.connections()
+                    );
+                }
+                while server.connections() > 0 && tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        })
+    }
+}
