@@ -4,8 +4,9 @@
 use std::time::Duration;
 
 use elastix_core::rendezvous::c10d::keys::run_prefix;
+use elastix_core::rendezvous::job_status;
 use elastix_core::rendezvous::records::{now_ms, AgentFacts, FailureRecord, FORMAT_VERSION};
-use elastix_core::rendezvous::status::{job_status, Health, State, StatusQuery};
+use elastix_core::rendezvous::status::{Health, State, StatusQuery};
 use elastix_core::rendezvous::store::TcpRendezvousStore;
 use elastix_core::rendezvous::{ConfInput, DynamicRendezvous, RendezvousSettings};
 use elastix_core::store::{ConnectOptions, ServerConfig, StoreServer};

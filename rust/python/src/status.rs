@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 use elastix_core::agent::dumps::job_dump as job_dump_of;
-use elastix_core::rendezvous::status::{job_status as read_status, StatusQuery};
+use elastix_core::rendezvous::job_status as read_status;
+use elastix_core::rendezvous::status::StatusQuery;
 use elastix_core::rendezvous::RendezvousError;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;

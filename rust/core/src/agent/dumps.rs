@@ -15,7 +15,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::rendezvous::endpoint::{parse_endpoint, DEFAULT_PORT};
-use crate::rendezvous::status::{job_status, StatusQuery};
+use crate::rendezvous::job_status;
+use crate::rendezvous::status::StatusQuery;
 use crate::rendezvous::{RendezvousError, RendezvousInfo};
 use crate::store::{TcpStore, TcpStoreOptions};
 

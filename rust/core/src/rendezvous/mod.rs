@@ -1,23 +1,26 @@
 //! Rendezvous: how the agents of a job find each other, agree on membership and ranks, and
 //! re-form when nodes join, leave or die.
 //!
-//! * [`backend`]: the interface every backend implements, and creating the one the launcher
-//!   names ([`Rendezvous`]), its configuration parsed once, up front;
+//! * [`backend`]: the interface every backend implements; [`Rendezvous`] (create.rs): the one
+//!   the launcher names, its configuration parsed once, up front;
 //! * the backends: [`c10d`] (over TCPStore servers: one endpoint or a list of sites),
 //!   [`etcd`] (on an etcd v3 cluster's leases, transactions and watches), [`static_rdzv`];
 //! * shared: [`store`] (the TCP store as the rendezvous uses it), [`change`] (what ends a
 //!   round), [`presence`] (asking the other members' agents whether they are still there),
 //!   [`records`] (the versioned JSON state), [`node`], [`settings`], [`conf`], [`params`],
 //!   [`endpoint`], [`error`];
-//! * [`status`]: the job's state as `elastix status` reads it, from any machine.
+//! * [`status`]: the job's state as `elastix status` reads it, from any machine
+//!   ([`job_status`] asks the backend's reader).
 
 pub mod backend;
 pub mod c10d;
 mod change;
 pub mod conf;
+mod create;
 pub mod endpoint;
 pub mod error;
 pub mod etcd;
+mod job_status;
 pub mod node;
 mod params;
 pub mod presence;
@@ -27,11 +30,13 @@ pub mod static_rdzv;
 pub mod status;
 pub mod store;
 
-pub use backend::{Backend, Rendezvous};
+pub use backend::Backend;
 pub use c10d::dynamic::DynamicRendezvous;
 pub use change::{MembershipChange, RendezvousInfo};
 pub use conf::ConfInput;
+pub use create::Rendezvous;
 pub use error::RendezvousError;
+pub use job_status::job_status;
 pub use node::NodeDesc;
 pub use params::RendezvousParams;
 pub use settings::RendezvousSettings;

@@ -3,7 +3,7 @@
 //!
 //! * here: the query, the report and the verdict (pure);
 //! * each backend's reading of its store (`c10d::status`, `etcd::status`): read-only, no key
-//!   is created or changed, whatever the job's state.
+//!   is created or changed, whatever the job's state; [`super::job_status`] asks the right one.
 //!
 //! The report is JSON with a format version `v`; fields are only ever added. Ages are
 //! computed against this machine's clock: a skewed clock shifts them (never below zero).
@@ -13,7 +13,6 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::conf::ConfInput;
-use super::error::{RendezvousError, Result};
 use super::node::NodeDesc;
 use super::records::{FailureRecord, NodeStatus};
 
@@ -28,23 +27,6 @@ pub struct StatusQuery {
     pub conf: ConfInput,
     /// Bound on reaching the store and on each request.
     pub timeout: Duration,
-}
-
-/// The job's state, or `None` when the store answers but holds no run with that ID.
-pub async fn job_status(query: &StatusQuery) -> Result<Option<JobStatus>> {
-    if query.run_id.is_empty() {
-        return Err(RendezvousError::Config("--rdzv-id must not be empty".into()));
-    }
-    match query.backend.as_str() {
-        "c10d" => super::c10d::status::c10d_status(query).await,
-        "etcd" | "etcd-v3" => super::etcd::etcd_status(query).await,
-        "static" => Err(RendezvousError::Config(
-            "--rdzv-backend static keeps no shared state for elastix status to read".into(),
-        )),
-        other => Err(RendezvousError::Config(format!(
-            "--rdzv-backend {other:?} is unknown; elastix status reads c10d and etcd"
-        ))),
-    }
 }
 
 /// Format version of the JSON report.

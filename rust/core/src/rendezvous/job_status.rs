@@ -1,0 +1,21 @@
+//! `elastix status`'s question, put to the reader of the backend it names.
+
+use super::error::{RendezvousError, Result};
+use super::status::{JobStatus, StatusQuery};
+
+/// The job's state, or `None` when the store answers but holds no run with that ID.
+pub async fn job_status(query: &StatusQuery) -> Result<Option<JobStatus>> {
+    if query.run_id.is_empty() {
+        return Err(RendezvousError::Config("--rdzv-id must not be empty".into()));
+    }
+    match query.backend.as_str() {
+        "c10d" => super::c10d::status::c10d_status(query).await,
+        "etcd" | "etcd-v3" => super::etcd::etcd_status(query).await,
+        "static" => Err(RendezvousError::Config(
+            "--rdzv-backend static keeps no shared state for elastix status to read".into(),
+        )),
+        other => Err(RendezvousError::Config(format!(
+            "--rdzv-backend {other:?} is unknown; elastix status reads c10d and etcd"
+        ))),
+    }
+}
