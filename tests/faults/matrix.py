@@ -117,7 +117,7 @@ class Cell:
         try:
             endpoint, conf, rdzv_backend = self._rendezvous()
             if self.phase == "rendezvous":
-                conf = conf.replace("join_timeout", "last_call_timeout=5s,join_timeout")
+                conf = conf.replace("join_timeout", "last_call_timeout=5,join_timeout")
             for i in range(3):
                 if self.phase == "rendezvous" and i == 2:
                     continue  # the third node comes once the fault is in
@@ -173,15 +173,13 @@ class Cell:
         """Waits for the phase the fault is for; returns the steps trained so far."""
         if self.phase == "rendezvous":
             # both arrived, and wait for a third for the last call
-            wait_for(
-                lambda: all("last call" in self.agents[i].output() for i in (0, 1)), timeout=30, what="the last call"
-            )
+            wait_for(lambda: all(self._arrived(i) for i in (0, 1)), timeout=30, what="the last call")
             return {}
         wait_for(lambda: self._training(3), timeout=60, what="the three nodes training")
         if self.phase == "exit-barrier":
             (self.workdir / "stop").touch()
             wait_for(
-                lambda: all(self._stopped(i, "succeeded") for i in range(3) if i != self.victim),
+                lambda: all(self._at_exit_barrier(i) for i in range(3) if i != self.victim),
                 timeout=60,
                 what="the other nodes at the exit barrier",
             )
@@ -191,8 +189,25 @@ class Cell:
         rounds = {r["round"] for r in starts(self.workdir) if r["world_size"] == world_size}
         return any(count >= 10 for (round_, _), count in steps(self.workdir).items() if round_ in rounds)
 
-    def _stopped(self, i: int, why: str) -> bool:
-        return any(e["event"] == "workers_stopped" and e.get("why") == why for e in self._events(i))
+    # -- what the launcher says (torchrun's cell reads these from its logs instead) -----------
+
+    def _arrived(self, i: int) -> bool:
+        """Host i joined the round and waits for more nodes."""
+        return "last call" in self.agents[i].output()
+
+    def _at_exit_barrier(self, i: int) -> bool:
+        return any(e["event"] == "workers_stopped" and e.get("why") == "succeeded" for e in self._events(i))
+
+    def _restarts_charged(self) -> int:
+        return max(
+            (e.get("restart_count", 0) for i in self.agents for e in self._events(i) if e["event"] == "restart"),
+            default=0,
+        )
+
+    def _why(self, i: int) -> Optional[str]:
+        """The line in which host i's agent, having failed, says why (None: it did not say)."""
+        last = (self.agents[i].output().strip().splitlines() or [""])[-1]
+        return last if "error" in last or "failed" in last or "FAILED" in last else None
 
     def _events(self, i: int) -> List[dict]:
         path = self.workdir / f"events_h{i}.jsonl"
@@ -252,7 +267,10 @@ class Cell:
             after = steps(self.workdir, self.fault_at)
             return any(count >= 5 and (same_round or round_ not in old) for (round_, _), count in after.items())
 
-        wait_for(training_again, timeout=60, what="training again after the fault")
+        def ended() -> bool:  # every node still running gave up: nothing will train again
+            return all(a.proc.poll() is not None for i, a in self.agents.items() if i not in self.killed)
+
+        wait_for(lambda: training_again() or ended(), timeout=60, what="training again after the fault")
         firsts = []
         for (round_, rank), _ in steps(self.workdir, self.fault_at).items():
             if round_ in old:
@@ -291,19 +309,16 @@ class Cell:
         # 2. every node still running ended with 0, or non-zero saying why
         for name, code in v.exits.items():
             if code not in (0, None):
-                i = int(name[1:])
-                last = self.agents[i].output().strip().splitlines()[-1:] or [""]
-                if "error" in last[0] or "failed" in last[0] or "FAILED" in last[0]:
+                why = self._why(int(name[1:]))
+                if why is not None:
                     if v.outcome == "survived":
                         v.outcome = "clean error"
-                    v.problems.append(f"{name} exited {code}: {last[0][-200:]}")
+                    v.problems.append(f"{name} exited {code}: {why[-200:]}")
                 else:
-                    v.broken(f"{name} exited {code} without saying why: {last[0][-200:]}")
+                    last = (self.agents[int(name[1:])].output().strip().splitlines() or [""])[-1]
+                    v.broken(f"{name} exited {code} without saying why: {last[-200:]}")
         # 3. a restart charged only for a worker's own failure
-        charged = max(
-            (e.get("restart_count", 0) for i in self.agents for e in self._events(i) if e["event"] == "restart"),
-            default=0,
-        )
+        charged = self._restarts_charged()
         allowed = 1 if self.fault == "worker-kill" else 0
         if charged > allowed:
             v.broken(f"{charged} restart(s) charged for {FAULTS[self.fault]} (allowed: {allowed})")
