@@ -67,6 +67,21 @@ else:  # no call may reach a peer that already left: meet in the store first
         store.wait(["left"])
 """
 
+# rank 0 hosts a store and has nothing left to do; rank 1 still has requests to make
+STORE_HOST_LEAVES_FIRST = r"""
+import os, time
+import elastix
+rank = int(os.environ["RANK"])
+store = elastix.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=2, is_master=rank == 0)
+if rank == 0:
+    store.set("result", "42")
+else:
+    store.wait(["result"])
+    time.sleep(0.5)  # rank 0 is at its exit by now
+    assert store.get("result") == b"42"
+    store.set("read", "1")
+"""
+
 
 def _wait_all(procs: List[subprocess.Popen], what: str) -> List[str]:
     """Waits for `procs` (killing their groups at the deadline); the problems seen."""
@@ -132,6 +147,11 @@ def test_rpc_workers_never_end_by_a_signal_with_or_without_shutdown():
         shutdown = {"SHUTDOWN": str(i % 2)}
         problems += _run_plain(RPC_WORKER, {0: shutdown, 1: shutdown}, f"launch {i}")
     _assert_clean(problems)
+
+
+def test_a_process_serving_a_store_lets_the_others_finish_before_it_exits():
+    for i in range(5):
+        _assert_clean(_run_plain(STORE_HOST_LEAVES_FIRST, {}, f"launch {i}"))
 
 
 @pytest.mark.parametrize("standby", [True, False], ids=["standby", "cold"])

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .. import _core
 from ..collectives.tcp_comm import group_key, local_address
+from ..errors import DistNetworkError
 from ..store import PrefixStore
 from . import serialize
 from .errors import RpcError, translate
@@ -279,6 +280,22 @@ class RpcAgent:
         self.store.wait([f"{key}/done"], left)
         return self.store.add(f"{key}/busy", 0)
 
+    def _leave(self, deadline: Optional[float]) -> None:
+        """The last step of a graceful shutdown. The store may live in rank 0's process (a
+        plain launch): rank 0 leaves only once every other worker has made its last request,
+        so none of theirs finds the store gone."""
+        key = "shutdown/left"
+        if self.rank != 0:
+            try:
+                if self.store.add(key, 1) == self.world_size - 1:
+                    self.store.set(f"{key}/done", b"1")
+            except DistNetworkError:  # the reply to the last request, lost as rank 0 left: done
+                pass
+            return
+        if self.world_size > 1:
+            left = None if deadline is None else timedelta(seconds=max(0.001, deadline - time.monotonic()))
+            self.store.wait([f"{key}/done"], left)
+
     def _idle(self) -> bool:
         return self._running == 0 and self.endpoint.outstanding()[0] == 0
 
@@ -328,6 +345,7 @@ class RpcAgent:
                 self._barrier("refs", deadline)
                 # 3. what is left is held only by this worker's own code
                 self.endpoint.clear_owners()
+                self._leave(deadline)
         finally:
             self.endpoint.close()
             for thread in self._threads:

@@ -28,6 +28,10 @@ static INSIDE: AtomicUsize = AtomicUsize::new(0);
 /// must not hold the process's exit for ever).
 const DRAIN_LIMIT: Duration = Duration::from_secs(2);
 
+/// How long a process that serves a store waits at exit for the other processes using it to
+/// leave (rank 0 of a plain launch finishing first must not fail the others' last requests).
+const STORE_LINGER_LIMIT: Duration = Duration::from_secs(3);
+
 /// Held while a call into Python may run: the interpreter will not begin to finalise first.
 pub struct Pass(());
 
@@ -65,12 +69,14 @@ pub fn drop_without_gil<T: Send>(value: T) {
     Python::attach(|py| py.detach(move || drop(value)));
 }
 
-/// The atexit hook: lets no further call in and waits (GIL released) for those inside.
-/// Returns False if some were still inside after the limit.
+/// The atexit hook: lets no further call in and waits (GIL released) for those inside, after
+/// letting the other processes that use a store this one serves leave it. Returns False if
+/// some calls were still inside after the limit.
 #[pyfunction]
 fn close_python_gate(py: Python<'_>) -> bool {
     CLOSED.store(true, Ordering::SeqCst);
     py.detach(|| {
+        elastix_core::store::linger::wait_for_foreign_clients(STORE_LINGER_LIMIT);
         let deadline = Instant::now() + DRAIN_LIMIT;
         while INSIDE.load(Ordering::SeqCst) > 0 {
             if Instant::now() >= deadline {

@@ -6,6 +6,7 @@
 //! * [`server`]: the tokio server; [`client`]: the tokio client; [`tcp_store`]: torch's
 //!   TCPStore semantics over them.
 //! * [`blocking`], [`local`], [`file`]: stores for plain threads (in-process, file-backed).
+//! * [`linger`]: a process that serves a store lets the others finish before it exits.
 
 pub mod blocking;
 pub mod client;
@@ -14,6 +15,7 @@ pub mod db;
 pub mod error;
 pub mod file;
 pub mod limits;
+pub mod linger;
 pub mod local;
 pub mod protocol;
 pub mod request;

@@ -24,6 +24,7 @@ use tokio::net::TcpStream;
 pub use self::backoff::Backoff;
 pub use self::connect::ConnectOptions;
 use super::error::{Result, StoreError};
+use super::linger::OwnClient;
 use super::protocol::{CHECK_NOT_READY, CHECK_READY, STOP_WAITING, WAIT_CANCELED};
 use super::request::Request;
 
@@ -64,12 +65,15 @@ pub struct Client {
     state: State,
     reply_timeout: Option<Duration>,
     interrupt: Option<InterruptCheck>,
+    /// Tells this process's exit that this connection is its own (see [`crate::store::linger`]).
+    _own: OwnClient,
 }
 
 impl Client {
     /// Connects (with retries until `options.timeout`) and completes the handshake.
     pub async fn connect(options: &ConnectOptions) -> Result<Client> {
         let (stream, remote) = connect::connect(options).await?;
+        let own = OwnClient::register(stream.local_addr().ok());
         Ok(Client {
             stream,
             peer: format!("{}:{}", options.host, options.port),
@@ -79,6 +83,7 @@ impl Client {
             state: State::Ready,
             reply_timeout: Some(DEFAULT_REPLY_TIMEOUT),
             interrupt: None,
+            _own: own,
         })
     }
 

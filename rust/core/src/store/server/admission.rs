@@ -1,9 +1,10 @@
 //! Who gets served: at most `max_connections` clients at once. A client past the cap is
 //! refused at once (accepted and closed, so it sees EOF instead of hanging in the backlog),
 //! with one warning per [`WARN_EVERY`] that says how many were refused; the clients being
-//! served go on. Each served connection's task owns an [`Admitted`] guard, so the count is
-//! right however the task ends.
+//! served go on. Each served connection's task owns an [`Admitted`] guard, so the count (and
+//! the list of [`Peers`]) is right however the task ends.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -18,14 +19,56 @@ pub(super) struct Admission {
     slots: Arc<Semaphore>,
     max: usize,
     served: Arc<AtomicUsize>,
+    pub(super) peers: Arc<Peers>,
     refused: AtomicU64,
     /// When the last warning was logged, and the refusal count it reported.
     warned: Mutex<Option<(Instant, u64)>>,
 }
 
+/// The addresses of the connections being served (a process exiting waits for the ones that
+/// are not its own: see [`crate::store::linger`]).
+#[derive(Default)]
+pub(crate) struct Peers(Mutex<HashMap<SocketAddr, usize>>);
+
+impl Peers {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, usize>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Counts `peer` in until the guard is dropped.
+    pub(crate) fn add(self: &Arc<Self>, peer: SocketAddr) -> PeerServed {
+        let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
+        *self.map().entry(peer).or_default() += 1;
+        PeerServed { peers: self.clone(), peer }
+    }
+
+    pub(crate) fn snapshot(&self) -> Vec<SocketAddr> {
+        self.map().keys().copied().collect()
+    }
+}
+
+/// A peer counted in [`Peers`]; counted out when dropped.
+pub(crate) struct PeerServed {
+    peers: Arc<Peers>,
+    peer: SocketAddr,
+}
+
+impl Drop for PeerServed {
+    fn drop(&mut self) {
+        let mut map = self.peers.map();
+        if let Some(count) = map.get_mut(&self.peer) {
+            *count -= 1;
+            if *count == 0 {
+                map.remove(&self.peer);
+            }
+        }
+    }
+}
+
 /// A served connection's place; gives it back when dropped.
 pub(super) struct Admitted {
     _slot: OwnedSemaphorePermit,
+    _peer: PeerServed,
     served: Arc<AtomicUsize>,
 }
 
@@ -43,6 +86,7 @@ impl Admission {
             slots: Arc::new(Semaphore::new(max)),
             max,
             served: Arc::new(AtomicUsize::new(0)),
+            peers: Arc::default(),
             refused: AtomicU64::new(0),
             warned: Mutex::new(None),
         }
@@ -54,7 +98,7 @@ impl Admission {
             Ok(slot) => {
                 self.served.fetch_add(1, Ordering::Relaxed);
                 crate::metrics::store::server().connection_opened();
-                Some(Admitted { _slot: slot, served: self.served.clone() })
+                Some(Admitted { _slot: slot, _peer: self.peers.add(peer), served: self.served.clone() })
             }
             Err(_) => {
                 self.refuse(peer);

@@ -19,6 +19,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, watch};
 
 use self::admission::Admission;
+pub(crate) use self::admission::Peers;
 use self::connection::Connection;
 use self::shutdown::Shutdown;
 use super::counter::parse_counter;
@@ -166,6 +167,7 @@ impl StoreServer {
         });
         let (stop, stop_signal) = watch::channel(false);
         let (task_done, finished) = mpsc::channel(1);
+        crate::store::linger::register_server(local_addr, &shared.admission.peers);
         tokio::spawn(accept_loop(listener, shared.clone(), Shutdown::new(stop_signal), task_done));
         tracing::info!(%local_addr, "store server listening");
         Ok(StoreServer { local_addr, shared, stop, finished })
