@@ -118,10 +118,16 @@ class Cell:
             endpoint, conf, rdzv_backend = self._rendezvous()
             if self.phase == "rendezvous":
                 conf = conf.replace("join_timeout", "last_call_timeout=5,join_timeout")
-            for i in range(3):
+            for i in self._start_order():
                 if self.phase == "rendezvous" and i == 2:
                     continue  # the third node comes once the fault is in
                 self._start(i, endpoint, conf, rdzv_backend)
+                if i == self.victim and self.phase == "exit-barrier" and self.backend == "etcd":
+                    # joined first, the victim is rank 0 and serves the workers' store: the
+                    # others' exit barrier loses its store with the host
+                    wait_for(
+                        lambda: "waiting for" in self.agents[self.victim].output(), timeout=30, what="the victim joined"
+                    )
             before = self._reach_phase()
             if self.phase == "rendezvous":
                 self._inject()
@@ -136,6 +142,11 @@ class Cell:
         finally:
             self._teardown()
         return self.verdict
+
+    def _start_order(self) -> List[int]:
+        if self.phase == "exit-barrier" and self.backend == "etcd":
+            return [self.victim] + [i for i in range(3) if i != self.victim]
+        return list(range(3))
 
     def _rendezvous(self) -> Tuple[str, str, str]:
         addr = self.hosts.addr

@@ -14,6 +14,7 @@ SAMPLE = [
     ("agent-kill", "rendezvous", "c10d"),
     ("host-kill", "training", "etcd"),
     ("host-kill", "exit-barrier", "sites"),
+    ("host-kill", "exit-barrier", "etcd"),  # the workers' store goes with the host
     ("agent-stop", "training", "sites"),
     ("short-cut", "training", "c10d"),
     ("long-cut", "training", "sites"),

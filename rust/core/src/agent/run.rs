@@ -701,24 +701,29 @@ impl Agent {
             loop {
                 let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
                 let slice = remaining.min(BARRIER_LOOK_EVERY);
+                // everyone there (`None`), or who has not arrived yet
                 let attempt = async {
                     let store = connect_store(slot, &at, remaining.min(BARRIER_RECONNECT)).await?;
                     store.set(&key(info.rank), b"1").await?;
                     let keys: Vec<Vec<u8>> = awaited.iter().map(|rank| key(*rank)).collect();
                     let keys: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-                    Ok::<_, AgentError>(store.wait(&keys, Some(slice)).await?)
+                    match store.wait(&keys, Some(slice)).await {
+                        Ok(()) => return Ok(None),
+                        Err(err) if err.is_timeout() && slice < remaining => {}
+                        Err(err) => return Err(err.into()),
+                    }
+                    let mut missing = Vec::new();
+                    for rank in awaited.iter().copied() {
+                        if !store.check(&[key(rank).as_slice()]).await? {
+                            missing.push(rank);
+                        }
+                    }
+                    Ok::<_, AgentError>(Some(missing))
                 };
                 match attempt.await {
-                    Ok(()) => return Ok(true),
-                    Err(AgentError::Store(err)) if err.is_timeout() && slice < remaining => {
-                        // who has not arrived, and is any of them gone?
-                        let store = connect_store(slot, &at, BARRIER_RECONNECT).await?;
-                        let mut missing = Vec::new();
-                        for rank in awaited.iter().copied() {
-                            if !store.check(&[key(rank).as_slice()]).await? {
-                                missing.push(rank);
-                            }
-                        }
+                    Ok(None) => return Ok(true),
+                    Ok(Some(mut missing)) => {
+                        // is any of them gone?
                         if let Ok(census) = rdzv.census(Some(&missing)).await {
                             for (rank, node) in &census.gone {
                                 tracing::warn!(
@@ -750,6 +755,9 @@ impl Agent {
                                 tracing::info!("exit barrier: the rendezvous store is now at {}:{}", now.0, now.1);
                                 at = now;
                             }
+                            // a store served by a member's agent (etcd's rank 0) went with it:
+                            // no one is left to keep it for, and no one can tell who finished
+                            _ if located.is_none() && store_host_is_gone(rdzv, &at.0).await => return Ok(true),
                             _ => tokio::time::sleep(Duration::from_millis(200).min(remaining)).await,
                         }
                     }
@@ -787,6 +795,19 @@ impl Agent {
             }
         }
     }
+}
+
+/// Whether the agent of a member at `host` (the store's host) is gone, as a census says.
+async fn store_host_is_gone(rdzv: &mut Rendezvous, host: &str) -> bool {
+    let Ok(census) = rdzv.census(None).await else { return false };
+    let gone = census.gone.iter().find(|(_, node)| node.addr == host);
+    if let Some((rank, node)) = gone {
+        tracing::warn!(
+            "exit barrier: the store's host, node {node} (group rank {rank}), is gone and the store with it; \
+             this node's workers finished, so it does not wait any longer"
+        );
+    }
+    gone.is_some()
 }
 
 /// The last `most` bytes of `text` (the end of a traceback says what went wrong), marked as cut.
