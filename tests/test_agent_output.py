@@ -167,9 +167,9 @@ def test_a_full_log_disk_is_reported_once_and_the_run_exits_non_zero(tmp_path, m
 
 RUN_AGENT = r"""
 import json, sys
-from elastix._agent_call import run_agent
-from elastix._run_config import config_from_args
-from elastix._run_parser import build_parser
+from elastix.agent.call import run_agent
+from elastix.cli.run_config import config_from_args
+from elastix.cli.run_flags import build_parser
 report = run_agent(config_from_args(build_parser("test").parse_args(sys.argv[2:])))
 with open(sys.argv[1], "w") as f:
     json.dump(report, f)
@@ -199,7 +199,7 @@ def test_the_outcome_carries_dropped_lines_and_write_errors(tmp_path, marker, sp
 
 
 def test_run_results_carry_the_output_fields():
-    from elastix.agent import RunResult
+    from elastix.agent.spec import RunResult
 
     report = {"state": "SUCCEEDED", "exit_code": 3, "dropped_output_lines": 7, "output_errors": ["a.log: full"]}
     result = RunResult.from_report(report)

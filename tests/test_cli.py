@@ -10,11 +10,12 @@ import uuid
 
 import pytest
 
-from elastix import _core, _nproc
-from elastix._run_config import config_from_args
-from elastix._run_parser import build_parser
+from elastix import _core
+from elastix.agent import nproc
 from elastix.cli import main as elastix_main
-from elastix.run import main as run_main
+from elastix.cli.run import main as run_main
+from elastix.cli.run_config import config_from_args
+from elastix.cli.run_flags import build_parser
 
 OK_REPORT = {
     "state": "SUCCEEDED", "exit_code": 0, "restart_count": 0, "group_rank": 0,
@@ -225,7 +226,7 @@ def test_module_no_python_run_path_and_python_exec(script, monkeypatch):
     assert (config["entrypoint"], config["args"]) == ("/bin/echo", ["${local_rank}", "$$"])
     config = parse(["--run-path", "--no-python", script, "a"])  # --run-path wins, as torch
     assert config["entrypoint"] == sys.executable
-    assert config["args"] == ["-u", "-m", "elastix._function_worker", "--run-path", script, "a"]
+    assert config["args"] == ["-u", "-m", "elastix.worker.function_worker", "--run-path", script, "a"]
     monkeypatch.setenv("PYTHON_EXEC", "/opt/py")
     assert parse([script])["entrypoint"] == "/opt/py"
 
@@ -497,9 +498,9 @@ def test_pet_master_port_turns_off_implicit_standalone(script, monkeypatch):
 
 def test_nproc_cpu_uses_affinity(script, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5})
-    monkeypatch.setattr(_nproc, "cgroup_cpu_limit", lambda root=None: None)
+    monkeypatch.setattr(nproc, "cgroup_cpu_limit", lambda root=None: None)
     assert parse(["--nproc-per-node", "cpu", script])["local_world_size"] == 3
-    monkeypatch.setattr(_nproc, "cgroup_cpu_limit", lambda root=None: 2)
+    monkeypatch.setattr(nproc, "cgroup_cpu_limit", lambda root=None: 2)
     assert parse(["--nproc-per-node", "cpu", script])["local_world_size"] == 2
 
 
@@ -511,11 +512,11 @@ def test_cgroup_v2_quota(tmp_path):
     (root / "job" / "step" / "cpu.max").write_text("max 100000\n")
     proc = tmp_path / "cgroup.txt"
     proc.write_text("0::/job/step\n")
-    assert _nproc.cgroup_cpu_limit(str(root), str(proc)) == 3
+    assert nproc.cgroup_cpu_limit(str(root), str(proc)) == 3
     proc.write_text("0::/\n")  # a container's namespace: only the root counts
-    assert _nproc.cgroup_cpu_limit(str(root), str(proc)) is None
+    assert nproc.cgroup_cpu_limit(str(root), str(proc)) is None
     (root / "cpu.max").write_text("50000 100000\n")
-    assert _nproc.cgroup_cpu_limit(str(root), str(proc)) == 1
+    assert nproc.cgroup_cpu_limit(str(root), str(proc)) == 1
 
 
 def test_cgroup_v1_quota(tmp_path):
@@ -528,15 +529,15 @@ def test_cgroup_v1_quota(tmp_path):
     (root / "cpu,cpuacct" / "cpu.cfs_period_us").write_text("100000\n")
     proc = tmp_path / "cgroup.txt"
     proc.write_text("12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/docker/abc\n")
-    assert _nproc.cgroup_cpu_limit(str(root), str(proc)) == 4
+    assert nproc.cgroup_cpu_limit(str(root), str(proc)) == 4
 
 
 def test_usable_cpu_count_on_this_machine():
-    assert 1 <= _nproc.usable_cpu_count() <= (os.cpu_count() or 1)
+    assert 1 <= nproc.usable_cpu_count() <= (os.cpu_count() or 1)
 
 
 def test_nproc_gpu(script, monkeypatch, capsys):
-    monkeypatch.setattr(_nproc, "_nvidia_smi_count", lambda: 4)
+    monkeypatch.setattr(nproc, "_nvidia_smi_count", lambda: 4)
     assert parse(["--nproc-per-node", "gpu", script])["local_world_size"] == 4
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert parse(["--nproc-per-node", "gpu", script])["local_world_size"] == 2
@@ -547,7 +548,7 @@ def test_nproc_gpu(script, monkeypatch, capsys):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     code, out = exit_of(["--nproc-per-node", "gpu", script], capsys)
     assert code == 2 and "no NVIDIA GPU found" in out.err
-    monkeypatch.setattr(_nproc, "_nvidia_smi_count", lambda: None)  # no nvidia-smi
+    monkeypatch.setattr(nproc, "_nvidia_smi_count", lambda: None)  # no nvidia-smi
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
     assert parse(["--nproc-per-node", "gpu", script])["local_world_size"] == 3
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
@@ -556,8 +557,8 @@ def test_nproc_gpu(script, monkeypatch, capsys):
 
 
 def test_nproc_auto_without_gpu_counts_cpus(script, monkeypatch):
-    monkeypatch.setattr(_nproc, "_nvidia_smi_count", lambda: None)
-    monkeypatch.setattr(_nproc, "usable_cpu_count", lambda root=None: 5)
+    monkeypatch.setattr(nproc, "_nvidia_smi_count", lambda: None)
+    monkeypatch.setattr(nproc, "usable_cpu_count", lambda root=None: 5)
     assert parse(["--nproc-per-node", "auto", script])["local_world_size"] == 5
 
 
@@ -650,7 +651,7 @@ def test_torchrun_parity_when_torch_is_installed():
 
 
 def test_entry_points_as_subprocesses(tmp_path):
-    for argv in (["-m", "elastix.run", "--help"], ["-m", "elastix", "run", "--help"]):
+    for argv in (["-m", "elastix.cli.run", "--help"], ["-m", "elastix", "run", "--help"]):
         out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "--nproc-per-node" in out.stdout
     out = subprocess.run([sys.executable, "-m", "elastix", "run"], capture_output=True, text=True, timeout=60)
@@ -658,7 +659,7 @@ def test_entry_points_as_subprocesses(tmp_path):
 
 
 def test_importing_the_cli_stays_light():
-    code = "import sys, elastix.cli, elastix.run; print(sorted(m for m in ('numpy', 'elastix.launcher', 'elastix.agent') if m in sys.modules))"
+    code = "import sys, elastix.cli, elastix.cli.run; print(sorted(m for m in ('numpy', 'elastix.agent.launcher', 'elastix.agent.spec') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 

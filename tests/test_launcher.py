@@ -16,11 +16,11 @@ import pytest
 
 import elastix
 from elastix import _core
-from elastix.agent import RunResult, WorkerSpec, WorkerState
+from elastix.agent.failures import ChildFailedError, ProcessFailure
+from elastix.agent.launcher import LaunchConfig, agent_config, elastic_launch, entrypoint_name, launch, write_payload
+from elastix.agent.logs_specs import DefaultLogsSpecs, Std
+from elastix.agent.spec import RunResult, WorkerSpec, WorkerState
 from elastix.errors import SignalException
-from elastix.failures import ChildFailedError, ProcessFailure
-from elastix.launcher import LaunchConfig, agent_config, elastic_launch, entrypoint_name, launch, write_payload
-from elastix.logs_specs import DefaultLogsSpecs, Std
 
 TORCH_FIELDS = [
     ("min_nodes", None), ("max_nodes", None), ("nproc_per_node", None), ("logs_specs", None),
@@ -196,7 +196,7 @@ def test_launch_function_round_trip(fake_agent):
     }
     (config,) = fake_agent
     assert config["entrypoint"] == sys.executable
-    assert config["args"][:3] == ["-u", "-m", "elastix._function_worker"]
+    assert config["args"][:3] == ["-u", "-m", "elastix.worker.function_worker"]
     assert not os.path.exists(config["args"][3])  # the payload directory is cleaned up
 
 
@@ -247,7 +247,7 @@ def test_elastic_launch_without_worker_failures_raises_the_summary(monkeypatch):
 def run_function_worker(args, rank, tmp_path, cwd=None):
     env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "4",
            "TORCHELASTIC_ERROR_FILE": str(tmp_path / f"err{rank}.json")}  # fmt: skip
-    return subprocess.run([sys.executable, "-u", "-m", "elastix._function_worker", *args], env=env,
+    return subprocess.run([sys.executable, "-u", "-m", "elastix.worker.function_worker", *args], env=env,
                           capture_output=True, text=True, timeout=60, cwd=cwd)  # fmt: skip
 
 
@@ -277,7 +277,7 @@ def test_function_defined_in_a_main_script(tmp_path):
     """Like spawn: the launcher's __main__ is loaded again in the worker, without its main block."""
     script = tmp_path / "job.py"
     script.write_text(
-        "import sys\nfrom elastix.launcher import write_payload\n\n"
+        "import sys\nfrom elastix.agent.launcher import write_payload\n\n"
         "def square(x):\n    return x * x\n\n"
         "if __name__ == '__main__':\n    write_payload(sys.argv[1], square, (7,))\n    print('main block ran')\n"
     )

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from elastix.failures import ChildFailedError, ProcessFailure
-from elastix.record import ErrorHandler, record
+from elastix.agent.failures import ChildFailedError, ProcessFailure
+from elastix.worker.record import ErrorHandler, record
 
 
 def run_worker(tmp_path, body, env=None, timeout=60):
@@ -136,7 +136,7 @@ def test_child_failed_error_copies_the_root_cause_to_the_parent_file(tmp_path, m
     assert data["message"]["errorCode"] == 3 and data["message"]["message"] == "ValueError: x"
 
 
-def test_elastix_record_is_the_decorator_even_after_importing_the_module():
-    import elastix.record
+def test_elastix_record_is_the_decorator_even_after_importing_its_module():
+    import elastix.worker.record
 
     assert elastix.record is record and callable(elastix.record)

@@ -1,4 +1,4 @@
-"""elastix.rendezvous: the c10d (dynamic) and static backends, from Python, with nodes as
+"""elastix.agent.rendezvous: the c10d (dynamic) and static backends, from Python, with nodes as
 threads and as separate processes on 127.0.0.x addresses."""
 
 import json
@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 
 import elastix
-from elastix.rendezvous import RendezvousHandler, create_handler
+from elastix.agent.rendezvous import RendezvousHandler, create_handler
 
 # A live node is lost only after 2 s without a heartbeat, which a loaded machine does not
 # reach; every wait is bounded by 60 s, which only a broken rendezvous runs into.
@@ -128,7 +128,7 @@ def test_close_refuses_joins_and_is_seen_by_members():
 
 
 PATIENT_NODE = r"""
-import sys, elastix.rendezvous as r
+import sys, elastix.agent.rendezvous as r
 conf = {"join_timeout": "60s", "is_host": "false"}
 h = r.RendezvousHandler("c10d", f"127.0.0.1:{sys.argv[1]}", "short", 3, 3, local_addr="127.0.0.1", conf=conf)
 h.next_rendezvous()
@@ -181,7 +181,7 @@ def test_static_backend():
 
 
 NODE_SCRIPT = r"""
-import json, sys, elastix.rendezvous as r
+import json, sys, elastix.agent.rendezvous as r
 addr, port, run_id, min_nodes, max_nodes = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 # rounds form when full (no last call); a live node is lost only after 2 s of silence
 conf = {"last_call_timeout": "3600s", "keep_alive_interval": "250ms", "keep_alive_max_attempt": 8, "join_timeout": "60s"}
@@ -242,7 +242,7 @@ def test_processes_on_several_addresses_form_and_survive_a_killed_node():
 
 def test_ctrl_c_interrupts_a_blocked_rendezvous():
     script = """
-import sys, time, elastix.rendezvous as r
+import sys, time, elastix.agent.rendezvous as r
 h = r.RendezvousHandler("c10d", "127.0.0.1:0", "alone", 2, 2)
 start = time.monotonic()
 try:
@@ -299,7 +299,7 @@ def test_over_a_torch_tcpstore_server():
 def test_conf_dicts_mean_the_same_in_every_api():
     """RendezvousHandler(conf=...) and LaunchConfig.rdzv_configs share one serializer: a
     timedelta is a duration in both, and a key is refused by both in the same words."""
-    from elastix.launcher import LaunchConfig, agent_config
+    from elastix.agent.launcher import LaunchConfig, agent_config
 
     conf = {"join_timeout": timedelta(seconds=30), "last_call_timeout": timedelta(milliseconds=500), "is_host": True}
     handler = RendezvousHandler("c10d", "127.0.0.1:0", "conf-dicts", 1, 1, conf=conf)

@@ -4,8 +4,8 @@
 wire protocol, so torch code and elastix code can share one store.
 """
 
-from . import progress as _progress
-from . import timer
+import sys as _sys
+
 from ._core import __version__, reset_log_cache
 from .errors import (
     AuthenticationError,
@@ -17,23 +17,28 @@ from .errors import (
     QueueEmptyError,
     StoreTimeoutError,
 )
-from .progress import expect_progress, heartbeat
-from .record import record  # a light module; imported eagerly so `elastix.record` is the decorator
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from .worker import progress as _progress
+from .worker import timer
+from .worker.progress import expect_progress, heartbeat
+from .worker.record import record  # a light module; imported eagerly so `elastix.record` is the decorator
+
+# `from elastix.timer import expires`, as torch.distributed.elastic.timer is imported
+_sys.modules[__name__ + ".timer"] = timer
 
 # a worker of `elastix run` finds its heartbeat slot and arms stack dumps at once
 _progress.arm()
 
 # The launcher API loads on first use, keeping `import elastix` (and so `elastix run`) fast.
 _LAZY = {
-    "launch": "launcher",
-    "elastic_launch": "launcher",
-    "LaunchConfig": "launcher",
-    "RunResult": "agent",
-    "WorkerSpec": "agent",
-    "WorkerState": "agent",
-    "ProcessFailure": "failures",
-    "ChildFailedError": "failures",
+    "launch": "agent.launcher",
+    "elastic_launch": "agent.launcher",
+    "LaunchConfig": "agent.launcher",
+    "RunResult": "agent.spec",
+    "WorkerSpec": "agent.spec",
+    "WorkerState": "agent.spec",
+    "ProcessFailure": "agent.failures",
+    "ChildFailedError": "agent.failures",
 }
 
 

@@ -13,7 +13,7 @@ class AgentUnavailableError(RuntimeError):
 def run_agent(config: Dict[str, Any]) -> Dict[str, Any]:
     """Runs the agent to the end (blocking; the GIL is released inside) and returns its result.
     Configuration errors found by the agent come back as ValueError."""
-    from . import _core
+    from .. import _core
 
     run = getattr(_core, "run_agent", None)
     if run is None:

@@ -10,15 +10,15 @@ import math
 import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-from ._rdzv_conf import rdzv_conf_values
-from ._signals import parse_signals
+from .rdzv_conf import rdzv_conf_values
+from .signals import parse_signals
 
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 
 
 def warn(message: str) -> None:
-    from ._logging import warn as log_warning
+    from .._logging import warn as log_warning
 
     log_warning(message)
 
@@ -159,7 +159,7 @@ def build(
             python_workers and standby_workers, args, env or {}, rdzv_backend, int(max_nodes), int(max_restarts)
         ),
     }
-    from . import _core
+    from .. import _core
 
     _core.check_agent_config(json.dumps(config))
     return config
@@ -194,7 +194,7 @@ def _standby(
     can_restart = max_restarts > 0 or (backend != "static" and max_nodes > 1)
     if not (wanted and can_restart):
         return None
-    from ._standby import standby_env
+    from .standby import standby_env
 
     return standby_env([str(arg) for arg in args], env)
 

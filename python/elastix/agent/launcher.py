@@ -3,7 +3,7 @@
 
 The entrypoint is a program path (a ``.py`` script runs with Python, anything else is executed),
 or a picklable function: then ``(fn, args)`` is pickled into a temporary directory and every
-worker runs ``python -u -m elastix._function_worker PAYLOAD RESULTS``, which calls the function
+worker runs ``python -u -m elastix.worker.function_worker PAYLOAD RESULTS``, which calls the function
 under ``@record`` and pickles its return value to ``RESULTS/<RANK>.pkl``.
 
 Differences from torch:
@@ -27,11 +27,11 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from . import _agent_config
-from ._signals import DEFAULT_SIGNALS
-from .agent import RunResult, WorkerState
+from . import config as configs
 from .failures import ChildFailedError
 from .logs_specs import DefaultLogsSpecs, masks_per_rank, parse_ranks_filter, translate_torch_prefix
+from .signals import DEFAULT_SIGNALS
+from .spec import RunResult, WorkerState
 
 Entrypoint = Union[str, Callable[..., Any]]
 
@@ -73,9 +73,9 @@ class LaunchConfig:
             self.rdzv_configs["timeout"] = self.rdzv_timeout
         if self.logs_specs is None:
             self.logs_specs = DefaultLogsSpecs()
-        self.shutdown_timeout = _agent_config.shutdown_timeout_from_env(self.shutdown_timeout)
-        self.exit_barrier_timeout = _agent_config.exit_barrier_timeout_from_env(self.exit_barrier_timeout)
-        if _agent_config.parse_seconds("monitor_interval", self.monitor_interval) <= 0:
+        self.shutdown_timeout = configs.shutdown_timeout_from_env(self.shutdown_timeout)
+        self.exit_barrier_timeout = configs.exit_barrier_timeout_from_env(self.exit_barrier_timeout)
+        if configs.parse_seconds("monitor_interval", self.monitor_interval) <= 0:
             raise ValueError(f"monitor_interval must be > 0, got {self.monitor_interval}")
         if self.start_method not in ("spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be spawn, fork or forkserver, got {self.start_method!r}")
@@ -91,7 +91,7 @@ class LaunchConfig:
 def launch(config: LaunchConfig, entrypoint: Entrypoint, args: Sequence[Any] = ()) -> RunResult:
     """Runs this node's agent to the end and returns its result (failures included; see
     ``elastic_launch`` for the raising form). Raises SignalException if a signal stopped it."""
-    from ._agent_call import run_agent
+    from .call import run_agent
 
     workdir = tempfile.mkdtemp(prefix="elastix_launch_") if callable(entrypoint) else None
     try:
@@ -100,7 +100,7 @@ def launch(config: LaunchConfig, entrypoint: Entrypoint, args: Sequence[Any] = (
         agent["name"] = entrypoint_name(entrypoint, args)
         report = run_agent(agent)
         if report["state"] == "INTERRUPTED":
-            from .errors import SignalException
+            from ..errors import SignalException
 
             signum = int(report["exit_code"]) - 128
             raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signum)
@@ -136,7 +136,7 @@ def launch_agent(config: LaunchConfig, entrypoint: Entrypoint, args: List[Any]) 
 
 def _agent_error(result: RunResult) -> Exception:
     """The exception for a run that failed without a failing local worker."""
-    from . import errors
+    from .. import errors
 
     kind = (result.error or {}).get("kind")
     message = (
@@ -166,7 +166,7 @@ def entrypoint_name(entrypoint: Entrypoint, args: Sequence[Any]) -> str:
 
 def agent_config(config: LaunchConfig, program: str, program_args: Sequence[str]) -> Dict[str, Any]:
     """The AgentConfig dict for a LaunchConfig and a resolved command line."""
-    from ._nproc import resolve_nproc
+    from .nproc import resolve_nproc
 
     nproc = resolve_nproc(str(config.nproc_per_node))
     backend = config.rdzv_backend
@@ -184,7 +184,7 @@ def agent_config(config: LaunchConfig, program: str, program_args: Sequence[str]
         node_rank = int(rank or 0)
     specs = config.logs_specs or DefaultLogsSpecs()
     prefix = config.log_line_prefix_template
-    return _agent_config.build(
+    return configs.build(
         run_id=config.run_id or _new_run_id(),
         role=config.role,
         local_world_size=nproc,
@@ -230,7 +230,7 @@ def _spec_attr(specs: Any, name: str) -> Any:
         if attr and hasattr(specs, attr):
             return getattr(specs, attr)
     raise TypeError(
-        f"logs_specs of type {type(specs).__name__} is not supported; use elastix.logs_specs.DefaultLogsSpecs"
+        f"logs_specs of type {type(specs).__name__} is not supported; use elastix.agent.logs_specs.DefaultLogsSpecs"
     )
 
 
@@ -246,7 +246,7 @@ def _command(entrypoint: Entrypoint, args: Sequence[Any], workdir: Optional[str]
         results = os.path.join(workdir, "results")
         os.mkdir(results)
         write_payload(payload, entrypoint, tuple(args))
-        return python, ["-u", "-m", "elastix._function_worker", payload, results]
+        return python, ["-u", "-m", "elastix.worker.function_worker", payload, results]
     if not isinstance(entrypoint, str):
         raise TypeError(f"entrypoint must be a program path or a function, got {type(entrypoint).__name__}")
     if entrypoint.endswith(".py"):

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
-from . import _core
-from ._rdzv_conf import rdzv_conf_json
-from .store import PrefixStore, Store, TCPStore
+from .. import _core
+from ..store import PrefixStore, Store, TCPStore
+from .rdzv_conf import rdzv_conf_json
 
 #: The backends elastix provides.
 BACKENDS = _core.RENDEZVOUS_BACKENDS

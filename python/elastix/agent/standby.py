@@ -15,7 +15,7 @@ from outside: /proc/<pid>/environ shows the environment the standby started with
 import os
 from typing import Dict, Mapping, Optional, Sequence
 
-SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_standby_site")
+SITE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "worker", "standby_site")
 
 
 def standby_env(args: Sequence[str], env: Mapping[str, str]) -> Optional[Dict[str, str]]:

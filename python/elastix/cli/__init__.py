@@ -1,6 +1,6 @@
-"""The ``elastix`` command: ``elastix run`` (torchrun's launcher), ``elastix store`` (the
-standalone store server, same as ``elastix-store``), ``elastix status`` (a job's state),
-``elastix dump`` (its workers' stacks) and ``--version``."""
+"""The ``elastix`` command line, one module per subcommand: ``elastix run`` (torchrun's
+launcher), ``elastix store`` (the standalone store server, same as ``elastix-store``),
+``elastix status`` (a job's state), ``elastix dump`` (its workers' stacks) and ``--version``."""
 
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         dump.main(argv[1:], prog="elastix dump")
         return
     if argv[:1] == ["store"]:
-        from . import store_cli
+        from . import store
 
         sys.argv = ["elastix-store", *argv[1:]]
-        store_cli.main()
+        store.main()
         return
     parser = argparse.ArgumentParser(
         prog="elastix",
@@ -51,7 +51,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("command", nargs="?", choices=sorted(COMMANDS), metavar="COMMAND")
     args = parser.parse_args(argv)
     if args.version:
-        from . import __version__
+        from .. import __version__
 
         print(f"elastix {__version__}")
         return

@@ -16,7 +16,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from . import status
-from ._envargs import EnvOption
+from .envargs import EnvOption
 
 COMPLETE, ERROR, USAGE, INCOMPLETE, NOT_FOUND = 0, 1, 2, 3, 4
 DEFAULT_TIMEOUT = 10.0
@@ -58,8 +58,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "elastix dump") -> None:
 
 
 def run(args: argparse.Namespace, prog: str = "elastix dump") -> int:
-    from . import _core
-    from ._logging import setup_cli
+    from .. import _core
+    from .._logging import setup_cli
 
     setup_cli("error")
     try:

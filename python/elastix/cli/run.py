@@ -1,4 +1,4 @@
-"""``elastix run`` (also ``python -m elastix.run``): torchrun's command line over the Rust agent.
+"""``elastix run`` (also ``python -m elastix run``): torchrun's command line over the Rust agent.
 
 Exit status: 0 when every worker succeeded; 1 when the job failed (the agent has printed the
 root cause); 128+N when signal N stopped it; 2 for a bad command line or configuration; 3 when
@@ -14,10 +14,10 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, List, Optional
 
-from ._logging import setup_cli
-from ._run_config import config_from_args
-from ._run_parser import build_parser
-from .events import check_handler, record_outcome
+from .._logging import setup_cli
+from ..agent.events import check_handler, record_outcome
+from .run_config import config_from_args
+from .run_flags import build_parser
 
 
 def main(argv: Optional[List[str]] = None, prog: str = "elastix run") -> None:
@@ -37,8 +37,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "elastix run") -> None:
 
 def run(config: Dict[str, Any], prog: str = "elastix run", events: str = "null") -> int:
     """Runs the agent with an AgentConfig dict; returns the exit status. `events`: torchrun's
-    --event-log-handler (see elastix.events)."""
-    from ._agent_call import AgentUnavailableError, run_agent
+    --event-log-handler (see elastix.agent.events)."""
+    from ..agent.call import AgentUnavailableError, run_agent
 
     try:
         report = run_agent(config)
@@ -60,7 +60,7 @@ def run(config: Dict[str, Any], prog: str = "elastix run", events: str = "null")
 
 
 def _record_own_error(err: BaseException) -> None:
-    from .record import ErrorHandler
+    from ..worker.record import ErrorHandler
 
     handler = ErrorHandler()
     if handler.error_files():
@@ -70,7 +70,7 @@ def _record_own_error(err: BaseException) -> None:
 def _pass_root_cause_up(report: Dict[str, Any]) -> None:
     """Our error file (if a launcher above us set one) gets the first failure's error file, or
     else the agent's summary, so the root cause travels up nested launchers."""
-    from .record import ErrorHandler
+    from ..worker.record import ErrorHandler
 
     handler = ErrorHandler()
     if not handler.error_files():
@@ -84,7 +84,7 @@ def _pass_root_cause_up(report: Dict[str, Any]) -> None:
                 return
             except (OSError, ValueError):
                 pass
-    from .errors import DistError
+    from ..errors import DistError
 
     summary = report.get("summary") or f"workers failed (exit code {report.get('exit_code')})"
     handler.record_exception(DistError(summary))

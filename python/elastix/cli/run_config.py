@@ -9,10 +9,10 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
-from . import _agent_config
-from ._envargs import source_of
-from ._nproc import resolve_nproc
-from .logs_specs import masks_per_rank, parse_ranks_filter, translate_torch_prefix
+from ..agent import config as agent_config
+from ..agent.logs_specs import masks_per_rank, parse_ranks_filter, translate_torch_prefix
+from ..agent.nproc import resolve_nproc
+from .envargs import source_of
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -25,13 +25,13 @@ OMP_BANNER = (
 )
 
 
-def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = _agent_config.warn) -> Dict[str, Any]:
+def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = agent_config.warn) -> Dict[str, Any]:
     """The AgentConfig dict for parsed ``elastix run`` flags; ValueError on bad input."""
     _refuse_unimplemented(args)
     given = lambda dest: source_of(args, dest) != "default"  # noqa: E731
     on_cli = lambda dest: source_of(args, dest) == "cli"  # noqa: E731
 
-    min_nodes, max_nodes = _agent_config.parse_nnodes(args.nnodes)
+    min_nodes, max_nodes = agent_config.parse_nnodes(args.nnodes)
     backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
     if args.standalone:
         flags = ("rdzv_backend", "rdzv_endpoint", "rdzv_id")
@@ -59,7 +59,7 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = _ag
             if on_cli(dest):
                 warn(f"--{dest.replace('_', '-')} is ignored: --rdzv-endpoint {endpoint} is given")
 
-    if _agent_config.parse_seconds("--monitor-interval", args.monitor_interval) <= 0:
+    if agent_config.parse_seconds("--monitor-interval", args.monitor_interval) <= 0:
         raise ValueError(f"--monitor-interval must be > 0, got {args.monitor_interval}")
     nproc = resolve_nproc(args.nproc_per_node)
     entrypoint, worker_args = _command(args, warn)
@@ -69,7 +69,7 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = _ag
         warn(OMP_BANNER)
         env["OMP_NUM_THREADS"] = "1"
 
-    return _agent_config.build(
+    return agent_config.build(
         run_id=run_id,
         role=args.role,
         local_world_size=nproc,
@@ -88,8 +88,8 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = _ag
         master_port=master_port,
         max_restarts=args.max_restarts,
         signals_to_handle=args.signals_to_handle,
-        shutdown_timeout=_agent_config.shutdown_timeout_from_env(args.shutdown_timeout),
-        exit_barrier_timeout=_agent_config.exit_barrier_timeout_from_env(args.exit_barrier_timeout),
+        shutdown_timeout=agent_config.shutdown_timeout_from_env(args.shutdown_timeout),
+        exit_barrier_timeout=agent_config.exit_barrier_timeout_from_env(args.exit_barrier_timeout),
         worker_timeout=args.worker_timeout,
         event_log=args.event_log,
         event_log_stderr=args.event_log_handler == "jsonl",
@@ -128,7 +128,7 @@ def _command(args: argparse.Namespace, warn: Callable[[str], None]) -> "tuple[st
         if args.start_method != "spawn":
             warn(f"--start-method {args.start_method}: elastix always starts workers as new processes (spawn)")
         _check_script(script)
-        return python, ["-u", "-m", "elastix._function_worker", "--run-path", script, *rest]
+        return python, ["-u", "-m", "elastix.worker.function_worker", "--run-path", script, *rest]
     if args.no_python:
         if args.module:
             raise ValueError("--no-python and -m/--module cannot be used together")

@@ -7,8 +7,8 @@ import argparse
 import shutil
 from typing import Any
 
-from ._envargs import EnvArgumentParser, EnvFlag, EnvOption
-from ._signals import DEFAULT_SIGNALS
+from ..agent.signals import DEFAULT_SIGNALS
+from .envargs import EnvArgumentParser, EnvFlag, EnvOption
 
 DESCRIPTION = """\
 Starts --nproc-per-node copies of a program on this node, joins them with the other nodes of the

@@ -17,7 +17,7 @@ import json
 import sys
 from typing import Any, Dict, List, Optional
 
-from ._envargs import EnvArgumentParser, EnvFlag, EnvOption
+from .envargs import EnvArgumentParser, EnvFlag, EnvOption
 
 HEALTHY, ERROR, USAGE, DEGRADED, NOT_FOUND, FAILED = 0, 1, 2, 3, 4, 5
 EXIT_CODES = {"healthy": HEALTHY, "degraded": DEGRADED, "failed": FAILED}
@@ -101,8 +101,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "elastix status") -> None
 
 
 def run(args: argparse.Namespace, prog: str = "elastix status") -> int:
-    from . import _core
-    from ._logging import setup_cli
+    from .. import _core
+    from .._logging import setup_cli
 
     setup_cli("error")  # the report is the output; reconnect chatter is not
     try:

@@ -5,7 +5,7 @@ import sys
 
 
 def main() -> None:
-    from . import _core
+    from .. import _core
 
     # The Rust side handles SIGINT/SIGTERM itself; Python's SIGINT handler would otherwise
     # turn the same Ctrl-C into a KeyboardInterrupt after a clean stop.

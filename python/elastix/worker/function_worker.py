@@ -2,10 +2,10 @@
 script with runpy (``elastix run --run-path``), under ``@record`` so a failure always leaves its
 error file.
 
-    python -u -m elastix._function_worker PAYLOAD RESULTS_DIR
-    python -u -m elastix._function_worker --run-path SCRIPT [ARGS...]
+    python -u -m elastix.worker.function_worker PAYLOAD RESULTS_DIR
+    python -u -m elastix.worker.function_worker --run-path SCRIPT [ARGS...]
 
-PAYLOAD is written by ``elastix.launcher.write_payload``; the return value is pickled to
+PAYLOAD is written by ``elastix.agent.launcher.write_payload``; the return value is pickled to
 ``RESULTS_DIR/<RANK>.pkl`` (written whole, then renamed into place).
 """
 
@@ -75,8 +75,8 @@ def main(argv: List[str]) -> None:
         run_payload(argv[0], argv[1])
     else:
         sys.exit(
-            "usage: python -m elastix._function_worker PAYLOAD RESULTS_DIR\n"
-            "       python -m elastix._function_worker --run-path SCRIPT [ARGS...]"
+            "usage: python -m elastix.worker.function_worker PAYLOAD RESULTS_DIR\n"
+            "       python -m elastix.worker.function_worker --run-path SCRIPT [ARGS...]"
         )
 
 

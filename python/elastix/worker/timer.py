@@ -1,7 +1,7 @@
 """torch.distributed.elastic.timer's ``expires``, for elastix workers: a block that must
 finish in time, or its worker counts as hung (its stacks are dumped, it is killed and the
 job restarts it). No timer server or client is needed: the agent reads the deadline from the
-worker's heartbeat slot (see ``elastix.progress``)."""
+worker's heartbeat slot (see ``elastix.worker.progress``)."""
 
 from __future__ import annotations
 

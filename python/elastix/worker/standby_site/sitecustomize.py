@@ -1,5 +1,5 @@
 """Run at the start-up of every interpreter with this directory on ``sys.path``: the warm
-standby workers of elastix/_standby.py.
+standby workers of elastix/agent/standby.py.
 
 With ``ELASTIX_STANDBY_FD`` set, it waits for the activation on that descriptor: the worker's
 whole environment, ``KEY=VALUE`` entries each ended by a NUL byte. Nothing at all means the
