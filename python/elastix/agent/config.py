@@ -106,11 +106,13 @@ def build(
     python_workers: bool = False,
     standby_workers: bool = True,
     metrics_port: Optional[int] = None,
+    numa_binding: Optional[Dict[str, Any]] = None,
     warn: Callable[[str], None] = warn,
 ) -> Dict[str, Any]:
     """``python_workers``: the entrypoint is the Python interpreter the launcher chose, run
     with the arguments it built. ``standby_workers``: keep warm interpreters ready for the
-    next restart when one can happen."""
+    next restart when one can happen. ``numa_binding``: each local rank's CPUs
+    (``elastix.agent.numa.agent_binding``)."""
     check_nnodes(int(min_nodes), int(max_nodes))
     if rdzv_backend == "static":
         node_rank = 0 if node_rank is None else int(node_rank)
@@ -155,6 +157,7 @@ def build(
         # what the failure summary calls the job (the agent names the program otherwise)
         "name": name,
         "metrics_port": None if metrics_port is None else _port("--metrics-port", metrics_port),
+        "numa_binding": numa_binding,
         "standby": _standby(
             python_workers and standby_workers, args, env or {}, rdzv_backend, int(max_nodes), int(max_restarts)
         ),

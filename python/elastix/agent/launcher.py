@@ -14,7 +14,9 @@ Differences from torch:
 * ``max_restarts`` is a budget for the whole job, shared by all nodes;
 * ``exit_barrier_timeout`` (seconds, default 300) is configurable;
 * a run ended by a signal raises ``SignalException`` from ``launch`` as well;
-* ``standby_workers`` (default True): Python workers restart from warm interpreters.
+* ``standby_workers`` (default True): Python workers restart from warm interpreters;
+* ``numa_options`` takes torch's ``NumaOptions``, ``elastix.agent.numa.NumaOptions`` or a mode's
+  name (``"node"``), without torch and without ``numactl`` (see ``elastix.agent.numa``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 from . import config as configs
 from .failures import ChildFailedError
 from .logs_specs import DefaultLogsSpecs, masks_per_rank, parse_ranks_filter, translate_torch_prefix
+from .numa import agent_binding, numa_options
 from .signals import DEFAULT_SIGNALS
 from .spec import RunResult, WorkerState
 
@@ -79,11 +82,10 @@ class LaunchConfig:
             raise ValueError(f"monitor_interval must be > 0, got {self.monitor_interval}")
         if self.start_method not in ("spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be spawn, fork or forkserver, got {self.start_method!r}")
+        numa_options(self.numa_options, "numa_options")  # a clear error now, not at launch
         refused = []
         if self.event_log_handler != "null":
             refused.append(f"event_log_handler={self.event_log_handler!r}")
-        if self.numa_options is not None:
-            refused.append("numa_options")
         if refused:
             raise ValueError("elastix does not implement " + ", ".join(refused))
 
@@ -215,6 +217,7 @@ def agent_config(config: LaunchConfig, program: str, program_args: Sequence[str]
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         python_workers=program == _python(),
         standby_workers=config.standby_workers,
+        numa_binding=agent_binding(config.numa_options, nproc, what="numa_options", warn=configs.warn),
     )
 
 

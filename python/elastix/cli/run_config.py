@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 from ..agent import config as agent_config
 from ..agent.logs_specs import masks_per_rank, parse_ranks_filter, translate_torch_prefix
 from ..agent.nproc import resolve_nproc
+from ..agent.numa import agent_binding
 from .envargs import source_of
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -105,6 +106,7 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = age
         python_workers=not args.no_python or args.run_path,
         standby_workers=not args.no_standby_workers,
         metrics_port=args.metrics_port,
+        numa_binding=agent_binding(args.numa_binding, nproc, what="--numa-binding", warn=warn),
         warn=warn,
     )
 
@@ -163,8 +165,6 @@ def _refuse_unimplemented(args: argparse.Namespace) -> None:
     refused: List[str] = []
     if args.logs_specs not in (None, "default"):
         refused.append(f"--logs-specs {args.logs_specs} (log layout plugins; 'default' is the layout elastix writes)")
-    if args.numa_binding is not None:
-        refused.append(f"--numa-binding {args.numa_binding}")
     if refused:
         raise ValueError("elastix does not implement " + "; ".join(refused))
 

@@ -413,7 +413,8 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         type=str,
         default=None,
         choices=["node", "socket", "exclusive", "core-complex"],
-        help="bind workers to CPUs near their GPU",
+        help="bind each worker to CPUs near the GPU whose index is its local rank (PCI bus id order); "
+        "[elastix] without GPUs, near the NUMA node its local rank is spread to (see elastix.agent.numa)",
     )
     g.add_argument(
         "--duplicate-stdout-filters",

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
+use nix::sched::CpuSet;
 use serde::Deserialize;
 
 use super::error::{AgentError, Result};
@@ -92,6 +93,22 @@ pub struct AgentConfig {
     /// logged); `None`: no endpoint.
     #[serde(default)]
     pub metrics_port: Option<u16>,
+    /// `--numa-binding`: the CPUs each local rank's worker, and its standby, are bound to
+    /// (the launcher reads them from the machine's topology: `elastix.launch.numa`); `None`:
+    /// workers run where the agent may.
+    #[serde(default)]
+    pub numa_binding: Option<NumaBinding>,
+}
+
+/// torch's modes of `--numa-binding` (`AffinityMode`).
+pub const NUMA_MODES: &[&str] = &["node", "socket", "exclusive", "core-complex"];
+
+/// What `--numa-binding` chose: the mode (for messages) and, per local rank, CPU ids.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NumaBinding {
+    pub mode: String,
+    pub cpus: Vec<Vec<usize>>,
 }
 
 impl AgentConfig {
@@ -150,6 +167,9 @@ impl AgentConfig {
                 )));
             }
         }
+        if let Some(binding) = &self.numa_binding {
+            binding.check(n)?;
+        }
         if let Some(seconds) = self.worker_timeout.filter(|s| !(s.is_finite() && *s > 0.0)) {
             return Err(AgentError::Config(format!(
                 "--worker-timeout: must be a positive number of seconds, got {seconds}"
@@ -182,6 +202,23 @@ impl AgentConfig {
                 BACKENDS.join(", ")
             )))
         }
+    }
+
+    /// The CPUs `local_rank`'s processes are bound to (`None`: not bound).
+    pub fn cpu_set(&self, local_rank: usize) -> Option<CpuSet> {
+        let cpus = self.numa_binding.as_ref()?.cpus.get(local_rank)?;
+        let mut set = CpuSet::new();
+        for &cpu in cpus {
+            // checked in `validate`: every id fits
+            set.set(cpu).ok()?;
+        }
+        Some(set)
+    }
+
+    /// `--numa-binding MODE: CPUs 0-3,8` for `local_rank`, for messages (`None`: not bound).
+    pub fn binding_of(&self, local_rank: usize) -> Option<String> {
+        let binding = self.numa_binding.as_ref()?;
+        Some(format!("--numa-binding {}: CPUs {}", binding.mode, cpu_list(binding.cpus.get(local_rank)?)))
     }
 
     pub fn shutdown_timeout(&self) -> Duration {
@@ -241,6 +278,53 @@ impl AgentConfig {
     }
 }
 
+impl NumaBinding {
+    fn check(&self, local_ranks: usize) -> Result<()> {
+        let mode = &self.mode;
+        if !NUMA_MODES.contains(&mode.as_str()) {
+            return Err(AgentError::Config(format!(
+                "--numa-binding: unknown mode {mode:?} (choose from {})",
+                NUMA_MODES.join(", ")
+            )));
+        }
+        if self.cpus.len() != local_ranks {
+            return Err(AgentError::Config(format!(
+                "--numa-binding {mode}: CPUs for {} local ranks, but there are {local_ranks}",
+                self.cpus.len()
+            )));
+        }
+        for (local_rank, cpus) in self.cpus.iter().enumerate() {
+            if cpus.is_empty() {
+                return Err(AgentError::Config(format!("--numa-binding {mode}: no CPU for local rank {local_rank}")));
+            }
+            if let Some(cpu) = cpus.iter().find(|cpu| **cpu >= CpuSet::count()) {
+                return Err(AgentError::Config(format!(
+                    "--numa-binding {mode}: CPU {cpu} (local rank {local_rank}) is beyond the {} CPUs a binding can name",
+                    CpuSet::count()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// CPU ids as sysfs and `numactl` write them: `0-3,8,10-11`.
+pub fn cpu_list(cpus: &[usize]) -> String {
+    let mut sorted = cpus.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut ranges: Vec<(usize, usize)> = Vec::new();
+    for cpu in sorted {
+        match ranges.last_mut() {
+            Some((_, end)) if *end + 1 == cpu => *end = cpu,
+            _ => ranges.push((cpu, cpu)),
+        }
+    }
+    let text: Vec<String> =
+        ranges.iter().map(|&(low, high)| if low == high { low.to_string() } else { format!("{low}-{high}") }).collect();
+    text.join(",")
+}
+
 /// A JSON decoding error as a user reads it: no position in a text they never wrote, and the
 /// Rust type names turned into what they allow.
 fn plain_words(err: &serde_json::Error) -> String {
@@ -256,6 +340,7 @@ fn plain_words(err: &serde_json::Error) -> String {
         ("expected u16", "expected a whole number from 0 to 65535"),
         ("expected u32", "expected a whole number from 0 to 4294967295"),
         ("expected f64", "expected a number"),
+        ("expected usize", "expected a whole number"),
     ] {
         text = text.replace(rust, words);
     }
@@ -296,6 +381,7 @@ fn flag(field: &str) -> Option<&'static str> {
         "duplicate_stderr_filters" => "--duplicate-stderr-filters",
         "role" => "--role",
         "run_id" => "--rdzv-id",
+        "numa_binding" => "--numa-binding",
         _ => return None,
     })
 }
@@ -402,6 +488,26 @@ pub(crate) mod tests {
             (Box::new(|v| v["rdzv_conf"] = "heartbeat_timout=10".into()), "unknown key \"heartbeat_timout\""),
             (Box::new(|v| v["typo"] = 1.into()), "unknown field `typo`"),
             (
+                Box::new(|v| v["numa_binding"] = serde_json::json!({"mode": "rack", "cpus": [[0]]})),
+                "--numa-binding: unknown mode \"rack\"",
+            ),
+            (
+                Box::new(|v| v["numa_binding"] = serde_json::json!({"mode": "node", "cpus": [[0], [1]]})),
+                "--numa-binding node: CPUs for 2 local ranks, but there are 1",
+            ),
+            (
+                Box::new(|v| v["numa_binding"] = serde_json::json!({"mode": "node", "cpus": [[]]})),
+                "--numa-binding node: no CPU for local rank 0",
+            ),
+            (
+                Box::new(|v| v["numa_binding"] = serde_json::json!({"mode": "socket", "cpus": [[3, 4096]]})),
+                "--numa-binding socket: CPU 4096 (local rank 0) is beyond the",
+            ),
+            (
+                Box::new(|v| v["numa_binding"] = serde_json::json!({"mode": "node", "cpus": [[-1]]})),
+                "--numa-binding: -1: expected a whole number",
+            ),
+            (
                 Box::new(|v| {
                     v["rdzv_backend"] = "static".into();
                     v["max_nodes"] = 2.into();
@@ -434,6 +540,32 @@ pub(crate) mod tests {
         assert_eq!((config.file_mask(0), config.console_mask(0)), (STD_OUT, STD_ERR));
         assert_eq!((config.file_mask(1), config.console_mask(1)), (STD_ERR, STD_OUT | STD_ERR));
         assert_eq!((config.file_mask(2), config.console_mask(2)), (STD_OUT | STD_ERR, 0));
+    }
+
+    #[test]
+    fn each_local_rank_gets_its_own_cpu_set() {
+        let mut value = sample(2);
+        value["numa_binding"] = serde_json::json!({"mode": "exclusive", "cpus": [[0, 2], [1023]]});
+        let config = AgentConfig::from_json(&value.to_string()).unwrap();
+        let first = config.cpu_set(0).unwrap();
+        let ids = |set: CpuSet| (0..CpuSet::count()).filter(|cpu| set.is_set(*cpu).unwrap()).collect::<Vec<_>>();
+        assert_eq!(ids(first), [0, 2]);
+        assert_eq!(ids(config.cpu_set(1).unwrap()), [1023]);
+        assert!(config.cpu_set(2).is_none());
+        let unbound = AgentConfig::from_json(&sample(2).to_string()).unwrap();
+        assert!(unbound.cpu_set(0).is_none());
+    }
+
+    #[test]
+    fn cpu_lists_read_as_sysfs_writes_them() {
+        assert_eq!(cpu_list(&[]), "");
+        assert_eq!(cpu_list(&[5]), "5");
+        assert_eq!(cpu_list(&[11, 0, 1, 2, 3, 8, 10, 3]), "0-3,8,10-11");
+        let mut value = sample(1);
+        value["numa_binding"] = serde_json::json!({"mode": "socket", "cpus": [[4, 0, 1, 2]]});
+        let config = AgentConfig::from_json(&value.to_string()).unwrap();
+        assert_eq!(config.binding_of(0).as_deref(), Some("--numa-binding socket: CPUs 0-2,4"));
+        assert_eq!(config.binding_of(1), None);
     }
 
     #[test]

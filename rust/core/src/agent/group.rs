@@ -410,9 +410,14 @@ fn spawn(
     let Supervised { mut child, pid, watch } = match activated {
         Some(process) => process,
         None => {
-            SupervisedCommand::new(&config.entrypoint, &args, &env, output, cgroup.cloned()).spawn().map_err(|err| {
+            let mut command = SupervisedCommand::new(&config.entrypoint, &args, &env, output, cgroup.cloned());
+            if let Some(cpus) = config.cpu_set(local_rank as usize) {
+                command.bind_to(cpus);
+            }
+            command.spawn().map_err(|err| {
+                let bound = config.binding_of(local_rank as usize).map(|b| format!(", {b}")).unwrap_or_default();
                 AgentError::Spawn(format!(
-                    "cannot start worker {local_rank} ({} {:?}): {err}",
+                    "cannot start worker {local_rank} ({} {:?}{bound}): {err}",
                     config.entrypoint, config.args
                 ))
             })?

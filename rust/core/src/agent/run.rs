@@ -291,6 +291,11 @@ impl Agent {
                 "on a terminal: workers whose output is neither redirected, tee'd nor prefixed write to it directly"
             );
         }
+        for local_rank in 0..config.local_world_size as usize {
+            if let Some(binding) = config.binding_of(local_rank) {
+                tracing::info!("{binding} for local rank {local_rank}");
+            }
+        }
         let standbys = StandbyPool::new(&config, outputs.clone());
         let events =
             EventLog::open(config.event_log.as_deref(), config.event_log_stderr, &config.run_id, &host, &log_writer)

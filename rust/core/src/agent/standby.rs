@@ -20,6 +20,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 
 use nix::fcntl::{fcntl, FcntlArg, OFlag};
+use nix::sched::CpuSet;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
@@ -43,11 +44,14 @@ pub struct Standby {
 }
 
 impl Standby {
+    /// A standby for `program args`, bound to `cpus` when given (its local rank's
+    /// `--numa-binding`, which it keeps as the worker).
     pub fn spawn(
         program: &str,
         args: &[String],
         env: &BTreeMap<String, String>,
         output: Output,
+        cpus: Option<CpuSet>,
     ) -> std::io::Result<Standby> {
         let (read_end, write_end) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
         // a full pipe must fail the activation rather than block the agent
@@ -56,6 +60,9 @@ impl Standby {
         env.insert(ACTIVATION_VAR.to_owned(), ACTIVATION_FD.to_string());
         // it waits in the job's cgroup; the worker group it joins takes it into its own
         let mut command = SupervisedCommand::new(program, args, &env, output, reaper::standby_cgroup());
+        if let Some(cpus) = cpus {
+            command.bind_to(cpus);
+        }
         let read_fd = read_end.as_raw_fd();
         // SAFETY: the closure runs in the child between fork and exec: dup2(2) and fcntl(2) are
         // async-signal-safe and nothing allocates. `read_fd` is open in the parent at the fork
@@ -131,6 +138,8 @@ pub struct StandbyPool {
     slots: Vec<Option<Standby>>,
     /// Each local rank's output, which its standby has from the start.
     outputs: Vec<Output>,
+    /// Each local rank's CPUs (`--numa-binding`), which its standby has from the start.
+    bindings: Vec<Option<CpuSet>>,
 }
 
 impl StandbyPool {
@@ -143,7 +152,8 @@ impl StandbyPool {
             env
         });
         let slots = outputs.iter().map(|_| None).collect();
-        StandbyPool { program: config.entrypoint.clone(), args: config.args.clone(), env, slots, outputs }
+        let bindings = (0..outputs.len()).map(|local_rank| config.cpu_set(local_rank)).collect();
+        StandbyPool { program: config.entrypoint.clone(), args: config.args.clone(), env, slots, outputs, bindings }
     }
 
     /// Starts a standby in every empty slot. A standby that cannot start turns standbys off
@@ -155,7 +165,7 @@ impl StandbyPool {
                 continue;
             }
             let args = worker_args(&self.args, local_rank as u32);
-            match Standby::spawn(&self.program, &args, env, *output) {
+            match Standby::spawn(&self.program, &args, env, *output, self.bindings[local_rank]) {
                 Ok(standby) => *slot = Some(standby),
                 Err(err) => {
                     tracing::warn!(
@@ -186,7 +196,7 @@ mod tests {
     /// A standby that echoes its activation message (or nothing) to stdout, then exits.
     fn echo(env: &BTreeMap<String, String>) -> Standby {
         let script = "cat <&$ELASTIX_STANDBY_FD; exit 7".to_owned();
-        Standby::spawn("/bin/sh", &["-c".into(), script], env, Output::Piped).unwrap()
+        Standby::spawn("/bin/sh", &["-c".into(), script], env, Output::Piped, None).unwrap()
     }
 
     fn alive(pid: u32) -> bool {
@@ -222,7 +232,7 @@ mod tests {
     #[tokio::test]
     async fn an_unused_standby_is_gone_when_dropped() {
         let args = ["-c".to_owned(), "sleep 30 <&3".to_owned()];
-        let standby = Standby::spawn("/bin/sh", &args, &BTreeMap::new(), Output::Piped).unwrap();
+        let standby = Standby::spawn("/bin/sh", &args, &BTreeMap::new(), Output::Piped, None).unwrap();
         let pid = standby.pid();
         assert!(alive(pid));
         drop(standby);
@@ -238,7 +248,7 @@ mod tests {
     #[tokio::test]
     async fn a_standby_that_died_is_refused() {
         let args = ["-c".to_owned(), "exit 0".to_owned()];
-        let standby = Standby::spawn("/bin/sh", &args, &BTreeMap::new(), Output::Piped).unwrap();
+        let standby = Standby::spawn("/bin/sh", &args, &BTreeMap::new(), Output::Piped, None).unwrap();
         let pid = standby.pid();
         for _ in 0..200 {
             if !alive(pid) {
@@ -251,7 +261,10 @@ mod tests {
     }
 
     fn pool(entrypoint: &str, standby: Option<BTreeMap<String, String>>) -> StandbyPool {
-        let mut config = AgentConfig::from_json(&sample(2).to_string()).unwrap();
+        pool_of(AgentConfig::from_json(&sample(2).to_string()).unwrap(), entrypoint, standby)
+    }
+
+    fn pool_of(mut config: AgentConfig, entrypoint: &str, standby: Option<BTreeMap<String, String>>) -> StandbyPool {
         config.entrypoint = entrypoint.to_owned();
         config.args = vec!["-c".into(), "sleep 30 <&3 # ${local_rank}".into()];
         config.standby = standby;
@@ -271,5 +284,26 @@ mod tests {
         let second = working.take(1).unwrap();
         assert_eq!(second.args[1], "sleep 30 <&3 # 1", "each rank's own arguments");
         assert!(working.take(1).is_none() && working.take(5).is_none());
+    }
+
+    #[tokio::test]
+    async fn each_standby_is_bound_to_its_local_ranks_cpus_and_keeps_them_as_the_worker() {
+        let own = nix::sched::sched_getaffinity(Pid::from_raw(0)).unwrap();
+        let first = (0..CpuSet::count()).find(|cpu| own.is_set(*cpu).unwrap()).unwrap();
+        let last = (0..CpuSet::count()).rev().find(|cpu| own.is_set(*cpu).unwrap()).unwrap();
+        let mut value = sample(2);
+        value["numa_binding"] = serde_json::json!({"mode": "node", "cpus": [[first], [last]]});
+        let config = AgentConfig::from_json(&value.to_string()).unwrap();
+        let mut pool = pool_of(config, "/bin/sh", Some(BTreeMap::new()));
+        pool.args = vec!["-c".into(), "cat <&3 >/dev/null; grep Cpus_allowed_list /proc/self/status".into()];
+        pool.refill();
+        for (local_rank, cpu) in [(0, first), (1, last)] {
+            let standby = pool.take(local_rank).unwrap();
+            let args = standby.args.clone();
+            let worker = standby.activate(&args, &BTreeMap::new()).unwrap();
+            let output = worker.child.wait_with_output().await.unwrap();
+            let text = String::from_utf8_lossy(&output.stdout).into_owned();
+            assert_eq!(text.split_whitespace().collect::<Vec<_>>(), ["Cpus_allowed_list:", &cpu.to_string()]);
+        }
     }
 }
