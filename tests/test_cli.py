@@ -375,13 +375,9 @@ def test_usage_errors_read_as_a_person_wrote_them(script, capsys, argv, message)
         assert artefact not in out.err, out.err
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--logs-specs", "mine"], "--logs-specs mine"),
-    (["--numa-binding", "node"], "--numa-binding node"),
-])  # fmt: skip
-def test_unimplemented_flags_are_refused_unless_default(script, capsys, argv, needle):
-    code, out = exit_of([*argv, script], capsys)
-    assert code == 2 and "elastix does not implement" in out.err and needle in out.err
+def test_unimplemented_flags_are_refused_unless_default(script, capsys):
+    code, out = exit_of(["--logs-specs", "mine", script], capsys)
+    assert code == 2 and "elastix does not implement" in out.err and "--logs-specs mine" in out.err
 
 
 def test_duplicate_filters_reach_the_agent_with_torchs_comma_escape(script):
