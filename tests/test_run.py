@@ -13,7 +13,7 @@ import time
 import pytest
 
 from agents import WORKERS, assert_nothing_left, node_args, starts, wait_for
-from conftest import closed_port
+from conftest import closed_port, reserved_port
 
 # Short last calls so that membership changes happen within a test's time; a live node is
 # lost only after 2 s without a heartbeat, which a loaded machine does not reach. The agents
@@ -24,14 +24,8 @@ FAST_RDZV = "keep_alive_interval=250ms,keep_alive_max_attempt=8,last_call_timeou
 
 def elastix_run(*args, out_dir, marker, **popen):
     env = {**os.environ, "OUT_DIR": str(out_dir), "ELASTIX_TEST_MARKER": marker}
-    return subprocess.Popen(
-        [sys.executable, "-m", "elastix", "run", *map(str, args)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **popen,
-    )
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    return subprocess.Popen([sys.executable, "-m", "elastix", "run", *map(str, args)], env=env, text=True, **popen)
 
 
 def finish(proc, timeout=90):
@@ -268,6 +262,51 @@ def test_two_agents_on_one_machine_form_one_job(tmp_path, marker, rdzv_port):
         code, _out, err = finish(agent)
         assert code == 0, err
     assert_nothing_left(marker)
+
+
+def test_an_endpoint_without_a_node_rank_forms_a_multi_node_job(tmp_path, marker):
+    """torchrun's drop-in form, `--nnodes 2 --rdzv-endpoint host:port` on each node and nothing
+    else: the nodes meet with c10d (torchrun's static default would wait for --node-rank)."""
+    script = os.path.join(WORKERS, "report_env.py")
+    with reserved_port() as port:
+        agents = [
+            elastix_run(
+                "--nnodes",
+                "2",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--local-addr",
+                f"127.0.0.{i}",
+                script,
+                out_dir=tmp_path,
+                marker=marker,
+            )
+            for i in (1, 2)
+        ]
+        results = [finish(agent) for agent in agents]
+    for code, _out, err in results:
+        assert code == 0, err
+    assert any("meet there with the c10d rendezvous" in err for _, _, err in results)
+    records = [json.loads(path.read_text()) for path in tmp_path.glob("*_*.json")]
+    assert sorted(r["RANK"] for r in records) == ["0", "1"] and {r["WORLD_SIZE"] for r in records} == {"2"}
+    assert_nothing_left(marker)
+
+
+def test_a_static_node_says_whom_it_waits_for(tmp_path, marker, monkeypatch):
+    monkeypatch.setenv("ELASTIX_RDZV_PROGRESS_INTERVAL", "200ms")
+    script = os.path.join(WORKERS, "report_env.py")
+    log = tmp_path / "rank0.log"
+    with reserved_port() as port, open(log, "w") as rank0_err:
+        static = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port, script]
+        first = elastix_run("--node-rank", "0", *static, out_dir=tmp_path, marker=marker, stderr=rank0_err)
+        waiting = f"waiting for node rank(s) [1] of 2 at 127.0.0.1:{port}, deadline in"
+        wait_for(lambda: waiting in log.read_text(), what="rank 0 saying it waits for rank 1")
+        second = elastix_run("--node-rank", "1", *static, out_dir=tmp_path, marker=marker)
+        (code, _, _), (code1, _, err1) = finish(first), finish(second)
+    err = log.read_text()
+    assert code == 0 and code1 == 0, err + err1
+    assert "static rendezvous: node rank 0 of 2 serving the job's store at 127.0.0.1:" in err, err
+    assert "node rank 1 of 2 meeting the others at" in err1, err1
 
 
 def test_a_node_that_dies_mid_run_is_dropped_and_the_other_re_forms(tmp_path, marker, rdzv_port):

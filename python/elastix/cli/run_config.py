@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
+from .._logging import LOGGER
 from ..agent import config as agent_config
 from ..agent.logs_specs import masks_per_rank, parse_ranks_filter, translate_torch_prefix
 from ..agent.nproc import resolve_nproc
@@ -48,6 +49,15 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = age
         # avoids a fixed port 29500 colliding between jobs on one host (torch checks the port
         # only; a master address given on purpose also keeps the static rendezvous here)
         backend, endpoint, run_id = _standalone()
+    elif backend == "static" and endpoint and not given("rdzv_backend") and not given("node_rank"):
+        # torchrun's static default needs --node-rank on every node; with an endpoint to meet
+        # at and no rank, c10d forms the job by itself
+        LOGGER.info(
+            "--rdzv-endpoint %s without --node-rank: the nodes meet there with the c10d rendezvous "
+            "(torchrun's default, static, would need --node-rank on each node)",
+            endpoint,
+        )
+        backend = "c10d"
 
     master_addr = args.master_addr if args.master_addr is not None else DEFAULT_MASTER_ADDR
     master_port = args.master_port if args.master_port is not None else DEFAULT_MASTER_PORT

@@ -1,6 +1,7 @@
 //! What the launcher gives a rendezvous backend, and the settings of the dynamic backends.
 
 use std::path::Path;
+use std::time::Duration;
 
 use super::conf::{parse_duration, ConfInput, RendezvousConf};
 use super::error::{RendezvousError, Result};
@@ -29,13 +30,17 @@ pub const PROGRESS_INTERVAL_VAR: &str = "ELASTIX_RDZV_PROGRESS_INTERVAL";
 pub(crate) fn dynamic_settings(params: &RendezvousParams, conf: &RendezvousConf) -> Result<RendezvousSettings> {
     let mut settings = RendezvousSettings::new(&params.run_id, params.min_nodes, params.max_nodes)?.with_conf(conf)?;
     settings.local_addr = params.local_addr.clone();
-    if let Ok(text) = std::env::var(PROGRESS_INTERVAL_VAR) {
-        settings.progress_interval =
-            parse_duration(&text).ok().filter(|interval| !interval.is_zero()).ok_or_else(|| {
-                RendezvousError::Config(format!("{PROGRESS_INTERVAL_VAR}={text:?} is not a positive duration"))
-            })?;
-    }
+    settings.progress_interval = progress_interval(settings.progress_interval)?;
     Ok(settings)
+}
+
+/// How often a waiting node says what it waits for: [`PROGRESS_INTERVAL_VAR`], else `default`.
+pub(crate) fn progress_interval(default: Duration) -> Result<Duration> {
+    let Ok(text) = std::env::var(PROGRESS_INTERVAL_VAR) else { return Ok(default) };
+    parse_duration(&text)
+        .ok()
+        .filter(|interval| !interval.is_zero())
+        .ok_or_else(|| RendezvousError::Config(format!("{PROGRESS_INTERVAL_VAR}={text:?} is not a positive duration")))
 }
 
 /// The job secret `--rdzv-conf auth_token_file` names, read and checked but not yet used,

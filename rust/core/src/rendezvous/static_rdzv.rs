@@ -12,8 +12,9 @@ use super::conf::{RendezvousConf, STATIC_KEYS};
 use super::endpoint::parse_endpoint;
 use super::error::{RendezvousError, Result};
 use super::node::NodeDesc;
-use super::params::{apply_secret, conf_secret, RendezvousParams};
+use super::params::{apply_secret, conf_secret, progress_interval, RendezvousParams};
 use super::records::{encode, Arrival, FORMAT_VERSION};
+use super::settings::RendezvousSettings;
 use super::store::{RendezvousStore, StoreConn, TcpRendezvousStore, DEFAULT_READ_TIMEOUT};
 use crate::auth::Secret;
 use crate::store::{ConnectOptions, ServerConfig, StoreServer};
@@ -29,6 +30,7 @@ pub(crate) struct StaticOptions {
     timeout: Duration,
     endpoint: (String, u16),
     secret: Option<Secret>,
+    progress_interval: Duration,
 }
 
 impl StaticOptions {
@@ -46,7 +48,8 @@ impl StaticOptions {
         let timeout = conf.duration("timeout", DEFAULT_STATIC_TIMEOUT)?;
         conf.duration("read_timeout", DEFAULT_READ_TIMEOUT)?;
         let endpoint = parse_endpoint(&params.endpoint, DEFAULT_MASTER_PORT)?;
-        Ok(StaticOptions { rank, timeout, endpoint, secret })
+        let progress_interval = progress_interval(RendezvousSettings::DEFAULT_PROGRESS_INTERVAL)?;
+        Ok(StaticOptions { rank, timeout, endpoint, secret, progress_interval })
     }
 }
 
@@ -57,6 +60,8 @@ pub struct StaticRendezvous {
     master_addr: String,
     master_port: u16,
     timeout: Duration,
+    /// How often a node waiting for the others says so.
+    progress_interval: Duration,
     node: NodeDesc,
     /// Rank 0 serves the store for the whole job.
     server: Option<StoreServer>,
@@ -69,9 +74,18 @@ pub struct StaticRendezvous {
 impl StaticRendezvous {
     /// The static backend for `options` (the secret becomes this process's).
     pub(crate) fn create(params: &RendezvousParams, options: StaticOptions) -> Result<StaticRendezvous> {
-        let StaticOptions { rank, timeout, endpoint, secret } = options;
+        let StaticOptions { rank, timeout, endpoint, secret, progress_interval } = options;
         apply_secret(secret)?;
-        StaticRendezvous::new(&params.run_id, rank, params.max_nodes, endpoint, timeout, params.local_addr.as_deref())
+        let mut rdzv = StaticRendezvous::new(
+            &params.run_id,
+            rank,
+            params.max_nodes,
+            endpoint,
+            timeout,
+            params.local_addr.as_deref(),
+        )?;
+        rdzv.progress_interval = progress_interval;
+        Ok(rdzv)
     }
 
     pub fn new(
@@ -103,6 +117,7 @@ impl StaticRendezvous {
             master_addr: master.0,
             master_port: master.1,
             timeout,
+            progress_interval: RendezvousSettings::DEFAULT_PROGRESS_INTERVAL,
             node: NodeDesc::this_process(local_addr),
             server,
             store,
@@ -152,30 +167,46 @@ impl StaticRendezvous {
         })
     }
 
+    /// Checks in and waits for every other rank, saying every `progress_interval` whom it
+    /// still waits for, until the timeout.
     async fn check_in(&mut self) -> Result<()> {
         let deadline = Instant::now() + self.timeout;
+        let at = format!("{}:{}", self.master_addr, self.master_port);
+        tracing::info!(
+            "static rendezvous: node rank {} of {} {} {at}",
+            self.rank,
+            self.world_size,
+            if self.server.is_some() { "serving the job's store at" } else { "meeting the others at" }
+        );
         let mut conn = self.store.connect().await?;
         let record = Arrival { v: FORMAT_VERSION, node: Some(self.node.clone()) };
         conn.set(&format!("node/{}", self.rank), &encode(&record)).await?;
         let keys: Vec<String> = (0..self.world_size).map(|rank| format!("node/{rank}")).collect();
-        if conn.wait(&keys, Some(deadline.saturating_duration_since(Instant::now()))).await? {
-            return Ok(());
-        }
-        let mut missing = Vec::new();
-        for (rank, key) in keys.iter().enumerate() {
-            if !conn.check(std::slice::from_ref(key)).await? {
-                missing.push(rank.to_string());
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if conn.wait(&keys, Some(remaining.min(self.progress_interval))).await? {
+                return Ok(());
             }
+            let mut missing = Vec::new();
+            for (rank, key) in keys.iter().enumerate() {
+                if !conn.check(std::slice::from_ref(key)).await? {
+                    missing.push(rank.to_string());
+                }
+            }
+            let missing = missing.join(", ");
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Err(RendezvousError::Timeout(format!(
+                    "static rendezvous {:?}: timed out after {:.0?} waiting for node rank(s) [{missing}] of {} at {at}",
+                    self.run_id, self.timeout, self.world_size
+                )));
+            }
+            tracing::info!(
+                "static rendezvous: waiting for node rank(s) [{missing}] of {} at {at}, deadline in {}s",
+                self.world_size,
+                remaining.as_secs()
+            );
         }
-        Err(RendezvousError::Timeout(format!(
-            "static rendezvous {:?}: timed out after {:.0?} waiting for node rank(s) [{}] of {} at {}:{}",
-            self.run_id,
-            self.timeout,
-            missing.join(", "),
-            self.world_size,
-            self.master_addr,
-            self.master_port
-        )))
     }
 }
 
