@@ -65,8 +65,8 @@ SAMPLE_VALUES = {
     "master_port": "1234", "local_addr": "1.2.3.4", "logs_specs": "x", "numa_binding": "node",
     "signals_to_handle": "SIGUSR1", "shutdown_timeout": "5", "log_line_prefix_template": "${rank}",
 }  # fmt: skip
-CONVERTED = {"max_restarts": 2, "monitor_interval": 0.5, "node_rank": 1, "master_port": 1234,
-             "shutdown_timeout": 5.0, "duplicate_stdout_filters": ["a"], "duplicate_stderr_filters": ["b"]}  # fmt: skip
+CONVERTED = {"max_restarts": 2, "node_rank": 1, "master_port": 1234,
+             "duplicate_stdout_filters": ["a"], "duplicate_stderr_filters": ["b"]}  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -175,6 +175,33 @@ def test_static_multi_node(script):
     assert config["rdzv_backend"] == "static"
     assert (config["min_nodes"], config["max_nodes"], config["node_rank"]) == (2, 2, 1)
     assert (config["master_addr"], config["master_port"]) == ("10.0.0.1", 29500)
+
+
+def test_durations_take_units_as_rdzv_conf_does(script, capsys):
+    config = parse(["--shutdown-timeout", "500ms", "--worker-timeout", "2m", "--exit-barrier-timeout", "1h",
+                    "--monitor-interval", "50ms", script])  # fmt: skip
+    assert (config["shutdown_timeout"], config["worker_timeout"], config["exit_barrier_timeout"]) == (
+        0.5,
+        120.0,
+        3600.0,
+    )
+    assert parse(["--shutdown-timeout", "7", script])["shutdown_timeout"] == 7.0
+    code, out = exit_of(["--worker-timeout", "soon", script], capsys)
+    assert code == 2 and "--worker-timeout: soon is not a duration" in out.err, out.err
+
+
+def test_an_endpoint_without_a_node_rank_means_c10d(script, caplog):
+    with caplog.at_level("INFO", logger="elastix"):
+        config = parse(["--nnodes", "2", "--rdzv-endpoint", "h0:29400", script])
+    assert (config["rdzv_backend"], config["rdzv_endpoint"]) == ("c10d", "h0:29400")
+    said = [r.getMessage() for r in caplog.records if "c10d rendezvous" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("--rdzv-endpoint h0:29400 without --node-rank"), said
+    # a node rank, or static asked for, keeps torchrun's static rendezvous at that endpoint
+    assert (
+        parse(["--nnodes", "2", "--rdzv-endpoint", "h0:29400", "--node-rank", "1", script])["rdzv_backend"] == "static"
+    )
+    explicit = parse(["--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "h0:29400", script])
+    assert explicit["rdzv_backend"] == "static"
 
 
 def test_node_rank_must_be_below_nnodes_for_static(script):
@@ -666,3 +693,18 @@ def test_elastix_command(capsys):
     with pytest.raises(SystemExit) as info:
         elastix_main([])
     assert info.value.code == 2 and "run" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (["--standalone", "--nproc-per-node", "2", "train.py"], "did you mean `elastix run --standalone --nproc-per-node 2 train.py`?"),
+    (["train.py", "--lr", "0.1"], "did you mean `elastix run train.py --lr 0.1`?"),
+    (["runn", "train.py"], "did you mean `elastix run`?"),
+    (["launch"], "choose from run, store, status, dump"),
+])  # fmt: skip
+def test_a_forgotten_or_misspelt_command_gets_a_suggestion(capsys, argv, hint):
+    with pytest.raises(SystemExit) as info:
+        elastix_main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith(f"elastix: error: {argv[0]!r} is not a command: ") and hint in err, (
+        err
+    )

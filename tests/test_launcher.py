@@ -116,7 +116,8 @@ def test_launch_config_timeouts_from_env(monkeypatch):
     config = LaunchConfig(1, 1, 1)
     assert (config.shutdown_timeout, config.exit_barrier_timeout) == (7.0, 9.0)
     assert LaunchConfig(1, 1, 1, shutdown_timeout=2).shutdown_timeout == 2.0
-    with pytest.raises(ValueError, match="--shutdown-timeout: 'soon' is not a number"):
+    assert LaunchConfig(1, 1, 1, shutdown_timeout="500ms").shutdown_timeout == 0.5  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="--shutdown-timeout: soon is not a duration"):
         LaunchConfig(1, 1, 1, shutdown_timeout="soon")  # type: ignore[arg-type]
     # the range is the agent's to check, before anything starts
     with pytest.raises(ValueError, match="--shutdown-timeout: must be a non-negative number"):

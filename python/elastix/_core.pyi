@@ -178,6 +178,9 @@ def init_cli_logging(level: str) -> bool:
 def reset_log_cache() -> None:
     """Makes the bridge to Python's logging re-read loggers and levels."""
 
+def parse_duration(text: str) -> float:
+    """Seconds in a duration as --rdzv-conf writes it (30, 30s, 500ms, 2m); ValueError otherwise."""
+
 def check_agent_config(config_json: str) -> None:
     """Raises ValueError, naming the flag, when the agent would refuse the configuration."""
 

@@ -45,14 +45,25 @@ def check_nnodes(low: int, high: int, what: str = "--nnodes") -> None:
 
 
 def parse_seconds(flag: str, value: Any) -> float:
-    """A finite number of seconds from a flag's or a variable's text (the agent checks its
-    range)."""
+    """A finite number of seconds from a number, or a flag's or a variable's text with or
+    without a unit as ``--rdzv-conf`` takes them (``30``, ``30s``, ``500ms``, ``2m``); the agent
+    checks the range."""
+    shown = value if isinstance(value, str) else repr(value)
     try:
         seconds = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{flag}: {value!r} is not a number of seconds") from None
+        if not isinstance(value, str):
+            raise ValueError(f"{flag}: {value!r} is not a number of seconds") from None
+        from .. import _core
+
+        try:
+            seconds = _core.parse_duration(value)
+        except ValueError:
+            raise ValueError(
+                f"{flag}: {shown} is not a duration (a number of seconds, or with a unit: 500ms, 30s, 2m, 1h)"
+            ) from None
     if not math.isfinite(seconds):
-        raise ValueError(f"{flag}: {value!r} is not a finite number of seconds")
+        raise ValueError(f"{flag}: {shown} is not a finite number of seconds")
     return seconds
 
 

@@ -41,6 +41,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.argv = ["elastix-store", *argv[1:]]
         store.main()
         return
+    if argv and argv[0] not in ("-h", "--help", "--version"):
+        _not_a_command(argv)
     parser = argparse.ArgumentParser(
         prog="elastix",
         description="A fast, PyTorch-free elastic launcher and store.",
@@ -56,6 +58,24 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"elastix {__version__}")
         return
     parser.print_help()
+    sys.exit(2)
+
+
+def _not_a_command(argv: List[str]) -> None:
+    """Exits 2 with a suggestion: run's flags or a script without `run` (the word forgotten, as
+    in `elastix --standalone train.py`), or a misspelt command."""
+    import difflib
+    import shlex
+
+    first = argv[0]
+    close = difflib.get_close_matches(first, COMMANDS, n=1)
+    if close:
+        hint = f"did you mean `elastix {close[0]}`?"
+    elif first.startswith("-") or first.endswith(".py"):
+        hint = f"did you mean `elastix run {shlex.join(argv)}`?"
+    else:
+        hint = f"choose from {', '.join(COMMANDS)}"
+    print(f"elastix: error: {first!r} is not a command: {hint}", file=sys.stderr)
     sys.exit(2)
 
 

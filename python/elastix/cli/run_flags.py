@@ -229,7 +229,10 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         help="every worker gets LOCAL_RANK=0 and sees only its own GPU in CUDA_VISIBLE_DEVICES",
     )
 
-    g = parser.add_argument_group("failures, restarts and signals")
+    g = parser.add_argument_group(
+        "failures, restarts and signals",
+        "a DURATION is seconds (30, 0.5) or has a unit as in --rdzv-conf (500ms, 30s, 2m, 1h)",
+    )
     g.add_argument(
         "--max-restarts",
         "--max_restarts",
@@ -251,9 +254,9 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         "--monitor-interval",
         "--monitor_interval",
         action=EnvOption,
-        type=float,
+        type=str,
         default=0.1,
-        metavar="SECONDS",
+        metavar="DURATION",
         help="accepted for torchrun compatibility (must be > 0): elastix is told of "
         "worker exits at once instead of polling (default: 0.1)",
     )
@@ -270,18 +273,18 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         "--shutdown-timeout",
         "--shutdown_timeout",
         action=EnvOption,
-        type=float,
+        type=str,
         default=None,
-        metavar="SECONDS",
+        metavar="DURATION",
         help="grace between the stop signal and SIGKILL (default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)",
     )
     g.add_argument(
         "--worker-timeout",
         "--worker_timeout",
         action=EnvOption,
-        type=float,
+        type=str,
         default=None,
-        metavar="SECONDS",
+        metavar="DURATION",
         help="a worker that called elastix.heartbeat() and then sends none for this long is hung: its "
         "stacks are dumped and it is restarted like a failed one (default: off; expect_progress and "
         "elastix.timer.expires apply regardless)",
@@ -290,9 +293,9 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         "--exit-barrier-timeout",
         "--exit_barrier_timeout",
         action=EnvOption,
-        type=float,
+        type=str,
         default=None,
-        metavar="SECONDS",
+        metavar="DURATION",
         help="[elastix] how long a finished node waits for the others (default: "
         "TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT or 300)",
     )

@@ -15,6 +15,13 @@ pub fn check_agent_config(config_json: &str) -> PyResult<()> {
     AgentConfig::from_json(config_json).map(drop).map_err(|err| PyValueError::new_err(err.to_string()))
 }
 
+/// Seconds in a duration's text as `--rdzv-conf` takes it (`30`, `30s`, `500ms`, `2m`);
+/// ValueError otherwise.
+#[pyfunction]
+pub fn parse_duration(text: &str) -> PyResult<f64> {
+    elastix_core::rendezvous::conf::parse_duration(text).map(|d| d.as_secs_f64()).map_err(PyValueError::new_err)
+}
+
 #[pyfunction]
 pub fn run_agent(py: Python<'_>, config_json: &str) -> PyResult<String> {
     let config = AgentConfig::from_json(config_json).map_err(|err| PyValueError::new_err(err.to_string()))?;
