@@ -12,8 +12,21 @@ from datetime import timedelta
 import pytest
 
 import elastix
+import torch_gate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    torch_gate.configure(config)
+
+
+def pytest_collection_modifyitems(config, items):
+    torch_gate.deselect_without_torch(config, items)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    torch_gate.report(terminalreporter, config)
 
 
 @pytest.fixture

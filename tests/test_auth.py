@@ -16,6 +16,7 @@ import uuid
 
 import pytest
 
+import torch_gate
 from agents import WORKERS, agent, finish_all, node_args, rounds_of, starts, wait_round
 from conftest import reserved_port as reserve
 from netns import hosts_for_a_test
@@ -222,9 +223,10 @@ def test_without_a_secret_a_reachable_agent_says_who_can_reach_the_job(tmp_path,
     assert "no job secret: anyone who can reach" in a.output(), a.output()
 
 
+@pytest.mark.torch
 def test_torch_workers_init_process_group_gloo_in_a_job_with_a_secret(tmp_path, marker, monkeypatch, secured):
     """torch's clients cannot prove the secret: on members' hosts the workers' store serves them."""
-    pytest.importorskip("torch.distributed")
+    torch_gate.need()
     path, _, port = secured
     script = os.path.join(WORKERS, "gloo_sum.py")
     monkeypatch.setenv("ELASTIX_AUTH_TOKEN_FILE", path)

@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+import torch_gate
 from elastix import _core
 from elastix.agent import nproc
 from elastix.cli import main as elastix_main
@@ -657,9 +658,10 @@ def test_help_is_complete_and_grouped(capsys):
         assert group in text
 
 
+@pytest.mark.torch
 def test_torchrun_parity_when_torch_is_installed():
     """Every option string of the installed torchrun exists here with the same default."""
-    run = pytest.importorskip("torch.distributed.run")
+    run = torch_gate.need("torch.distributed.run")
     theirs = run.get_args_parser()
     ours = {opt: a for a in build_parser()._actions for opt in a.option_strings}
     # ours resolve later (master_addr, master_port: 29500 in torch 2.11, None in newer torch)

@@ -12,6 +12,7 @@ from datetime import timedelta
 import pytest
 
 import elastix
+import torch_gate
 from elastix.agent.rendezvous import RendezvousHandler, create_handler
 
 # A live node is lost only after 2 s without a heartbeat, which a loaded machine does not
@@ -264,8 +265,9 @@ sys.exit(3)
     assert proc.returncode == 0 and out.startswith("interrupted"), out
 
 
+@pytest.mark.torch
 def test_over_a_torch_tcpstore_server():
-    dist = pytest.importorskip("torch.distributed")
+    dist = torch_gate.need()
     from datetime import timedelta
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))

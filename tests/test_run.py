@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import torch_gate
 from agents import WORKERS, assert_nothing_left, node_args, starts, wait_for
 from conftest import closed_port, reserved_port
 
@@ -352,8 +353,9 @@ def test_a_third_node_joins_a_running_job(tmp_path, marker, rdzv_port):
     assert_nothing_left(marker)
 
 
+@pytest.mark.torch
 def test_torch_init_process_group_gloo_under_elastix_run(tmp_path, marker):
-    pytest.importorskip("torch.distributed")
+    torch_gate.need()
     script = os.path.join(WORKERS, "gloo_sum.py")
     proc = elastix_run("--standalone", "--nproc-per-node", 2, script, out_dir=tmp_path, marker=marker)
     code, _out, err = finish(proc, timeout=180)

@@ -1,7 +1,7 @@
 """One file store shared by torch and elastix processes: elastix.FileStore writes and reads
 torch's FileStore format. Each side runs in a process of its own (a torch process imports no
 elastix, an elastix process no torch), driven line by line from the test, so that the test
-orders their operations. Skipped where torch is not installed (CI has no torch)."""
+orders their operations. They need torch: CI runs them in its torch stage (tests/torch_gate.py)."""
 
 import json
 import os
@@ -14,7 +14,10 @@ from typing import Any, List
 
 import pytest
 
-pytest.importorskip("torch.distributed")
+import torch_gate
+
+pytestmark = pytest.mark.torch
+torch_gate.need()
 
 REPLY_TIMEOUT = 60  # seconds; every reply, and so every wait, is bounded
 

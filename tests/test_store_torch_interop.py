@@ -1,6 +1,6 @@
 """Wire compatibility with real torch: torch's client against the elastix server, and the
-elastix client against torch's servers. Skipped where torch is not installed (it is an
-optional benchmark extra, never a CI requirement)."""
+elastix client against torch's servers. They need torch: CI runs them in its torch stage
+(tests/torch_gate.py)."""
 
 import threading
 from datetime import timedelta
@@ -8,9 +8,11 @@ from datetime import timedelta
 import pytest
 
 import elastix
+import torch_gate
 from conftest import reserved_port
 
-torch_dist = pytest.importorskip("torch.distributed")
+pytestmark = pytest.mark.torch
+torch_dist = torch_gate.need()
 
 TIMEOUT = timedelta(seconds=10)
 

@@ -10,12 +10,15 @@ import sys
 
 import pytest
 
+import torch_gate
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import torch_store_conformance as conformance  # noqa: E402
 
-pytest.importorskip("torch.distributed")
+pytestmark = pytest.mark.torch
+torch_gate.need()
 
 
 def test_torch_store_tests_pass_with_elastix_stores():
