@@ -87,7 +87,7 @@ def test_a_hung_worker_is_restarted_like_a_failed_one(tmp_path, marker, worker):
     code, _out, err = run(tmp_path, marker, worker, "heartbeat", "--worker-timeout", "1", "--max-restarts", "1")
     assert code == 0, err
     assert (tmp_path / "start_1").exists(), "the restarted attempt ran"
-    assert re.search(r"worker 0 \(pid \d+\) is hung: no heartbeat for", err), err
+    assert re.search(r"worker rank 0 \(local rank 0, pid \d+\) is hung: no heartbeat for", err), err
     assert_nothing_left(marker)
 
 

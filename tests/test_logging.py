@@ -4,6 +4,8 @@ endpoint is a warning within seconds, and a library user gets the core's events 
 logging."""
 
 import os
+import re
+import socket
 import subprocess
 import sys
 
@@ -31,18 +33,38 @@ def elastix_run(*args, env=None, timeout=60):
     )
 
 
+LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z (ERROR|WARN |INFO |DEBUG|TRACE) \[127\.0\.0\.1\] \S")
+
+
+def test_every_agent_line_has_one_form_whoever_wrote_it(rdzv_port, ok_script):
+    """Python's lines (a configuration warning) and the core's share a timestamp style, the
+    level names and the node's name, so that several nodes' logs merge; no Rust Debug output."""
+    args = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}"]
+    args += ["--local-addr", "127.0.0.1", "--node-rank", "1", "--max-restarts", "1", ok_script]
+    done = elastix_run(*args, env={"ELASTIX_LOG_LEVEL": "info"})
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines and all(LINE.match(line) for line in lines), done.stderr
+    assert any("WARN  [127.0.0.1] --node-rank only applies to --rdzv-backend static" in line for line in lines)
+    assert any("rendezvous complete: round 0, 1 node(s); this node is rank 0" in line for line in lines), lines
+    for debug_output in ("Some(", "None", "NodeDesc {", "world_size="):
+        assert debug_output not in done.stderr, done.stderr
+
+
 def test_a_waiting_node_says_whom_it_waits_for_where_and_until_when(rdzv_port, ok_script):
     args = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}"]
     args += ["--rdzv-id", "lonely", "--rdzv-conf", "is_host=false,join_timeout=3s", ok_script]
     shown = elastix_run(*args, env={"ELASTIX_LOG_LEVEL": "info", "ELASTIX_RDZV_PROGRESS_INTERVAL": "500ms"})
     assert shown.returncode == 1, shown.stderr
-    assert "INFO waiting for 1 more node(s): 1 joined (" in shown.stderr, shown.stderr
+    assert "INFO  [vm] waiting for 1 more node(s): 1 joined (".replace("vm", socket.gethostname()) in shown.stderr, (
+        shown.stderr
+    )
     assert f"of 2..2 at 127.0.0.1:{rdzv_port}, run ID lonely, deadline in " in shown.stderr, shown.stderr
     assert "timed out after 3s (join_timeout)" in shown.stderr, shown.stderr
     # the level is honoured: at warn, the progress lines are not shown, the failure is
     quiet = elastix_run("--log-level", "warn", *args, env={"ELASTIX_RDZV_PROGRESS_INTERVAL": "500ms"})
     assert quiet.returncode == 1 and "waiting for" not in quiet.stderr, quiet.stderr
-    assert "ERROR agent failed: rendezvous" in quiet.stderr, quiet.stderr
+    assert "agent failed: rendezvous" in quiet.stderr and " ERROR [" in quiet.stderr, quiet.stderr
 
 
 def test_an_unreachable_endpoint_is_a_warning_with_its_address(ok_script):
@@ -54,7 +76,7 @@ def test_an_unreachable_endpoint_is_a_warning_with_its_address(ok_script):
             env={"RUST_LOG": "debug"},
         )  # fmt: skip
     assert out.returncode == 1, out.stderr
-    assert f"WARN elastix_core::store::client::connect: cannot connect to the store at 127.0.0.1:{port}" in out.stderr
+    assert f"] elastix_core::store::client::connect: cannot connect to the store at 127.0.0.1:{port}" in out.stderr
     assert "Connection refused" in out.stderr
     assert "DEBUG" in out.stderr, "RUST_LOG=debug shows the core's debug events"
 
@@ -65,7 +87,8 @@ def test_an_unresolvable_endpoint_is_a_warning_not_silence(ok_script):
         "--rdzv-conf", "join_timeout=3s", ok_script,
     )  # fmt: skip
     assert out.returncode == 1, out.stderr
-    assert 'WARN cannot resolve the rendezvous endpoint "nonexistent.invalid"' in out.stderr, out.stderr
+    assert '] cannot resolve the rendezvous endpoint "nonexistent.invalid"' in out.stderr, out.stderr
+    assert " WARN  [" in out.stderr, out.stderr
 
 
 def test_a_bad_level_is_a_usage_error(ok_script):

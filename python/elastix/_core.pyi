@@ -172,8 +172,12 @@ class _Collectives:
 collectives: _Collectives
 
 def run_store_cli(argv: list[str]) -> int: ...
-def init_cli_logging(level: str) -> bool:
-    """Sends the core's events to stderr at `level` (RUST_LOG wins); False if already set up."""
+def init_cli_logging(level: str, node: Optional[str] = None) -> bool:
+    """Sends the core's events to stderr at `level` (RUST_LOG wins), each line naming `node`
+    when given; False if already set up."""
+
+def log_line(levelno: int, message: str) -> None:
+    """Logs a CLI line through the core's stderr subscriber, in the one form of every line."""
 
 def reset_log_cache() -> None:
     """Makes the bridge to Python's logging re-read loggers and levels."""

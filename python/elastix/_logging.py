@@ -7,7 +7,6 @@ detail in the core."""
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Optional
 
 LOGGER = logging.getLogger("elastix")
@@ -27,20 +26,32 @@ _PYTHON_LEVELS = {
 }
 
 
-def setup_cli(level: Optional[str]) -> None:
-    """Both pipelines to stderr at ``level``; ValueError, naming the flag, for a bad level."""
+def setup_cli(level: Optional[str], node: Optional[str] = None) -> None:
+    """Both pipelines to stderr at ``level``, each line naming ``node`` when given (an agent's
+    lines do); ValueError, naming the flag, for a bad level."""
     from . import _core
 
     level = (level or DEFAULT_CLI_LEVEL).strip()
     try:
-        _core.init_cli_logging(level)
+        _core.init_cli_logging(level, node)
     except ValueError as err:
         raise ValueError(f"--log-level: {err}") from None
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
-    LOGGER.handlers[:] = [handler]
+    LOGGER.handlers[:] = [_CoreHandler()]
     LOGGER.setLevel(_PYTHON_LEVELS.get(level.lower(), logging.INFO))
     LOGGER.propagate = False
+
+
+class _CoreHandler(logging.Handler):
+    """Hands the CLI's records to the core's stderr subscriber: Python's lines and the core's
+    share one form (timestamp, level, node) and one writer, so they never interleave."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from . import _core
+
+        try:
+            _core.log_line(record.levelno, self.format(record))
+        except Exception:  # a record that cannot be formatted must not end the program
+            self.handleError(record)
 
 
 def warn(message: str) -> None:

@@ -11,6 +11,7 @@ root cause's error file is copied to its own, as torchrun's ``@record`` main doe
 
 from __future__ import annotations
 
+import socket
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -25,7 +26,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "elastix run") -> None:
         parser = build_parser(prog)
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
         try:
-            setup_cli(args.log_level)
+            # the agent names its node so on its own lines; the CLI's lines before it too
+            setup_cli(args.log_level, node=args.local_addr or socket.gethostname())
             config = config_from_args(args)
             events = check_handler(args.event_log_handler)
         except ValueError as err:

@@ -3,10 +3,36 @@
 //! blocks a control loop. `RUST_LOG`, when set, picks the events in detail; otherwise the
 //! program's level (`--log-level`, `ELASTIX_LOG_LEVEL`).
 //!
+//! Every line has one form, whoever wrote it (the agent, the store, the Python side of the CLI,
+//! which hands its records over: see the bindings), so that the logs of several nodes merge:
+//!
+//! ```text
+//! 2026-11-26T13:07:30.200073Z INFO  [node0] rendezvous complete: round 0, ...
+//! ```
+//!
+//! a UTC timestamp, the level, the node's name on an agent's lines, the module with `RUST_LOG`,
+//! then the message and its fields.
+//!
 //! Used as a library, elastix installs no subscriber: its events go to Python's `logging`
 //! (see the bindings).
 
+use std::fmt;
+use std::sync::OnceLock;
+
+use tracing::{Event, Level, Subscriber};
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::time::{FormatTime, SystemTime};
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::EnvFilter;
+
+/// The node this process's lines speak for (an agent's host name or `--local-addr`).
+static NODE: OnceLock<String> = OnceLock::new();
+
+/// Names this process's node on every line from now on (the first name given stays).
+pub fn set_node_name(name: &str) {
+    let _ = NODE.set(name.to_owned());
+}
 
 /// The level names accepted besides tracing's directives: Python's too.
 fn directive(level: &str) -> String {
@@ -44,9 +70,50 @@ pub fn init_stderr(level: &str) -> Result<bool, String> {
         .with_env_filter(filter)
         .with_writer(crate::agent::console::stderr_writer)
         .with_ansi(false)
-        .with_target(detailed)
+        .event_format(Line { with_target: detailed })
         .try_init()
         .is_ok())
+}
+
+/// The one form of a log line (see the module's documentation).
+struct Line {
+    with_target: bool,
+}
+
+impl<S, N> FormatEvent<S, N> for Line
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(&self, ctx: &FmtContext<'_, S, N>, mut writer: Writer<'_>, event: &Event<'_>) -> fmt::Result {
+        SystemTime.format_time(&mut writer)?;
+        let meta = event.metadata();
+        write!(writer, " {:<5} ", meta.level())?;
+        if let Some(node) = NODE.get() {
+            write!(writer, "[{node}] ")?;
+        }
+        if self.with_target {
+            write!(writer, "{}: ", meta.target())?;
+        }
+        ctx.field_format().format_fields(writer.by_ref(), event)?;
+        writeln!(writer)
+    }
+}
+
+/// Logs a line handed over from Python's `logging` (the CLI's own messages), at the level
+/// nearest to Python's `levelno`, so that it has the same form as the core's.
+pub fn python_line(levelno: u32, message: &str) {
+    macro_rules! at {
+        ($level:expr) => {
+            tracing::event!(target: "elastix", $level, "{message}")
+        };
+    }
+    match levelno {
+        40.. => at!(Level::ERROR),
+        30..=39 => at!(Level::WARN),
+        20..=29 => at!(Level::INFO),
+        _ => at!(Level::DEBUG),
+    }
 }
 
 /// Waits (up to `within`) until the lines logged so far are written: the writer is a thread

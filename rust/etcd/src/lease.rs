@@ -42,6 +42,22 @@ pub enum LeaseState {
     },
 }
 
+impl std::fmt::Display for LeaseState {
+    /// For messages: what happened to the lease, in words.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LeaseState::Alive => write!(f, "alive"),
+            LeaseState::Failing { renewed_at, detail } => {
+                write!(f, "renewals failing for {:.1?}: {detail}", renewed_at.elapsed())
+            }
+            LeaseState::Expired => write!(f, "etcd says it expired"),
+            LeaseState::Unreachable { silent_for, detail } => {
+                write!(f, "not renewed for {silent_for:.1?}: {detail}")
+            }
+        }
+    }
+}
+
 impl LeaseState {
     /// Whether the keep-alive has ended: the lease expired, or nobody renewed it for the
     /// outage limit.

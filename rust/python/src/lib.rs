@@ -38,6 +38,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(status::job_status, module)?)?;
     module.add_function(wrap_pyfunction!(status::job_dump, module)?)?;
     module.add_function(wrap_pyfunction!(logging::init_cli_logging, module)?)?;
+    module.add_function(wrap_pyfunction!(logging::log_line, module)?)?;
     module.add_function(wrap_pyfunction!(logging::reset_log_cache, module)?)?;
     collectives::register(module)?;
     rpc::register(module)?;

@@ -67,9 +67,21 @@ pub fn reset_log_cache() {
     }
 }
 
+/// Logs a line of the CLI's Python side through the core's stderr subscriber (one form for
+/// every line).
+#[pyfunction]
+pub fn log_line(levelno: u32, message: &str) {
+    elastix_core::logging::python_line(levelno, message);
+}
+
 /// Sends the core's events to stderr, filtered by `level` (or RUST_LOG); ValueError for a
 /// level that is not one. Returns False when a subscriber was installed already.
+/// `node`: the node the lines speak for (an agent's), named on each.
 #[pyfunction]
-pub fn init_cli_logging(level: &str) -> PyResult<bool> {
+#[pyo3(signature = (level, node=None))]
+pub fn init_cli_logging(level: &str, node: Option<&str>) -> PyResult<bool> {
+    if let Some(node) = node {
+        elastix_core::logging::set_node_name(node);
+    }
     elastix_core::logging::init_stderr(level).map_err(PyValueError::new_err)
 }

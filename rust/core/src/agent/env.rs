@@ -17,7 +17,20 @@ pub struct WorkerPlace {
     pub error_file: String,
 }
 
+/// How every message names a worker (the same words in logs, summaries and errors).
+pub fn worker_name(global_rank: u32, local_rank: u32, pid: Option<u32>) -> String {
+    match pid {
+        Some(pid) => format!("worker rank {global_rank} (local rank {local_rank}, pid {pid})"),
+        None => format!("worker rank {global_rank} (local rank {local_rank})"),
+    }
+}
+
 impl WorkerPlace {
+    /// This worker's name in messages (see [`worker_name`]).
+    pub fn name(&self, pid: Option<u32>) -> String {
+        worker_name(self.global_rank, self.local_rank, pid)
+    }
+
     pub fn new(local_rank: u32, assignment: &Assignment, restart_count: i64, error_file: String) -> Self {
         WorkerPlace {
             local_rank,

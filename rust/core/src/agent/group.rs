@@ -236,9 +236,11 @@ impl WorkerGroup {
         let mut described = Vec::with_capacity(hung.len());
         for (index, lapse, slot) in hung {
             let worker = &self.workers[index];
-            let rank = worker.place.global_rank;
             let last = heartbeats::wall_time(slot.last_beat);
-            tracing::warn!("worker {rank} (pid {}) is hung: {lapse}; dumping its stacks, then killing it", worker.pid);
+            tracing::warn!(
+                "{} is hung: {lapse}; dumping its stacks, then killing it",
+                worker.place.name(Some(worker.pid))
+            );
             let stacks = stacks::dump(worker.pid, slot.dump_signal, &worker.stacks_file).await;
             let _ = killpg(Pid::from_raw(worker.pid as i32), Signal::SIGKILL);
             described.push((index, lapse, last, stacks));
@@ -400,11 +402,16 @@ fn spawn(
         let pid = standby.pid();
         // before it runs the worker's program, so that all it starts is in the cgroup too
         if let Some(Err(err)) = cgroup.map(|cgroup| cgroup.adopt(pid)) {
-            tracing::debug!("cannot move standby worker {pid} into the workers' cgroup: {err}");
+            tracing::debug!(
+                "cannot move the standby (pid {pid}) of {} into the workers' cgroup: {err}",
+                place.name(None)
+            );
         }
         standby
             .activate(&args, &env)
-            .map_err(|err| tracing::warn!("standby worker {pid} unusable ({err}); starting worker {local_rank} cold"))
+            .map_err(|err| {
+                tracing::warn!("the standby (pid {pid}) of {} is unusable ({err}); starting it cold", place.name(None))
+            })
             .ok()
     });
     let Supervised { mut child, pid, watch } = match activated {
@@ -417,8 +424,10 @@ fn spawn(
             command.spawn().map_err(|err| {
                 let bound = config.binding_of(local_rank as usize).map(|b| format!(", {b}")).unwrap_or_default();
                 AgentError::Spawn(format!(
-                    "cannot start worker {local_rank} ({} {:?}{bound}): {err}",
-                    config.entrypoint, config.args
+                    "cannot start {} ({} {:?}{bound}): {err}",
+                    place.name(None),
+                    config.entrypoint,
+                    config.args
                 ))
             })?
         }

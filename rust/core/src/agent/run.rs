@@ -23,6 +23,7 @@ use tokio::sync::watch;
 use super::config::AgentConfig;
 use super::console::{self, StreamMark};
 use super::dumps::DumpRequests;
+use super::env::worker_name;
 use super::error::{AgentError, Result};
 use super::events::EventLog;
 use super::failure::{summary, Failure};
@@ -278,6 +279,7 @@ impl Agent {
         report.log_dir = logs.run_dir().map(|dir| dir.to_string_lossy().into_owned());
         report.logs_kept = !logs.is_temporary();
         let log_writer = LogWriter::start()?;
+        crate::logging::set_node_name(config.local_addr.as_deref().unwrap_or(&host_name()));
         // reaching the store can take up to the join timeout: a stop signal must not wait
         let rdzv = tokio::select! {
             rdzv = Rendezvous::create(config.rendezvous_params()) => rdzv?,
@@ -611,10 +613,8 @@ impl Agent {
             .iter()
             .map(|failure| {
                 format!(
-                    "worker rank {} (local rank {}, pid {}) failed with exit code {}{}",
-                    failure.global_rank,
-                    failure.local_rank,
-                    failure.pid,
+                    "{} failed with exit code {}{}",
+                    worker_name(failure.global_rank, failure.local_rank, Some(failure.pid)),
                     failure.exitcode,
                     failure.signal.as_deref().map(|s| format!(" ({s})")).unwrap_or_default(),
                 )

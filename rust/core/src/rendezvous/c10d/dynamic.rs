@@ -511,7 +511,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             true => self.store.address(self.store.active_site()),
             false => (master.addr.clone(), master.port),
         };
-        tracing::info!(round, rank, world_size, "rendezvous complete");
+        tracing::info!("rendezvous complete: round {round}, {world_size} node(s); this node is rank {rank}");
         Ok(Some(RendezvousInfo {
             run_id: self.settings.run_id.clone(),
             round,

@@ -217,7 +217,9 @@ pub(crate) async fn report_lost<C: StoreConn>(
         return Ok(false); // another member reported it first
     }
     conn.count_up(&Keys::lost_count(round)).await?;
-    tracing::warn!(round, rank, node = ?node, "node lost: {why}");
+    let who =
+        node.as_ref().map_or_else(|| format!("group rank {rank}"), |node| format!("node {node} (group rank {rank})"));
+    tracing::warn!("round {round}: {who} lost: {why}");
     events::publish(conn, &Event::Lost { v: FORMAT_VERSION, round, rank, node }).await?;
     Ok(true)
 }

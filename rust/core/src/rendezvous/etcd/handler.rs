@@ -173,7 +173,7 @@ impl EtcdRendezvous {
                 Ok(None)
             }
             Outcome::LeaseLost(state) => {
-                tracing::warn!("this node's etcd lease ended ({state:?}); entering again with a new one");
+                tracing::warn!("this node's etcd lease ended ({state}); entering again with a new one");
                 self.drop_lease().await;
                 Ok(None)
             }
@@ -331,7 +331,7 @@ impl EtcdRendezvous {
         let _master = rank0.map(|(server, _)| server);
         self.current = Some(Membership { round, rank, sealed_at, last_member, task, changes, _master });
         self.latest = Some(self.latest.map_or(round, |latest| latest.max(round)));
-        tracing::info!(round, rank, world_size, "rendezvous complete");
+        tracing::info!("rendezvous complete: round {round}, {world_size} node(s); this node is rank {rank}");
         RendezvousInfo {
             run_id: self.settings.run_id.clone(),
             round,
@@ -373,7 +373,11 @@ impl EtcdRendezvous {
         }
         let census = presence::census(members, PROBE_TIMEOUT).await;
         for (rank, node) in &census.gone {
-            tracing::warn!(round, rank, node = ?node, "node lost: its agent at {} is gone (its presence port refused the probe); revoking its lease", node.addr);
+            tracing::warn!(
+                "round {round}: node {node} (group rank {rank}) lost: its agent at {} is gone (its presence port \
+                 refused the probe); revoking its lease",
+                node.addr
+            );
             let lease = Lease { id: leases[rank], ttl: Duration::ZERO };
             if let Err(err) = self.client.revoke_lease(lease).await {
                 tracing::debug!(round, rank, "could not revoke the lost member's lease ({err}); it expires on its own");
