@@ -31,6 +31,17 @@ STORE = (
 )
 
 
+# torchrun itself, with its rendezvous's progress (logged at DEBUG) shown: the rendezvous phase
+# is reached when two nodes have added themselves to the round
+TORCHRUN = (
+    "import logging, runpy, sys\n"
+    "logging.basicConfig(format='%(message)s')\n"
+    "logging.getLogger('torch.distributed.elastic.rendezvous.dynamic_rendezvous').setLevel(logging.DEBUG)\n"
+    "sys.argv[0] = 'torchrun'\n"
+    "runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)\n"
+)
+
+
 def applicable(fault: str, phase: str, backend: str) -> bool:
     return backend in BACKENDS and matrix.applicable(fault, phase, backend)
 
@@ -61,7 +72,7 @@ class TorchrunCell(matrix.Cell):
         max_restarts = 1 if self.fault == "worker-kill" else 0
         argv = self.hosts.command(
             i,
-            *("env", *env, self.python, "-m", "torch.distributed.run"),
+            *("env", *env, self.python, "-c", TORCHRUN),
             *("--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", backend),
             *("--rdzv-endpoint", endpoint, "--rdzv-id", "matrix", "--local-addr", self.hosts.addr(i)),
             *("--max-restarts", str(max_restarts), "--rdzv-conf", f"{conf},is_host={int(is_host)}", WORKER),
