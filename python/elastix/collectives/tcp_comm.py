@@ -46,7 +46,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import queue
 import secrets
 import selectors
@@ -56,14 +55,13 @@ import threading
 import time
 from typing import Dict, List, NoReturn, Optional, Sequence, Set
 
-from .._auth import load_secret
+from .._peers import NONCE_BYTES, MalformedNonce, group_key, local_address
 from .errors import AuthenticationError, CollectiveError, CollectiveTimeoutError, MismatchError, PeerError
 from .mismatch import UNUSABLE, MismatchRecord, seen_elsewhere
 
 log = logging.getLogger(__name__)
 
 MAGIC = 0x454C4153_54495843  # "ELASTIXC"
-NONCE_BYTES = 32
 PROOF_BYTES = 32  # HMAC-SHA256
 HELLO = struct.Struct(f"<QQ{NONCE_BYTES}s")  # magic, the connector's group rank, its nonce
 PAIR = struct.Struct("<QQ")  # (connector, acceptor) group ranks, inside the proofs
@@ -74,24 +72,6 @@ HEADER = struct.Struct("<QQ14q")
 INLINE_BYTES = 64 << 10  # sends up to this size fit in socket buffers: sent from the caller
 
 
-def local_address(override_env: str = "ELASTIX_COLLECTIVES_ADDR", towards: Optional[str] = None) -> str:
-    """The address peers reach this process at: the variable ``override_env``, else the source
-    address of the route to ``towards`` (default MASTER_ADDR), else this host's name."""
-    override = os.environ.get(override_env)
-    if override:
-        return override
-    target = towards or os.environ.get("MASTER_ADDR")
-    if target:
-        try:
-            family = socket.AF_INET6 if ":" in target else socket.AF_INET
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.connect((target, 9))
-                return s.getsockname()[0]
-        except OSError:
-            pass
-    return socket.gethostname()
-
-
 class Ticket:
     """Completion of queued sends."""
 
@@ -100,26 +80,6 @@ class Ticket:
     def __init__(self) -> None:
         self._event = threading.Event()
         self.error: Optional[BaseException] = None
-
-
-def group_key(store, me: int, nonce_key: str = "tcp/nonce", label: bytes = KEY_LABEL) -> bytes:
-    """This group's key for this round: rank 0 draws the nonce (at ``nonce_key``), everyone
-    reads it (the read waits for it, as the address reads do). ``label`` keeps the keys of
-    different uses of one nonce apart (collectives, RPC)."""
-    secret = load_secret()  # first: a bad secret file fails here, before anyone waits
-    if me == 0:
-        store.set(nonce_key, secrets.token_bytes(NONCE_BYTES).hex())
-    try:
-        nonce = bytes.fromhex(store.get(nonce_key).decode())
-    except ValueError:
-        nonce = b""
-    if len(nonce) != NONCE_BYTES:
-        raise CollectiveError(
-            f"the group's store holds a malformed {nonce_key}; the store is shared with something else"
-        )
-    if secret is None:
-        return nonce
-    return hmac.new(secret, label + nonce, hashlib.sha256).digest()
 
 
 def _proof(key: bytes, side: bytes, nonce_c: bytes, nonce_a: bytes, connector: int, acceptor: int) -> bytes:
@@ -156,7 +116,10 @@ class TcpComm:
         self.timeout = timeout
         self.broken: Optional[str] = None
         self.record = record or MismatchRecord(store)
-        self._key = group_key(store, me)
+        try:
+            self._key = group_key(store, me, "tcp/nonce", KEY_LABEL)
+        except MalformedNonce as err:
+            raise CollectiveError(str(err)) from None
         addr = local_address()
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         self.listener = socket.socket(family, socket.SOCK_STREAM)
@@ -591,4 +554,4 @@ class TcpComm:
         self.conns.clear()
 
 
-__all__ = ["TcpComm", "Ticket", "INLINE_BYTES", "local_address", "group_key"]
+__all__ = ["TcpComm", "Ticket", "INLINE_BYTES"]

@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .. import _core
-from ..collectives.tcp_comm import group_key, local_address
+from .._peers import group_key, local_address
 from ..errors import DistNetworkError
 from ..store import PrefixStore
 from . import serialize
