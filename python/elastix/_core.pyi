@@ -2,24 +2,27 @@
 # there: mypy checks the Python package against this file, not against the extension.
 # Timeouts are seconds (float) or None for no limit; keys and values are bytes.
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, TypedDict
+from typing import Any, Dict, List, Optional, Sequence, Tuple, TypedDict, final
+
+from typing_extensions import Self
 
 __version__: str
 RENDEZVOUS_BACKENDS: tuple[str, ...]
 
+@final
 class TcpStoreCore:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         host: str,
         port: int,
         world_size: Optional[int] = None,
         is_master: bool = False,
-        timeout: Optional[float] = 300.0,
+        timeout: Optional[float] = ...,  # 300 s
         wait_for_workers: bool = True,
         multi_tenant: bool = False,
         listen_fd: Optional[int] = None,
         client_if_port_taken: bool = False,
-    ) -> None: ...
+    ) -> Self: ...
     def duplicate(self) -> TcpStoreCore: ...
     @property
     def host(self) -> str: ...
@@ -52,6 +55,7 @@ class TcpStoreCore:
     def barrier(self, key: bytes, world_size: int, timeout: Optional[float]) -> None: ...
     def ping(self) -> None: ...
 
+@final
 class BlockingStoreCore:
     """An in-process store (torch's HashStore) or a file store (torch's FileStore)."""
 
@@ -87,18 +91,19 @@ class _RoundInfo(TypedDict):
     store_port: int
     store_prefix: str
 
+@final
 class RendezvousCore:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         backend: str,
         endpoint: str,
         run_id: str,
         min_nodes: int,
         max_nodes: int,
         local_addr: Optional[str] = None,
-        conf_json: str = '""',
+        conf_json: str = ...,  # '""': no settings
         node_rank: Optional[int] = None,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def run_id(self) -> str: ...
     @property
@@ -185,6 +190,9 @@ def reset_log_cache() -> None:
 def parse_duration(text: str) -> float:
     """Seconds in a duration as --rdzv-conf writes it (30, 30s, 500ms, 2m); ValueError otherwise."""
 
+def close_python_gate() -> bool:
+    """The atexit hook of the exit gate (rust/python/src/exit_gate.rs); registered at import."""
+
 def check_agent_config(config_json: str) -> None:
     """Raises ValueError, naming the flag, when the agent would refuse the configuration."""
 
@@ -204,41 +212,46 @@ def job_dump(
 
 # -- elastix.rpc (rust/python/src/rpc) -------------------------------------------------------
 
-GidTuple = Tuple[int, int]
-Answer = Tuple[int, bytes, Sequence["RecvBuffer"]]
+_GidTuple = Tuple[int, int]
+_Answer = Tuple[int, bytes, Sequence["RecvBuffer"]]
 
+@final
 class RecvBuffer:
     """Received bytes, owned by Python, as a writable buffer."""
 
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int) -> memoryview: ...
 
+@final
 class Responder:
     def respond(self, status: int, payload: object, buffers: Sequence[object]) -> None: ...
 
+@final
 class Request:
     sender: int
     op: int
-    rref: GidTuple
-    fork: GidTuple
+    rref: _GidTuple
+    fork: _GidTuple
     payload: bytes
     buffers: Tuple[RecvBuffer, ...]
     responder: Responder
 
+@final
 class RRefHandle:
     def is_owner(self) -> bool: ...
     def owner(self) -> int: ...
-    def rref_id(self) -> GidTuple: ...
-    def fork_id(self) -> GidTuple: ...
+    def rref_id(self) -> _GidTuple: ...
+    def fork_id(self) -> _GidTuple: ...
     def confirmed(self) -> bool: ...
-    def fork_out(self) -> Tuple[int, GidTuple, GidTuple]: ...
+    def fork_out(self) -> Tuple[int, _GidTuple, _GidTuple]: ...
 
+@final
 class RpcEndpoint:
     """One worker's RPC transport and RRef table."""
 
-    def __init__(
-        self, rank: int, world: int, host: str, key: bytes, control_delay: Optional[Tuple[float, float]] = None
-    ) -> None: ...
+    def __new__(
+        cls, rank: int, world: int, host: str, key: bytes, control_delay: Optional[Tuple[float, float]] = None
+    ) -> Self: ...
     def address(self) -> Tuple[str, int]: ...
     def set_peers(self, peers: Sequence[Tuple[str, str]]) -> None: ...
     def describe(self, rank: int) -> str: ...
@@ -248,10 +261,10 @@ class RpcEndpoint:
         op: int,
         payload: object,
         buffers: Sequence[object],
-        rref: Optional[GidTuple] = None,
-        fork: Optional[GidTuple] = None,
+        rref: Optional[_GidTuple] = None,
+        fork: Optional[_GidTuple] = None,
         timeout: Optional[float] = None,
-    ) -> Answer: ...
+    ) -> _Answer: ...
     def call_async(
         self,
         to: int,
@@ -259,19 +272,19 @@ class RpcEndpoint:
         payload: object,
         buffers: Sequence[object],
         token: int,
-        rref: Optional[GidTuple] = None,
-        fork: Optional[GidTuple] = None,
+        rref: Optional[_GidTuple] = None,
+        fork: Optional[_GidTuple] = None,
         timeout: Optional[float] = None,
     ) -> None: ...
     def next_completion(self, wait: float) -> Optional[Tuple[int, Any]]: ...
     def next_request(self, wait: float) -> Optional[Request]: ...
     def is_closed(self) -> bool: ...
     def new_owner(self, value: object) -> RRefHandle: ...
-    def start_remote(self, owner: int) -> Tuple[GidTuple, GidTuple, RRefHandle]: ...
-    def fork_in(self, owner: int, rref: GidTuple, fork: GidTuple, parent: int) -> RRefHandle: ...
-    def fork_not_delivered(self, owner: int, rref: GidTuple, fork: GidTuple) -> None: ...
-    def set_value(self, rref: GidTuple, value: object) -> List[Responder]: ...
-    def owner_value(self, rref: GidTuple, timeout: Optional[float] = None) -> Any: ...
+    def start_remote(self, owner: int) -> Tuple[_GidTuple, _GidTuple, RRefHandle]: ...
+    def fork_in(self, owner: int, rref: _GidTuple, fork: _GidTuple, parent: int) -> RRefHandle: ...
+    def fork_not_delivered(self, owner: int, rref: _GidTuple, fork: _GidTuple) -> None: ...
+    def set_value(self, rref: _GidTuple, value: object) -> List[Responder]: ...
+    def owner_value(self, rref: _GidTuple, timeout: Optional[float] = None) -> Any: ...
     def stats(self) -> Dict[str, int]: ...
     def describe_refs(self) -> List[str]: ...
     def outstanding(self) -> Tuple[int, int]: ...
