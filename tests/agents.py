@@ -101,3 +101,26 @@ def finish_all(tmp_path, agents, marker):
         code = a.finish()
         assert code == 0, a.output()
     assert_nothing_left(marker)
+
+
+# Short last calls so that membership changes happen within a test's time; a live node is
+# lost only after 2 s without a heartbeat, which a loaded machine does not reach. The agents
+# use the test's own rendezvous store (is_host=false), as torchrun users do with a standalone
+# store: it listens before any agent starts, on a port the kernel picked.
+FAST_RDZV = "keep_alive_interval=250ms,keep_alive_max_attempt=8,last_call_timeout=500ms,join_timeout=60s,is_host=false"
+
+
+def elastix_run(*args, out_dir, marker, **popen):
+    env = {**os.environ, "OUT_DIR": str(out_dir), "ELASTIX_TEST_MARKER": marker}
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    return subprocess.Popen([sys.executable, "-m", "elastix", "run", *map(str, args)], env=env, text=True, **popen)
+
+
+def finish(proc, timeout=90):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"elastix run did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}") from None
+    return proc.returncode, out, err

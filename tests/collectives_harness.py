@@ -34,6 +34,7 @@ REPO = os.path.dirname(TESTS)
 _RUNNER = r"""
 import importlib.util, json, os, sys
 path, name, kwargs, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+sys.path.insert(0, os.path.dirname(path))  # its neighbours, as pytest imports them
 spec = importlib.util.spec_from_file_location("_collectives_worker_module", path)
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)

@@ -7,9 +7,8 @@ import textwrap
 
 import pytest
 
-from agents import assert_nothing_left, wait_for
+from agents import assert_nothing_left, elastix_run, finish, wait_for
 from conftest import closed_port
-from test_run import elastix_run, finish
 
 # rank 0 imports elastix (so it can dump its stacks); rank 1 never does
 WORKER = textwrap.dedent(

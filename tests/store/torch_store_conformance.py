@@ -1,7 +1,7 @@
 """Runs PyTorch's own store tests (torch's ``test/distributed/test_store.py``) against
 elastix's stores, and prints one row per test: name, outcome, first line of the error.
 
-    python tests/torch_store_conformance.py [--torch-test-file PATH] [-k SUBSTRING] [--no-rendezvous-patch]
+    python tests/store/torch_store_conformance.py [--torch-test-file PATH] [-k SUBSTRING] [--no-rendezvous-patch]
 
 torch's test file is not part of this repository, and nothing is downloaded: it is taken from
 ``--torch-test-file``, else from ``$ELASTIX_TORCH_TEST_STORE``, else from next to the installed

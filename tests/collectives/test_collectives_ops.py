@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_collectives_cpu import DTYPES, bf16_to_f32, close, data, ops_for, reference
 
 from elastix.collectives import ReduceOp, _native, descriptor, dtypes
 from elastix.collectives.reduce_op import as_op, kernel_op
-from test_collectives_cpu import DTYPES, bf16_to_f32, close, data, ops_for, reference
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -9,8 +9,7 @@ import textwrap
 
 import pytest
 
-from agents import assert_nothing_left
-from test_run import elastix_run, finish
+from agents import assert_nothing_left, elastix_run, finish
 
 # MODE: heartbeat (beats, then stops in a function the stack must show), window (inside
 # expect_progress), timer (inside elastix.timer.expires), fine (beats and finishes). A

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-from agents import assert_nothing_left, wait_for
-from test_run import FAST_RDZV, finish
+from agents import FAST_RDZV, assert_nothing_left, finish, wait_for
 
 LOGS_INCOMPLETE = 3
 
@@ -208,7 +207,7 @@ def test_run_results_carry_the_output_fields():
 
 
 def test_duplicate_filters_copy_teed_lines_with_their_prefix(tmp_path, marker):
-    from test_run import elastix_run
+    from agents import elastix_run
 
     script = tmp_path / "fruit.py"
     script.write_text(

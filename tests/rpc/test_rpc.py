@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import collectives_harness as harness
-from test_run import elastix_run, finish
+from agents import elastix_run, finish
 
 WORKERS = [f"w{rank}" for rank in range(4)]
 
@@ -477,7 +477,7 @@ rpc.shutdown()
 def test_under_elastix_run_workers_find_each_other_through_the_agent_store(tmp_path, marker, monkeypatch):
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    tests = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # rpc_targets
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
     proc = elastix_run("--standalone", "--nproc-per-node", 3, script, out_dir=tmp_path, marker=marker)
     code, out, err = finish(proc)

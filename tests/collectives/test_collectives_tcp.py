@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_collectives_cpu import TINY, async_and_p2p, layouts, matrix, subgroups
 
 import collectives_harness as harness
-from test_collectives_cpu import TINY, async_and_p2p, layouts, matrix, subgroups
 
 SMALL_MATRIX = {
     "sizes": [0, 3, 1003, 20_000],

@@ -3,8 +3,7 @@
 
 import json
 
-from agents import assert_nothing_left
-from test_run import elastix_run, finish
+from agents import assert_nothing_left, elastix_run, finish
 
 FAIL_ONCE = "import os, sys\nsys.exit(1 if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' else 0)\n"
 

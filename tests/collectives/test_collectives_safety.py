@@ -19,7 +19,7 @@ import pytest
 import collectives_harness as harness
 import elastix
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_python(code: str, timeout: float = 60.0) -> str:

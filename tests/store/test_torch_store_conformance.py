@@ -1,7 +1,7 @@
 """PyTorch's own store tests (its test/distributed/test_store.py) against elastix's stores.
 
 torch's test file is not in this repository: point $ELASTIX_TORCH_TEST_STORE at a copy from the
-torch source of the installed version (see tests/torch_store_conformance.py). Skipped when torch
+torch source of the installed version (see tests/store/torch_store_conformance.py). Skipped when torch
 or the file is absent. Passes when every test that does not pass is one listed in KNOWN."""
 
 import os
