@@ -4,14 +4,22 @@ elastix.collectives: the job's main example.
 
     elastix run --standalone --nproc-per-node 2 examples/train_digits.py --checkpoint /tmp/digits.npz
     python examples/train_digits.py                      # one process, same result
+    elastix run --standalone --nproc-per-node 2 examples/train_digits.py --checkpoint /tmp/digits.npz \
+        --resume --epochs 12                             # two more epochs for that run
 
 Each step takes one global batch (the same on every rank, from a seeded shuffle), every rank
 computes the gradient sum over its share of it, ``all_reduce`` adds the shares up, and every
 rank applies the same update, so the replicas stay identical and the run computes what one
-process would (up to the order of floating-point additions). Rank 0 writes a checkpoint every
-``--checkpoint-every`` steps (atomically); on start every rank resumes from it, whatever the
-world size, so a restarted job (after a worker died, or with more or fewer workers) continues
-where it left off.
+process would (up to the order of floating-point additions).
+
+Checkpoints: with ``--checkpoint PATH`` rank 0 writes one every ``--checkpoint-every`` steps
+(atomically), with the run ID of the job that wrote it (``TORCHELASTIC_RUN_ID``: a fresh UUID
+for every ``--standalone`` launch, the ``--rdzv-id`` otherwise). When the job restarts its
+workers (a worker died, nodes joined or left), they find their job's checkpoint and resume
+from it, whatever the world size, and say so. A checkpoint left by another run is resumed only
+with ``--resume``; without it the run stops before training (exit status 2) and leaves the file
+alone, so an earlier run is neither continued nor overwritten by accident. torchrun's default
+run ID ``none`` names no job: give such a job an ``--rdzv-id``, or ``--resume``.
 
 Data: scikit-learn's bundled digits (1797 images, no download) when scikit-learn is
 installed (``pip install 'elastix[examples]'``), else a built-in generator of 8x8 digit
@@ -21,6 +29,7 @@ images (glyphs with random shifts, thickness and noise), so the example runs any
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -133,15 +142,75 @@ def accuracy(params, x, y, hidden) -> float:
 # -- checkpoints -------------------------------------------------------------------------------
 
 
-def save(path: str, step: int, params: np.ndarray, velocity: np.ndarray, world: int) -> None:
+# What a checkpoint must share with the run that resumes it: the model's shape and the order of
+# the data. The learning rate, momentum and epochs may change on --resume.
+CONFIG_KEYS = ("hidden", "batch", "seed", "dataset")
+
+
+def job_id() -> str:
+    """The launcher's run ID; "" outside a launcher and for torchrun's default "none", which
+    every job without an --rdzv-id shares."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return "" if run_id == "none" else run_id
+
+
+def save(path: str, step: int, params: np.ndarray, velocity: np.ndarray, world: int, config: dict) -> None:
     tmp = f"{path}.tmp-{os.getpid()}.npz"
-    np.savez(tmp, step=step, params=params, velocity=velocity, world=world)
+    np.savez(tmp, step=step, params=params, velocity=velocity, world=world, run_id=job_id(), config=json.dumps(config))
     os.replace(tmp, path)
 
 
-def load(path: str):
+def load(path: str) -> dict:
     with np.load(path) as f:
-        return int(f["step"]), f["params"].copy(), f["velocity"].copy(), int(f["world"])
+        return {
+            "step": int(f["step"]),
+            "params": f["params"].copy(),
+            "velocity": f["velocity"].copy(),
+            "world": int(f["world"]),
+            # checkpoints from before run IDs were recorded belong to no run
+            "run_id": str(f["run_id"]) if "run_id" in f.files else "",
+            "config": json.loads(str(f["config"])) if "config" in f.files else {},
+        }
+
+
+def resume_from(args, config: dict, rank: int, world: int):
+    """The checkpoint to start from (a dict from ``load``), or None to start afresh; raises
+    SystemExit(2) for a checkpoint this run may not take. Every rank reads the same file, so
+    every rank decides the same."""
+    path = args.checkpoint
+    if not path or not os.path.exists(path):
+        if args.resume and rank == 0:
+            print(f"no checkpoint at {path} yet: starting at step 0", flush=True)
+        return None
+    ckpt = load(path)
+    job = job_id()
+    if args.resume:
+        why = "--resume"
+    elif job and ckpt["run_id"] == job:
+        why = f"written by this job, run ID {job}"
+    else:
+        written_by = f"run ID {ckpt['run_id']}" if ckpt["run_id"] else "no run ID"
+        hint = "" if job else " (a job started with --rdzv-id resumes its own checkpoint by itself)"
+        fail(
+            f"{path} holds step {ckpt['step']} of another run ({written_by}); pass --resume to continue from it, "
+            f"or remove it or give another --checkpoint to start afresh{hint}"
+        )
+    differ = [k for k in CONFIG_KEYS if ckpt["config"] and ckpt["config"].get(k) != config[k]]
+    if differ:
+        was = ", ".join(f"{k}={ckpt['config'].get(k)!r}" for k in differ)
+        now = ", ".join(f"{k}={config[k]!r}" for k in differ)
+        fail(f"{path} was written with {was}, this run has {now}: resume with the same options")
+    if rank == 0:
+        print(
+            f"resuming from {path} at step {ckpt['step']} ({why}; written with {ckpt['world']} rank(s), now {world})",
+            flush=True,
+        )
+    return ckpt
+
+
+def fail(message: str):
+    print(f"train_digits.py: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def main(argv=None) -> int:
@@ -153,22 +222,29 @@ def main(argv=None) -> int:
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dataset", choices=["auto", "sklearn", "synthetic"], default="auto")
-    ap.add_argument("--checkpoint", default=None, help="checkpoint file (resumed from when it exists)")
+    ap.add_argument("--checkpoint", default=None, help="checkpoint file; the job that wrote it resumes from it")
+    ap.add_argument("--resume", action="store_true", help="continue from --checkpoint (if it exists), whoever wrote it")
     ap.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints")
     ap.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep per step (demos, tests)")
     ap.add_argument("--backend", default="cpu")
     args = ap.parse_args(argv)
+    if args.resume and not args.checkpoint:
+        ap.error("--resume needs --checkpoint")
 
+    # Data and checkpoint first: a run that may not start stops before it joins its peers.
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or "MASTER_ADDR" in os.environ
+    rank, world = (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))) if distributed else (0, 1)
+    x, y, name = load_data(args.dataset)
+    config = {"hidden": args.hidden, "batch": args.batch, "seed": args.seed, "dataset": name}
+    ckpt = resume_from(args, config, rank, world)
     if distributed:
         import elastix.collectives as ec
 
         ec.init_process_group(args.backend)
         rank, world = ec.get_rank(), ec.get_world_size()
     else:
-        ec, rank, world = None, 0, 1
+        ec = None
 
-    x, y, name = load_data(args.dataset)
     x = x / 16.0
     order = np.random.default_rng(1234).permutation(len(x))
     n_test = len(x) // 5
@@ -177,15 +253,11 @@ def main(argv=None) -> int:
     steps_per_epoch = -(-len(xtr) // args.batch)
     total = args.epochs * steps_per_epoch
 
-    params = init_params(args.hidden, args.seed)
-    velocity = np.zeros_like(params)
-    start = 0
-    if args.checkpoint and os.path.exists(args.checkpoint):
-        start, params, velocity, old_world = load(args.checkpoint)
-        print(
-            f"[rank {rank}] resumed from step {start} (checkpoint written with {old_world} rank(s), now {world})",
-            flush=True,
-        )
+    if ckpt is None:
+        start, params = 0, init_params(args.hidden, args.seed)
+        velocity = np.zeros_like(params)
+    else:
+        start, params, velocity = ckpt["step"], ckpt["params"], ckpt["velocity"]
     if rank == 0:
         print(
             f"training on {name}: {len(xtr)} train / {len(xte)} test images, {world} rank(s), "
@@ -219,7 +291,7 @@ def main(argv=None) -> int:
                 )
             stats[:] = 0
         if args.checkpoint and rank == 0 and ((step + 1) % args.checkpoint_every == 0 or step + 1 == total):
-            save(args.checkpoint, step + 1, params, velocity, world)
+            save(args.checkpoint, step + 1, params, velocity, world, config)
         if args.step_delay:
             time.sleep(args.step_delay)
 

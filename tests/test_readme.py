@@ -1,0 +1,515 @@
+"""Every `elastix` command in README.md, run for real, so the documentation cannot drift from
+the code.
+
+A fenced block (plain, bash, sh or console) with a command that starts with `elastix` or
+`elastix-store` is a command block: each of its commands is run, in order, on this machine.
+The README's placeholders stand for real things here: node and host names (`node0`, `node1`,
+`host`) for 127.0.0.1, 127.0.0.2, ...; `etcd1`.. for the members of a real etcd cluster
+(tests/etcd_cluster.py; where etcd is not installed, that block is skipped, saying so, as the
+other etcd tests are); ports for free ones reserved without probing; `train.py` for a small
+worker that records what it was given; `/tmp/...` and `~/...` for files in a directory of the
+test. A job of several nodes (`--nnodes N`, or `MIN:MAX`: MAX nodes, so no last call is
+waited for) runs as that many agents, each with its own ELASTIX_LOCAL_ADDR; nothing else is
+added to a README command. `elastix status` and `elastix dump` are asked about a job the test
+starts under the command's run ID and endpoint; a store is started, checked and stopped.
+
+A command this test cannot run fails it, saying how to mark it: nothing is skipped in silence.
+The commands not run are listed below in NOT_RUN, each with the reason; shell commands that
+prepare an elastix command are in SETUP and run as written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agents import assert_nothing_left
+from conftest import REPO
+
+README = os.path.join(REPO, "README.md")
+
+# Commands of the README's command blocks that are not run here, and why. Keep it tiny.
+NOT_RUN = {
+    "pip install -e '.[test]'": "installs elastix; this test runs in the environment it was installed in",
+}
+
+# Shell commands that prepare the elastix commands of their block: run with bash as written,
+# `~` being a directory of the test.
+SETUP = {
+    "head -c 32 /dev/urandom | base64 > ~/.elastix-secret",
+    "chmod 600 ~/.elastix-secret",
+}
+
+HOW_TO_MARK = (
+    "tests/test_readme.py runs `elastix run` (a numeric --nproc-per-node; train.py or "
+    "examples/train_digits.py as the program), `elastix status`, `elastix dump` and `elastix store` / "
+    "`elastix-store`, with node0, node1, ... host or etcd1, ... as host names; make the command one of "
+    "those, or add it to NOT_RUN in tests/test_readme.py with the reason it cannot run"
+)
+
+# The README's train.py: records its rank and what it was given; with README_HOLD it imports
+# elastix (which arms stack dumps) and waits for that file, bounded.
+WORKER = """\
+import json, os, sys, time
+
+record = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "ELASTIX_ROUND")}
+record["argv"] = sys.argv[1:]
+path = os.path.join(os.environ["README_OUT"], "round{ELASTIX_ROUND}_rank{RANK}.json".format(**record))
+with open(path + ".tmp", "w") as f:
+    json.dump(record, f)
+os.replace(path + ".tmp", path)
+hold = os.environ.get("README_HOLD")
+if hold:
+    import elastix  # noqa: F401
+
+    deadline = time.monotonic() + 120
+    while not os.path.exists(hold) and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+# -- reading the README -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Command:
+    line: int  # where it starts in README.md
+    text: str  # continuation lines joined, without its comment
+    comment: str
+    output: list = dataclasses.field(default_factory=list)  # shown after a `$ ` prompt
+
+    def where(self) -> str:
+        return f"README.md:{self.line}: `{self.text}`"
+
+
+@dataclasses.dataclass
+class Block:
+    line: int
+    commands: list
+
+
+def split_comment(text: str):
+    """(command, comment): the comment starts at a `#` outside quotes, after a blank."""
+    quote = None
+    for i, c in enumerate(text):
+        if quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or text[i - 1].isspace()):
+            return text[:i].strip(), text[i + 1 :].strip()
+    return text.strip(), ""
+
+
+def parse_block(start: int, body: list) -> Block:
+    prompted = any(line.startswith("$ ") for _, line in body)
+    commands, pending = [], None
+    for number, line in body:
+        if prompted and not line.startswith("$ "):
+            if commands and pending is None:
+                commands[-1].output.append(line)
+            continue
+        line = line[2:] if prompted else line
+        if pending is not None:
+            pending = (pending[0], pending[1] + " " + line.strip())
+        elif line.strip():
+            pending = (number, line.strip())
+        else:
+            continue
+        if pending[1].endswith("\\"):
+            pending = (pending[0], pending[1][:-1].rstrip())
+            continue
+        text, comment = split_comment(pending[1])
+        commands.append(Command(pending[0], re.sub(r"\s+", " ", text), comment))
+        pending = None
+    return Block(start, commands)
+
+
+def segments(command: Command):
+    return [part.strip() for part in command.text.split(" && ")]
+
+
+def words(segment: str):
+    """(environment assignments, argv) of one simple command."""
+    tokens = shlex.split(segment)
+    env = {}
+    while tokens and re.match(r"^[A-Z_][A-Z0-9_]*=", tokens[0]):
+        name, value = tokens.pop(0).split("=", 1)
+        env[name] = value
+    return env, tokens
+
+
+def is_elastix(segment: str) -> bool:
+    try:
+        _, argv = words(segment)
+    except ValueError:
+        return False
+    return bool(argv) and argv[0] in ("elastix", "elastix-store")
+
+
+def readme_blocks() -> list:
+    blocks, start, lang, body = [], None, "", []
+    with open(README) as f:
+        lines = f.read().splitlines()
+    for number, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            if start is None:
+                start, lang, body = number, line[3:].strip(), []
+                continue
+            if lang in ("", "bash", "sh", "shell", "console"):
+                block = parse_block(start, body)
+                if any(is_elastix(s) for c in block.commands for s in segments(c)):
+                    blocks.append(block)
+            start = None
+        elif start is not None:
+            body.append((number, line))
+    return blocks
+
+
+BLOCKS = readme_blocks()
+
+
+# -- the README's placeholders, made real ------------------------------------------------------
+
+
+def reserve(addresses, stack):
+    """One port free on every address: held by bound, non-listening sockets until the command
+    ends (servers binding with SO_REUSEADDR take it meanwhile; no one else can)."""
+    for _ in range(10):
+        holders = []
+        try:
+            for addr in addresses:
+                holder = socket.socket()
+                holders.append(holder)
+                holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                holder.bind((addr, holders[0].getsockname()[1] if len(holders) > 1 else 0))
+        except OSError:  # taken on another address: another port
+            for holder in holders:
+                holder.close()
+            continue
+        for holder in holders:
+            stack.callback(holder.close)
+        return holders[0].getsockname()[1]
+    raise AssertionError(f"no port free on all of {addresses} in 10 tries")
+
+
+class Places:
+    """README names -> this machine, for one command: hosts -> 127.0.0.N, etcd members -> the
+    test's cluster, ports -> reserved ones, /tmp and ~ paths -> the test's directory."""
+
+    ENDPOINTS = re.compile(r"^[A-Za-z][\w.-]*:\d+(,[A-Za-z][\w.-]*:\d+)*$")
+
+    def __init__(self, ctx, command, stack):
+        self.ctx, self.command, self.stack = ctx, command, stack
+        self.ports = {}
+
+    def addr(self, name):
+        m = re.fullmatch(r"(?:node|host)(\d*)", name)
+        if not m:
+            fail(self.command, f"host name {name!r} is none of node0, node1, ..., host, host0, ...")
+        return f"127.0.0.{int(m.group(1) or 0) + 1}"
+
+    def port(self, number, addresses=("127.0.0.1",)):
+        if number not in self.ports:
+            self.ports[number] = reserve(sorted(set(addresses)), self.stack)
+        return self.ports[number]
+
+    def endpoints(self, value):
+        items = [item.rsplit(":", 1) for item in value.split(",")]
+        if all(re.fullmatch(r"etcd\d+", host) for host, _ in items):
+            ports = self.ctx.etcd().client_ports
+            return ",".join(f"127.0.0.1:{ports[int(host[4:]) - 1]}" for host, _ in items)
+        addrs = [self.addr(host) for host, _ in items]
+        by_port = {}
+        for (_, port), addr in zip(items, addrs):
+            by_port.setdefault(port, []).append(addr)
+        return ",".join(f"{addr}:{self.port(port, by_port[port])}" for (_, port), addr in zip(items, addrs))
+
+    def path(self, text):
+        where = {"~/": self.ctx.home + "/", "/tmp/": self.ctx.files + "/"}
+        return re.sub(r"(^|=)(~/|/tmp/)", lambda m: m[1] + where[m[2]], text)
+
+    def argv(self, argv):
+        out = []
+        for i, token in enumerate(argv):
+            if self.ENDPOINTS.match(token):
+                token = self.endpoints(token)
+            elif token.isdigit() and i and argv[i - 1] in ("--port", "--master-port", "--metrics-port"):
+                token = str(self.port(token))
+            elif token == "train.py":
+                out.append(self.ctx.worker)
+                continue
+            out.append(self.path(token))
+        return out
+
+    def text(self, text):
+        """Output shown in the README, with the same names made real."""
+        text = re.sub(r"\b(node\d+|host\d*):(\d+)", lambda m: f"{self.addr(m[1])}:{self.port(m[2])}", text)
+        return re.sub(r"\[::\]:(\d+)", lambda m: f"[::]:{self.port(m[1])}", text)
+
+
+def fail(command, why, how=HOW_TO_MARK):
+    pytest.fail(f"{command.where()}: {why}.\n{how}", pytrace=False)
+
+
+# -- running ---------------------------------------------------------------------------------
+
+
+class Process:
+    """One command started by the test, its output in files (a pipe nobody reads could stall
+    it), bounded in time and killed at the end."""
+
+    def __init__(self, argv, env, log_dir, name, stack):
+        self.out_path, self.err_path = (os.path.join(log_dir, f"{name}.{s}") for s in ("out", "err"))
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, cwd=REPO, stdin=subprocess.DEVNULL)
+        stack.callback(self.kill)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def out(self):
+        with open(self.out_path) as f:
+            return f.read()
+
+    def err(self):
+        with open(self.err_path) as f:
+            return f.read()
+
+    def finish(self, timeout=120):
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"did not finish in {timeout}s:\n{self.out()}\n{self.err()}") from None
+
+    def describe(self):
+        return f"exit status {self.proc.returncode}\nstdout:\n{self.out()[-3000:]}\nstderr:\n{self.err()[-3000:]}"
+
+
+def wait_for(predicate, what, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Context:
+    """What the commands of one test share: directories, the worker, the marker that lets the
+    `marker` fixture kill anything left behind, and an etcd cluster when one is asked for."""
+
+    def __init__(self, request, files, tmp_path, marker):
+        self.request, self.files, self.tmp, self.marker = request, files, str(tmp_path), marker
+        self.home = os.path.join(files, "home")
+        os.makedirs(self.home, exist_ok=True)
+        self.worker = os.path.join(self.tmp, "train.py")
+        with open(self.worker, "w") as f:
+            f.write(WORKER)
+        self.count = 0
+        self._etcd = None
+
+    def etcd(self):
+        if self._etcd is None:
+            self._etcd = self.request.getfixturevalue("etcd")
+        return self._etcd
+
+    def fresh(self, name):
+        self.count += 1
+        path = os.path.join(self.tmp, f"{self.count}-{name}")
+        os.makedirs(path)
+        return path
+
+    def env(self, extra):
+        env = {**os.environ, "ELASTIX_TEST_MARKER": self.marker, **extra}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(REPO, "python"), env.get("PYTHONPATH")) if p)
+        return env
+
+    def start(self, argv, extra_env, name, stack):
+        argv = [sys.executable, "-m", "elastix", "store", *argv[1:]] if argv[0] == "elastix-store" else argv
+        argv = [sys.executable, "-m", "elastix", *argv[1:]] if argv[0] == "elastix" else argv
+        return Process(argv, self.env(extra_env), self.fresh(name), name, stack)
+
+
+def records(out_dir):
+    found = []
+    for name in os.listdir(out_dir):
+        if name.endswith(".json"):
+            with open(os.path.join(out_dir, name)) as f:
+                found.append(json.load(f))
+    return found
+
+
+def run_job(ctx, command, env, argv, stack):
+    from elastix.cli.run_flags import build_parser
+
+    try:
+        args = build_parser().parse_args(argv[2:])
+    except SystemExit:
+        fail(command, "`elastix run` refuses its command line", "Its error is in the captured stderr below.")
+    if not args.nproc_per_node.isdigit():
+        fail(command, f"--nproc-per-node {args.nproc_per_node} depends on the machine")
+    ours, digits = args.training_script == ctx.worker, args.training_script == "examples/train_digits.py"
+    if args.module or args.no_python or not (ours or digits):
+        fail(command, f"the program {args.training_script} is neither train.py nor examples/train_digits.py")
+    nodes = 1 if args.standalone else int(args.nnodes.split(":")[-1])
+    workers = int(args.nproc_per_node)
+    out = ctx.fresh("records")
+    given = args.training_script_args
+    checkpoint = given[given.index("--checkpoint") + 1] if "--checkpoint" in given else None
+    resumable = checkpoint is not None and os.path.exists(checkpoint)
+    agents = []
+    for i in range(nodes):
+        local = {} if args.standalone else {"ELASTIX_LOCAL_ADDR": f"127.0.0.{i + 1}"}
+        agents.append(ctx.start(argv, {**env, **local, "README_OUT": out}, f"agent{i}", stack))
+    for agent in agents:
+        assert agent.finish() == 0, f"{command.where()}\n{agent.describe()}"
+    if ours:
+        latest = max(int(r["ELASTIX_ROUND"]) for r in records(out))
+        final = [r for r in records(out) if int(r["ELASTIX_ROUND"]) == latest]
+        world = nodes * workers
+        assert sorted(int(r["RANK"]) for r in final) == list(range(world)), (command.where(), final)
+        assert {r["WORLD_SIZE"] for r in final} == {str(world)}, (command.where(), final)
+        assert {r["GROUP_RANK"] for r in final} == {str(n) for n in range(nodes)}, (command.where(), final)
+        assert all(r["argv"] == args.training_script_args for r in final), (command.where(), final)
+    else:
+        shown = agents[0].out()
+        assert "final test accuracy:" in shown, f"{command.where()}\n{agents[0].describe()}"
+        if "--resume" in given:  # what the README says it prints
+            said = f"resuming from {checkpoint} at step" if resumable else f"no checkpoint at {checkpoint} yet"
+            assert said in shown, f"{command.where()}\n{agents[0].describe()}"
+    if args.event_log:
+        with open(args.event_log) as f:
+            events = [json.loads(line)["event"] for line in f]
+        assert events and events[-1] == "job_finished", (command.where(), events)
+
+
+def job_to_ask(ctx, command, env, argv, stack):
+    """`elastix status` / `dump`: a job of 2 workers under the command's run ID and endpoint,
+    running until the test ends it; returns its agent and the file that ends it."""
+    from elastix.cli import dump, status
+
+    try:
+        args = (status if argv[1] == "status" else dump).build_parser().parse_args(argv[2:])
+    except SystemExit:
+        fail(command, f"`elastix {argv[1]}` refuses its command line", "Its error is in the captured stderr below.")
+    if args.rdzv_backend != "c10d":
+        fail(command, f"asking a job on {args.rdzv_backend} is not done here")
+    out, hold = ctx.fresh("records"), os.path.join(ctx.tmp, f"stop-{ctx.count}")
+    job = [
+        *("elastix", "run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d"),
+        *("--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id, ctx.worker),
+    ]
+    host = args.rdzv_endpoint.split(",")[0].rsplit(":", 1)[0]  # the agent that serves the store
+    agent = ctx.start(job, {**env, "ELASTIX_LOCAL_ADDR": host, "README_OUT": out, "README_HOLD": hold}, "job", stack)
+    stack.callback(lambda: open(hold, "w").close())
+    wait_for(lambda: len(records(out)) == 2 or agent.proc.poll() is not None, "the job's workers")
+    assert agent.proc.poll() is None, agent.describe()
+    return agent, hold
+
+
+def check_shown_output(command, places, text):
+    """The README's sample output (after `$ `) has the shape of the real one: the same first
+    words (up to the first `: `) and the same column headings."""
+    shown = [line for line in command.output if line.strip()]
+    if not shown:
+        return
+    head = places.text(shown[0].split(": ", 1)[0])
+    assert text.splitlines()[0].startswith(head + ": "), (command.where(), head, text)
+    for line in shown:
+        if line.strip().isupper():  # a table's headings
+            assert any(real.split() == line.split() for real in text.splitlines()), (command.where(), line, text)
+
+
+def run_elastix(ctx, command, segment, stack):
+    env, argv = words(segment)
+    places = Places(ctx, command, stack)
+    env = {name: places.path(value) for name, value in env.items()}
+    argv = places.argv(argv)
+    what = "store" if argv[0] == "elastix-store" else argv[1] if len(argv) > 1 else ""
+    if what == "run":
+        run_job(ctx, command, env, argv, stack)
+    elif what in ("status", "dump"):
+        job, hold = job_to_ask(ctx, command, env, argv, stack)
+        asked = ctx.start(argv, env, what, stack)
+        code = asked.finish(timeout=60)
+        assert code == 0, f"{command.where()}\n{asked.describe()}"
+        if what == "status":
+            assert re.match(r"job \S+ at \S+ \(c10d\): HEALTHY", asked.out()), asked.describe()
+            check_shown_output(command, places, asked.out())
+        else:
+            rank = re.search(r"--rank (\d+)", command.text)
+            assert f"=== rank {rank[1] if rank else 0} " in asked.out() and 'File "' in asked.out(), asked.describe()
+        open(hold, "w").close()
+        assert job.finish() == 0, job.describe()
+    elif what == "store":
+        store = ctx.start(argv, env, "store", stack)
+        shown = re.search(r'prints "([^"]*)"', command.comment)
+        expected = places.text(shown[1]) if shown else "elastix-store listening on "
+        wait_for(lambda: store.out() or store.proc.poll() is not None, "the store's first line", timeout=30)
+        assert store.out().startswith(expected), f"{command.where()}: expected {expected!r}\n{store.describe()}"
+        store.proc.send_signal(signal.SIGTERM)
+        assert store.finish(timeout=30) == 0, store.describe()
+    else:
+        fail(command, f"`elastix {what}` is not a command this test knows how to run")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The README's /tmp and ~: shared by the blocks, which run in the README's order (a
+    checkpoint one block writes is the one the next resumes)."""
+    return str(tmp_path_factory.mktemp("readme"))
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"line{b.line}" for b in BLOCKS])
+def test_the_command_block_runs_as_written(block, request, files, tmp_path, marker):
+    ctx = Context(request, files, tmp_path, marker)
+    with contextlib.ExitStack() as stack:
+        for command in block.commands:
+            for segment in segments(command):
+                if segment in NOT_RUN:
+                    continue
+                if is_elastix(segment):
+                    run_elastix(ctx, command, segment, stack)
+                elif segment in SETUP:
+                    setup = segment.replace("~/", ctx.home + "/")
+                    done = subprocess.run(["bash", "-c", setup], capture_output=True, text=True, timeout=30)
+                    assert done.returncode == 0, (command.where(), done.stderr)
+                else:
+                    fail(command, f"`{segment}` is neither an elastix command nor in NOT_RUN or SETUP")
+    assert_nothing_left(marker)
+
+
+def test_the_lists_of_commands_not_run_are_all_in_the_readme():
+    shown = {s for b in BLOCKS for c in b.commands for s in segments(c)}
+    assert set(NOT_RUN) | SETUP <= shown, (set(NOT_RUN) | SETUP) - shown
+
+
+def test_the_table_of_contents_links_to_sections():
+    with open(README) as f:
+        text = f.read()
+    headings = re.findall(r"^#+ (.+)$", text, re.M)
+    anchors = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+    links = re.findall(r"\]\(#([^)]+)\)", text)
+    assert links and not [link for link in links if link not in anchors]
+
+
+def test_the_readme_has_command_blocks():
+    """The README's own main job and its first steps are among them."""
+    first = [c.text for b in BLOCKS for c in b.commands]
+    assert any("examples/train_digits.py" in text for text in first), first
