@@ -41,15 +41,23 @@ def client(master):
     return elastix.TCPStore("127.0.0.1", master.port, timeout=timedelta(seconds=10))
 
 
+def held_port(addr: str = "127.0.0.1") -> socket.socket:
+    """A bound, non-listening socket with SO_REUSEADDR on a port the kernel picked at `addr`:
+    the port is taken by no one but servers that bind with SO_REUSEADDR (elastix's, torch's,
+    etcd's) until it is closed."""
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind((addr, 0))
+    return holder
+
+
 @contextlib.contextmanager
 def reserved_port():
     """A port for a server that must be told its port up front (MASTER_PORT, tcp:// init,
     torch's TCPStore): held by a bound, non-listening socket until the block ends. Servers
     that bind with SO_REUSEADDR (elastix's and torch's) can take it meanwhile; nobody else can,
     and the kernel hands it to no one, so there is no race between choosing and binding."""
-    with socket.socket() as holder:
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        holder.bind(("127.0.0.1", 0))
+    with held_port() as holder:
         yield holder.getsockname()[1]
 
 

@@ -17,15 +17,17 @@ import time
 import urllib.request
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+def _held_ports(n: int) -> list[socket.socket]:
+    """`n` ports held for the cluster's lifetime by bound, non-listening sockets: etcd (Go sets
+    SO_REUSEADDR) can bind them, nobody else can, and a member restarted later finds its ports
+    still free."""
+    holders = []
+    for _ in range(n):
+        holder = socket.socket()
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", 0))
+        holders.append(holder)
+    return holders
 
 
 class Tls:
@@ -94,7 +96,8 @@ class EtcdCluster:
         self.etcd = shutil.which("etcd")
         if self.etcd is None:
             raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
-        ports = _free_ports(2 * members)
+        self._holders = _held_ports(2 * members)
+        ports = [holder.getsockname()[1] for holder in self._holders]
         self.client_ports, self.peer_ports = ports[:members], ports[members:]
         self.names = [f"m{i}" for i in range(members)]
         self.data_dir = data_dir
@@ -206,6 +209,8 @@ class EtcdCluster:
     def close(self) -> None:
         for i in list(self.procs):
             self.kill(i)
+        for holder in self._holders:
+            holder.close()
 
 
 def _b64(data: bytes) -> str:

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from agents import WORKERS, agent, assert_nothing_left, finish_all, node_args, rounds_of, starts, wait_for, wait_round
-from conftest import marked_processes
+from conftest import held_port, marked_processes, reserved_port
 
 # A node is lost after 2 s without a heartbeat; one beat may take 1 s; short last calls.
 FAST = (
@@ -44,11 +44,9 @@ def store_server(port, tmp_path):
 
 @pytest.fixture
 def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port held for the test (the store restarts on it), as conftest.reserved_port."""
+    with reserved_port() as port:
+        yield port
 
 
 def test_a_store_that_restarts_empty_mid_run_is_found_again_and_the_job_completes(tmp_path, marker, free_port):
@@ -100,15 +98,11 @@ def test_a_store_that_never_comes_back_is_waited_for_aloud_then_named_in_the_err
     assert_nothing_left(marker)
 
 
-def test_losing_the_node_that_hosts_the_store_moves_it_to_the_next_listed_node(tmp_path, marker):
-    ports = []
-    import socket
-
-    for _ in range(4):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    endpoint = ",".join(f"127.0.0.{i + 1}:{port}" for i, port in enumerate(ports))
+def test_losing_the_node_that_hosts_the_store_moves_it_to_the_next_listed_node(tmp_path, marker, request):
+    # each site's port held on its own address for the test (the agents bind with SO_REUSEADDR)
+    holders = [held_port(f"127.0.0.{i + 1}") for i in range(4)]
+    request.addfinalizer(lambda: [holder.close() for holder in holders])
+    endpoint = ",".join(f"127.0.0.{i + 1}:{holder.getsockname()[1]}" for i, holder in enumerate(holders))
     # rank 1 fails once: the job-wide restart count (1) must survive the move
     args = lambda i: run_args("2:4", endpoint, f"127.0.0.{i}", FAST, "--fail-once", 1)  # noqa: E731
     agents = {i: agent(tmp_path, marker, f"n{i}", *args(i)) for i in (1, 2, 3)}
