@@ -71,13 +71,15 @@ else:  # no call may reach a peer that already left: meet in the store first
 STORE_HOST_LEAVES_FIRST = r"""
 import os, time
 import elastix
+import atexit
 rank = int(os.environ["RANK"])
 store = elastix.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=2, is_master=rank == 0)
 if rank == 0:
     store.set("result", "42")
+    # runs at exit, before elastix's own hook (registered at import; atexit runs in reverse)
+    atexit.register(lambda: store.set("exiting", "1"))
 else:
-    store.wait(["result"])
-    time.sleep(0.5)  # rank 0 is at its exit by now
+    store.wait(["exiting"])  # rank 0 is exiting: only its exit's wait keeps the store up
     assert store.get("result") == b"42"
     store.set("read", "1")
 """

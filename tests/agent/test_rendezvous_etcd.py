@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from agents import WORKERS, agent, assert_nothing_left, finish_all, node_args, rounds_of, starts, wait_round
+from agents import WORKERS, agent, assert_nothing_left, finish_all, node_args, rounds_of, starts, wait_for, wait_round
 from conftest import marked_processes
 from etcd_cluster import EtcdCluster, Tls
 
@@ -48,9 +48,10 @@ def test_a_two_node_job_completes_and_a_third_node_joins(tmp_path, marker, etcd)
     assert outside == [], "nothing is written outside the run's prefix"
 
 
-def test_the_leader_lost_mid_rendezvous_and_mid_run_costs_no_restart(tmp_path, marker, etcd):
+def test_the_leader_lost_mid_rendezvous_and_mid_run_costs_no_restart(tmp_path, marker, etcd, monkeypatch):
+    monkeypatch.setenv("ELASTIX_RDZV_PROGRESS_INTERVAL", "200ms")
     first = nodes(tmp_path, marker, 2, etcd.endpoints, (1,))
-    time.sleep(0.5)  # node 1 has joined and waits for node 2
+    wait_for(lambda: "waiting for 1 more node(s)" in first[0].output(), what="node 1 joined, waiting for node 2")
     leader = etcd.leader()
     etcd.kill(leader)
     agents = first + nodes(tmp_path, marker, 2, etcd.endpoints, (2,))

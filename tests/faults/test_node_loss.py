@@ -88,6 +88,13 @@ def test_the_store_host_killed_mid_all_reduce_moves_the_job_to_the_next_site(tmp
     assert_nothing_left(marker)
 
 
+def at_exit_barrier(out_dir, i):
+    """Host i's workers succeeded: its agent is at the exit barrier (its event log says so)."""
+    path = out_dir / f"events_h{i}.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return any(e["event"] == "workers_stopped" and e.get("why") == "succeeded" for e in events)
+
+
 def test_a_host_killed_while_the_others_wait_at_the_exit_barrier_is_not_waited_for(tmp_path, marker, hosts):
     endpoint = f"{hosts.addr(0)}:29400"
     finish = os.path.join(WORKERS, "finish_after.py")
@@ -95,10 +102,11 @@ def test_a_host_killed_while_the_others_wait_at_the_exit_barrier_is_not_waited_f
     for i in range(3):
         python = hosts.command(i, "env", "FINISH_AFTER_2=120", sys.executable)
         args = node_args(3, endpoint, hosts.addr(i), CONF, finish, run_id="barrier", max_restarts=0)
-        agents.append(agent(tmp_path, marker, f"h{i}", "run", *args, python=python))
+        events = ["--event-log", tmp_path / f"events_h{i}.jsonl"]
+        agents.append(agent(tmp_path, marker, f"h{i}", "run", *events, *args, python=python))
     # the group ranks follow the addresses: host 2's node is the one still working
     wait_for(lambda: all("working" in a.output() for a in agents), what="the workers working")
-    time.sleep(0.5)  # hosts 0 and 1 are at the exit barrier now
+    wait_for(lambda: all(at_exit_barrier(tmp_path, i) for i in (0, 1)), what="hosts 0 and 1 at the exit barrier")
     hosts.kill(2)
     for a in agents[:2]:
         assert a.finish(timeout=60) == 0, a.output()  # well before the 300 s barrier timeout
