@@ -183,6 +183,8 @@ def test_entrypoint_name():
     assert entrypoint_name(worker_identity, []) == "worker_identity"
     assert entrypoint_name(sys.executable, ["-u", "train.py", "--x"]) == "train.py"
     assert entrypoint_name("/bin/prog", []) == "/bin/prog"
+    assert entrypoint_name(sys.executable, ["-u"]) == ""
+    assert entrypoint_name(None, []) == ""  # type: ignore[arg-type]  (torch's test_get_entrypoint_name)
 
 
 # --- launch with the fake agent --------------------------------------------------------------

@@ -158,12 +158,15 @@ def _agent_error(result: RunResult) -> Exception:
 
 
 def entrypoint_name(entrypoint: Entrypoint, args: Sequence[Any]) -> str:
-    """torch's rule: a function's name; for the Python interpreter, the script; else the path."""
+    """torch's rule: a function's name; for the Python interpreter, the script; else the path
+    (and no name for anything else, such as None)."""
     if callable(entrypoint):
         return getattr(entrypoint, "__name__", repr(entrypoint))
+    if not isinstance(entrypoint, str):
+        return ""
     if entrypoint == sys.executable:
         return next((str(a) for a in args if not str(a).startswith("-")), "")
-    return str(entrypoint)
+    return entrypoint
 
 
 def agent_config(config: LaunchConfig, program: str, program_args: Sequence[str]) -> Dict[str, Any]:
