@@ -119,9 +119,9 @@ def test_launch_config_timeouts_from_env(monkeypatch):
     assert LaunchConfig(1, 1, 1, shutdown_timeout="500ms").shutdown_timeout == 0.5  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="--shutdown-timeout: soon is not a duration"):
         LaunchConfig(1, 1, 1, shutdown_timeout="soon")  # type: ignore[arg-type]
-    # the range is the agent's to check, before anything starts
-    with pytest.raises(ValueError, match="--shutdown-timeout: must be a non-negative number"):
-        agent_config(LaunchConfig(1, 1, 1, shutdown_timeout=-1), "/bin/true", [])
+    # refused when the config is made, as torch does
+    with pytest.raises(ValueError, match="shutdown_timeout must be non-negative, got -1"):
+        LaunchConfig(1, 1, 1, shutdown_timeout=-1)
 
 
 @pytest.mark.parametrize("kwargs,needle", [

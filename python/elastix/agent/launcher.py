@@ -78,6 +78,8 @@ class LaunchConfig:
             self.logs_specs = DefaultLogsSpecs()
         self.shutdown_timeout = configs.shutdown_timeout_from_env(self.shutdown_timeout)
         self.exit_barrier_timeout = configs.exit_barrier_timeout_from_env(self.exit_barrier_timeout)
+        if self.shutdown_timeout < 0:  # torch's check, when the config is made
+            raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
         if configs.parse_seconds("monitor_interval", self.monitor_interval) <= 0:
             raise ValueError(f"monitor_interval must be > 0, got {self.monitor_interval}")
         if self.start_method not in ("spawn", "fork", "forkserver"):

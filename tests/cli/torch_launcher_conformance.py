@@ -1,7 +1,7 @@
 """Runs PyTorch's own launcher tests against ``elastix run`` and elastix's launcher API, and
 prints one row per test: name, outcome, first line of the error.
 
-    python tests/torch_launcher_conformance.py [--torch-test-dir DIR] [-k SUBSTRING] [--baseline]
+    python tests/cli/torch_launcher_conformance.py [--torch-test-dir DIR] [-k SUBSTRING] [--baseline]
 
 torch's tests are not part of this repository, and nothing is downloaded: they are taken from
 ``--torch-test-dir``, else from ``$ELASTIX_TORCH_TEST_DIR``, else from next to the installed torch
@@ -207,11 +207,6 @@ KNOWN: Dict[str, Tuple[str, str]] = {
     "shutdown_timeout_test.ShutdownTimeoutTest.test_shutdown_method_receives_correct_timeout": (
         "internals",
         "constructs torch's LocalElasticAgent and calls its _shutdown",
-    ),
-    "shutdown_timeout_test.ShutdownTimeoutTest.test_shutdown_timeout_validation_negative": (
-        "by design",
-        "a negative shutdown_timeout is refused when launching (the agent's one config check: ValueError "
-        "'--shutdown-timeout: must be a non-negative number'), not when the LaunchConfig is made",
     ),
 }
 
