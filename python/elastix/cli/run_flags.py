@@ -8,7 +8,8 @@ import shutil
 from typing import Any
 
 from ..agent.signals import DEFAULT_SIGNALS
-from .envargs import EnvArgumentParser, EnvFlag, EnvOption
+from .envargs import EnvArgumentParser, EnvFlag
+from .flags import RDZV_BACKEND, RDZV_CONF, RDZV_ENDPOINT, RDZV_ID, Flag, Group, add_groups
 
 DESCRIPTION = """\
 Starts --nproc-per-node copies of a program on this node, joins them with the other nodes of the
@@ -85,366 +86,7 @@ def build_parser(prog: str = "elastix run") -> EnvArgumentParser:
         formatter_class=_Formatter,
         allow_abbrev=True,  # as torchrun; abbreviations only apply before the program
     )
-
-    g = parser.add_argument_group("nodes and workers")
-    g.add_argument(
-        "--nnodes",
-        action=EnvOption,
-        type=str,
-        default="1:1",
-        metavar="N|MIN:MAX",
-        help="number of nodes, or the range an elastic job may run with (default: 1)",
-    )
-    g.add_argument(
-        "--nproc-per-node",
-        "--nproc_per_node",
-        action=EnvOption,
-        type=str,
-        default="1",
-        metavar="N|auto|cpu|gpu|xpu",
-        help="workers on this node: a number; cpu: the usable CPUs (affinity and "
-        "cgroup quota); gpu: visible NVIDIA GPUs; xpu: ZE_AFFINITY_MASK entries; auto: "
-        "GPUs if any, else CPUs (default: 1)",
-    )
-
-    g = parser.add_argument_group("rendezvous (how the nodes find each other)")
-    g.add_argument(
-        "--standalone",
-        action=EnvFlag,
-        help="single-node job: same as --rdzv-backend c10d --rdzv-endpoint "
-        "localhost:0 with a random --rdzv-id (explicit values of those are ignored)",
-    )
-    g.add_argument(
-        "--rdzv-backend",
-        "--rdzv_backend",
-        action=EnvOption,
-        type=str,
-        default="static",
-        metavar="{c10d,etcd,static}",
-        help="c10d: elastic, the store is served by the agent at the endpoint; "
-        "etcd (or etcd-v3): elastic, on the etcd v3 cluster at the endpoints; "
-        "static: fixed node ranks from --node-rank (default: static)",
-    )
-    g.add_argument(
-        "--rdzv-endpoint",
-        "--rdzv_endpoint",
-        action=EnvOption,
-        type=str,
-        default="",
-        metavar="HOST[:PORT][,HOST[:PORT]...]",
-        help="where the rendezvous store is (IPv6 in brackets); c10d takes an ordered list of agents' "
-        "addresses: the first hosts the store, and when it is lost the next one takes over",
-    )
-    g.add_argument(
-        "--rdzv-id",
-        "--rdzv_id",
-        action=EnvOption,
-        type=str,
-        default="none",
-        metavar="ID",
-        help="job id shared by all nodes of a job (default: none)",
-    )
-    g.add_argument(
-        "--rdzv-conf",
-        "--rdzv_conf",
-        action=EnvOption,
-        type=str,
-        default="",
-        metavar="K=V,...",
-        help="rendezvous settings, e.g. join_timeout=600,last_call_timeout=30s; "
-        "unknown keys are an error; durations take units (500ms, 2m)",
-    )
-    g.add_argument(
-        "--local-addr",
-        "--local_addr",
-        action=EnvOption,
-        type=str,
-        default=None,
-        metavar="ADDR",
-        help="this node's address for the other nodes (default: its host name)",
-    )
-
-    g = parser.add_argument_group("static rendezvous (--rdzv-backend static, no --rdzv-endpoint)")
-    g.add_argument(
-        "--node-rank",
-        "--node_rank",
-        action=EnvOption,
-        type=int,
-        default=0,
-        metavar="R",
-        help="this node's rank, 0 to nnodes-1 (default: 0)",
-    )
-    g.add_argument(
-        "--master-addr",
-        "--master_addr",
-        action=EnvOption,
-        type=str,
-        default=None,
-        metavar="ADDR",
-        help="address of node 0, which serves the store (default: 127.0.0.1; IPv6 as [::1])",
-    )
-    g.add_argument(
-        "--master-port",
-        "--master_port",
-        action=EnvOption,
-        type=int,
-        default=None,
-        metavar="PORT",
-        help="port of node 0's store (default: 29500; when neither it nor an endpoint "
-        "is given and --nnodes is 1, the job runs as --standalone, as in newer torchrun)",
-    )
-
-    g = parser.add_argument_group("the program")
-    g.add_argument(
-        "--role",
-        action=EnvOption,
-        type=str,
-        default="default",
-        help="workers' role name: ROLE_NAME and log prefixes (default: default)",
-    )
-    g.add_argument("-m", "--module", action=EnvFlag, help="run the program as a Python module, as `python -m`")
-    g.add_argument(
-        "--no-python", "--no_python", action=EnvFlag, help="execute the program directly instead of with Python"
-    )
-    g.add_argument(
-        "--run-path",
-        "--run_path",
-        action=EnvFlag,
-        help="run the script with runpy inside a wrapper that writes its error file "
-        "(like decorating its main with @elastix.record); wins over --no-python",
-    )
-    g.add_argument(
-        "--start-method",
-        "--start_method",
-        action=EnvOption,
-        type=str,
-        default="spawn",
-        choices=["spawn", "fork", "forkserver"],
-        help="accepted for torchrun compatibility: elastix always starts workers as new processes (spawn)",
-    )
-    g.add_argument(
-        "--virtual-local-rank",
-        "--virtual_local_rank",
-        action=EnvFlag,
-        help="every worker gets LOCAL_RANK=0 and sees only its own GPU in CUDA_VISIBLE_DEVICES",
-    )
-
-    g = parser.add_argument_group(
-        "failures, restarts and signals",
-        "a DURATION is seconds (30, 0.5) or has a unit as in --rdzv-conf (500ms, 30s, 2m, 1h)",
-    )
-    g.add_argument(
-        "--max-restarts",
-        "--max_restarts",
-        action=EnvOption,
-        type=int,
-        default=0,
-        metavar="N",
-        help="restarts of the worker group after failures, counted for the whole job (torchrun: per node) (default: 0)",
-    )
-    g.add_argument(
-        "--no-standby-workers",
-        action=EnvFlag,
-        pet=False,
-        help="[elastix] start every worker cold: without this, when a restart can "
-        "happen, a warm Python interpreter per local rank waits to become the next "
-        "attempt's worker, which makes restarts several times faster",
-    )
-    g.add_argument(
-        "--monitor-interval",
-        "--monitor_interval",
-        action=EnvOption,
-        type=str,
-        default=0.1,
-        metavar="DURATION",
-        help="accepted for torchrun compatibility (must be > 0): elastix is told of "
-        "worker exits at once instead of polling (default: 0.1)",
-    )
-    g.add_argument(
-        "--signals-to-handle",
-        "--signals_to_handle",
-        action=EnvOption,
-        type=str,
-        default=DEFAULT_SIGNALS,
-        metavar="SIG,...",
-        help=f"signals forwarded to the workers, e.g. add SIGUSR1 for Slurm preemption (default: {DEFAULT_SIGNALS})",
-    )
-    g.add_argument(
-        "--shutdown-timeout",
-        "--shutdown_timeout",
-        action=EnvOption,
-        type=str,
-        default=None,
-        metavar="DURATION",
-        help="grace between the stop signal and SIGKILL (default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)",
-    )
-    g.add_argument(
-        "--worker-timeout",
-        "--worker_timeout",
-        action=EnvOption,
-        type=str,
-        default=None,
-        metavar="DURATION",
-        help="a worker that called elastix.heartbeat() and then sends none for this long is hung: its "
-        "stacks are dumped and it is restarted like a failed one (default: off; expect_progress and "
-        "elastix.timer.expires apply regardless)",
-    )
-    g.add_argument(
-        "--exit-barrier-timeout",
-        "--exit_barrier_timeout",
-        action=EnvOption,
-        type=str,
-        default=None,
-        metavar="DURATION",
-        help="[elastix] how long a finished node waits for the others (default: "
-        "TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT or 300)",
-    )
-
-    g = parser.add_argument_group("logs")
-    g.add_argument(
-        "--log-level",
-        "--log_level",
-        action=EnvOption,
-        type=str,
-        default=None,
-        pet=False,
-        metavar="LEVEL",
-        help="[elastix] what elastix itself logs to stderr: error, warn, info (default), debug or trace; "
-        "RUST_LOG, when set, selects the core's events in detail",
-    )
-    g.add_argument(
-        "--log-dir",
-        "--log_dir",
-        action=EnvOption,
-        type=str,
-        default=None,
-        metavar="DIR",
-        help="base directory for log files; each run gets its own subdirectory (default: "
-        "a temporary one, made only if some output goes to files)",
-    )
-    g.add_argument(
-        "-r",
-        "--redirects",
-        action=EnvOption,
-        type=str,
-        default="0",
-        metavar="MASK|MAP",
-        help="send workers' streams to files instead of the console: 0 none, 1 stdout, "
-        "2 stderr, 3 both; or per local rank, e.g. 0:1,1:2 (default: 0)",
-    )
-    g.add_argument(
-        "-t",
-        "--tee",
-        action=EnvOption,
-        type=str,
-        default="0",
-        metavar="MASK|MAP",
-        help="write streams to files and to the console, with a prefix (same syntax as -r) (default: 0)",
-    )
-    g.add_argument(
-        "--local-ranks-filter",
-        "--local_ranks_filter",
-        action=EnvOption,
-        type=str,
-        default="",
-        metavar="R,...",
-        help="only these local ranks reach the console (the others still go to their log files)",
-    )
-    g.add_argument(
-        "--log-line-prefix-template",
-        "--log_line_prefix_template",
-        action=EnvOption,
-        type=str,
-        default="",
-        metavar="TEMPLATE",
-        help="prefix of tee'd console lines in torchrun's syntax: ${role_name}, "
-        "${rank}, ${local_rank}, ${hostname} (default: [${role_name}${local_rank}]:)",
-    )
-    g.add_argument(
-        "--line-prefix",
-        "--line_prefix",
-        action=EnvOption,
-        type=str,
-        default=None,
-        pet=False,
-        metavar="TEMPLATE",
-        help="[elastix] the same in elastix's syntax: {role}, {rank}, {local_rank}, {host}; e.g. '{host}:{rank}| '",
-    )
-    g.add_argument(
-        "--metrics-port",
-        action=EnvOption,
-        type=int,
-        default=None,
-        pet=False,
-        metavar="PORT",
-        help="[elastix] serve Prometheus metrics over HTTP at :PORT/metrics on every IPv4 address "
-        "(0: a free port, logged); off by default",
-    )
-
-    g = parser.add_argument_group("torchrun options elastix implements in part (each says what it accepts)")
-    g.add_argument(
-        "--event-log-handler",
-        "--event_log_handler",
-        action=EnvOption,
-        type=str,
-        default="null",
-        metavar="NAME",
-        help="null (default); console: the run's outcome as torchelastic JSON events on stderr; "
-        "jsonl: every state change as elastix's JSON events on stderr (see --event-log)",
-    )
-    g.add_argument(
-        "--event-log",
-        "--event_log",
-        action=EnvOption,
-        type=str,
-        default=None,
-        metavar="FILE",
-        help="[elastix] append every state change (round formed, member lost or joined, worker failed "
-        "or hung, restart, job finished) to FILE as JSON lines",
-    )
-    g.add_argument(
-        "--logs-specs",
-        "--logs_specs",
-        type=str,
-        default=None,
-        metavar="NAME",
-        help="only 'default' (elastix's log layout); other torchrun.logs_specs plugins are refused",
-    )
-    g.add_argument(
-        "--numa-binding",
-        "--numa_binding",
-        type=str,
-        default=None,
-        choices=["node", "socket", "exclusive", "core-complex"],
-        help="bind each worker to CPUs near the GPU whose index is its local rank (PCI bus id order); "
-        "[elastix] without GPUs, near the NUMA node its local rank is spread to (see elastix.agent.numa)",
-    )
-    g.add_argument(
-        "--duplicate-stdout-filters",
-        "--duplicate_stdout_filters",
-        action=EnvOption,
-        type=_comma_list,
-        default=[],
-        metavar="S,...",
-        help="copy tee'd stdout lines containing any of these to attempt_N/filtered_stdout.log (',,' is a comma)",
-    )
-    g.add_argument(
-        "--print-completion",
-        "--print_completion",
-        action=_PrintCompletion,
-        metavar="{bash,zsh,tcsh}",
-        help="print a shell completion script for elastix (needs the shtab package) and exit",
-    )
-    g.add_argument(
-        "--duplicate-stderr-filters",
-        "--duplicate_stderr_filters",
-        action=EnvOption,
-        type=_comma_list,
-        default=[],
-        metavar="S,...",
-        help="the same for stderr (filtered_stderr.log)",
-    )
-
+    add_groups(parser, GROUPS)
     parser.add_argument(
         "training_script",
         metavar="program",
@@ -463,6 +105,349 @@ def _comma_list(value: str) -> list:
     """torch's filter list: split on ",", where ",," is a literal comma."""
     marker = "\0"
     return [item.replace(marker, ",") for item in value.replace(",,", marker).split(",")]
+
+
+# torchrun's flags, in --help's groups
+GROUPS = [
+    Group(
+        "nodes and workers",
+        [
+            Flag(
+                "--nnodes",
+                type=str,
+                default="1:1",
+                metavar="N|MIN:MAX",
+                help="number of nodes, or the range an elastic job may run with (default: 1)",
+            ),
+            Flag(
+                "--nproc-per-node",
+                "--nproc_per_node",
+                type=str,
+                default="1",
+                metavar="N|auto|cpu|gpu|xpu",
+                help="workers on this node: a number; cpu: the usable CPUs (affinity and "
+                "cgroup quota); gpu: visible NVIDIA GPUs; xpu: ZE_AFFINITY_MASK entries; auto: "
+                "GPUs if any, else CPUs (default: 1)",
+            ),
+        ],
+    ),
+    Group(
+        "rendezvous (how the nodes find each other)",
+        [
+            Flag(
+                "--standalone",
+                action=EnvFlag,
+                help="single-node job: same as --rdzv-backend c10d --rdzv-endpoint "
+                "localhost:0 with a random --rdzv-id (explicit values of those are ignored)",
+            ),
+            RDZV_BACKEND.but(
+                default="static",
+                metavar="{c10d,etcd,static}",
+                help="c10d: elastic, the store is served by the agent at the endpoint; "
+                "etcd (or etcd-v3): elastic, on the etcd v3 cluster at the endpoints; "
+                "static: fixed node ranks from --node-rank (default: static)",
+            ),
+            RDZV_ENDPOINT.but(
+                default="",
+                metavar="HOST[:PORT][,HOST[:PORT]...]",
+                help="where the rendezvous store is (IPv6 in brackets); c10d takes an ordered list of agents' "
+                "addresses: the first hosts the store, and when it is lost the next one takes over",
+            ),
+            RDZV_ID.but(default="none", metavar="ID", help="job id shared by all nodes of a job (default: none)"),
+            RDZV_CONF.but(
+                default="",
+                metavar="K=V,...",
+                help="rendezvous settings, e.g. join_timeout=600,last_call_timeout=30s; "
+                "unknown keys are an error; durations take units (500ms, 2m)",
+            ),
+            Flag(
+                "--local-addr",
+                "--local_addr",
+                type=str,
+                default=None,
+                metavar="ADDR",
+                help="this node's address for the other nodes (default: its host name)",
+            ),
+        ],
+    ),
+    Group(
+        "static rendezvous (--rdzv-backend static, no --rdzv-endpoint)",
+        [
+            Flag(
+                "--node-rank",
+                "--node_rank",
+                type=int,
+                default=0,
+                metavar="R",
+                help="this node's rank, 0 to nnodes-1 (default: 0)",
+            ),
+            Flag(
+                "--master-addr",
+                "--master_addr",
+                type=str,
+                default=None,
+                metavar="ADDR",
+                help="address of node 0, which serves the store (default: 127.0.0.1; IPv6 as [::1])",
+            ),
+            Flag(
+                "--master-port",
+                "--master_port",
+                type=int,
+                default=None,
+                metavar="PORT",
+                help="port of node 0's store (default: 29500; when neither it nor an endpoint "
+                "is given and --nnodes is 1, the job runs as --standalone, as in newer torchrun)",
+            ),
+        ],
+    ),
+    Group(
+        "the program",
+        [
+            Flag(
+                "--role",
+                type=str,
+                default="default",
+                help="workers' role name: ROLE_NAME and log prefixes (default: default)",
+            ),
+            Flag("-m", "--module", action=EnvFlag, help="run the program as a Python module, as `python -m`"),
+            Flag(
+                "--no-python", "--no_python", action=EnvFlag, help="execute the program directly instead of with Python"
+            ),
+            Flag(
+                "--run-path",
+                "--run_path",
+                action=EnvFlag,
+                help="run the script with runpy inside a wrapper that writes its error file "
+                "(like decorating its main with @elastix.record); wins over --no-python",
+            ),
+            Flag(
+                "--start-method",
+                "--start_method",
+                type=str,
+                default="spawn",
+                choices=["spawn", "fork", "forkserver"],
+                help="accepted for torchrun compatibility: elastix always starts workers as new processes (spawn)",
+            ),
+            Flag(
+                "--virtual-local-rank",
+                "--virtual_local_rank",
+                action=EnvFlag,
+                help="every worker gets LOCAL_RANK=0 and sees only its own GPU in CUDA_VISIBLE_DEVICES",
+            ),
+        ],
+    ),
+    Group(
+        "failures, restarts and signals",
+        "a DURATION is seconds (30, 0.5) or has a unit as in --rdzv-conf (500ms, 30s, 2m, 1h)",
+        [
+            Flag(
+                "--max-restarts",
+                "--max_restarts",
+                type=int,
+                default=0,
+                metavar="N",
+                help="restarts of the worker group after failures, counted for the whole job (torchrun: per node) "
+                "(default: 0)",
+            ),
+            Flag(
+                "--no-standby-workers",
+                action=EnvFlag,
+                pet=False,
+                help="[elastix] start every worker cold: without this, when a restart can "
+                "happen, a warm Python interpreter per local rank waits to become the next "
+                "attempt's worker, which makes restarts several times faster",
+            ),
+            Flag(
+                "--monitor-interval",
+                "--monitor_interval",
+                type=str,
+                default=0.1,
+                metavar="DURATION",
+                help="accepted for torchrun compatibility (must be > 0): elastix is told of "
+                "worker exits at once instead of polling (default: 0.1)",
+            ),
+            Flag(
+                "--signals-to-handle",
+                "--signals_to_handle",
+                type=str,
+                default=DEFAULT_SIGNALS,
+                metavar="SIG,...",
+                help="signals forwarded to the workers, e.g. add SIGUSR1 for Slurm preemption "
+                f"(default: {DEFAULT_SIGNALS})",
+            ),
+            Flag(
+                "--shutdown-timeout",
+                "--shutdown_timeout",
+                type=str,
+                default=None,
+                metavar="DURATION",
+                help="grace between the stop signal and SIGKILL (default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)",
+            ),
+            Flag(
+                "--worker-timeout",
+                "--worker_timeout",
+                type=str,
+                default=None,
+                metavar="DURATION",
+                help="a worker that called elastix.heartbeat() and then sends none for this long is hung: its "
+                "stacks are dumped and it is restarted like a failed one (default: off; expect_progress and "
+                "elastix.timer.expires apply regardless)",
+            ),
+            Flag(
+                "--exit-barrier-timeout",
+                "--exit_barrier_timeout",
+                type=str,
+                default=None,
+                metavar="DURATION",
+                help="[elastix] how long a finished node waits for the others (default: "
+                "TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT or 300)",
+            ),
+        ],
+    ),
+    Group(
+        "logs",
+        [
+            Flag(
+                "--log-level",
+                "--log_level",
+                type=str,
+                default=None,
+                pet=False,
+                metavar="LEVEL",
+                help="[elastix] what elastix itself logs to stderr: error, warn, info (default), debug or trace; "
+                "RUST_LOG, when set, selects the core's events in detail",
+            ),
+            Flag(
+                "--log-dir",
+                "--log_dir",
+                type=str,
+                default=None,
+                metavar="DIR",
+                help="base directory for log files; each run gets its own subdirectory (default: "
+                "a temporary one, made only if some output goes to files)",
+            ),
+            Flag(
+                "-r",
+                "--redirects",
+                type=str,
+                default="0",
+                metavar="MASK|MAP",
+                help="send workers' streams to files instead of the console: 0 none, 1 stdout, "
+                "2 stderr, 3 both; or per local rank, e.g. 0:1,1:2 (default: 0)",
+            ),
+            Flag(
+                "-t",
+                "--tee",
+                type=str,
+                default="0",
+                metavar="MASK|MAP",
+                help="write streams to files and to the console, with a prefix (same syntax as -r) (default: 0)",
+            ),
+            Flag(
+                "--local-ranks-filter",
+                "--local_ranks_filter",
+                type=str,
+                default="",
+                metavar="R,...",
+                help="only these local ranks reach the console (the others still go to their log files)",
+            ),
+            Flag(
+                "--log-line-prefix-template",
+                "--log_line_prefix_template",
+                type=str,
+                default="",
+                metavar="TEMPLATE",
+                help="prefix of tee'd console lines in torchrun's syntax: ${role_name}, "
+                "${rank}, ${local_rank}, ${hostname} (default: [${role_name}${local_rank}]:)",
+            ),
+            Flag(
+                "--line-prefix",
+                "--line_prefix",
+                type=str,
+                default=None,
+                pet=False,
+                metavar="TEMPLATE",
+                help="[elastix] the same in elastix's syntax: {role}, {rank}, {local_rank}, {host}; "
+                "e.g. '{host}:{rank}| '",
+            ),
+            Flag(
+                "--metrics-port",
+                type=int,
+                default=None,
+                pet=False,
+                metavar="PORT",
+                help="[elastix] serve Prometheus metrics over HTTP at :PORT/metrics on every IPv4 address "
+                "(0: a free port, logged); off by default",
+            ),
+        ],
+    ),
+    Group(
+        "torchrun options elastix implements in part (each says what it accepts)",
+        [
+            Flag(
+                "--event-log-handler",
+                "--event_log_handler",
+                type=str,
+                default="null",
+                metavar="NAME",
+                help="null (default); console: the run's outcome as torchelastic JSON events on stderr; "
+                "jsonl: every state change as elastix's JSON events on stderr (see --event-log)",
+            ),
+            Flag(
+                "--event-log",
+                "--event_log",
+                type=str,
+                default=None,
+                metavar="FILE",
+                help="[elastix] append every state change (round formed, member lost or joined, worker failed "
+                "or hung, restart, job finished) to FILE as JSON lines",
+            ),
+            Flag(
+                "--logs-specs",
+                "--logs_specs",
+                type=str,
+                default=None,
+                metavar="NAME",
+                help="only 'default' (elastix's log layout); other torchrun.logs_specs plugins are refused",
+                action=None,
+            ),
+            Flag(
+                "--numa-binding",
+                "--numa_binding",
+                type=str,
+                default=None,
+                choices=["node", "socket", "exclusive", "core-complex"],
+                help="bind each worker to CPUs near the GPU whose index is its local rank (PCI bus id order); "
+                "[elastix] without GPUs, near the NUMA node its local rank is spread to (see elastix.agent.numa)",
+                action=None,
+            ),
+            Flag(
+                "--duplicate-stdout-filters",
+                "--duplicate_stdout_filters",
+                type=_comma_list,
+                default=[],
+                metavar="S,...",
+                help="copy tee'd stdout lines containing any of these to attempt_N/filtered_stdout.log "
+                "(',,' is a comma)",
+            ),
+            Flag(
+                "--print-completion",
+                "--print_completion",
+                action=_PrintCompletion,
+                metavar="{bash,zsh,tcsh}",
+                help="print a shell completion script for elastix (needs the shtab package) and exit",
+            ),
+            Flag(
+                "--duplicate-stderr-filters",
+                "--duplicate_stderr_filters",
+                type=_comma_list,
+                default=[],
+                metavar="S,...",
+                help="the same for stderr (filtered_stderr.log)",
+            ),
+        ],
+    ),
+]
 
 
 def help_text(prog: str = "elastix run") -> str:

@@ -18,6 +18,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from .envargs import EnvArgumentParser, EnvFlag, EnvOption
+from .flags import RDZV_BACKEND, RDZV_CONF, RDZV_ENDPOINT, RDZV_ID
 
 HEALTHY, ERROR, USAGE, DEGRADED, NOT_FOUND, FAILED = 0, 1, 2, 3, 4, 5
 EXIT_CODES = {"healthy": HEALTHY, "degraded": DEGRADED, "failed": FAILED}
@@ -45,37 +46,8 @@ def build_parser(prog: str = "elastix status") -> EnvArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--rdzv-endpoint",
-        "--rdzv_endpoint",
-        action=EnvOption,
-        type=str,
-        default="",
-        metavar="HOST[:PORT][,...]",
-        help="the job's rendezvous store, as given to `elastix run`",
-    )
-    parser.add_argument(
-        "--rdzv-id", "--rdzv_id", action=EnvOption, type=str, default="none", metavar="ID", help="the job's run ID"
-    )
-    parser.add_argument(
-        "--rdzv-backend",
-        "--rdzv_backend",
-        action=EnvOption,
-        type=str,
-        default="c10d",
-        metavar="BACKEND",
-        help="c10d (default) or etcd (the job's etcd endpoints as --rdzv-endpoint)",
-    )
-    parser.add_argument(
-        "--rdzv-conf",
-        "--rdzv_conf",
-        action=EnvOption,
-        type=str,
-        default="",
-        metavar="K=V,...",
-        help="the job's rendezvous settings, as given to `elastix run` (auth_token_file is used; on etcd "
-        "also protocol, cacert, cert, key and key_prefix)",
-    )
+    for flag in (RDZV_ENDPOINT, RDZV_ID, RDZV_BACKEND, RDZV_CONF):  # as `elastix run` takes them
+        flag.add_to(parser)
     parser.add_argument("--json", action=EnvFlag, pet=False, help="print the report as one JSON object")
     parser.add_argument(
         "--timeout",
