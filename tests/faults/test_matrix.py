@@ -18,6 +18,7 @@ SAMPLE = [
     ("agent-stop", "training", "sites"),
     ("short-cut", "training", "c10d"),
     ("long-cut", "training", "sites"),
+    ("long-cut", "exit-barrier", "etcd"),  # the cut node's lease expires; it serves the workers' store
     ("store-restart", "training", "store"),
     ("etcd-leader-kill", "training", "etcd"),
 ]

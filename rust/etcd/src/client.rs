@@ -32,6 +32,13 @@ pub enum EtcdError {
     Config(String),
 }
 
+impl EtcdError {
+    /// etcd does not know the lease a request named (it expired, or was revoked).
+    pub fn is_lease_not_found(&self) -> bool {
+        matches!(self, EtcdError::Refused { status, .. } if status.contains("requested lease not found"))
+    }
+}
+
 /// PEM contents for TLS: the CA that signed the servers, and this client's certificate and key.
 #[derive(Clone, Debug, Default)]
 pub struct TlsFiles {
@@ -281,5 +288,20 @@ pub fn put_op(key: &[u8], value: &[u8]) -> RequestOp {
             value: value.to_vec(),
             ..Default::default()
         })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lease_etcd_has_forgotten_is_told_from_other_refusals() {
+        let refused = |status: Status| EtcdError::Refused { endpoints: "e".into(), status: describe(&status) };
+        assert!(refused(Status::not_found("etcdserver: requested lease not found")).is_lease_not_found());
+        assert!(!refused(Status::not_found("etcdserver: key not found")).is_lease_not_found());
+        assert!(
+            !refused(Status::invalid_argument("etcdserver: too many operations in txn request")).is_lease_not_found()
+        );
     }
 }

@@ -44,7 +44,7 @@ pub(crate) fn to_py(err: RendezvousError, pending: &PendingSignal) -> PyErr {
         RendezvousError::Closed { .. } => RendezvousClosedError::new_err(message),
         RendezvousError::GracefulExit { .. } => RendezvousGracefulExitError::new_err(message),
         RendezvousError::Timeout(_) => RendezvousTimeoutError::new_err(message),
-        RendezvousError::State(_) => RendezvousStateError::new_err(message),
+        RendezvousError::State(_) | RendezvousError::LeaseGone(_) => RendezvousStateError::new_err(message),
         RendezvousError::Config(_) => PyValueError::new_err(message),
         RendezvousError::Store(err) => store_error_to_py(err, pending),
     }

@@ -38,7 +38,7 @@ use super::standby::StandbyPool;
 use crate::metrics::{self, Exposes, MetricsServer};
 use crate::rendezvous::node::host_name;
 use crate::rendezvous::records::{AgentFacts, FailureRecord, FORMAT_VERSION};
-use crate::rendezvous::{MembershipChange, Rendezvous, RendezvousError, RendezvousInfo};
+use crate::rendezvous::{MembershipChange, NodeDesc, Rendezvous, RendezvousError, RendezvousInfo};
 use crate::store::{TcpStore, TcpStoreOptions};
 
 /// The reason a successful job closes its rendezvous with.
@@ -700,7 +700,7 @@ impl Agent {
         let mut at = (info.store_host.clone(), info.store_port);
         let mut awaited: Vec<u32> = (0..info.world_size).filter(|rank| *rank != info.rank).collect();
         // members reported lost meanwhile (a cut link, a silent machine): not waited for either
-        let lost = std::sync::Mutex::new(Vec::<u32>::new());
+        let lost = std::sync::Mutex::new(Vec::<(u32, Option<NodeDesc>)>::new());
         let done = async {
             let mut warned = false;
             loop {
@@ -738,7 +738,7 @@ impl Agent {
                             missing.retain(|rank| census.gone.iter().all(|(gone, _)| gone != rank));
                         }
                         let lost = lost.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                        missing.retain(|rank| !lost.contains(rank));
+                        missing.retain(|rank| lost.iter().all(|(gone, _)| gone != rank));
                         awaited = missing;
                     }
                     Err(err) if err.is_store_unreachable() && !remaining.is_zero() => {
@@ -762,6 +762,7 @@ impl Agent {
                             }
                             // a store served by a member's agent (etcd's rank 0) went with it:
                             // no one is left to keep it for, and no one can tell who finished
+                            _ if located.is_none() && store_host_was_reported_lost(&lost, &at.0) => return Ok(true),
                             _ if located.is_none() && store_host_is_gone(rdzv, &at.0).await => return Ok(true),
                             _ => tokio::time::sleep(Duration::from_millis(200).min(remaining)).await,
                         }
@@ -784,9 +785,9 @@ impl Agent {
                 change = new_change(changes) => match change {
                     // a lost member's work is not waited for; this node's workers are done
                     MembershipChange::NodeLost { rank: Some(rank), node } => {
-                        let who = node.map_or_else(|| format!("group rank {rank}"), |node| format!("node {node} (group rank {rank})"));
+                        let who = node.as_ref().map_or_else(|| format!("group rank {rank}"), |node| format!("node {node} (group rank {rank})"));
                         tracing::warn!("exit barrier: {who} was reported lost; not waiting for it");
-                        lost.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(rank);
+                        lost.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((rank, node));
                     }
                     // finished workers are not concerned by the store's blips; another node's
                     // restart, or a store that lost the job's state, makes the job re-form and
@@ -800,6 +801,19 @@ impl Agent {
             }
         }
     }
+}
+
+/// Whether a member at `host` (the store's host) was reported lost during the barrier.
+fn store_host_was_reported_lost(lost: &std::sync::Mutex<Vec<(u32, Option<NodeDesc>)>>, host: &str) -> bool {
+    let lost = lost.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let gone = lost.iter().find(|(_, node)| node.as_ref().is_some_and(|node| node.addr == host));
+    if let Some((rank, Some(node))) = gone {
+        tracing::warn!(
+            "exit barrier: the store's host, node {node} (group rank {rank}), was reported lost and the store is \
+             gone with it; this node's workers finished, so it does not wait any longer"
+        );
+    }
+    gone.is_some()
 }
 
 /// Whether the agent of a member at `host` (the store's host) is gone, as a census says.

@@ -27,6 +27,11 @@ pub enum RendezvousError {
     #[error("{0}")]
     State(String),
 
+    /// The backend no longer knows this node's lease (etcd: it expired while the node was cut
+    /// off): the node enters again with a new one.
+    #[error("{0}")]
+    LeaseGone(String),
+
     /// The settings are unusable (bad --rdzv-conf, min > max, empty run id, ...).
     #[error("{0}")]
     Config(String),

@@ -138,6 +138,11 @@ impl EtcdRendezvous {
                     tracing::warn!("lost etcd at {}: {err}; trying again", self.client.endpoints());
                     tokio::time::sleep(RETRY).await;
                 }
+                // cut off longer than its TTL, the node's lease expired before it knew
+                Err(RendezvousError::LeaseGone(why)) if Instant::now() < deadline => {
+                    tracing::warn!("this node's etcd lease is gone ({why}); entering again with a new one");
+                    self.lease = None; // nothing to revoke: etcd has forgotten it
+                }
                 Err(err) => return Err(err),
             }
         }

@@ -158,6 +158,7 @@ pub(super) fn etcd_error(err: EtcdError, client: &EtcdClient) -> RendezvousError
             peer: client.endpoints().to_owned(),
             reason: err.to_string(),
         }),
+        EtcdError::Refused { .. } if err.is_lease_not_found() => RendezvousError::LeaseGone(err.to_string()),
         EtcdError::Refused { .. } => RendezvousError::State(err.to_string()),
         EtcdError::Config(message) => RendezvousError::Config(message),
     }
