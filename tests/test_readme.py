@@ -30,11 +30,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
-from agents import assert_nothing_left
+from agents import assert_nothing_left, wait_for
 from conftest import REPO
 
 README = os.path.join(REPO, "README.md")
@@ -300,16 +299,6 @@ class Process:
         return f"exit status {self.proc.returncode}\nstdout:\n{self.out()[-3000:]}\nstderr:\n{self.err()[-3000:]}"
 
 
-def wait_for(predicate, what, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 class Context:
     """What the commands of one test share: directories, the worker, the marker that lets the
     `marker` fixture kill anything left behind, and an etcd cluster when one is asked for."""
@@ -418,7 +407,7 @@ def job_to_ask(ctx, command, env, argv, stack):
     host = args.rdzv_endpoint.split(",")[0].rsplit(":", 1)[0]  # the agent that serves the store
     agent = ctx.start(job, {**env, "ELASTIX_LOCAL_ADDR": host, "README_OUT": out, "README_HOLD": hold}, "job", stack)
     stack.callback(lambda: open(hold, "w").close())
-    wait_for(lambda: len(records(out)) == 2 or agent.proc.poll() is not None, "the job's workers")
+    wait_for(lambda: len(records(out)) == 2 or agent.proc.poll() is not None, what="the job's workers")
     assert agent.proc.poll() is None, agent.describe()
     return agent, hold
 
@@ -461,7 +450,7 @@ def run_elastix(ctx, command, segment, stack):
         store = ctx.start(argv, env, "store", stack)
         shown = re.search(r'prints "([^"]*)"', command.comment)
         expected = places.text(shown[1]) if shown else "elastix-store listening on "
-        wait_for(lambda: store.out() or store.proc.poll() is not None, "the store's first line", timeout=30)
+        wait_for(lambda: store.out() or store.proc.poll() is not None, what="the store's first line", timeout=30)
         assert store.out().startswith(expected), f"{command.where()}: expected {expected!r}\n{store.describe()}"
         store.proc.send_signal(signal.SIGTERM)
         assert store.finish(timeout=30) == 0, store.describe()

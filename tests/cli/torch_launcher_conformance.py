@@ -86,6 +86,9 @@ import types
 import unittest
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: run as a script too
+from conformance_rows import RowRecorder
+
 ENV_VAR = "ELASTIX_TORCH_TEST_DIR"
 PER_TEST_TIMEOUT_S = 150  # the slowest tests take about 30 s here (an elastic job's 30 s last call)
 TOTAL_TIMEOUT_S = 1800
@@ -495,15 +498,13 @@ def test_classes(module: types.ModuleType) -> List[type]:
     ]
 
 
-class Recorder(unittest.TestResult):
-    """Reports one (id, outcome, first line) per test to the parent; a failed subtest fails its
-    test."""
+class Recorder(RowRecorder):
+    """Reports one (id, outcome, first line) per test to the parent."""
 
     def __init__(self, module: str, report: Any) -> None:
         super().__init__()
         self.module = module
         self.report = report
-        self.rows: Dict[str, Tuple[str, str]] = {}
 
     def _name(self, test: Any) -> str:
         if isinstance(test, unittest.TestCase):
@@ -518,18 +519,6 @@ class Recorder(unittest.TestResult):
         self.report.write(json.dumps(message) + "\n")
         self.report.flush()
 
-    def _note(self, test: Any, outcome: str, detail: str = "") -> None:
-        name = self._name(test)
-        if name in self.rows and self.rows[name][0] != "pass":
-            return  # keep the first problem (a subtest's) of the test
-        self.rows[name] = (outcome, detail)
-
-    @staticmethod
-    def _first_line(err: Any) -> str:
-        _, value, _ = err
-        lines = str(value).strip().splitlines()
-        return f"{type(value).__name__}: {lines[0] if lines else ''}"
-
     def startTest(self, test: unittest.TestCase) -> None:
         super().startTest(test)
         print(f"\n===== {self._name(test)}", file=sys.stderr, flush=True)
@@ -541,37 +530,10 @@ class Recorder(unittest.TestResult):
         outcome, detail = self.rows.get(name, ("error", "no outcome recorded"))
         self._send("row", name, outcome, detail)
 
-    def addSuccess(self, test: unittest.TestCase) -> None:
-        super().addSuccess(test)
-        self._note(test, "pass")
-
-    def addFailure(self, test: unittest.TestCase, err: Any) -> None:
-        super().addFailure(test, err)
-        self._note(test, "fail", self._first_line(err))
-
     def addError(self, test: Any, err: Any) -> None:
         super().addError(test, err)
-        self._note(test, "error", self._first_line(err))
         if not isinstance(test, unittest.TestCase):  # setUpClass and the like: no stopTest
             self._send("row", self._name(test), "error", self._first_line(err))
-
-    def addSkip(self, test: unittest.TestCase, reason: str) -> None:
-        super().addSkip(test, reason)
-        self._note(test, "skip", reason.strip().splitlines()[0] if reason.strip() else "")
-
-    def addSubTest(self, test: unittest.TestCase, subtest: Any, err: Any) -> None:
-        super().addSubTest(test, subtest, err)
-        if err is not None:
-            failed = issubclass(err[0], test.failureException)
-            self._note(test, "fail" if failed else "error", f"[{subtest._subDescription()}] {self._first_line(err)}")
-
-    def addExpectedFailure(self, test: unittest.TestCase, err: Any) -> None:
-        super().addExpectedFailure(test, err)
-        self._note(test, "pass", "expected failure")
-
-    def addUnexpectedSuccess(self, test: unittest.TestCase) -> None:
-        super().addUnexpectedSuccess(test)
-        self._note(test, "fail", "unexpected success")
 
 
 def run_child(path: str, name: str, report_fd: int, skip: Set[str], keyword: str, baseline: bool) -> int:

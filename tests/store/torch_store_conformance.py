@@ -43,6 +43,9 @@ import unittest
 from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: run as a script too
+from conformance_rows import RowRecorder
+
 ENV_VAR = "ELASTIX_TORCH_TEST_STORE"
 TEST_TIMEOUT_S = 90  # per test; torch's own waits are at most 10 s
 
@@ -223,28 +226,8 @@ class _TestTimeout(Exception):
     pass
 
 
-class Recorder(unittest.TestResult):
-    """Keeps one (id, outcome, first line) per test; a failed subtest fails its test."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: Dict[str, Tuple[str, str]] = {}
-
-    @staticmethod
-    def _name(test: unittest.TestCase) -> str:
-        return f"{type(test).__name__}.{test._testMethodName}"
-
-    def _note(self, test: unittest.TestCase, outcome: str, detail: str = "") -> None:
-        name = self._name(test)
-        if name in self.rows and self.rows[name][0] != "pass":
-            return  # keep the first problem (a subtest's) of the test
-        self.rows[name] = (outcome, detail)
-
-    @staticmethod
-    def _first_line(err: Any) -> str:
-        _, value, _ = err
-        lines = str(value).strip().splitlines()
-        return f"{type(value).__name__}: {lines[0] if lines else ''}"
+class Recorder(RowRecorder):
+    """Keeps one row per test, each test bounded by an alarm."""
 
     def startTest(self, test: unittest.TestCase) -> None:
         super().startTest(test)
@@ -263,39 +246,6 @@ class Recorder(unittest.TestResult):
         if torch.distributed.is_initialized():  # a test that failed before destroying its group
             torch.distributed.destroy_process_group()
         super().stopTest(test)
-
-    def addSuccess(self, test: unittest.TestCase) -> None:
-        super().addSuccess(test)
-        self._note(test, "pass")
-
-    def addFailure(self, test: unittest.TestCase, err: Any) -> None:
-        super().addFailure(test, err)
-        self._note(test, "fail", self._first_line(err))
-
-    def addError(self, test: Any, err: Any) -> None:
-        super().addError(test, err)
-        if isinstance(test, unittest.TestCase):
-            self._note(test, "error", self._first_line(err))
-        else:  # setUpClass and the like
-            self.rows[str(test)] = ("error", self._first_line(err))
-
-    def addSkip(self, test: unittest.TestCase, reason: str) -> None:
-        super().addSkip(test, reason)
-        self._note(test, "skip", reason.strip().splitlines()[0] if reason.strip() else "")
-
-    def addSubTest(self, test: unittest.TestCase, subtest: Any, err: Any) -> None:
-        super().addSubTest(test, subtest, err)
-        if err is not None:
-            failed = issubclass(err[0], test.failureException)
-            self._note(test, "fail" if failed else "error", f"[{subtest._subDescription()}] {self._first_line(err)}")
-
-    def addExpectedFailure(self, test: unittest.TestCase, err: Any) -> None:
-        super().addExpectedFailure(test, err)
-        self._note(test, "pass", "expected failure")
-
-    def addUnexpectedSuccess(self, test: unittest.TestCase) -> None:
-        super().addUnexpectedSuccess(test)
-        self._note(test, "fail", "unexpected success")
 
 
 def run(

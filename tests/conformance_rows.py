@@ -1,0 +1,61 @@
+"""What the runs of torch's own test files against elastix share (tests/store/ and tests/cli/
+torch_*_conformance.py): a unittest result that keeps one row per test, (outcome, the first
+line of its error), where a failed subtest fails its test and the first problem stays."""
+
+from __future__ import annotations
+
+import unittest
+from typing import Any, Dict, Tuple
+
+
+class RowRecorder(unittest.TestResult):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: Dict[str, Tuple[str, str]] = {}
+
+    def _name(self, test: Any) -> str:
+        if isinstance(test, unittest.TestCase):
+            return f"{type(test).__name__}.{test._testMethodName}"
+        return str(test)  # setUpClass and the like
+
+    def _note(self, test: Any, outcome: str, detail: str = "") -> None:
+        name = self._name(test)
+        if name in self.rows and self.rows[name][0] != "pass":
+            return  # keep the first problem (a subtest's) of the test
+        self.rows[name] = (outcome, detail)
+
+    @staticmethod
+    def _first_line(err: Any) -> str:
+        _, value, _ = err
+        lines = str(value).strip().splitlines()
+        return f"{type(value).__name__}: {lines[0] if lines else ''}"
+
+    def addSuccess(self, test: unittest.TestCase) -> None:
+        super().addSuccess(test)
+        self._note(test, "pass")
+
+    def addFailure(self, test: unittest.TestCase, err: Any) -> None:
+        super().addFailure(test, err)
+        self._note(test, "fail", self._first_line(err))
+
+    def addError(self, test: Any, err: Any) -> None:
+        super().addError(test, err)
+        self._note(test, "error", self._first_line(err))
+
+    def addSkip(self, test: unittest.TestCase, reason: str) -> None:
+        super().addSkip(test, reason)
+        self._note(test, "skip", reason.strip().splitlines()[0] if reason.strip() else "")
+
+    def addSubTest(self, test: unittest.TestCase, subtest: Any, err: Any) -> None:
+        super().addSubTest(test, subtest, err)
+        if err is not None:
+            failed = issubclass(err[0], test.failureException)
+            self._note(test, "fail" if failed else "error", f"[{subtest._subDescription()}] {self._first_line(err)}")
+
+    def addExpectedFailure(self, test: unittest.TestCase, err: Any) -> None:
+        super().addExpectedFailure(test, err)
+        self._note(test, "pass", "expected failure")
+
+    def addUnexpectedSuccess(self, test: unittest.TestCase) -> None:
+        super().addUnexpectedSuccess(test)
+        self._note(test, "fail", "unexpected success")
