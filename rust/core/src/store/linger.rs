@@ -8,12 +8,50 @@
 //! every connection a server still serves comes from this process itself, that is until the
 //! other processes have disconnected (they do when they exit or drop their store).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
-use super::server::Peers;
+/// The addresses of the connections being served (a process exiting waits for the ones that
+/// are not its own: see [`crate::store::linger`]).
+#[derive(Default)]
+pub struct Peers(Mutex<HashMap<SocketAddr, usize>>);
+
+impl Peers {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, usize>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Counts `peer` in until the guard is dropped.
+    pub(crate) fn add(self: &Arc<Self>, peer: SocketAddr) -> PeerServed {
+        let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
+        *self.map().entry(peer).or_default() += 1;
+        PeerServed { peers: self.clone(), peer }
+    }
+
+    pub(crate) fn snapshot(&self) -> Vec<SocketAddr> {
+        self.map().keys().copied().collect()
+    }
+}
+
+/// A peer counted in [`Peers`]; counted out when dropped.
+pub struct PeerServed {
+    peers: Arc<Peers>,
+    peer: SocketAddr,
+}
+
+impl Drop for PeerServed {
+    fn drop(&mut self) {
+        let mut map = self.peers.map();
+        if let Some(count) = map.get_mut(&self.peer) {
+            *count -= 1;
+            if *count == 0 {
+                map.remove(&self.peer);
+            }
+        }
+    }
+}
 
 /// This process's client connections (their local addresses) and servers.
 #[derive(Default)]

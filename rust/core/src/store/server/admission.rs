@@ -4,13 +4,14 @@
 //! served go on. Each served connection's task owns an [`Admitted`] guard, so the count (and
 //! the list of [`Peers`]) is right however the task ends.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::store::linger::{PeerServed, Peers};
 
 /// Refusals are logged at most this often.
 const WARN_EVERY: Duration = Duration::from_secs(10);
@@ -23,46 +24,6 @@ pub(super) struct Admission {
     refused: AtomicU64,
     /// When the last warning was logged, and the refusal count it reported.
     warned: Mutex<Option<(Instant, u64)>>,
-}
-
-/// The addresses of the connections being served (a process exiting waits for the ones that
-/// are not its own: see [`crate::store::linger`]).
-#[derive(Default)]
-pub(crate) struct Peers(Mutex<HashMap<SocketAddr, usize>>);
-
-impl Peers {
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, usize>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Counts `peer` in until the guard is dropped.
-    pub(crate) fn add(self: &Arc<Self>, peer: SocketAddr) -> PeerServed {
-        let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
-        *self.map().entry(peer).or_default() += 1;
-        PeerServed { peers: self.clone(), peer }
-    }
-
-    pub(crate) fn snapshot(&self) -> Vec<SocketAddr> {
-        self.map().keys().copied().collect()
-    }
-}
-
-/// A peer counted in [`Peers`]; counted out when dropped.
-pub(crate) struct PeerServed {
-    peers: Arc<Peers>,
-    peer: SocketAddr,
-}
-
-impl Drop for PeerServed {
-    fn drop(&mut self) {
-        let mut map = self.peers.map();
-        if let Some(count) = map.get_mut(&self.peer) {
-            *count -= 1;
-            if *count == 0 {
-                map.remove(&self.peer);
-            }
-        }
-    }
 }
 
 /// A served connection's place; gives it back when dropped.

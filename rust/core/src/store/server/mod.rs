@@ -19,7 +19,6 @@ use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, watch};
 
 use self::admission::Admission;
-pub(crate) use self::admission::Peers;
 use self::connection::Connection;
 use self::shutdown::Shutdown;
 use super::counter::parse_counter;
