@@ -8,6 +8,7 @@ environments or files."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -243,3 +244,45 @@ def test_torch_workers_init_process_group_gloo_in_a_job_with_a_secret(tmp_path, 
     for a in agents:
         assert a.finish(timeout=180) == 0, a.output()
     assert [open(tmp_path / f"sum_{r}").read() for r in (0, 1)] == ["3.0", "3.0"]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_torch_workers_across_hosts_in_a_job_with_a_secret(tmp_path, marker, monkeypatch, hosts, backend):
+    """Two namespace hosts: MASTER_ADDR is rank 0's host address, not loopback, and host 1's
+    agent authenticated to the rendezvous only (c10d's store, or etcd). Rank 0 lets the round's
+    members' plain (torch) clients into its workers' store, and init_process_group("gloo")
+    completes."""
+    torch_gate.need()
+    path, _ = secret_file(tmp_path / "secret")
+    monkeypatch.setenv("ELASTIX_AUTH_TOKEN_FILE", path)
+    if backend == "etcd":
+        if shutil.which("etcd") is None:
+            pytest.skip("etcd is not installed (Debian package etcd-server; .ci/run installs it)")
+        from etcd_cluster import EtcdCluster
+
+        (tmp_path / "etcd").mkdir()
+        cluster = EtcdCluster(tmp_path / "etcd", client_host=hosts.gateway)
+        endpoint, conf = cluster.endpoints, "lease_ttl=2s,join_timeout=30s"
+    else:
+        cluster, endpoint, conf = None, f"{hosts.addr(0)}:29400", FAST
+    script = os.path.join(WORKERS, "gloo_sum.py")
+    try:
+        agents = [
+            agent(
+                tmp_path,
+                marker,
+                f"h{i}",
+                "run",
+                *node_args("2", endpoint, hosts.addr(i), conf, script, run_id="gloohosts", backend=backend),
+                python=hosts.command(i, "env", "GLOO_SOCKET_IFNAME=eth0", sys.executable),
+            )
+            for i in range(2)
+        ]
+        for a in agents:
+            assert a.finish(timeout=120) == 0, a.output()
+    finally:
+        if cluster is not None:
+            cluster.close()
+    assert [open(tmp_path / f"sum_{r}").read() for r in (0, 1)] == ["3.0", "3.0"]
+    assert "refused a connection" not in "".join(a.output() for a in agents)

@@ -29,6 +29,7 @@ pub mod settings;
 pub mod static_rdzv;
 pub mod status;
 pub mod store;
+mod trust;
 
 pub use backend::Backend;
 pub use c10d::dynamic::DynamicRendezvous;

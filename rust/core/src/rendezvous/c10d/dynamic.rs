@@ -25,6 +25,7 @@ use super::keys::Keys;
 use super::liveness::{member_key, report_lost, spawn_heartbeats, spawn_monitor, RoundContext};
 use super::locate::{self, Choice, Known, Probe};
 use super::round::{JoinOutcome, RoundJoin};
+use super::trust;
 use crate::rendezvous::change::{MembershipChange, RendezvousInfo};
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::node::NodeDesc;
@@ -499,6 +500,10 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         if world_size > 1 {
             tasks.push(spawn_heartbeats(context.clone(), rank));
             tasks.push(spawn_monitor(context.clone(), rank, world_size));
+        }
+        if let (Some(server), true) = (&master_server, world_size > 1) {
+            let patience = self.settings.node_lost_after() * 2;
+            tasks.push(trust::spawn_member_trust(self.store.clone(), round, world_size, patience, server.trusts()));
         }
         if self.store.sites() > 1 {
             let (interval, window) = (self.settings.keep_alive_interval, self.settings.node_lost_after());

@@ -18,6 +18,7 @@ mod liveness;
 mod locate;
 mod round;
 pub(crate) mod status;
+mod trust;
 
 use std::io;
 use std::time::Duration;

@@ -27,6 +27,7 @@ use crate::rendezvous::records::{
     decode, encode, round_store, AgentFacts, Arrival, FailureRecord, Master, Meta, NodeStatus, FORMAT_VERSION,
 };
 use crate::rendezvous::settings::RendezvousSettings;
+use crate::rendezvous::trust::let_in;
 use crate::store::{ServerConfig, StoreServer};
 
 /// How long a node waits before it tries etcd again after losing it.
@@ -184,6 +185,9 @@ impl EtcdRendezvous {
             }
             Outcome::Member { rank, world_size, sealed_at, last_member, mut watcher, master } => {
                 let rank0 = self.start_rank0(rank, target).await?;
+                if let Some((server, _)) = &rank0 {
+                    self.trust_members(server, target, sealed_at, last_member).await;
+                }
                 let master = match (&rank0, master) {
                     (Some((_, published)), _) => published.clone(),
                     (None, Some(master)) => master,
@@ -300,6 +304,22 @@ impl EtcdRendezvous {
         let master = Master { v: FORMAT_VERSION, addr: self.node.addr.clone(), port: server.port() };
         self.client.put(&self.keys.master(round), &encode(&master)).await.map_err(|err| self.error(err))?;
         Ok(Some((server, master)))
+    }
+
+    /// Lets the sealed round's members' plain (torch) clients into the workers' store this node
+    /// serves (see [`crate::rendezvous::trust`]).
+    async fn trust_members(&self, server: &StoreServer, round: u64, sealed_at: i64, last_member: i64) {
+        let request = ops::members_as_sealed(&self.keys.members(round), sealed_at, last_member);
+        let response = match self.client.range(request).await {
+            Ok(response) => response,
+            Err(err) => return tracing::warn!(round, "cannot read the round's members for the workers' store: {err}"),
+        };
+        let trusts = server.trusts();
+        for kv in &response.kvs {
+            if let Ok(Arrival { node: Some(node), .. }) = decode::<Arrival>(&kv.value, "member") {
+                let_in(&trusts, &node, round).await;
+            }
+        }
     }
 
     #[allow(clippy::too_many_arguments)]

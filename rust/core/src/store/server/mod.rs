@@ -85,6 +85,19 @@ impl Default for ServerConfig {
     }
 }
 
+/// Lets plain clients from given addresses in, for as long as the server lives (see
+/// [`Gate::trust`]); does nothing on a server without a secret.
+#[derive(Clone)]
+pub struct Trusts(std::sync::Weak<Shared>);
+
+impl Trusts {
+    pub fn trust(&self, ip: std::net::IpAddr) {
+        if let Some(gate) = self.0.upgrade().as_ref().and_then(|shared| shared.gate.as_ref()) {
+            gate.trust(ip);
+        }
+    }
+}
+
 /// State shared by the accept loop and every connection.
 pub(crate) struct Shared {
     db: Mutex<Db>,
@@ -188,6 +201,11 @@ impl StoreServer {
     /// Connections refused so far because `max_connections` were being served.
     pub fn refused(&self) -> u64 {
         self.shared.admission.refused()
+    }
+
+    /// A handle that lets plain clients from given addresses in (a round's members).
+    pub fn trusts(&self) -> Trusts {
+        Trusts(Arc::downgrade(&self.shared))
     }
 
     /// Connections refused so far because they did not prove the job secret.

@@ -1,0 +1,20 @@
+//! A round's members may connect to rank 0's workers' store without the secret: their torch
+//! workers cannot prove it, and their agents authenticate to the rendezvous only (c10d's store,
+//! or etcd). Rank 0 lets plain clients from each member's published address in; each backend
+//! reads the members its own way (c10d/trust.rs, etcd's handler).
+
+use super::node::NodeDesc;
+use crate::store::server::Trusts;
+
+/// Lets plain clients from `node`'s address (resolved, every address it has) in.
+pub(crate) async fn let_in(trusts: &Trusts, node: &NodeDesc, round: u64) {
+    let resolved = tokio::net::lookup_host((node.addr.as_str(), 0)).await;
+    match resolved {
+        Ok(addrs) => addrs.for_each(|addr| trusts.trust(addr.ip())),
+        Err(err) => tracing::warn!(
+            round,
+            "cannot resolve member {node}'s address {}: its torch workers cannot reach the workers' store: {err}",
+            node.addr
+        ),
+    };
+}
