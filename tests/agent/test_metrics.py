@@ -161,7 +161,47 @@ def test_a_metrics_port_in_use_is_a_clear_error(tmp_path, marker):
         node = agent(tmp_path, marker, "a", "run", "--standalone", "--metrics-port", port, LOOP)
         assert node.finish(60) != 0
         output = node.output()
-        assert f"--metrics-port: cannot serve metrics on 0.0.0.0:{port}" in output, output
+        assert f"--metrics-port: cannot serve metrics on 127.0.0.1:{port}" in output, output
         assert "in use" in output and "Traceback" not in output, output
     assert not [p for p in os.listdir(tmp_path) if p.startswith("start_")], "no worker starts"
+    assert_nothing_left(marker)
+
+
+def test_a_standalone_agent_serves_metrics_on_loopback_through_silent_clients(tmp_path, marker):
+    """--standalone binds the endpoint to loopback (--metrics-addr says otherwise), and silent
+    connections, from eight addresses and many from one, do not black out a scrape."""
+    node = agent(tmp_path, marker, "a", "run", "--standalone", "--metrics-port", 0, LOOP)
+    silent = []
+    try:
+        port = wait_for(lambda: metrics_port(node.output), what="the metrics endpoint")
+        assert f"serving metrics on http://127.0.0.1:{port}/metrics" in node.output(), node.output()
+        for source in [f"127.0.0.{i}" for i in range(2, 10)] + ["127.0.0.2"] * 16:
+            sock = socket.socket()
+            sock.bind((source, 0))
+            sock.connect(("127.0.0.1", port))  # and says nothing
+            silent.append(sock)
+        assert value(scrape(port), "elastix_agent_workers") >= 0
+        (tmp_path / "stop").touch()
+        assert node.finish() == 0, node.output()
+    finally:
+        for sock in silent:
+            sock.close()
+        if node.proc.poll() is None:
+            node.proc.kill()
+            node.proc.wait(10)
+    assert_nothing_left(marker)
+
+
+def test_metrics_addr_picks_the_address_the_endpoint_binds(tmp_path, marker):
+    args = ["run", "--standalone", "--metrics-port", 0, "--metrics-addr", "0.0.0.0", LOOP]
+    node = agent(tmp_path, marker, "a", *args)
+    try:
+        port = wait_for(lambda: metrics_port(node.output), what="the metrics endpoint")
+        assert f"serving metrics on http://0.0.0.0:{port}/metrics" in node.output(), node.output()
+        (tmp_path / "stop").touch()
+        assert node.finish() == 0, node.output()
+    finally:
+        if node.proc.poll() is None:
+            node.proc.kill()
+            node.proc.wait(10)
     assert_nothing_left(marker)

@@ -117,6 +117,7 @@ def build(
     python_workers: bool = False,
     standby_workers: bool = True,
     metrics_port: Optional[int] = None,
+    metrics_addr: Optional[str] = None,
     numa_binding: Optional[Dict[str, Any]] = None,
     warn: Callable[[str], None] = warn,
 ) -> Dict[str, Any]:
@@ -168,6 +169,7 @@ def build(
         # what the failure summary calls the job (the agent names the program otherwise)
         "name": name,
         "metrics_port": None if metrics_port is None else _port("--metrics-port", metrics_port),
+        "metrics_addr": metrics_addr or None,
         "numa_binding": numa_binding,
         "standby": _standby(
             python_workers and standby_workers, args, env or {}, rdzv_backend, int(max_nodes), int(max_restarts)

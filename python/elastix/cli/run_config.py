@@ -116,6 +116,7 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = age
         python_workers=not args.no_python or args.run_path,
         standby_workers=not args.no_standby_workers,
         metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
         numa_binding=agent_binding(args.numa_binding, nproc, what="--numa-binding", warn=warn),
         warn=warn,
     )

@@ -376,8 +376,17 @@ GROUPS = [
                 default=None,
                 pet=False,
                 metavar="PORT",
-                help="[elastix] serve Prometheus metrics over HTTP at :PORT/metrics on every IPv4 address "
-                "(0: a free port, logged); off by default",
+                help="[elastix] serve Prometheus metrics over HTTP at :PORT/metrics (0: a free port, logged); "
+                "off by default",
+            ),
+            Flag(
+                "--metrics-addr",
+                type=str,
+                default=None,
+                pet=False,
+                metavar="ADDR",
+                help="[elastix] the address the metrics endpoint binds (default: --local-addr when given, "
+                "loopback under --standalone, else every IPv4 address)",
             ),
         ],
     ),

@@ -93,6 +93,10 @@ pub struct AgentConfig {
     /// logged); `None`: no endpoint.
     #[serde(default)]
     pub metrics_port: Option<u16>,
+    /// The address the metrics endpoint binds (`--metrics-addr`); `None`: `--local-addr`
+    /// when given (loopback under `--standalone`), else every IPv4 address.
+    #[serde(default)]
+    pub metrics_addr: Option<String>,
     /// `--numa-binding`: the CPUs each local rank's worker, and its standby, are bound to
     /// (the launcher reads them from the machine's topology: `elastix.launch.numa`); `None`:
     /// workers run where the agent may.

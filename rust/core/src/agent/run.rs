@@ -269,8 +269,12 @@ impl Agent {
         // a port in use is a configuration error, said before any rendezvous
         let metrics = match config.metrics_port {
             Some(port) => Some(
-                MetricsServer::start(None, port, Exposes::Agent)
-                    .map_err(|err| AgentError::Config(format!("--metrics-port: {err}")))?,
+                MetricsServer::start(
+                    config.metrics_addr.as_deref().or(config.local_addr.as_deref()),
+                    port,
+                    Exposes::Agent,
+                )
+                .map_err(|err| AgentError::Config(format!("--metrics-port: {err}")))?,
             ),
             None => None,
         };

@@ -1,11 +1,13 @@
 //! The metrics endpoint: `GET /metrics` over HTTP/1.x, one response per connection. Small on
 //! purpose (no web framework): a scraper sends one request and reads one reply. Every
-//! connection is bounded in time and size, and few are served at once, so a slow or hostile
-//! client cannot hold the process's runtime.
+//! connection is bounded in time and size, few are served at once, a few per address at most,
+//! and one that says nothing is closed within [`HEAD_DEADLINE`], so silent or slow clients can
+//! neither hold the process's runtime nor black out the scrapes.
 
+use std::collections::HashMap;
 use std::io;
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -19,8 +21,12 @@ use super::{render, Exposes, CONTENT_TYPE, ENABLED};
 const MAX_HEAD: usize = 8 * 1024;
 /// Time a client gets to send its request and read the reply.
 const CLIENT_DEADLINE: Duration = Duration::from_secs(10);
+/// Time a client gets to send its request head: a scraper sends it at once.
+const HEAD_DEADLINE: Duration = Duration::from_secs(2);
 /// Scrapes served at once; more connections are closed at once.
-const MAX_CLIENTS: usize = 8;
+const MAX_CLIENTS: usize = 32;
+/// Connections served at once from one address; more from it are closed at once.
+const MAX_PER_ADDRESS: usize = 2;
 
 /// The endpoint, served on the current tokio runtime until dropped.
 pub struct MetricsServer {
@@ -60,8 +66,40 @@ impl Drop for MetricsServer {
     }
 }
 
+/// Connections being served, by address.
+#[derive(Clone, Default)]
+struct PerAddress(Arc<Mutex<HashMap<IpAddr, usize>>>);
+
+/// One connection counted in [`PerAddress`] until dropped.
+struct Counted(PerAddress, IpAddr);
+
+impl PerAddress {
+    fn admit(&self, ip: IpAddr) -> Option<Counted> {
+        let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let count = map.entry(ip).or_default();
+        if *count >= MAX_PER_ADDRESS {
+            return None;
+        }
+        *count += 1;
+        Some(Counted(self.clone(), ip))
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        let mut map = self.0 .0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(count) = map.get_mut(&self.1) {
+            *count -= 1;
+            if *count == 0 {
+                map.remove(&self.1);
+            }
+        }
+    }
+}
+
 async fn accept_loop(listener: TcpListener, exposes: Exposes) {
     let permits = Arc::new(Semaphore::new(MAX_CLIENTS));
+    let per_address = PerAddress::default();
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -72,12 +110,16 @@ async fn accept_loop(listener: TcpListener, exposes: Exposes) {
                 continue;
             }
         };
+        let Some(counted) = per_address.admit(peer.ip().to_canonical()) else {
+            tracing::debug!(%peer, "metrics endpoint: too many connections from one address; closing");
+            continue;
+        };
         let Ok(permit) = permits.clone().try_acquire_owned() else {
             tracing::debug!(%peer, "metrics endpoint: too many scrapes at once; closing");
             continue;
         };
         tokio::spawn(async move {
-            let _permit = permit;
+            let _held = (permit, counted);
             match tokio::time::timeout(CLIENT_DEADLINE, respond(stream, exposes)).await {
                 Ok(Err(err)) => tracing::debug!(%peer, "metrics endpoint: {err}"),
                 Err(_) => tracing::debug!(%peer, "metrics endpoint: client too slow; closed"),
@@ -88,7 +130,9 @@ async fn accept_loop(listener: TcpListener, exposes: Exposes) {
 }
 
 async fn respond(mut stream: TcpStream, exposes: Exposes) -> io::Result<()> {
-    let head = read_head(&mut stream).await?;
+    let head = tokio::time::timeout(HEAD_DEADLINE, read_head(&mut stream))
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no request within the head deadline"))??;
     let (status, content_type, body) = match parse_request_line(&head) {
         Some(("GET" | "HEAD", "/metrics")) => ("200 OK", CONTENT_TYPE, render(exposes)),
         Some(("GET" | "HEAD", _)) => ("404 Not Found", "text/plain", "try /metrics\n".to_owned()),
