@@ -63,6 +63,12 @@ class Agent:
     def output(self):
         return self.log.read_text()
 
+    def kill(self):
+        """Kills it if it still runs (a test's cleanup after a failure)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
     def finish(self, timeout=90):
         try:
             return self.proc.wait(timeout)

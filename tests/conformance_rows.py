@@ -1,6 +1,7 @@
 """What the runs of torch's own test files against elastix share (tests/store/ and tests/cli/
 torch_*_conformance.py): a unittest result that keeps one row per test, (outcome, the first
-line of its error), where a failed subtest fails its test and the first problem stays."""
+line of its error), where a failed subtest fails its test and the first problem stays; and the
+table of those rows against the KNOWN ones."""
 
 from __future__ import annotations
 
@@ -59,3 +60,21 @@ class RowRecorder(unittest.TestResult):
     def addUnexpectedSuccess(self, test: unittest.TestCase) -> None:
         super().addUnexpectedSuccess(test)
         self._note(test, "fail", "unexpected success")
+
+
+def print_rows(rows: Dict[str, Tuple[str, str]], known: Dict[str, Tuple[str, str]]) -> int:
+    """Prints one line per test, marking what KNOWN explains and what it does not; returns the
+    number of tests that do not pass and are not in KNOWN."""
+    width = max((len(name) for name in rows), default=4)
+    print(f"{'test':<{width}}  {'result':<6}  detail")
+    unexpected = 0
+    for name, (outcome, detail) in rows.items():
+        listed = known.get(name)
+        note = ""
+        if outcome in ("fail", "error"):
+            note = f"  [known: {listed[0]}]" if listed else "  [UNEXPECTED]"
+            unexpected += listed is None
+        elif outcome == "pass" and listed:
+            note = "  [listed in KNOWN but passes]"
+        print(f"{name:<{width}}  {outcome:<6}  {detail}{note}")
+    return unexpected

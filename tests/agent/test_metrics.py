@@ -75,9 +75,7 @@ def test_agent_metrics_count_rounds_restarts_and_worker_exits(tmp_path, marker):
         (tmp_path / "stop").touch()
         assert node.finish() == 0, node.output()
     finally:
-        if node.proc.poll() is None:
-            node.proc.kill()
-            node.proc.wait(10)
+        node.kill()
     assert_nothing_left(marker)
 
 
@@ -112,9 +110,7 @@ def test_hung_workers_and_worker_heartbeat_ages_are_exposed(tmp_path, marker):
         (tmp_path / "stop").touch()
         assert node.finish() == 0, node.output()
     finally:
-        if node.proc.poll() is None:
-            node.proc.kill()
-            node.proc.wait(10)
+        node.kill()
     assert_nothing_left(marker)
 
 
@@ -186,9 +182,7 @@ def test_a_standalone_agent_serves_metrics_on_loopback_through_silent_clients(tm
     finally:
         for sock in silent:
             sock.close()
-        if node.proc.poll() is None:
-            node.proc.kill()
-            node.proc.wait(10)
+        node.kill()
     assert_nothing_left(marker)
 
 
@@ -201,7 +195,5 @@ def test_metrics_addr_picks_the_address_the_endpoint_binds(tmp_path, marker):
         (tmp_path / "stop").touch()
         assert node.finish() == 0, node.output()
     finally:
-        if node.proc.poll() is None:
-            node.proc.kill()
-            node.proc.wait(10)
+        node.kill()
     assert_nothing_left(marker)

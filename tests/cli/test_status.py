@@ -80,9 +80,7 @@ def test_status_shows_both_nodes_then_the_lost_one_after_a_kill(tmp_path, marker
         assert (now["state"], now["health"], code) == ("succeeded", "healthy", HEALTHY), now
     finally:
         for node in nodes:
-            if node.proc.poll() is None:
-                node.proc.kill()
-                node.proc.wait(10)
+            node.kill()
     assert_nothing_left(marker)
 
 
@@ -106,9 +104,7 @@ def test_a_failure_is_shown_with_its_root_cause_and_the_budget(tmp_path, marker,
         (tmp_path / "stop").touch()
         assert node.finish() == 0, node.output()
     finally:
-        if node.proc.poll() is None:
-            node.proc.kill()
-            node.proc.wait(10)
+        node.kill()
     assert_nothing_left(marker)
 
 
@@ -164,9 +160,7 @@ def test_status_on_etcd_shows_both_nodes_then_the_lost_one(tmp_path, marker, etc
         assert nodes[0].finish() == 0, nodes[0].output()
     finally:
         for node in nodes:
-            if node.proc.poll() is None:
-                node.proc.kill()
-                node.proc.wait(10)
+            node.kill()
     assert_nothing_left(marker)
 
 

@@ -87,7 +87,7 @@ import unittest
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: run as a script too
-from conformance_rows import RowRecorder
+from conformance_rows import RowRecorder, print_rows
 
 ENV_VAR = "ELASTIX_TORCH_TEST_DIR"
 PER_TEST_TIMEOUT_S = 150  # the slowest tests take about 30 s here (an elastic job's 30 s last call)
@@ -741,18 +741,7 @@ def missing_prerequisite(name: str) -> Optional[str]:
 
 def report(rows: Dict[str, Tuple[str, str]], known: Dict[str, Tuple[str, str]]) -> int:
     """Prints the table and the figures; returns the number of unexpected non-passes."""
-    width = max((len(name) for name in rows), default=4)
-    print(f"{'test':<{width}}  {'result':<6}  detail")
-    unexpected = 0
-    for name, (outcome, detail) in rows.items():
-        listed = known.get(name)
-        note = ""
-        if outcome in ("fail", "error"):
-            note = f"  [known: {listed[0]}]" if listed else "  [UNEXPECTED]"
-            unexpected += listed is None
-        elif outcome == "pass" and listed:
-            note = "  [listed in KNOWN but passes]"
-        print(f"{name:<{width}}  {outcome:<6}  {detail}{note}")
+    unexpected = print_rows(rows, known)
     print()
     modules = list(dict.fromkeys(name.split(".", 1)[0].split(" ", 1)[0] for name in rows))
     for module in [*modules, "all"]:

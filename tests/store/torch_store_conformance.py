@@ -44,7 +44,7 @@ from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: run as a script too
-from conformance_rows import RowRecorder
+from conformance_rows import RowRecorder, print_rows
 
 ENV_VAR = "ELASTIX_TORCH_TEST_STORE"
 TEST_TIMEOUT_S = 90  # per test; torch's own waits are at most 10 s
@@ -265,18 +265,7 @@ def run(
 
 def report(rows: Dict[str, Tuple[str, str]], known: Dict[str, Tuple[str, str]]) -> int:
     """Prints the table and a summary; returns the number of unexpected non-passes."""
-    width = max((len(name) for name in rows), default=4)
-    print(f"{'test':<{width}}  {'result':<6}  detail")
-    unexpected = 0
-    for name, (outcome, detail) in rows.items():
-        listed = known.get(name)
-        note = ""
-        if outcome in ("fail", "error"):
-            note = f"  [known: {listed[0]}]" if listed else "  [UNEXPECTED]"
-            unexpected += listed is None
-        elif outcome == "pass" and listed:
-            note = "  [listed in KNOWN but passes]"
-        print(f"{name:<{width}}  {outcome:<6}  {detail}{note}")
+    unexpected = print_rows(rows, known)
     counts = {
         outcome: sum(1 for o, _ in rows.values() if o == outcome) for outcome in ("pass", "fail", "error", "skip")
     }
