@@ -194,7 +194,7 @@ def test_status_authenticates_as_the_agents_do(tmp_path, marker, monkeypatch):
     path = tmp_path / "secret"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write("status-s3cr3t\n")
+        f.write("status-s3cr3t-of-this-test\n")
     for name in ("ELASTIX_AUTH_TOKEN", "ELASTIX_AUTH_TOKEN_FILE"):
         monkeypatch.delenv(name, raising=False)
     argv = [sys.executable, "-m", "elastix", "store", "--host", "127.0.0.1", "--port", "0", "--auth-token-file", path]

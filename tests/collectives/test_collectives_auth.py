@@ -1,11 +1,11 @@
 """Only members of a group may connect to a rank's collective TCP listener.
 
-The job secret (``elastix._auth.load_secret``): from a private file, or (with a warning) from the
-environment; a file others can read is refused. Over TCP every connection proves, both ways,
-that it holds the group's key (HMAC of the secret and a per-group nonce from the store): a
-stranger's connection, with a wrong key, a truncated, garbled, oversized or replayed handshake,
-or a claim no member would make, is closed and never used, while the genuine connections carry
-on. The design keeps the acceptor waiting for the genuine rank: the sum is right when that rank
+The job secret (``elastix._auth.load_secret``, the core's loader): from a private file, or (with
+a warning) from the environment; a file others can read, a link, a weak secret are refused. Over
+TCP every connection proves, both ways and the connector first, that it holds the group's key
+(derived from the secret and a per-group nonce from the store): a stranger's connection, with a
+wrong key, a truncated, garbled, oversized or replayed handshake, or a claim no member would
+make, is closed and never used, while the genuine connections carry on. The design keeps the acceptor waiting for the genuine rank: the sum is right when that rank
 comes, and when it does not, the timeout names the refused connections.
 
 In-process tests make ``TcpComm``s directly on one store; end-to-end tests spawn ranks on fake
@@ -14,8 +14,6 @@ hosts (collectives_harness). Every wait is bounded; nothing asserts on timings.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import os
 import secrets
@@ -30,11 +28,11 @@ import pytest
 
 import collectives_harness as harness
 import elastix
-from elastix import _auth
+from elastix import _auth, _core
 from elastix._auth import FILE_ENV, TOKEN_ENV, load_secret
 from elastix.collectives import tcp_comm
 from elastix.collectives.errors import AuthenticationError, CollectiveTimeoutError
-from elastix.collectives.tcp_comm import HELLO, KEY_LABEL, MAGIC, NONCE_BYTES, PROOF_BYTES, TcpComm
+from elastix.collectives.tcp_comm import CHALLENGE_BYTES, HELLO_BYTES, PAIR, PROOF_BYTES, TcpComm
 
 SECRET = "correct horse battery staple"
 WAIT = 30.0  # bound on any single wait for an answer
@@ -59,11 +57,13 @@ def env(monkeypatch):
 # -- the secret ----------------------------------------------------------------------------------
 
 
-def test_secret_from_a_private_file_is_stripped(tmp_path, env):
-    env.setenv(FILE_ENV, write_secret(tmp_path, SECRET + " \n\n"))
+def test_secret_from_a_private_file_loads_without_a_warning(tmp_path, env):
+    path = write_secret(tmp_path, SECRET + " \n\n")
+    env.setenv(FILE_ENV, path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a file is the recommended way: no warning
-        assert load_secret() == SECRET.encode()
+        secret = load_secret()
+    assert secret is not None and path in repr(secret) and SECRET not in repr(secret)
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o620, 0o602, 0o744], ids=lambda m: f"{m:04o}")
@@ -73,7 +73,7 @@ def test_secret_file_others_may_read_or_write_is_refused(tmp_path, env, mode):
     with pytest.raises(PermissionError) as info:
         load_secret()
     message = str(info.value)
-    assert "chmod 600" in message and path in message and f"{mode & 0o777:04o}" in message
+    assert "chmod 600" in message and path in message and f"mode {mode & 0o777:03o}" in message
     assert SECRET not in message and "horse" not in message
     assert SECRET not in repr(info.value)
 
@@ -82,37 +82,54 @@ def test_no_secret_is_none(env):
     assert load_secret() is None
 
 
-def test_empty_or_missing_secrets_are_errors(tmp_path, env):
-    env.setenv(FILE_ENV, write_secret(tmp_path, " \n\n"))
-    with pytest.raises(ValueError, match="empty"):
-        load_secret()
-    env.setenv(FILE_ENV, "")
-    with pytest.raises(ValueError, match="set but empty"):
-        load_secret()
-    missing = str(tmp_path / "absent")
-    env.setenv(FILE_ENV, missing)
-    with pytest.raises(FileNotFoundError, match=FILE_ENV) as info:
-        load_secret()
-    assert missing in str(info.value)
+def test_empty_missing_and_weak_secrets_are_errors(tmp_path, env):
+    cases = [
+        (write_secret(tmp_path, " \n\n", name="blank"), "empty"),
+        ("", "set but empty"),
+        (str(tmp_path / "absent"), "cannot read it"),
+        (write_secret(tmp_path, "summer2024", name="short"), "at least 16"),
+        (write_secret(tmp_path, "summer2024summer2024", name="repeated"), "easy to guess"),
+    ]
+    for path, why in cases:
+        env.setenv(FILE_ENV, path)
+        with pytest.raises(PermissionError, match=why) as info:
+            load_secret()
+        assert "summer" not in str(info.value)
     env.delenv(FILE_ENV)
     env.setenv(TOKEN_ENV, "")
-    with pytest.raises(ValueError, match="set but empty"):
+    with pytest.raises(PermissionError, match="set but empty"):
         load_secret()
 
 
-def test_secret_from_the_environment_works_with_a_warning(env):
-    env.setenv(TOKEN_ENV, SECRET)
-    with pytest.warns(UserWarning, match="environment variables leak") as record:
-        assert load_secret() == SECRET.encode()
-    assert all(SECRET not in str(w.message) for w in record)
+def test_links_and_files_in_shared_directories_are_refused(tmp_path, env):
+    link = tmp_path / "link"
+    link.symlink_to(write_secret(tmp_path))
+    env.setenv(FILE_ENV, str(link))
+    with pytest.raises(PermissionError, match="symbolic link"):
+        load_secret()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    env.setenv(FILE_ENV, write_secret(shared))
+    with pytest.raises(PermissionError, match="everyone may write to"):
+        load_secret()
+
+
+def test_elastix_secret_writes_a_strong_private_secret_once(tmp_path, env):
+    path = tmp_path / "job.secret"
+    _auth.write_secret(str(path))
+    assert path.stat().st_mode & 0o777 == 0o600 and len(path.read_text().strip()) == 64
+    env.setenv(FILE_ENV, str(path))
+    assert load_secret() is not None
+    with pytest.raises(ValueError, match="exists already"):
+        _auth.write_secret(str(path))
 
 
 def test_secret_file_wins_over_the_environment(tmp_path, env):
-    env.setenv(FILE_ENV, write_secret(tmp_path, "from the file"))
+    env.setenv(FILE_ENV, write_secret(tmp_path, "the one in the file, long enough"))
     env.setenv(TOKEN_ENV, SECRET)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert load_secret() == b"from the file"
+    secret = load_secret()
+    assert secret is not None and FILE_ENV not in repr(secret) and "token" in repr(secret)
 
 
 def test_secret_module_names_no_secret_in_its_repr():
@@ -180,19 +197,21 @@ def send_quietly(sock: socket.socket, data: bytes) -> None:
         pass
 
 
-def wrong_key(comm: TcpComm, secret: bytes = b"a guess") -> bytes:
-    """The key a stranger who can read the store but lacks the secret would derive."""
-    nonce = bytes.fromhex(comm.store.get("tcp/nonce").decode())
-    return hmac.new(secret, KEY_LABEL + nonce, hashlib.sha256).digest()
+def stranger_key() -> _core.PeerKey:
+    """A key a stranger without the secret could hold: any key but the group's."""
+    return _core.group_key(None, b"", secrets.token_bytes(32))
 
 
-def forged_proof(key: bytes, nonce_c: bytes, nonce_a: bytes, connector: int, acceptor: int) -> bytes:
-    pair = tcp_comm.PAIR.pack(connector, acceptor)
-    return hmac.new(key, b"connect" + nonce_c + nonce_a + pair, hashlib.sha256).digest()
+def hello(claim: int, to: int) -> bytes:
+    """A hello claiming rank ``claim``, meant for rank ``to``."""
+    return _core.PairConnector(stranger_key(), tcp_comm.PURPOSE, PAIR.pack(claim, to)).hello
 
 
-def hello(claim: int, nonce: bytes = b"\0" * NONCE_BYTES) -> bytes:
-    return HELLO.pack(MAGIC, claim, nonce)
+def prove_wrongly(sock: socket.socket, claim: int, to: int, then: bytes = b"") -> None:
+    """A stranger's handshake as far as it goes: hello, then a proof under a wrong key."""
+    connector = _core.PairConnector(stranger_key(), tcp_comm.PURPOSE, PAIR.pack(claim, to))
+    sock.sendall(connector.hello)
+    send_quietly(sock, connector.on_challenge(read_exact(sock, CHALLENGE_BYTES)) + then)
 
 
 def exchange(lo: TcpComm, hi: TcpComm, payload: bytes) -> None:
@@ -220,11 +239,7 @@ def test_stranger_with_a_wrong_key_is_refused_and_its_data_never_used(comms, env
     env.setenv(FILE_ENV, write_secret(tmp_path))
     c0, c1 = comms(2)
     stranger = dial(c1)
-    nonce_c = secrets.token_bytes(NONCE_BYTES)
-    stranger.sendall(HELLO.pack(MAGIC, 0, nonce_c))  # "I am rank 0"
-    reply = read_exact(stranger, NONCE_BYTES + PROOF_BYTES)
-    proof = forged_proof(wrong_key(c1), nonce_c, reply[:NONCE_BYTES], 0, 1)
-    send_quietly(stranger, proof + b"forged contribution")
+    prove_wrongly(stranger, 0, 1, then=b"forged contribution")  # "I am rank 0"
     assert closed_by_peer(stranger)
     where = "%s:%d" % stranger.getsockname()
     [refusal] = c1.refused
@@ -243,10 +258,7 @@ def test_acceptor_keeps_waiting_and_its_timeout_names_the_strangers(comms, caplo
     wheres = []
     for claim in (0, 0):  # two strangers from one host: both refused, logged once
         stranger = dial(c1)
-        nonce_c = secrets.token_bytes(NONCE_BYTES)
-        stranger.sendall(HELLO.pack(MAGIC, claim, nonce_c))
-        nonce_a = read_exact(stranger, NONCE_BYTES + PROOF_BYTES)[:NONCE_BYTES]
-        send_quietly(stranger, forged_proof(secrets.token_bytes(32), nonce_c, nonce_a, claim, 1))
+        prove_wrongly(stranger, claim, 1)
         assert closed_by_peer(stranger)
         wheres.append("%s:%d" % stranger.getsockname())
         stranger.close()
@@ -265,15 +277,16 @@ def test_acceptor_keeps_waiting_and_its_timeout_names_the_strangers(comms, caplo
 # each case: (the rank attacked, what the stranger sends, what the refusal says); rank 1 is
 # connected to rank 2 already, ranks 0-1 and 0-2 are not
 ATTACKS = {
-    "truncated hello": (2, hello(0)[:20], "after 20 of 48 handshake bytes"),
-    "truncated proof": (2, hello(0) + b"x" * 10, "after 10 of 32 handshake bytes"),
-    "garbage": (2, secrets.token_bytes(4096), "wrong magic"),
-    "oversized": (2, hello(0) + secrets.token_bytes(1 << 20), "proof is wrong"),
-    "rank out of range": (2, hello(7), "no rank 7 in this group of 3"),
-    "huge rank": (2, hello(2**64 - 1), "no rank 18446744073709551615 in this group"),
-    "higher rank connecting": (1, hello(2), "rank 2 does not connect to rank 1"),
-    "rank connecting to itself": (2, hello(2), "rank 2 does not connect to rank 2"),
-    "rank claimed twice": (2, hello(1), "rank 1 is connected already"),
+    "truncated hello": (2, hello(0, 2)[:20], f"after 20 of {HELLO_BYTES} handshake bytes"),
+    "truncated proof": (2, hello(0, 2) + b"x" * 10, "after 10 of 32 handshake bytes"),
+    "garbage": (2, secrets.token_bytes(4096), "sent no elastix collectives handshake"),
+    "oversized": (2, hello(0, 2) + secrets.token_bytes(1 << 20), "proof is wrong"),
+    "rank out of range": (2, hello(7, 2), "no rank 7 in this group of 3"),
+    "huge rank": (2, hello(2**64 - 1, 2), "no rank 18446744073709551615 in this group"),
+    "higher rank connecting": (1, hello(2, 1), "rank 2 does not connect to rank 1"),
+    "rank connecting to itself": (2, hello(2, 2), "rank 2 does not connect to rank 2"),
+    "rank claimed twice": (2, hello(1, 2), "rank 1 is connected already"),
+    "meant for another rank": (2, hello(0, 1), "it means to reach group rank 1"),
     "silent": (2, b"", "did not complete the handshake"),
 }
 
@@ -359,8 +372,8 @@ def test_replayed_handshake_is_refused(comms, env, tmp_path):
     try:
         c0.store.set("tcp/addr/1", relay.address)
         exchange(c0, c1, b"through the relay")
-        captured = bytes(relay.sent[: HELLO.size + PROOF_BYTES])
-        assert HELLO.unpack(captured[: HELLO.size])[:2] == (MAGIC, 0)
+        captured = bytes(relay.sent[: HELLO_BYTES + PROOF_BYTES])
+        assert captured.startswith(b"ELXCOL02")
         # a new listener of the same group and round: same key, but a fresh nonce per connection
         again = TcpComm(c1.store, 1, [0, 1], WAIT)
         try:
@@ -385,10 +398,10 @@ def test_replayed_handshake_is_refused(comms, env, tmp_path):
 
 
 def test_listener_without_the_key_is_named_by_the_connector(comms, env, tmp_path):
-    env.setenv(FILE_ENV, write_secret(tmp_path, "secret one", name="one"))
+    env.setenv(FILE_ENV, write_secret(tmp_path, "the first secret of this test", name="one"))
     c0, c1 = comms(2, name="two-secrets")
     # a listener of the same group and round whose process has another secret
-    env.setenv(FILE_ENV, write_secret(tmp_path, "secret two", name="two"))
+    env.setenv(FILE_ENV, write_secret(tmp_path, "the second secret of this test", name="two"))
     other = TcpComm(c1.store, 1, [0, 1], WAIT)
     try:
         host, port = listener(other)
@@ -439,9 +452,8 @@ def test_all_reduce_with_the_secret_in_the_environment_warns_once(env):
     assert all(r.returncode == 0 for r in results), "\n".join(r.describe() for r in results)
     assert [r.value for r in results] == [[True, True, True]] * 2
     for r in results:
-        # once per process from each layer that reads it: the store client and the collectives
+        # once per process, from the one loader every layer uses
         assert r.stderr.count("using the job secret in ELASTIX_AUTH_TOKEN") == 1, r.stderr
-        assert r.stderr.count("the job secret comes from ELASTIX_AUTH_TOKEN") == 1, r.stderr
         assert SECRET not in r.stderr
 
 
@@ -464,14 +476,9 @@ def test_stranger_never_gets_into_the_sum(tmp_path, env):
     try:
         host, port = store.get(ADDR_KEY.format(1)).decode().rsplit("|", 1)  # rank 1 accepts rank 0
         stranger = socket.create_connection((host, int(port)), timeout=WAIT)
-        nonce_c = secrets.token_bytes(NONCE_BYTES)
-        stranger.sendall(HELLO.pack(MAGIC, 0, nonce_c))
-        nonce_a = read_exact(stranger, NONCE_BYTES + PROOF_BYTES)[:NONCE_BYTES]
         # it can read the store (so the nonce), but not the secret file
-        nonce = bytes.fromhex(store.get("elastix/collectives/pg0/tcp/nonce").decode())
-        key = hmac.new(b"not the secret", KEY_LABEL + nonce, hashlib.sha256).digest()
         poison = tcp_comm.TcpComm.header([0] * 14) + np.full(5, 1e6).tobytes()
-        send_quietly(stranger, forged_proof(key, nonce_c, nonce_a, 0, 1) + poison)
+        prove_wrongly(stranger, 0, 1, then=poison)
         assert closed_by_peer(stranger)
         where = "%s:%d" % stranger.getsockname()
         stranger.close()
@@ -498,7 +505,7 @@ def test_a_rank_with_another_secret_is_refused_by_the_jobs_store_naming_it(tmp_p
     would) refuses it with the reason, so it never reaches the collectives; rank 0 fails too
     instead of waiting forever. (A listener holding another key is named by the connector:
     test_listener_without_the_key_is_named_by_the_connector.)"""
-    files = [write_secret(tmp_path, f"secret {r}", name=f"token{r}") for r in range(2)]
+    files = [write_secret(tmp_path, f"the secret of rank {r}, long", name=f"token{r}") for r in range(2)]
     env.setenv(FILE_ENV, files[0])
     store = harness.make_store()
     workers = harness.start(
@@ -512,7 +519,7 @@ def test_a_rank_with_another_secret_is_refused_by_the_jobs_store_naming_it(tmp_p
     assert "does not hold this job's secret" in second[1], second
     assert first[0] != "no error", first
     for r in results:
-        assert "secret 0" not in r.stderr + str(r.value) and "secret 1" not in r.stderr + str(r.value)
+        assert "secret of rank" not in r.stderr + str(r.value)
 
 
 def eager_sends():

@@ -13,12 +13,25 @@ TRAIN = os.path.join(WORKERS, "train_loop.py")
 
 
 def train_node(
-    tmp_path, marker, hosts, i, nnodes, endpoint, conf, run_id, max_restarts=0, backend="c10d", env=(), flags=()
+    tmp_path,
+    marker,
+    hosts,
+    i,
+    nnodes,
+    endpoint,
+    conf,
+    run_id,
+    max_restarts=0,
+    backend="c10d",
+    env=(),
+    flags=(),
+    wrap=(),
 ):
     """`elastix run` of train_loop.py on host i. Namespaces share the host name: a collectives
     host id per node keeps the nodes' ranks on TCP, as on real machines. `env`: more
-    NAME=value settings for the node; `flags`: more `elastix run` flags."""
-    python = hosts.command(i, "env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", *env, sys.executable)
+    NAME=value settings for the node; `flags`: more `elastix run` flags; `wrap`: a command the
+    node runs under (such as prlimit)."""
+    python = hosts.command(i, *wrap, "env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", *env, sys.executable)
     args = node_args(
         nnodes, endpoint, hosts.addr(i), conf, TRAIN, run_id=run_id, max_restarts=max_restarts, backend=backend
     )

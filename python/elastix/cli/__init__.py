@@ -1,6 +1,7 @@
 """The ``elastix`` command line, one module per subcommand: ``elastix run`` (torchrun's
 launcher), ``elastix store`` (the standalone store server, same as ``elastix-store``),
-``elastix status`` (a job's state), ``elastix dump`` (its workers' stacks) and ``--version``."""
+``elastix status`` (a job's state), ``elastix dump`` (its workers' stacks), ``elastix secret``
+(a new job secret) and ``--version``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ COMMANDS = {
     "store": "serve a TCPStore-compatible key-value store (same as elastix-store)",
     "status": "show a job's state from its rendezvous store (`elastix status --help`)",
     "dump": "show the stacks of a running job's workers (`elastix dump --help`)",
+    "secret": "write a new strong job secret to a file only you can read (`elastix secret FILE`)",
 }
 
 
@@ -34,6 +36,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         from . import dump
 
         dump.main(argv[1:], prog="elastix dump")
+        return
+    if argv[:1] == ["secret"]:
+        from . import secret
+
+        secret.main(argv[1:], prog="elastix secret")
         return
     if argv[:1] == ["store"]:
         from . import store

@@ -15,39 +15,38 @@ breaks the group: this rank closes its connections, so the peers fail fast too.
 
 Only members of the group may connect. When the comm is made, group rank 0 puts a fresh random
 nonce in the group's store (``tcp/nonce``: the store is prefixed per group, and per rendezvous
-round under ``elastix run``); the group key is HMAC-SHA256(job secret, label + nonce) when the job
-has a secret (``elastix._auth``), else the nonce itself (then the key is as private as the store:
-enough to stop a stranger who can reach the port but not the store). Every connection starts
-with a mutual challenge-response under that key, before any data flows::
-
-    connector -> acceptor   MAGIC, connector rank, nonce_c              (HELLO, 48 bytes)
-    acceptor  -> connector  nonce_a, HMAC(key, "accept"  + nonce_c + nonce_a + ranks)
-    connector -> acceptor            HMAC(key, "connect" + nonce_c + nonce_a + ranks)
-
-"ranks" is (connector, acceptor), so a proof binds the connection to its pair; fresh nonces on
-both sides make a recorded handshake worthless (a replay meets a new nonce_a). Proofs are
-compared with ``hmac.compare_digest``. A connector whose listener fails the check raises
+round under ``elastix run``); the group key is derived from the job secret and that nonce by the
+core (``elastix._auth``; without a secret the nonce itself, as private as the store: enough to
+stop a stranger who can reach the port but not the store). Every connection starts with the
+core's pair handshake under that key, bound to (connector rank, acceptor rank), before any data
+flows: the connector proves the key first, so a stranger who connects learns nothing to test
+guesses against, then the acceptor proves it in its verdict (``rust/core/src/auth/pair.rs``).
+A connector whose listener refuses its proof, or cannot prove the key, raises
 ``AuthenticationError`` naming the address: the store sent it to something that is not its peer.
+A connection the listener closed before its verdict (it sheds unproven connections under a
+flood) is tried again until the group's deadline.
 
 The listener is served by a thread that runs every pending handshake at once (non-blocking
-sockets, each bounded by min(group timeout, 10 s)), so a silent or slow stranger holds up no
-one, and a connector never waits for the acceptor's main thread to reach an accept: sends stay
-as eager as with plain TCP, and programs that rely on that do not deadlock. A connection that
-fails (bad magic, truncated, wrong proof, a rank out of range or that does not connect to this
-one, a rank already connected) is closed, its address logged once per host, and it is never
-used. The acceptor then keeps waiting for the genuine rank rather than raising at once: a
-stranger who could break a group with one packet would turn this check into a way to kill jobs.
-If the genuine rank does not come in time, the ``CollectiveTimeoutError`` names the refused
-connections, so an intruder (or a peer with the wrong secret) is never silent.
+sockets, each bounded by the core's handshake deadline, 3 s), so a silent or slow stranger holds
+up no one, and a connector never waits for the acceptor's main thread to reach an accept: sends
+stay as eager as with plain TCP, and programs that rely on that do not deadlock. Connections
+waiting to prove themselves are bounded per source address and in all (the core's lobby); past
+a bound the oldest waiting one is shed, and when the process is out of descriptors waiting ones
+are shed before anything else, so a flood of strangers from one host cannot hold the slots a
+genuine peer needs. A connection that fails (not a handshake, truncated, wrong proof, a rank out
+of range or that does not connect to this one, a rank already connected) is closed, its address
+logged once per host, and it is never used. The acceptor then keeps waiting for the genuine rank
+rather than raising at once: a stranger who could break a group with one packet would turn this
+check into a way to kill jobs. If the genuine rank does not come in time, the
+``CollectiveTimeoutError`` names the refused connections, so an intruder (or a peer with the
+wrong secret) is never silent.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import errno
 import logging
 import queue
-import secrets
 import selectors
 import socket
 import struct
@@ -55,19 +54,19 @@ import threading
 import time
 from typing import Dict, List, NoReturn, Optional, Sequence, Set
 
-from .._peers import NONCE_BYTES, MalformedNonce, group_key, local_address
+from .. import _core
+from .._peers import MalformedNonce, group_key, local_address
 from .errors import AuthenticationError, CollectiveError, CollectiveTimeoutError, MismatchError, PeerError
 from .mismatch import UNUSABLE, MismatchRecord, seen_elsewhere
 
 log = logging.getLogger(__name__)
 
-MAGIC = 0x454C4153_54495843  # "ELASTIXC"
-PROOF_BYTES = 32  # HMAC-SHA256
-HELLO = struct.Struct(f"<QQ{NONCE_BYTES}s")  # magic, the connector's group rank, its nonce
-PAIR = struct.Struct("<QQ")  # (connector, acceptor) group ranks, inside the proofs
+MAGIC = 0x454C4153_54495843  # "ELASTIXC": every message header starts with it
+PURPOSE = "collectives"
+HELLO_BYTES, CHALLENGE_BYTES, PROOF_BYTES, VERDICT_BYTES = _core.pair_sizes(PURPOSE)
+PAIR = struct.Struct("<QQ")  # (connector, acceptor) group ranks: the handshake's binding
 KEY_LABEL = b"elastix collectives v1\0"
-HANDSHAKE_LIMIT = 10.0  # seconds a connection may take to prove itself
-MAX_PENDING = 64  # handshakes in progress at once; more are refused (a flood, not a group)
+HANDSHAKE_LIMIT = _core.HANDSHAKE_DEADLINE  # seconds a connection may take to prove itself
 HEADER = struct.Struct("<QQ14q")
 INLINE_BYTES = 64 << 10  # sends up to this size fit in socket buffers: sent from the caller
 
@@ -82,8 +81,14 @@ class Ticket:
         self.error: Optional[BaseException] = None
 
 
-def _proof(key: bytes, side: bytes, nonce_c: bytes, nonce_a: bytes, connector: int, acceptor: int) -> bytes:
-    return hmac.new(key, side + nonce_c + nonce_a + PAIR.pack(connector, acceptor), hashlib.sha256).digest()
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionResetError("the listener closed the connection during the handshake")
+        data += chunk
+    return bytes(data)
 
 
 def _address(addr) -> str:
@@ -94,16 +99,16 @@ def _address(addr) -> str:
 class _Handshake:
     """A connection on the accept side that has not proven itself yet."""
 
-    __slots__ = ("addr", "buf", "claimed", "deadline", "nonce_a", "nonce_c", "sock")
+    __slots__ = ("acceptor", "addr", "buf", "claimed", "deadline", "sock", "ticket")
 
-    def __init__(self, sock: socket.socket, addr: str, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, addr: str, deadline: float, acceptor: _core.PairAcceptor) -> None:
         self.sock = sock
         self.addr = addr
         self.deadline = deadline
+        self.acceptor = acceptor
         self.buf = bytearray()
-        self.claimed: Optional[int] = None  # set once the HELLO is in
-        self.nonce_c = b""
-        self.nonce_a = b""
+        self.claimed: Optional[int] = None  # set once the hello is in
+        self.ticket = -1  # its place in the lobby
 
 
 class TcpComm:
@@ -136,6 +141,7 @@ class TcpComm:
         self._refused: List[AuthenticationError] = []
         self._refused_hosts: Set[str] = set()
         self._cond = threading.Condition()
+        self._lobby = _core.ConnectionLobby()
         self._closing = False
         self._serve_error: Optional[BaseException] = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -209,24 +215,19 @@ class TcpComm:
         limit = self._handshake_limit()
         current = sock.gettimeout()
         sock.settimeout(limit if current is None else min(current, limit))
-        nonce_c = secrets.token_bytes(NONCE_BYTES)
-        sock.sendall(HELLO.pack(MAGIC, self.me, nonce_c))
-        reply = bytearray()
-        while len(reply) < NONCE_BYTES + PROOF_BYTES:
-            chunk = sock.recv(NONCE_BYTES + PROOF_BYTES - len(reply))
-            if not chunk:
-                raise ConnectionResetError("the listener closed the connection during the handshake")
-            reply += chunk
-        nonce_a, proof = bytes(reply[:NONCE_BYTES]), bytes(reply[NONCE_BYTES:])
-        if not hmac.compare_digest(proof, _proof(self._key, b"accept", nonce_c, nonce_a, self.me, peer)):
+        connector = _core.PairConnector(self._key, PURPOSE, PAIR.pack(self.me, peer))
+        sock.sendall(connector.hello)
+        try:
+            sock.sendall(connector.on_challenge(_recv_exact(sock, CHALLENGE_BYTES)))
+            connector.on_verdict(_recv_exact(sock, VERDICT_BYTES))
+        except _core.AuthRefused as err:
             # the store sent us to something that is not our peer: no retry can fix that
             message = (
-                f"the listener at {host}:{port} is not rank {self.ranks[peer]} of this group (it does not hold "
-                f"this group's key: a stranger, a process of another job or round, or a different secret)"
+                f"the listener at {host}:{port} is not rank {self.ranks[peer]} of this group ({err}: a stranger, "
+                f"a process of another job or round, or a different secret)"
             )
             self.abort(message)
-            raise AuthenticationError(message, f"{host}:{port}", self.ranks[peer])
-        sock.sendall(_proof(self._key, b"connect", nonce_c, nonce_a, self.me, peer))
+            raise AuthenticationError(message, f"{host}:{port}", self.ranks[peer]) from None
 
     def _accept(self, peer: int) -> socket.socket:
         deadline = self._deadline()
@@ -292,17 +293,30 @@ class TcpComm:
             sock, addr = self.listener.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
-        if len(pending) >= MAX_PENDING:
-            sock.close()
-            self._note_refused(_address(addr), None, f"refused: {MAX_PENDING} handshakes already in progress")
+        except OSError as err:
+            if err.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            # out of descriptors: connections still waiting to prove themselves go first
+            oldest = self._lobby.shed_oldest()
+            shed = [hs for hs in pending.values() if hs.sock.fileno() == oldest]
+            for hs in shed:
+                self._refuse(sel, pending, hs, "shed: this process ran out of file descriptors")
+            if not shed:
+                time.sleep(0.01)  # nothing to shed: do not spin on the listener
             return
         sock.setblocking(False)
-        hs = _Handshake(sock, _address(addr), time.monotonic() + self._handshake_limit())
+        hs = _Handshake(
+            sock, _address(addr), time.monotonic() + self._handshake_limit(), _core.PairAcceptor(self._key, PURPOSE)
+        )
+        hs.ticket, shed_fds = self._lobby.arrive(addr[0], sock.fileno())
         pending[sock] = hs
         sel.register(sock, selectors.EVENT_READ, None)
+        for old in [h for h in pending.values() if h.sock.fileno() in shed_fds]:
+            old.ticket = -1  # the lobby let it go already
+            self._refuse(sel, pending, old, "shed to make room: too many connections were waiting to prove themselves")
 
     def _advance(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake], hs: _Handshake) -> None:
-        want = HELLO.size if hs.claimed is None else PROOF_BYTES
+        want = HELLO_BYTES if hs.claimed is None else PROOF_BYTES
         try:
             chunk = hs.sock.recv(want - len(hs.buf))
         except (BlockingIOError, InterruptedError):
@@ -321,42 +335,53 @@ class TcpComm:
         else:
             self._verify(sel, pending, hs)
 
+    def _send(
+        self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake], hs: _Handshake, data: bytes
+    ) -> bool:
+        try:
+            sent = hs.sock.send(data)  # a few bytes into an empty socket buffer: all of them
+        except OSError as err:
+            self._refuse(sel, pending, hs, f"connection failed during the handshake ({err})")
+            return False
+        if sent != len(data):
+            self._refuse(sel, pending, hs, "the handshake reply did not fit the socket buffer")
+            return False
+        return True
+
     def _hello(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake], hs: _Handshake) -> None:
-        magic, who, nonce_c = HELLO.unpack(bytes(hs.buf))
-        hs.buf.clear()
-        if magic != MAGIC:
-            self._refuse(sel, pending, hs, "sent no elastix collectives handshake (wrong magic)")
+        try:
+            binding, challenge = hs.acceptor.on_hello(bytes(hs.buf))
+        except (ConnectionError, _core.AuthRefused) as err:
+            self._refuse(sel, pending, hs, f"sent no elastix collectives handshake ({err})")
             return
+        hs.buf.clear()
+        who, to = PAIR.unpack(binding)
         hs.claimed = who
-        problem = self._claim_problem(who)
+        problem = self._claim_problem(who) if to == self.me else f"it means to reach group rank {to}"
         if problem is not None:
             self._refuse(sel, pending, hs, problem)
             return
-        hs.nonce_c = nonce_c
-        hs.nonce_a = secrets.token_bytes(NONCE_BYTES)
-        reply = hs.nonce_a + _proof(self._key, b"accept", nonce_c, hs.nonce_a, who, self.me)
-        try:
-            sent = hs.sock.send(reply)  # 64 bytes into an empty socket buffer: all of it
-        except OSError as err:
-            self._refuse(sel, pending, hs, f"connection failed during the handshake ({err})")
-            return
-        if sent != len(reply):
-            self._refuse(sel, pending, hs, "the handshake reply did not fit the socket buffer")
+        self._send(sel, pending, hs, challenge)
 
     def _verify(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake], hs: _Handshake) -> None:
         who = hs.claimed
         assert who is not None
-        expected = _proof(self._key, b"connect", hs.nonce_c, hs.nonce_a, who, self.me)
-        if not hmac.compare_digest(bytes(hs.buf), expected):
-            self._refuse(sel, pending, hs, "its proof is wrong (it does not hold this group's key)")
+        verdict, wrong = hs.acceptor.on_proof(bytes(hs.buf))
+        if wrong is not None:
+            self._send(sel, pending, hs, verdict)  # the refusal: a verified wrong key is final for the peer
+            if hs.sock in pending:
+                self._refuse(sel, pending, hs, f"{wrong} (it does not hold this group's key)")
             return
         with self._cond:
             problem = self._claim_problem(who)
             if problem is not None:
                 self._refuse(sel, pending, hs, problem)
                 return
+            if not self._send(sel, pending, hs, verdict):
+                return
             sel.unregister(hs.sock)
             del pending[hs.sock]
+            self._lobby.leave(hs.ticket)
             hs.sock.setblocking(True)
             self._stash[who] = hs.sock
             self._cond.notify_all()
@@ -376,6 +401,8 @@ class TcpComm:
     ) -> None:
         sel.unregister(hs.sock)
         del pending[hs.sock]
+        if hs.ticket >= 0:
+            self._lobby.leave(hs.ticket)
         self._note_refused(hs.addr, hs.claimed, why)  # first: whoever sees the close sees the record
         hs.sock.close()
 

@@ -1,6 +1,8 @@
 //! A store server holding the job secret: clients that prove it are served; a client with
 //! another secret, without one, or sending a truncated, garbage, replayed or silent handshake
-//! is refused with a clear error, and only its own connection is closed.
+//! is refused with a clear error, and only its own connection is closed. A stranger learns
+//! nothing from the server to test guesses against, and a flood of silent strangers neither
+//! keeps a member out nor makes a client give up.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -57,7 +59,7 @@ fn closed_after(port: u16, bytes: &[u8]) -> bool {
     let _ = stream.write_all(bytes);
     let _ = stream.shutdown(std::net::Shutdown::Write);
     let mut rest = Vec::new();
-    // the server answers a hello with its nonce and proof, then closes
+    // the server answers a hello with its challenge (a nonce), then closes
     match stream.read_to_end(&mut rest) {
         Ok(_) => true,
         Err(err) => matches!(err.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe),
@@ -98,14 +100,14 @@ async fn fuzzed_handshakes_close_only_their_own_connection() {
     let mut good = Client::connect(&options(&server, Some(secret("the job's")))).await.unwrap();
     let port = server.port();
     let magic: &[u8] = b"\xe1elxauth";
-    let oversized = [magic, &[1u8], &vec![0x5a; 1 << 20]].concat();
+    let oversized = [magic, &[2u8], &vec![0x5a; 1 << 20]].concat();
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("truncated magic", magic[..3].to_vec()),
-        ("truncated nonce", [magic, &[1u8], &[7u8; 10]].concat()),
+        ("truncated nonce", [magic, &[2u8], &[7u8; 10]].concat()),
         ("garbage after the first byte", b"\xe1GET / HTTP/1.1\r\n\r\n".to_vec()),
         ("an unknown version", [magic, &[9u8], &[7u8; 32]].concat()),
         ("oversized: a megabyte where the proof goes", oversized),
-        ("a replayed proof", [magic, &[1u8], &[7u8; 32], &[3u8; 32]].concat()),
+        ("a replayed proof", [magic, &[2u8], &[7u8; 32], &[3u8; 32]].concat()),
     ];
     for (what, bytes) in &cases {
         let closed = tokio::task::spawn_blocking({
@@ -127,4 +129,106 @@ async fn fuzzed_handshakes_close_only_their_own_connection() {
     assert!(silent.await.unwrap(), "a silent client is closed, not served forever");
     refused_in_the_end(&server, cases.len() as u64 + 1).await;
     assert_eq!(&good.get(b"after", None).await.unwrap()[..], cases.last().unwrap().0.as_bytes());
+}
+
+/// A hello as a stranger sends it: the store's magic, version 2, a nonce.
+fn stranger_hello() -> Vec<u8> {
+    [&b"\xe1elxauth"[..], &[2u8], &[7u8; 32]].concat()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_gets_nothing_derived_from_the_secret() {
+    let server = server(PlainClients::Refuse);
+    let port = server.port();
+    let (challenge, early, verdict) = tokio::task::spawn_blocking(move || {
+        let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        stream.write_all(&stranger_hello()).unwrap();
+        let mut challenge = [0u8; 33];
+        stream.read_exact(&mut challenge).unwrap();
+        // nothing more comes before this side proves the secret
+        stream.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+        let mut early = [0u8; 64];
+        let early = stream.read(&mut early).map_or(0, |n| n);
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        stream.write_all(&[0u8; 32]).unwrap(); // a guess
+        let mut verdict = Vec::new();
+        let _ = stream.read_to_end(&mut verdict);
+        (challenge, early, verdict)
+    })
+    .await
+    .unwrap();
+    assert_eq!(challenge[0], 1, "a challenge: go on, and a nonce");
+    assert_eq!(early, 0, "the server said more before the client's proof");
+    assert_eq!(verdict, [0u8; 33], "a refusal carries no proof");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_with_a_secret_learns_at_once_that_the_server_has_none() {
+    let server = BackgroundServer::start(&ServerConfig { auth: None, ..ServerConfig::default() }, 1).unwrap();
+    let err = refusal(Client::connect(&options(&server, Some(secret("the job's")))).await);
+    assert!(err.to_string().contains("runs without a job secret"), "{err}");
+    assert!(!err.is_unreachable(), "final, not retried until the deadline");
+}
+
+/// Opens `count` connections from `source` to `port` that say nothing.
+fn silent_connections(source: &str, port: u16, count: usize) -> Vec<socket2::Socket> {
+    (0..count)
+        .filter_map(|_| {
+            let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).ok()?;
+            socket.bind(&format!("{source}:0").parse::<std::net::SocketAddr>().unwrap().into()).ok()?;
+            socket.connect(&format!("127.0.0.1:{port}").parse::<std::net::SocketAddr>().unwrap().into()).ok()?;
+            Some(socket)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_strangers_never_take_a_members_place() {
+    let config = ServerConfig {
+        auth: Some((secret("the job's"), PlainClients::Refuse)),
+        max_connections: 4,
+        ..ServerConfig::default()
+    };
+    let server = BackgroundServer::start(&config, 1).unwrap();
+    let port = server.port();
+    let flood = tokio::task::spawn_blocking(move || silent_connections("127.0.0.2", port, 300)).await.unwrap();
+    assert!(flood.len() > 100, "the flood could not connect");
+    // more members than the cap, while the flood holds its connections open
+    let mut members = Vec::new();
+    for _ in 0..8 {
+        members.push(Client::connect(&options(&server, Some(secret("the job's")))).await.unwrap());
+    }
+    for (i, member) in members.iter_mut().enumerate() {
+        member.set(format!("k{i}").as_bytes(), b"v").await.unwrap();
+    }
+    assert!(server.server().connections() >= 8, "every member is served past the cap");
+    drop(flood);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_tries_again_when_the_server_closes_during_authentication() {
+    // a relay to the real server that drops the first connection it gets, as a server shedding
+    // connections under a flood does
+    let server = server(PlainClients::Refuse);
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_port = relay.local_addr().unwrap().port();
+    let target = server.port();
+    tokio::spawn(async move {
+        let (first, _) = relay.accept().await.unwrap();
+        drop(first);
+        loop {
+            let (mut inbound, _) = relay.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut outbound = tokio::net::TcpStream::connect(("127.0.0.1", target)).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            });
+        }
+    });
+    let options = ConnectOptions {
+        secret: Some(secret("the job's")),
+        ..ConnectOptions::new("127.0.0.1", relay_port, Some(Duration::from_secs(10)))
+    };
+    let mut client = Client::connect(&options).await.unwrap();
+    client.set(b"k", b"v").await.unwrap();
 }

@@ -3,6 +3,7 @@
 //! Python package (`python/elastix`) builds the user-facing API on top.
 
 mod agent;
+mod auth;
 mod blocking_store;
 mod collectives;
 mod errors;
@@ -40,6 +41,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(logging::init_cli_logging, module)?)?;
     module.add_function(wrap_pyfunction!(logging::log_line, module)?)?;
     module.add_function(wrap_pyfunction!(logging::reset_log_cache, module)?)?;
+    auth::register(module)?;
     collectives::register(module)?;
     rpc::register(module)?;
     Ok(())

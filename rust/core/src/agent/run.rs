@@ -62,6 +62,12 @@ const LOSS_VERDICT_SLACK: Duration = Duration::from_secs(2);
 /// Runs an agent to the end and reports how it went. Must run inside a multi-thread tokio
 /// runtime that lives as long as the call (workers die with the thread that started them).
 pub async fn run_agent(config: AgentConfig) -> AgentResult {
+    // every connection is a descriptor: a stranger's flood must meet the door's limits, not a
+    // default soft limit of 1024 (the workers inherit the raised limit)
+    match crate::store::server::listener::raise_open_file_limit() {
+        Ok(limit) => tracing::debug!("open-file limit: {limit}"),
+        Err(err) => tracing::warn!("cannot raise the open-file limit to the hard limit: {err}"),
+    }
     let mut report = Report::default();
     let console = ConsoleMarks::now();
     let mut agent = None;

@@ -1,23 +1,27 @@
 //! What a server holding the job secret admits. A client that starts with elastix's
-//! authentication must prove the secret; a plain client (torch's TCPStore client, which has no
-//! authentication) is admitted only where the server's [`PlainClients`] policy allows. A
-//! refused or slow connection is closed, counted, and logged once per address per minute.
+//! authentication must prove the secret ([`super::pair`]); a plain client (torch's TCPStore
+//! client, which has no authentication) is admitted only where the server's [`PlainClients`]
+//! policy allows. Until it has done either, a connection waits at the [`Door`]: bounded per
+//! source and in all, shed when newer ones need the room, closed after
+//! [`HANDSHAKE_DEADLINE`]. A refused, shed or slow connection is closed, counted, and logged
+//! once per address per minute.
 
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Mutex, PoisonError};
-use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::time::Instant;
 
-use super::handshake::{self, MAGIC, SECRET_REQUIRED};
+use super::door::{Door, DoorLimits, HANDSHAKE_DEADLINE};
+use super::key::Key;
+use super::pair::{self, HandshakeError, STORE};
 use super::secret::Secret;
 use crate::address_log::AddressLog;
 
-/// Bound on a client's authentication, from its connection on.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// What a server answers to a plain client's PING when it requires the secret: no process
+/// id (the PING nonce) reaches 2^22, so no plain exchange can produce this value.
+pub const SECRET_REQUIRED: u32 = 0xe1a5_0001;
 /// The plain handshake a refused torch client sends (VALIDATE, PING), read before answering.
 const PLAIN_HELLO: usize = 10;
 
@@ -31,9 +35,19 @@ pub enum PlainClients {
     LoopbackAndAuthenticated,
 }
 
+/// How a client got in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admitted {
+    /// It proved the secret: a member of the job, never refused for capacity.
+    Member,
+    /// A plain client the policy allows.
+    Plain,
+}
+
 pub struct Gate {
-    secret: Secret,
+    key: Key,
     plain: PlainClients,
+    door: Door,
     /// Addresses that authenticated.
     trusted: Mutex<HashSet<IpAddr>>,
     /// Refusals, counted and said once a minute per address.
@@ -42,7 +56,17 @@ pub struct Gate {
 
 impl Gate {
     pub fn new(secret: Secret, plain: PlainClients) -> Gate {
-        Gate { secret, plain, trusted: Mutex::default(), refused: AddressLog::new() }
+        Gate::with_limits(secret, plain, DoorLimits::default())
+    }
+
+    pub fn with_limits(secret: Secret, plain: PlainClients, limits: DoorLimits) -> Gate {
+        Gate {
+            key: Key::job(&secret),
+            plain,
+            door: Door::new(limits, HANDSHAKE_DEADLINE),
+            trusted: Mutex::default(),
+            refused: AddressLog::new(),
+        }
     }
 
     /// Serves plain clients from `ip` from now on: a member of the round whose torch workers
@@ -56,49 +80,58 @@ impl Gate {
         self.refused.count()
     }
 
-    /// Whether to serve the client at `peer` (`false`: close the connection), deciding within
-    /// [`HANDSHAKE_TIMEOUT`].
-    pub async fn admit(&self, stream: &mut TcpStream, peer: SocketAddr) -> bool {
-        let until = Instant::now() + HANDSHAKE_TIMEOUT;
-        let verdict = match tokio::time::timeout_at(until, self.screen(stream, peer)).await {
-            Ok(verdict) => verdict,
-            Err(_) => Err((format!("no authentication within {HANDSHAKE_TIMEOUT:?}"), false)),
+    /// Connections waiting to authenticate now.
+    pub fn waiting(&self) -> usize {
+        self.door.waiting()
+    }
+
+    /// Sheds the oldest connection waiting to authenticate (the process is out of descriptors
+    /// and a new one must get in); whether there was one.
+    pub fn shed_oldest(&self) -> bool {
+        self.door.shed_oldest()
+    }
+
+    /// How to serve the client at `peer`, or `None` (close the connection).
+    pub async fn admit(&self, stream: &mut TcpStream, peer: SocketAddr) -> Option<Admitted> {
+        let verdict = self
+            .door
+            .hold(peer.ip(), self.screen(stream, peer))
+            .await
+            .unwrap_or_else(|turned| Err((turned.to_string(), false)));
+        let (reason, plain) = match verdict {
+            Ok(admitted) => return Some(admitted),
+            Err(refusal) => refusal,
         };
-        let Err((reason, plain)) = verdict else { return true };
         // counted before the client hears of it
         self.refuse(peer, &reason);
         if plain {
             // an elastix client without the secret learns why (a torch client sees a PING fail)
-            let _ = tokio::time::timeout_at(until, tell_secret_required(stream)).await;
+            let _ = tokio::time::timeout(HANDSHAKE_DEADLINE, tell_secret_required(stream)).await;
         }
-        false
+        None
     }
 
     /// `Ok`: serve the client; `Err`: why not, and whether it is a plain client.
-    async fn screen(&self, stream: &mut TcpStream, peer: SocketAddr) -> Result<(), (String, bool)> {
+    async fn screen(&self, stream: &mut TcpStream, peer: SocketAddr) -> Result<Admitted, (String, bool)> {
         let mut first = [0u8; 1];
         match stream.peek(&mut first).await {
             Ok(0) => return Err(("closed before saying anything".into(), false)),
             Ok(_) => {}
             Err(err) => return Err((err.to_string(), false)),
         }
-        if first[0] == MAGIC[0] {
-            handshake::server(stream, &self.secret).await.map_err(|err| {
+        if first[0] == STORE.magic[0] {
+            pair::accept(stream, &self.key, &STORE, |_| Ok(())).await.map_err(|err| {
                 let reason = match err {
-                    // it saw this server's proof and left: it holds another secret
-                    handshake::HandshakeError::Closed => {
-                        "it closed the connection during authentication (it holds another job secret?)".to_owned()
-                    }
-                    handshake::HandshakeError::WrongProof => "it does not hold this job's secret".to_owned(),
+                    HandshakeError::WrongProof => "it does not hold this job's secret".to_owned(),
                     other => other.to_string(),
                 };
                 (reason, false)
             })?;
             self.trust(peer.ip());
-            return Ok(());
+            return Ok(Admitted::Member);
         }
         if self.admits_plain(peer.ip()) {
-            return Ok(());
+            return Ok(Admitted::Plain);
         }
         let reason: String = match self.plain {
             PlainClients::Refuse => "a client without the job's secret".into(),

@@ -1,18 +1,26 @@
-//! The job secret, and proving it on every connection between elastix components.
+//! Peer authentication: the job secret, and proving it on every connection between elastix
+//! components (the store's, RPC's and the collectives' TCP connections).
 //!
 //! * [`secret`]: where the secret comes from (a file only its owner may read; an environment
-//!   variable, with a warning), and the one this process uses.
-//! * [`handshake`]: the mutual challenge-response (HMAC-SHA256 over fresh nonces from both
-//!   sides) a connection starts with.
-//! * [`gate`]: what a server holding a secret admits: clients that prove it, and plain clients
-//!   (torch's, which cannot) only from where its policy allows.
+//!   variable, with a warning), the checks it must pass, and the one this process uses.
+//! * [`key`]: the keys derived from it: the job's (store connections) and a group's (one
+//!   round's RPC or collectives connections).
+//! * [`pair`]: the handshake every such connection starts with; the connector proves first.
+//! * [`door`]: connections not yet proven: bounded per source and in all, shed oldest first,
+//!   closed after a short deadline.
+//! * [`gate`]: what a store server holding a secret admits: clients that prove it, and plain
+//!   clients (torch's, which cannot) only from where its policy allows.
 
+pub mod door;
 pub mod gate;
-pub mod handshake;
+pub mod key;
+pub mod pair;
 pub mod secret;
 
-pub use gate::{Gate, PlainClients};
-pub use handshake::HandshakeError;
+pub use door::{Door, DoorLimits, Lobby, HANDSHAKE_DEADLINE};
+pub use gate::{Admitted, Gate, PlainClients, SECRET_REQUIRED};
+pub use key::Key;
+pub use pair::HandshakeError;
 pub use secret::{
     children_file, process_secret, process_secret_or_log, remove_children_file, use_secret, Secret, SecretError,
     TOKEN_FILE_VAR, TOKEN_VAR,

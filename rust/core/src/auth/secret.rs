@@ -7,7 +7,7 @@
 //! `/proc/<pid>/environ`, crash reports). The secret is never logged or printed: its `Debug`
 //! names where it came from.
 
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -48,50 +48,96 @@ impl PartialEq for Secret {
     }
 }
 
+/// Secrets shorter than this are refused: a guess per microsecond must not find one.
+pub const MIN_LEN: usize = 16;
+
 impl Secret {
-    /// Reads the secret from `path`: a regular file that only its owner may read or write,
-    /// holding at least one byte besides trailing whitespace (which is dropped).
+    /// Reads the secret from `path`, checking the file as ssh checks keys: not a symbolic link,
+    /// a regular file owned by this user (or root) that nobody else may read or write, in a
+    /// directory that not everyone may write to (where anyone could have put it). The file is
+    /// opened once and the opened file is what is checked and read. Trailing whitespace is
+    /// dropped, and the secret must be strong enough ([`check_strength`]).
     pub fn from_file(path: &Path) -> Result<Secret, SecretError> {
         let shown = path.display();
-        let metadata = std::fs::metadata(path)
-            .map_err(|err| SecretError(format!("job secret file {shown}: cannot read it: {err}")))?;
+        let fail = |why: String| SecretError(format!("job secret file {shown}: {why}"));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|err| match err.raw_os_error() {
+                Some(libc::ELOOP) => fail("it is a symbolic link; name the file itself".into()),
+                _ => fail(format!("cannot read it: {err}")),
+            })?;
+        let metadata = file.metadata().map_err(|err| fail(format!("cannot read it: {err}")))?;
         if !metadata.is_file() {
-            return Err(SecretError(format!("job secret file {shown}: not a regular file")));
+            return Err(fail("not a regular file".into()));
+        }
+        // SAFETY: geteuid(2) takes nothing and cannot fail.
+        let me = unsafe { libc::geteuid() };
+        if metadata.uid() != me && metadata.uid() != 0 {
+            return Err(fail(format!(
+                "it belongs to user {} and this process runs as user {me}; the job secret must be your own file",
+                metadata.uid()
+            )));
         }
         let mode = metadata.permissions().mode() & 0o777;
         if mode & 0o077 != 0 {
-            return Err(SecretError(format!(
-                "job secret file {shown} may be read or written by its group or others (mode {mode:03o}); \
-                 chmod 600 it, as ssh requires of keys"
+            return Err(fail(format!(
+                "it may be read or written by its group or others (mode {mode:03o}); chmod 600 it, as ssh requires \
+                 of keys"
             )));
         }
-        let bytes = std::fs::read(path).map_err(|err| SecretError(format!("job secret file {shown}: {err}")))?;
-        Secret::new(bytes, Source::File(path.to_owned()))
-            .map_err(|SecretError(why)| SecretError(format!("job secret file {shown}: {why}")))
-    }
-
-    /// A secret given by the program.
-    pub fn from_bytes(bytes: impl Into<Vec<u8>>) -> Result<Secret, SecretError> {
-        Secret::new(bytes.into(), Source::Given)
-    }
-
-    fn new(mut bytes: Vec<u8>, source: Source) -> Result<Secret, SecretError> {
-        while bytes.last().is_some_and(u8::is_ascii_whitespace) {
-            bytes.pop();
+        let dir = match path.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => dir,
+            _ => Path::new("."),
+        };
+        if let Ok(dir_metadata) = std::fs::metadata(dir) {
+            if dir_metadata.permissions().mode() & 0o002 != 0 {
+                return Err(fail(format!(
+                    "it is in {}, a directory everyone may write to (anyone could have put it there or may replace \
+                     it); keep it in a directory of your own",
+                    dir.display()
+                )));
+            }
         }
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut &file, &mut bytes).map_err(|err| fail(err.to_string()))?;
+        Secret::new(bytes, Source::File(path.to_owned())).map_err(|SecretError(why)| fail(why))
+    }
+
+    /// A secret given by the program (tests, an embedding): not checked for strength.
+    pub fn from_bytes(bytes: impl Into<Vec<u8>>) -> Result<Secret, SecretError> {
+        let bytes = trimmed(bytes.into());
         if bytes.is_empty() {
             return Err(SecretError("the job secret is empty".into()));
         }
+        Ok(Secret { bytes: bytes.into(), source: Source::Given })
+    }
+
+    /// A secret a user gave (a file, the environment): checked, and from now on this process
+    /// may not be dumped (no core file or debugger shows the secret).
+    fn new(bytes: Vec<u8>, source: Source) -> Result<Secret, SecretError> {
+        let bytes = trimmed(bytes);
+        check_strength(&bytes)?;
+        forbid_dumps();
         Ok(Secret { bytes: bytes.into(), source })
     }
 
     /// The secret the environment names: `ELASTIX_AUTH_TOKEN_FILE`, else `ELASTIX_AUTH_TOKEN`
     /// (with a warning), else none.
     pub fn from_env() -> Result<Option<Secret>, SecretError> {
-        if let Some(path) = std::env::var_os(TOKEN_FILE_VAR).filter(|path| !path.is_empty()) {
+        if let Some(path) = std::env::var_os(TOKEN_FILE_VAR) {
+            if path.is_empty() {
+                return Err(SecretError(format!(
+                    "{TOKEN_FILE_VAR} is set but empty; name the secret file, or unset it"
+                )));
+            }
             return Secret::from_file(Path::new(&path)).map(Some);
         }
-        match std::env::var_os(TOKEN_VAR).filter(|value| !value.is_empty()) {
+        match std::env::var_os(TOKEN_VAR) {
+            Some(value) if value.is_empty() => {
+                Err(SecretError(format!("{TOKEN_VAR} is set but empty; set a secret, or unset it")))
+            }
             Some(value) => {
                 static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
                 if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
@@ -100,7 +146,9 @@ impl Secret {
                          /proc/<pid>/environ); prefer {TOKEN_FILE_VAR}=<a file only you can read>"
                     );
                 }
-                Secret::new(value.into_encoded_bytes(), Source::Environment).map(Some)
+                Secret::new(value.into_encoded_bytes(), Source::Environment)
+                    .map(Some)
+                    .map_err(|SecretError(why)| SecretError(format!("{TOKEN_VAR}: {why}")))
             }
             None => Ok(None),
         }
@@ -121,6 +169,80 @@ impl Secret {
     pub(crate) fn key(&self) -> &[u8] {
         &self.bytes
     }
+}
+
+fn trimmed(mut bytes: Vec<u8>) -> Vec<u8> {
+    while bytes.last().is_some_and(u8::is_ascii_whitespace) {
+        bytes.pop();
+    }
+    bytes
+}
+
+/// Refuses secrets that are visibly guessable: shorter than [`MIN_LEN`] bytes, made of fewer
+/// than 8 different bytes, or one short piece repeated. (A stranger cannot test guesses
+/// offline against elastix's handshake, but a weak secret falls to guesses online too, and it
+/// is usually reused elsewhere.)
+pub fn check_strength(bytes: &[u8]) -> Result<(), SecretError> {
+    const ADVICE: &str = "`elastix secret FILE` writes a strong one (or `openssl rand -hex 32 > FILE`)";
+    if bytes.is_empty() {
+        return Err(SecretError("the job secret is empty".into()));
+    }
+    if bytes.len() < MIN_LEN {
+        return Err(SecretError(format!(
+            "the job secret is {} bytes long; at least {MIN_LEN} random bytes are needed: {ADVICE}",
+            bytes.len()
+        )));
+    }
+    let distinct = bytes.iter().collect::<std::collections::HashSet<_>>().len();
+    let repeats = (1..=bytes.len() / 2)
+        .any(|period| bytes.len() % period == 0 && bytes[period..] == bytes[..bytes.len() - period]);
+    if distinct < 8 || repeats {
+        return Err(SecretError(format!(
+            "the job secret is easy to guess ({}); use random bytes: {ADVICE}",
+            if repeats { "one piece repeated" } else { "fewer than 8 different characters" }
+        )));
+    }
+    Ok(())
+}
+
+/// Makes this process undumpable: no core file, and no other process of this user may attach
+/// a debugger or read its memory or environment, once it holds the job secret.
+fn forbid_dumps() {
+    // SAFETY: prctl(PR_SET_DUMPABLE) takes plain integers and touches no memory of ours.
+    let done = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+    if done != 0 {
+        tracing::debug!("cannot make this process undumpable: {}", std::io::Error::last_os_error());
+    }
+}
+
+/// Writes a new strong secret (32 random bytes, in hex) to `path`, a file that must not exist
+/// yet, readable by its owner only; refuses what [`Secret::from_file`] would refuse.
+pub fn write_new(path: &Path) -> Result<(), SecretError> {
+    let shown = path.display();
+    let mut bytes = [0u8; 32];
+    rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut bytes);
+    let text: String = bytes.iter().map(|byte| format!("{byte:02x}")).chain(["\n".to_owned()]).collect();
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|err| match err.kind() {
+            std::io::ErrorKind::AlreadyExists => {
+                SecretError(format!("{shown} exists already; elastix never overwrites a secret (remove it first)"))
+            }
+            _ => SecretError(format!("cannot write {shown}: {err}")),
+        })?;
+    let written = std::io::Write::write_all(&mut file, text.as_bytes()).and_then(|()| file.sync_all());
+    drop(file);
+    let checked = written
+        .map_err(|err| SecretError(format!("cannot write {shown}: {err}")))
+        .and_then(|()| Secret::from_file(path).map(drop));
+    if checked.is_err() {
+        let _ = std::fs::remove_file(path);
+    }
+    checked
 }
 
 /// The secret this process uses: `None` until first asked for; then what the environment
@@ -168,42 +290,72 @@ pub fn process_secret_or_log() -> Option<Secret> {
 }
 
 /// The file children that need the secret are pointed at (`ELASTIX_AUTH_TOKEN_FILE`): the
-/// secret's own file, or, for a secret from `ELASTIX_AUTH_TOKEN`, a file only this user can
-/// read, written once (and removed by [`remove_children_file`]). `None` without a secret.
+/// secret's own file, or, for a secret from `ELASTIX_AUTH_TOKEN`, its private copy
+/// ([`private_copy`]). `None` without a secret.
 pub fn children_file() -> Result<Option<PathBuf>, SecretError> {
     let Some(secret) = process_secret()? else { return Ok(None) };
     if let Some(path) = secret.file() {
         return Ok(Some(path.to_owned()));
     }
-    let mut written = CHILDREN_FILE.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(path) = written.as_ref() {
-        return Ok(Some(path.clone()));
-    }
-    let path = std::env::temp_dir().join(format!("elastix-secret-{}-{:016x}", std::process::id(), fastrand::u64(..)));
-    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).map_err(|err| {
-        SecretError(format!("cannot write the job secret for the workers to {}: {err}", path.display()))
-    })?;
-    std::io::Write::write_all(&mut file, secret.key()).map_err(|err| {
-        SecretError(format!("cannot write the job secret for the workers to {}: {err}", path.display()))
-    })?;
-    *written = Some(path.clone());
-    Ok(Some(path))
+    Ok(private_copy()?.map(|dir| dir.join(PRIVATE_COPY_NAME)))
 }
 
-/// Removes the file [`children_file`] wrote, if it wrote one.
+/// The private copy's file name, in its directory.
+pub const PRIVATE_COPY_NAME: &str = "secret";
+
+/// For a secret from `ELASTIX_AUTH_TOKEN`, the directory (of mode 0700, under the temporary
+/// directory) holding a copy of it that children can be pointed at, written once; removed by
+/// [`remove_children_file`], or by the cleanup watchdog if this process is killed. `None`
+/// without a secret or for a secret that has a file of its own.
+pub fn private_copy() -> Result<Option<PathBuf>, SecretError> {
+    let Some(secret) = process_secret()? else { return Ok(None) };
+    if secret.file().is_some() {
+        return Ok(None);
+    }
+    let mut written = CHILDREN_DIR.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(dir) = written.as_ref() {
+        return Ok(Some(dir.clone()));
+    }
+    let dir = std::env::temp_dir().join(format!("elastix-secret-{}-{:016x}", std::process::id(), fastrand::u64(..)));
+    let fail = |err: std::io::Error| {
+        SecretError(format!("cannot write the job secret for the workers to {}: {err}", dir.display()))
+    };
+    std::fs::DirBuilder::new().mode(0o700).create(&dir).map_err(fail)?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(dir.join(PRIVATE_COPY_NAME))
+        .map_err(fail)?;
+    std::io::Write::write_all(&mut file, secret.key()).map_err(fail)?;
+    *written = Some(dir.clone());
+    Ok(Some(dir))
+}
+
+/// Removes the private copy [`private_copy`] wrote, if it wrote one.
 pub fn remove_children_file() {
-    if let Some(path) = CHILDREN_FILE.lock().unwrap_or_else(PoisonError::into_inner).take() {
-        let _ = std::fs::remove_file(path);
+    if let Some(dir) = CHILDREN_DIR.lock().unwrap_or_else(PoisonError::into_inner).take() {
+        let _ = std::fs::remove_file(dir.join(PRIVATE_COPY_NAME));
+        let _ = std::fs::remove_dir(dir);
     }
 }
 
-static CHILDREN_FILE: Mutex<Option<PathBuf>> = Mutex::new(None);
+static CHILDREN_DIR: Mutex<Option<PathBuf>> = Mutex::new(None);
 
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::PermissionsExt;
 
     use super::*;
+
+    const STRONG: &[u8] = b"9f2c41d07be85a36e1c4";
+
+    fn private_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("elastix-secret-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).unwrap();
+        dir
+    }
 
     fn file(dir: &Path, name: &str, contents: &[u8], mode: u32) -> PathBuf {
         let path = dir.join(name);
@@ -212,20 +364,65 @@ mod tests {
         path
     }
 
+    fn refusal(path: &Path) -> String {
+        Secret::from_file(path).unwrap_err().to_string()
+    }
+
     #[test]
     fn a_file_only_its_owner_can_read_holds_the_secret_and_nobody_else_may() {
-        let dir = std::env::temp_dir().join(format!("elastix-secret-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let good = file(&dir, "good", b"s3cret-value\n", 0o600);
+        let dir = private_dir("modes");
+        let good = file(&dir, "good", &[STRONG, b"\n"].concat(), 0o600);
         let secret = Secret::from_file(&good).unwrap();
-        assert_eq!(secret.key(), b"s3cret-value");
-        assert!(!format!("{secret:?}").contains("s3cret"), "Debug never shows the secret");
-        let open = file(&dir, "open", b"s3cret-value", 0o644);
-        let err = Secret::from_file(&open).unwrap_err().to_string();
-        assert!(err.contains("chmod 600") && err.contains("644") && !err.contains("s3cret"), "{err}");
-        let blank = file(&dir, "blank", b" \n", 0o600);
-        assert!(Secret::from_file(&blank).unwrap_err().to_string().contains("empty"));
-        assert!(Secret::from_file(&dir.join("missing")).unwrap_err().to_string().contains("cannot read it"));
+        assert_eq!(secret.key(), STRONG);
+        assert!(!format!("{secret:?}").contains("9f2c"), "Debug never shows the secret");
+        let open = file(&dir, "open", STRONG, 0o644);
+        let err = refusal(&open);
+        assert!(err.contains("chmod 600") && err.contains("644") && !err.contains("9f2c"), "{err}");
+        assert!(refusal(&file(&dir, "blank", b" \n", 0o600)).contains("empty"));
+        assert!(refusal(&dir.join("missing")).contains("cannot read it"));
+        assert!(refusal(&dir).contains("not a regular file"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn links_other_owners_and_shared_directories_are_refused() {
+        let dir = private_dir("places");
+        let good = file(&dir, "good", STRONG, 0o600);
+        let link = dir.join("link");
+        std::os::unix::fs::symlink(&good, &link).unwrap();
+        assert!(refusal(&link).contains("symbolic link"), "{}", refusal(&link));
+        let other = file(&dir, "other", STRONG, 0o600);
+        std::os::unix::fs::chown(&other, Some(12345), None).unwrap();
+        let err = refusal(&other);
+        assert!(err.contains("belongs to user 12345"), "{err}");
+        let shared = dir.join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let err = refusal(&file(&shared, "secret", STRONG, 0o600));
+        assert!(err.contains("everyone may write to"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn weak_secrets_are_refused_with_the_way_to_a_strong_one() {
+        for weak in [&b"summer2024"[..], b"aaaaaaaaaaaaaaaaaaaa", b"summer2024summer2024", b"abababababababababab"] {
+            let err = check_strength(weak).unwrap_err().to_string();
+            assert!(err.contains("elastix secret"), "{err}");
+        }
+        check_strength(STRONG).unwrap();
+        check_strength(b"correct horse battery staple").unwrap();
+    }
+
+    #[test]
+    fn a_new_secret_is_strong_private_and_never_overwrites() {
+        let dir = private_dir("new");
+        let path = dir.join("job.secret");
+        write_new(&path).unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        let secret = Secret::from_file(&path).unwrap();
+        assert_eq!(secret.key().len(), 64);
+        assert!(write_new(&path).unwrap_err().to_string().contains("exists already"));
+        assert_eq!(Secret::from_file(&path).unwrap(), secret, "untouched");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

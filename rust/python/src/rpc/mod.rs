@@ -92,7 +92,7 @@ impl RpcEndpoint {
         rank: u32,
         world: u32,
         host: String,
-        key: Vec<u8>,
+        key: &crate::auth::PeerKey,
         control_delay: Option<(f64, f64)>,
     ) -> PyResult<Self> {
         let control_delay = match control_delay {
@@ -103,7 +103,7 @@ impl RpcEndpoint {
                 Some((low, high.max(low)))
             }
         };
-        let config = core::Config { me: rank, world, host, key, control_delay };
+        let config = core::Config { me: rank, world, host, key: key.0.clone(), control_delay };
         let (runtime, endpoint) = py.detach(|| {
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(RUNTIME_THREADS)

@@ -5,7 +5,9 @@
 //! other. Each message is one fixed-size record: watch or unwatch a process group, watch or
 //! unwatch a leaf of the job's cgroup. When the read returns end-of-file, every copy of the
 //! agent's end is closed: the agent died or exited. The watchdog then SIGKILLs each process
-//! group still watched, kills the job's cgroup, removes its directories and exits.
+//! group still watched, kills the job's cgroup, removes its directories and the private copy of
+//! the job secret (if the agent made one), and exits. Its environment holds no secret: it
+//! overwrites `ELASTIX_AUTH_TOKEN`'s value in its copy of the agent's environment first.
 //!
 //! Why a forked process that never calls exec: the agent lives in a Python extension, so there
 //! is no binary of ours to exec, and an interpreter or a shell may be missing or slow. The
@@ -46,8 +48,9 @@ pub struct Watchdog {
 }
 
 impl Watchdog {
-    /// Starts the watchdog; `job_dir` is the job's cgroup directory, if there is one.
-    pub fn start(job_dir: Option<&CStr>) -> io::Result<Watchdog> {
+    /// Starts the watchdog; `job_dir` is the job's cgroup directory, if there is one, and
+    /// `secret_dir` the directory of the job secret's private copy, if there is one.
+    pub fn start(job_dir: Option<&CStr>, secret_dir: Option<&CStr>) -> io::Result<Watchdog> {
         let mut fds = [0; 2];
         // SAFETY: socketpair(2) writes two descriptors into `fds`, which is large enough.
         if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) }
@@ -57,10 +60,10 @@ impl Watchdog {
         }
         // SAFETY: both descriptors were just created and are owned by nothing else.
         let (agent_end, watchdog_end) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        let job_dir = job_dir.map(CStr::to_bytes);
+        let (job_dir, secret_dir) = (job_dir.map(CStr::to_bytes), secret_dir.map(CStr::to_bytes));
         // SAFETY: see the module comment: both children only make async-signal-safe calls on
-        // memory prepared before the fork (`job_dir` is borrowed for the whole call, and the
-        // child sees an unchanging copy of it) and end in _exit, never returning or unwinding.
+        // memory prepared before the fork (the paths are borrowed for the whole call, and the
+        // child sees an unchanging copy of them) and end in _exit, never returning or unwinding.
         let middle = unsafe { libc::fork() };
         if middle < 0 {
             return Err(io::Error::last_os_error());
@@ -69,7 +72,7 @@ impl Watchdog {
             // SAFETY: as above; fork(2) and _exit(2) are async-signal-safe.
             unsafe {
                 if libc::fork() == 0 {
-                    watch(watchdog_end.as_raw_fd(), job_dir);
+                    watch(watchdog_end.as_raw_fd(), job_dir, secret_dir);
                 }
                 libc::_exit(0);
             }
@@ -168,12 +171,13 @@ impl<const N: usize> Set<N> {
 ///
 /// # Safety
 /// Runs only in a child of fork(2): every call below is async-signal-safe (setsid, signal,
-/// chdir, dup2, open, close, close_range, getpid, write, read, kill, rmdir, nanosleep,
+/// chdir, dup2, open, close, close_range, getpid, write, read, kill, unlink, rmdir, nanosleep,
 /// _exit), buffers are on the stack, nothing allocates, and it never returns.
-unsafe fn watch(socket: RawFd, job_dir: Option<&[u8]>) -> ! {
+unsafe fn watch(socket: RawFd, job_dir: Option<&[u8]>, secret_dir: Option<&[u8]>) -> ! {
     // SAFETY: the function's contract; each call gets valid pointers to stack buffers or
     // static NUL-terminated strings.
     unsafe {
+        scrub_secret_from_environment();
         // out of the agent's session and process group: a signal meant for them is not for us
         libc::setsid();
         for signal in [
@@ -250,7 +254,50 @@ unsafe fn watch(socket: RawFd, job_dir: Option<&[u8]>) -> ! {
                 remove_dir(&path);
             }
         }
+        if let Some(dir) = secret_dir {
+            let mut path = PathBuf::new();
+            if path.set(dir, None, Some(crate::auth::secret::PRIVATE_COPY_NAME.as_bytes())) {
+                libc::unlink(path.as_ptr());
+            }
+            if path.set(dir, None, None) {
+                libc::rmdir(path.as_ptr());
+            }
+        }
         libc::_exit(0)
+    }
+}
+
+extern "C" {
+    /// The process's environment (POSIX): a NULL-terminated array of `NAME=value` strings.
+    static mut environ: *mut *mut libc::c_char;
+}
+
+/// Overwrites the value of `ELASTIX_AUTH_TOKEN` (with `*`) in this process's environment, in
+/// place: what `/proc/<pid>/environ` shows of it is gone too.
+///
+/// # Safety
+/// Only in the watchdog, which has a single thread: nothing else reads or changes the
+/// environment meanwhile. Async-signal-safe (plain memory accesses).
+unsafe fn scrub_secret_from_environment() {
+    const NAME: &[u8] = b"ELASTIX_AUTH_TOKEN=";
+    // SAFETY: the function's contract; `environ` and each of its strings are valid and
+    // NUL-terminated until the NULL that ends the array.
+    unsafe {
+        let mut entry = *std::ptr::addr_of!(environ);
+        if entry.is_null() {
+            return;
+        }
+        while !(*entry).is_null() {
+            let var = (*entry).cast::<u8>();
+            if (0..NAME.len()).all(|i| *var.add(i) == NAME[i]) {
+                let mut value = var.add(NAME.len());
+                while *value != 0 {
+                    *value = b'*';
+                    value = value.add(1);
+                }
+            }
+            entry = entry.add(1);
+        }
     }
 }
 
@@ -396,7 +443,7 @@ mod tests {
 
     #[test]
     fn watched_groups_die_when_the_agent_end_closes_and_unwatched_ones_live() {
-        let watchdog = Watchdog::start(None).unwrap();
+        let watchdog = Watchdog::start(None, None).unwrap();
         assert!(alive(watchdog.pid()));
         let (watched, unwatched) = (sleeper(), sleeper());
         let (watched_pid, unwatched_pid) = (watched.id() as i32, unwatched.id() as i32);

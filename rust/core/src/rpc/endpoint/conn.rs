@@ -12,14 +12,16 @@ use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::outbox::Outbox;
-use super::{handshake, lock, Endpoint, Peer};
+use super::{lock, Endpoint, Peer};
+use crate::auth::pair::{self, HandshakeError, RPC};
 use crate::rpc::frame::{Frame, FrameError, Kind};
 use crate::rpc::ids::WorkerId;
 
 pub(super) type ConnTx = Arc<Outbox>;
 
-/// A connection that has not proved itself in this time is closed.
-const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+/// How long this side tries to connect and prove itself to a peer: an attempt the peer closed
+/// (it sheds connections waiting to authenticate when strangers flood it) is tried again.
+const CONNECT_LIMIT: Duration = Duration::from_secs(10);
 const IO_BUFFER: usize = 256 << 10;
 
 static SERIAL: AtomicU64 = AtomicU64::new(1);
@@ -80,15 +82,32 @@ impl Endpoint {
 
     async fn connect(self: Arc<Self>, to: WorkerId) {
         let slot = &self.peers()[to as usize];
-        let attempt = async {
+        let binding = [self.me.to_le_bytes(), to.to_le_bytes()].concat();
+        let attempt = || async {
             let mut stream = TcpStream::connect(slot.info.addr.as_str()).await?;
             stream.set_nodelay(true)?;
-            handshake::connect(&mut stream, &self.key, self.me, to).await.map_err(std::io::Error::other)?;
-            Ok::<_, std::io::Error>(stream)
+            pair::connect(&mut stream, &self.key, &RPC, &binding).await?;
+            Ok::<_, HandshakeError>(stream)
         };
-        let result = match tokio::time::timeout(HANDSHAKE_LIMIT, attempt).await {
+        let trying = async {
+            let mut pause = Duration::from_millis(10);
+            loop {
+                match attempt().await {
+                    Err(err) if !err.is_final() => {
+                        tracing::debug!("rpc: connecting to {} failed ({err}); trying again", self.describe(to));
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_millis(500));
+                    }
+                    done => return done.map_err(std::io::Error::other),
+                }
+            }
+        };
+        let result = match tokio::time::timeout(CONNECT_LIMIT, trying).await {
             Ok(result) => result,
-            Err(_) => Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "no handshake within 10 s")),
+            Err(_) => Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no authenticated connection within {CONNECT_LIMIT:?}"),
+            )),
         };
         let mut conn = lock(&slot.conn);
         let queued = match std::mem::replace(&mut *conn, PeerConn::Down) {
@@ -192,6 +211,11 @@ impl Endpoint {
             let (mut stream, addr) = match listener.accept().await {
                 Ok(accepted) => accepted,
                 Err(err) => {
+                    // out of descriptors: strangers waiting to authenticate go first
+                    if matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) && self.door.shed_oldest() {
+                        tokio::task::yield_now().await;
+                        continue;
+                    }
                     tracing::warn!("rpc: accept failed: {err}");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
@@ -200,19 +224,37 @@ impl Endpoint {
             let endpoint = self.clone();
             let task = self.runtime.spawn(async move {
                 let _ = stream.set_nodelay(true);
-                let proved = handshake::accept(&mut stream, &endpoint.key, endpoint.me, endpoint.world());
-                match tokio::time::timeout(HANDSHAKE_LIMIT, proved).await {
-                    Ok(Ok(peer)) => {
-                        endpoint.spawn_conn(stream, Side::Theirs { peer });
+                let (me, world) = (endpoint.me, endpoint.world());
+                let check = |binding: &[u8]| {
+                    let (connector, acceptor) = ranks(binding);
+                    match () {
+                        () if acceptor != me => Err(format!("it means to reach rank {acceptor}, not this rank {me}")),
+                        () if connector >= world => {
+                            Err(format!("it claims rank {connector}, which is not in this RPC group"))
+                        }
+                        () => Ok(()),
+                    }
+                };
+                let proved = pair::accept(&mut stream, &endpoint.key, &RPC, check);
+                match endpoint.door.hold(addr.ip(), proved).await {
+                    Ok(Ok(binding)) => {
+                        endpoint.spawn_conn(stream, Side::Theirs { peer: ranks(&binding).0 });
                     }
                     Ok(Err(err)) => {
                         endpoint.say_refused(addr, &err.to_string());
                         let _ = stream.shutdown().await;
                     }
-                    Err(_) => endpoint.say_refused(addr, &format!("no handshake within {HANDSHAKE_LIMIT:?}")),
+                    Err(turned) => endpoint.say_refused(addr, &turned.to_string()),
                 }
             });
             self.track(task.abort_handle());
         }
     }
+}
+
+/// (connector, acceptor) from an RPC handshake's binding.
+fn ranks(binding: &[u8]) -> (WorkerId, WorkerId) {
+    let rank =
+        |at: usize| WorkerId::from_le_bytes(binding[at..at + 4].try_into().expect("an RPC binding holds two ranks"));
+    (rank(0), rank(4))
 }

@@ -10,7 +10,6 @@ mod calls;
 mod conn;
 mod control;
 mod dispatch;
-pub mod handshake;
 mod outbox;
 mod rrefs;
 
@@ -31,6 +30,7 @@ use super::ids::{Gid, WorkerId};
 use super::queue::{BlockingQueue, Empty};
 use super::refs::{Slot, Table};
 use crate::address_log::AddressLog;
+use crate::auth::{Door, DoorLimits, Key, HANDSHAKE_DEADLINE};
 
 pub use calls::{CallError, Request};
 pub use rrefs::ValueError;
@@ -63,8 +63,9 @@ pub struct Config {
     pub world: u32,
     /// The host to listen on (the port is the kernel's choice).
     pub host: String,
-    /// The group's key: every connection proves it (see [`handshake`]).
-    pub key: Vec<u8>,
+    /// The group's key: every connection proves it ([`crate::auth::pair`], bound to the pair
+    /// of ranks).
+    pub key: Key,
     /// Test hook: each control message and ack waits a random time in this range before it
     /// leaves, so that they arrive in any order.
     pub control_delay: Option<(Duration, Duration)>,
@@ -121,7 +122,9 @@ pub struct Completion {
 pub struct Endpoint {
     me: WorkerId,
     world: u32,
-    key: Vec<u8>,
+    key: Key,
+    /// Connections that have not proven the key yet.
+    door: Door,
     control_delay: Option<(Duration, Duration)>,
     runtime: Handle,
     local_addr: SocketAddr,
@@ -151,6 +154,7 @@ impl Endpoint {
             me: config.me,
             world: config.world,
             key: config.key,
+            door: Door::new(DoorLimits::default(), HANDSHAKE_DEADLINE),
             control_delay: config.control_delay,
             runtime: Handle::current(),
             local_addr: listener.local_addr()?,

@@ -12,8 +12,8 @@ use tokio::net::{lookup_host, TcpStream};
 use tokio::time::Instant;
 
 use super::backoff::Backoff;
-use crate::auth::handshake::{self, HandshakeError, SECRET_REQUIRED};
-use crate::auth::{process_secret_or_log, Secret, TOKEN_FILE_VAR};
+use crate::auth::pair::{self, HandshakeError, Proven, STORE};
+use crate::auth::{process_secret_or_log, Key, Secret, SECRET_REQUIRED, TOKEN_FILE_VAR};
 use crate::store::error::{Result, StoreError};
 use crate::store::protocol::VALIDATION_MAGIC;
 use crate::store::request::Request;
@@ -158,14 +158,11 @@ async fn attempt(
             let mut stream = within(deadline, TcpStream::connect(addr)).await.map_err(Failed::Io)?;
             stream.set_nodelay(true).map_err(Failed::Io)?;
             crate::store::server::listener::set_keepalive(&stream).map_err(Failed::Io)?;
-            let authenticated = match &options.secret {
-                Some(secret) => {
-                    authenticate(&mut stream, secret, deadline).await?;
-                    true
-                }
-                None => false,
+            let proven = match &options.secret {
+                Some(secret) => Some(authenticate(&mut stream, secret, deadline).await?),
+                None => None,
             };
-            validate(stream, authenticated, deadline).await
+            validate(stream, proven, deadline).await
         };
         match connected.await {
             Ok(stream) => return Ok((stream, addr)),
@@ -189,43 +186,52 @@ enum Failed {
     Refused(String),
 }
 
-/// Proves the job secret to the server (and checks that it holds it too); the server's verdict
-/// is read with the first reply.
-async fn authenticate(stream: &mut TcpStream, secret: &Secret, deadline: Option<Instant>) -> Result<(), Failed> {
-    let exchange = async { Ok::<_, io::Error>(handshake::client(stream, secret).await) };
+/// Proves the job secret to the server; its verdict (and its own proof) is read with the first
+/// reply.
+async fn authenticate(stream: &mut TcpStream, secret: &Secret, deadline: Option<Instant>) -> Result<Proven, Failed> {
+    let exchange = async { Ok::<_, io::Error>(pair::prove(stream, &Key::job(secret), &STORE, &[]).await) };
     refusal(within(deadline, exchange).await.map_err(Failed::Io)?)
 }
 
-/// What a failed authentication means for the connection.
-fn refusal(outcome: Result<(), HandshakeError>) -> Result<(), Failed> {
+/// What a failed authentication means for the connection: only a verified disagreement over
+/// the secret is final; a close (a server busy or shedding connections), a timeout or garbage
+/// is tried again.
+fn refusal<T>(outcome: Result<T, HandshakeError>) -> Result<T, Failed> {
     match outcome {
-        Ok(()) => Ok(()),
-        Err(HandshakeError::Closed) => Err(Failed::Refused(
-            "it closed the connection during authentication: it runs without a job secret, or refused this \
-             client"
-                .into(),
+        Ok(value) => Ok(value),
+        Err(HandshakeError::NoSecret) => Err(Failed::Refused(
+            "it runs without a job secret, and this process has one (give the store the same secret file)".into(),
         )),
-        Err(HandshakeError::WrongProof) => Err(Failed::Refused(
+        Err(HandshakeError::Refused | HandshakeError::Impostor) => Err(Failed::Refused(
             "it does not hold this job's secret (is the same secret file given to every node?)".into(),
         )),
+        Err(HandshakeError::Closed) => Err(Failed::Io(io::Error::new(
+            io::ErrorKind::ConnectionReset,
+            "it closed the connection during authentication (a busy server sheds connections waiting to \
+             authenticate; a server that is not elastix's closes them too)",
+        ))),
         Err(HandshakeError::Io(err)) => Err(Failed::Io(err)),
-        Err(other) => Err(Failed::Refused(other.to_string())),
+        Err(other) => Err(Failed::Io(io::Error::new(io::ErrorKind::InvalidData, other.to_string()))),
     }
 }
 
 /// VALIDATE, then PING with our pid as nonce, which the server must echo. Written as two
 /// separate sends, as torch's client does (torch's libuv server has trouble with both in one
-/// segment); the reply is bounded by the connect deadline. `authenticated`: the server's
-/// verdict on this client's proof comes first.
-async fn validate(mut stream: TcpStream, authenticated: bool, deadline: Option<Instant>) -> Result<TcpStream, Failed> {
+/// segment); the reply is bounded by the connect deadline. `proven`: the server's verdict on
+/// this client's proof comes first.
+async fn validate(
+    mut stream: TcpStream,
+    proven: Option<Proven>,
+    deadline: Option<Instant>,
+) -> Result<TcpStream, Failed> {
     let nonce = std::process::id();
     for request in [Request::Validate { magic: VALIDATION_MAGIC }, Request::Ping { nonce }] {
         let mut bytes = BytesMut::with_capacity(5);
         request.encode(&mut bytes);
         within(deadline, stream.write_all(&bytes)).await.map_err(Failed::Io)?;
     }
-    if authenticated {
-        let verdict = async { Ok::<_, io::Error>(handshake::verdict(&mut stream).await) };
+    if let Some(proven) = proven {
+        let verdict = async { Ok::<_, io::Error>(proven.verdict(&mut stream).await) };
         refusal(within(deadline, verdict).await.map_err(Failed::Io)?)?;
     }
     let mut echo = [0u8; 4];

@@ -1,7 +1,8 @@
 //! Who gets served: at most `max_connections` clients at once. A client past the cap is
 //! refused at once (accepted and closed, so it sees EOF instead of hanging in the backlog),
 //! with one warning per [`WARN_EVERY`] that says how many were refused; the clients being
-//! served go on. Each served connection's task owns an [`Admitted`] guard, so the count (and
+//! served go on. A client that proved the job secret is a member of the job and is never
+//! refused for capacity (strangers cannot take its place: they never get past the gate). Each served connection's task owns an [`Admitted`] guard, so the count (and
 //! the list of [`Peers`]) is right however the task ends.
 
 use std::net::SocketAddr;
@@ -28,7 +29,8 @@ pub(super) struct Admission {
 
 /// A served connection's place; gives it back when dropped.
 pub(super) struct Admitted {
-    _slot: OwnedSemaphorePermit,
+    /// `None` for a member, which takes no place under the cap.
+    _slot: Option<OwnedSemaphorePermit>,
     _peer: PeerServed,
     served: Arc<AtomicUsize>,
 }
@@ -56,16 +58,23 @@ impl Admission {
     /// A place for a new connection, or `None` (refused, counted and reported) at the cap.
     pub fn admit(&self, peer: SocketAddr) -> Option<Admitted> {
         match self.slots.clone().try_acquire_owned() {
-            Ok(slot) => {
-                self.served.fetch_add(1, Ordering::Relaxed);
-                crate::metrics::store::server().connection_opened();
-                Some(Admitted { _slot: slot, _peer: self.peers.add(peer), served: self.served.clone() })
-            }
+            Ok(slot) => Some(self.serve(peer, Some(slot))),
             Err(_) => {
                 self.refuse(peer);
                 None
             }
         }
+    }
+
+    /// A place for a client that proved the job secret: always.
+    pub fn admit_member(&self, peer: SocketAddr) -> Admitted {
+        self.serve(peer, None)
+    }
+
+    fn serve(&self, peer: SocketAddr, slot: Option<OwnedSemaphorePermit>) -> Admitted {
+        self.served.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::store::server().connection_opened();
+        Admitted { _slot: slot, _peer: self.peers.add(peer), served: self.served.clone() }
     }
 
     fn refuse(&self, peer: SocketAddr) {
@@ -116,6 +125,9 @@ mod tests {
         assert_eq!((admission.served(), admission.refused()), (2, 2));
         drop(first);
         assert_eq!(admission.served(), 1);
-        assert!(admission.admit(peer).is_some());
+        let _third = admission.admit(peer).unwrap();
+        assert!(admission.admit(peer).is_none());
+        let _member = admission.admit_member(peer);
+        assert_eq!(admission.served(), 3, "a member is served past the cap");
     }
 }

@@ -37,6 +37,8 @@ pub enum CloseReason {
     BadMagic(u32),
     #[error("connection closed in the middle of a request ({0} bytes unread)")]
     Truncated(usize),
+    #[error("it offered the job secret, but this server runs without one (told it so)")]
+    SecretOffered,
     #[error("idle for {0:?} with no pending wait (idle timeout)")]
     Idle(Duration),
 }
@@ -154,6 +156,12 @@ impl Connection {
 
     /// Executes every whole request in the read buffer.
     fn process_buffered(&mut self) -> Result<(), CloseReason> {
+        if !self.session.validated && self.read_buf.first() == Some(&crate::auth::pair::STORE.magic[0]) {
+            // an elastix client with a secret: it learns that no retry will help (33 bytes fit
+            // the empty socket buffer)
+            let _ = self.stream.try_write(&crate::auth::pair::no_secret_challenge());
+            return Err(CloseReason::SecretOffered);
+        }
         while self.read_buf.len() >= self.needed {
             let limits = &self.session.shared.limits;
             let used = match Request::decode(&self.read_buf, limits)? {

@@ -25,7 +25,7 @@ use super::counter::parse_counter;
 use super::db::Db;
 use super::limits::Limits;
 use crate::address_log::AddressLog;
-use crate::auth::{process_secret_or_log, Gate, PlainClients, Secret};
+use crate::auth::{process_secret_or_log, Admitted, Gate, PlainClients, Secret};
 
 /// How to run a server.
 #[derive(Clone, Debug)]
@@ -273,8 +273,15 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut shutdown: S
                 accepted
             }
             Err(err) => {
-                // Out of descriptors or memory: back off instead of spinning, keep serving
-                // the connections there are; say so once per burst of failures.
+                // Out of descriptors: connections still waiting to authenticate go first (a
+                // flood of strangers must not keep a member out); otherwise back off instead of
+                // spinning, keep serving the connections there are, and say so once per burst.
+                let out_of_descriptors = matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+                if out_of_descriptors && shared.gate.as_ref().is_some_and(Gate::shed_oldest) {
+                    tracing::debug!("accept failed: {err}; shed the oldest connection waiting to authenticate");
+                    tokio::task::yield_now().await;
+                    continue;
+                }
                 if error_backoff == Duration::from_millis(5) {
                     tracing::error!("accept failed: {err}; retrying with backoff, existing clients are still served");
                 } else {
@@ -288,28 +295,39 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut shutdown: S
                 continue;
             }
         };
-        let Some(admitted) = shared.admission.admit(peer) else {
-            drop(stream); // refused: the client sees EOF now, not a hang in the backlog
-            continue;
-        };
         if let Err(err) = stream.set_nodelay(true).and_then(|()| listener::set_keepalive(&stream)) {
             tracing::debug!(%peer, "could not set TCP_NODELAY or keepalive: {err}");
+        }
+        if shared.gate.is_none() {
+            let Some(admitted) = shared.admission.admit(peer) else {
+                drop(stream); // refused: the client sees EOF now, not a hang in the backlog
+                continue;
+            };
+            let (shared, shutdown, task_done) = (shared.clone(), shutdown.clone(), task_done.clone());
+            tokio::spawn(async move {
+                Connection::new(stream, peer, shared).run(shutdown).await;
+                drop((admitted, task_done));
+            });
+            continue;
         }
         let (shared, mut shutdown, task_done) = (shared.clone(), shutdown.clone(), task_done.clone());
         tokio::spawn(async move {
             let mut stream = stream;
             // authentication runs here, not in the accept loop: a slow client holds up nobody
-            let admitted_by_gate = match &shared.gate {
-                None => true,
-                Some(gate) => tokio::select! {
-                    admitted = gate.admit(&mut stream, peer) => admitted,
-                    _ = shutdown.recv() => false,
-                },
+            let gate = shared.gate.as_ref().expect("checked above");
+            let admitted = tokio::select! {
+                admitted = gate.admit(&mut stream, peer) => admitted,
+                _ = shutdown.recv() => None,
             };
-            if admitted_by_gate {
+            let admitted = match admitted {
+                Some(Admitted::Member) => Some(shared.admission.admit_member(peer)),
+                Some(Admitted::Plain) => shared.admission.admit(peer),
+                None => None,
+            };
+            if let Some(admitted) = admitted {
                 Connection::new(stream, peer, shared).run(shutdown).await;
+                drop(admitted);
             }
-            drop(admitted);
             drop(task_done);
         });
     }

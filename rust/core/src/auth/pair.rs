@@ -1,0 +1,412 @@
+//! The pair handshake every authenticated elastix connection starts with (the store's, RPC's and
+//! the collectives' TCP connections), before anything else crosses it:
+//!
+//! ```text
+//! connector → acceptor   HELLO      magic (8) | version (1) | binding | nonce_c (32)
+//! acceptor  → connector  CHALLENGE  status (1) | nonce_a (32)
+//! connector → acceptor   PROOF      HMAC(key, label | "connect" | binding | nonce_c | nonce_a) (32)
+//! acceptor  → connector  VERDICT    1 | HMAC(key, label | "accept" | binding | nonce_c | nonce_a) (32)
+//!                                   or 0 | 32 zero bytes: the proof was wrong
+//! ```
+//!
+//! The connector proves first, so an acceptor sends nothing derived from the key to a peer
+//! that has not proven it holds the key: a stranger who connects learns a random nonce and
+//! nothing to test guesses against offline. (A connector only dials the endpoints it was
+//! given.) Both proofs cover nonces the other side drew, so a recorded exchange cannot be
+//! replayed, and their labels differ, so neither can be reflected as the other. `binding` (its
+//! length fixed per [`Purpose`]) ties a proof to what the connection is for, such as the pair
+//! of ranks. Proofs are compared in constant time; callers bound the exchange with a deadline.
+//!
+//! [`Connector`] and [`Acceptor`] are the two sides without I/O (Python's collectives drive
+//! them from their own event loop); [`connect`] and [`accept`] run them on a tokio stream.
+
+use rand::RngCore;
+use subtle::ConstantTimeEq;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::key::Key;
+
+const VERSION: u8 = 2;
+const NONCE: usize = 32;
+pub const PROOF_LEN: usize = 32;
+pub const CHALLENGE_LEN: usize = 1 + NONCE;
+pub const VERDICT_LEN: usize = 1 + PROOF_LEN;
+
+const GO_ON: u8 = 1;
+/// The acceptor holds no key (a store run without a job secret): final.
+const NO_SECRET: u8 = 2;
+const ACCEPTED: u8 = 1;
+const REFUSED: u8 = 0;
+
+/// What a kind of connection is for: its opening bytes, the label its proofs carry, and how
+/// long its binding is.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Purpose {
+    pub magic: [u8; 8],
+    pub label: &'static [u8],
+    pub binding_len: usize,
+}
+
+/// The store's connections. No TCPStore request starts with a byte of 0x80 or more, so a
+/// server tells them from torch's plain clients by the first byte.
+pub const STORE: Purpose = Purpose { magic: *b"\xe1elxauth", label: b"elastix store", binding_len: 0 };
+/// RPC: bound to (connector rank, acceptor rank), two little-endian u32.
+pub const RPC: Purpose = Purpose { magic: *b"ELXRPC02", label: b"elastix rpc", binding_len: 8 };
+/// Collectives over TCP: bound to (connector rank, acceptor rank), two little-endian u64.
+pub const COLLECTIVES: Purpose = Purpose { magic: *b"ELXCOL02", label: b"elastix collectives", binding_len: 16 };
+
+impl Purpose {
+    pub fn hello_len(&self) -> usize {
+        self.magic.len() + 1 + self.binding_len + NONCE
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    #[error("the peer closed the connection during authentication")]
+    Closed,
+    #[error("the peer did not start with elastix's authentication")]
+    NotAHello,
+    #[error("the peer speaks authentication version {0}, this elastix {VERSION}")]
+    Version(u8),
+    #[error("{0}")]
+    Unwanted(String),
+    /// Said by the acceptor: final for the connector.
+    #[error("the server runs without a job secret")]
+    NoSecret,
+    /// The acceptor's finding: the connector does not hold the key.
+    #[error("its proof is wrong: it does not hold the key")]
+    WrongProof,
+    /// The connector's finding, said by the acceptor: the connector does not hold its key.
+    #[error("the peer checked this side's proof and refused it: the two hold different keys")]
+    Refused,
+    /// The connector's finding: the acceptor accepted but cannot prove the key.
+    #[error("the peer does not hold the key (it accepted without being able to prove it)")]
+    Impostor,
+    #[error("i/o error during authentication: {0}")]
+    Io(std::io::Error),
+}
+
+impl HandshakeError {
+    /// A verified disagreement over the key, which no retry can fix (a close, a timeout or
+    /// garbage may be a busy or shedding server, or a stranger in the middle: worth a retry).
+    pub fn is_final(&self) -> bool {
+        matches!(self, HandshakeError::NoSecret | HandshakeError::Refused | HandshakeError::Impostor)
+    }
+}
+
+impl From<std::io::Error> for HandshakeError {
+    fn from(err: std::io::Error) -> Self {
+        if err.kind() == std::io::ErrorKind::UnexpectedEof {
+            HandshakeError::Closed
+        } else {
+            HandshakeError::Io(err)
+        }
+    }
+}
+
+fn nonce() -> [u8; NONCE] {
+    let mut nonce = [0u8; NONCE];
+    rand::rngs::OsRng.fill_bytes(&mut nonce);
+    nonce
+}
+
+fn proof(key: &Key, purpose: &Purpose, side: &[u8], binding: &[u8], client: &[u8], server: &[u8]) -> [u8; PROOF_LEN] {
+    key.mac(&[purpose.label, b" ", side, binding, client, server])
+}
+
+fn same(expected: &[u8; PROOF_LEN], got: &[u8]) -> bool {
+    bool::from(expected.as_slice().ct_eq(got))
+}
+
+/// The connecting side, without I/O: [`Connector::new`] gives the HELLO to send, then feed it
+/// the CHALLENGE and the VERDICT.
+pub struct Connector {
+    key: Key,
+    purpose: &'static Purpose,
+    binding: Vec<u8>,
+    mine: [u8; NONCE],
+    theirs: Option<[u8; NONCE]>,
+}
+
+impl Connector {
+    /// `binding` must be `purpose.binding_len` bytes long.
+    pub fn new(key: &Key, purpose: &'static Purpose, binding: &[u8]) -> (Connector, Vec<u8>) {
+        assert_eq!(binding.len(), purpose.binding_len, "the binding of a {:?} handshake", purpose.magic);
+        let mine = nonce();
+        let mut hello = Vec::with_capacity(purpose.hello_len());
+        hello.extend_from_slice(&purpose.magic);
+        hello.push(VERSION);
+        hello.extend_from_slice(binding);
+        hello.extend_from_slice(&mine);
+        (Connector { key: key.clone(), purpose, binding: binding.to_vec(), mine, theirs: None }, hello)
+    }
+
+    /// The PROOF that answers `challenge`.
+    pub fn on_challenge(&mut self, challenge: &[u8; CHALLENGE_LEN]) -> Result<[u8; PROOF_LEN], HandshakeError> {
+        match challenge[0] {
+            GO_ON => {}
+            NO_SECRET => return Err(HandshakeError::NoSecret),
+            _ => return Err(HandshakeError::NotAHello),
+        }
+        let theirs: [u8; NONCE] = challenge[1..].try_into().expect("a challenge holds a nonce");
+        self.theirs = Some(theirs);
+        Ok(proof(&self.key, self.purpose, b"connect", &self.binding, &self.mine, &theirs))
+    }
+
+    /// Whether the acceptor took this side's proof and proved the key in turn.
+    pub fn on_verdict(&self, verdict: &[u8; VERDICT_LEN]) -> Result<(), HandshakeError> {
+        let theirs = self.theirs.as_ref().ok_or(HandshakeError::NotAHello)?;
+        match verdict[0] {
+            ACCEPTED => {}
+            REFUSED => return Err(HandshakeError::Refused),
+            _ => return Err(HandshakeError::NotAHello),
+        }
+        let expected = proof(&self.key, self.purpose, b"accept", &self.binding, &self.mine, theirs);
+        if same(&expected, &verdict[1..]) {
+            Ok(())
+        } else {
+            Err(HandshakeError::Impostor)
+        }
+    }
+}
+
+/// The accepting side, without I/O: feed it the HELLO (it gives the binding, for the caller to
+/// check, and the CHALLENGE to send), then the PROOF (it gives the VERDICT to send).
+pub struct Acceptor {
+    key: Key,
+    purpose: &'static Purpose,
+    hello: Option<(Vec<u8>, [u8; NONCE], [u8; NONCE])>,
+}
+
+impl Acceptor {
+    pub fn new(key: &Key, purpose: &'static Purpose) -> Acceptor {
+        Acceptor { key: key.clone(), purpose, hello: None }
+    }
+
+    /// The binding the connector claims, and the CHALLENGE to send.
+    pub fn on_hello(&mut self, hello: &[u8]) -> Result<(Vec<u8>, [u8; CHALLENGE_LEN]), HandshakeError> {
+        let magic = &self.purpose.magic;
+        if hello.len() != self.purpose.hello_len() || !hello.starts_with(magic) {
+            return Err(HandshakeError::NotAHello);
+        }
+        if hello[magic.len()] != VERSION {
+            return Err(HandshakeError::Version(hello[magic.len()]));
+        }
+        let rest = &hello[magic.len() + 1..];
+        let (binding, theirs) = rest.split_at(self.purpose.binding_len);
+        let theirs: [u8; NONCE] = theirs.try_into().expect("the length was checked");
+        let mine = nonce();
+        let mut challenge = [0u8; CHALLENGE_LEN];
+        challenge[0] = GO_ON;
+        challenge[1..].copy_from_slice(&mine);
+        self.hello = Some((binding.to_vec(), theirs, mine));
+        Ok((binding.to_vec(), challenge))
+    }
+
+    /// The VERDICT on `proof`: `Ok` to send and serve, or `Err` with the refusal to send.
+    pub fn on_proof(
+        &self,
+        proof_bytes: &[u8; PROOF_LEN],
+    ) -> Result<[u8; VERDICT_LEN], ([u8; VERDICT_LEN], HandshakeError)> {
+        let mut verdict = [0u8; VERDICT_LEN];
+        let Some((binding, theirs, mine)) = &self.hello else {
+            return Err((verdict, HandshakeError::NotAHello));
+        };
+        if !same(&proof(&self.key, self.purpose, b"connect", binding, theirs, mine), proof_bytes) {
+            verdict[0] = REFUSED;
+            return Err((verdict, HandshakeError::WrongProof));
+        }
+        verdict[0] = ACCEPTED;
+        verdict[1..].copy_from_slice(&proof(&self.key, self.purpose, b"accept", binding, theirs, mine));
+        Ok(verdict)
+    }
+}
+
+/// The CHALLENGE of an acceptor that holds no key (a store run without a secret): the
+/// connector learns at once that no retry will help.
+pub fn no_secret_challenge() -> [u8; CHALLENGE_LEN] {
+    let mut challenge = [0u8; CHALLENGE_LEN];
+    challenge[0] = NO_SECRET;
+    challenge
+}
+
+/// The connector's side up to and including its proof; the verdict is read with
+/// [`Proven::verdict`], so a caller may send its first requests behind the proof.
+pub async fn prove<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    key: &Key,
+    purpose: &'static Purpose,
+    binding: &[u8],
+) -> Result<Proven, HandshakeError> {
+    let (mut connector, hello) = Connector::new(key, purpose, binding);
+    stream.write_all(&hello).await?;
+    let mut challenge = [0u8; CHALLENGE_LEN];
+    stream.read_exact(&mut challenge).await?;
+    let proof = connector.on_challenge(&challenge)?;
+    stream.write_all(&proof).await?;
+    Ok(Proven(connector))
+}
+
+/// A connector that sent its proof.
+pub struct Proven(Connector);
+
+impl Proven {
+    pub async fn verdict<S: AsyncRead + Unpin>(self, stream: &mut S) -> Result<(), HandshakeError> {
+        let mut verdict = [0u8; VERDICT_LEN];
+        stream.read_exact(&mut verdict).await?;
+        self.0.on_verdict(&verdict)
+    }
+}
+
+/// The whole connector's side.
+pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    key: &Key,
+    purpose: &'static Purpose,
+    binding: &[u8],
+) -> Result<(), HandshakeError> {
+    prove(stream, key, purpose, binding).await?.verdict(stream).await
+}
+
+/// The whole acceptor's side: the connector's binding once it proved the key. `check` sees the
+/// binding before anything is sent back, and may refuse it (`Err(why)`).
+pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    key: &Key,
+    purpose: &'static Purpose,
+    check: impl FnOnce(&[u8]) -> Result<(), String>,
+) -> Result<Vec<u8>, HandshakeError> {
+    let mut acceptor = Acceptor::new(key, purpose);
+    let mut hello = vec![0u8; purpose.hello_len()];
+    stream.read_exact(&mut hello).await?;
+    let (binding, challenge) = acceptor.on_hello(&hello)?;
+    check(&binding).map_err(HandshakeError::Unwanted)?;
+    stream.write_all(&challenge).await?;
+    let mut proof = [0u8; PROOF_LEN];
+    stream.read_exact(&mut proof).await?;
+    match acceptor.on_proof(&proof) {
+        Ok(verdict) => {
+            stream.write_all(&verdict).await?;
+            Ok(binding)
+        }
+        Err((refusal, err)) => {
+            let _ = stream.write_all(&refusal).await;
+            Err(err)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::duplex;
+
+    use super::*;
+
+    fn key(text: &str) -> Key {
+        Key::from_bytes(text.as_bytes())
+    }
+
+    fn accept_all(_: &[u8]) -> Result<(), String> {
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn both_sides_holding_the_key_agree_on_the_binding() {
+        let (mut a, mut b) = duplex(1024);
+        let k = key("k");
+        let (connected, accepted) =
+            tokio::join!(connect(&mut a, &k, &RPC, &[1, 0, 0, 0, 2, 0, 0, 0]), accept(&mut b, &k, &RPC, accept_all));
+        connected.unwrap();
+        assert_eq!(accepted.unwrap(), [1, 0, 0, 0, 2, 0, 0, 0]);
+    }
+
+    #[tokio::test]
+    async fn a_wrong_key_is_a_verified_refusal_on_both_sides() {
+        let (mut a, mut b) = duplex(1024);
+        let (mine, theirs) = (key("mine"), key("theirs"));
+        let (connected, accepted) =
+            tokio::join!(connect(&mut a, &mine, &STORE, &[]), accept(&mut b, &theirs, &STORE, accept_all));
+        let connected = connected.unwrap_err();
+        assert!(matches!(connected, HandshakeError::Refused) && connected.is_final(), "{connected:?}");
+        assert!(matches!(accepted, Err(HandshakeError::WrongProof)), "{accepted:?}");
+    }
+
+    #[tokio::test]
+    async fn the_acceptor_says_nothing_derived_from_the_key_before_the_connectors_proof() {
+        // a stranger's view: the same hello answered under two keys differs only in its random
+        // nonce, and a wrong proof gets a refusal with no proof in it
+        let stranger = |k: Key| async move {
+            let (mut a, mut b) = duplex(1024);
+            let (_, hello) = Connector::new(&key("guess"), &STORE, &[]);
+            let server = tokio::spawn(async move { accept(&mut b, &k, &STORE, accept_all).await });
+            a.write_all(&hello).await.unwrap();
+            let mut challenge = [0u8; CHALLENGE_LEN];
+            a.read_exact(&mut challenge).await.unwrap();
+            a.write_all(&[0u8; PROOF_LEN]).await.unwrap();
+            let mut verdict = [9u8; VERDICT_LEN];
+            a.read_exact(&mut verdict).await.unwrap();
+            assert!(matches!(server.await.unwrap(), Err(HandshakeError::WrongProof)));
+            (challenge, verdict)
+        };
+        let (one, refused) = stranger(key("k1")).await;
+        let (other, _) = stranger(key("k2")).await;
+        assert_eq!((one[0], other[0]), (GO_ON, GO_ON));
+        assert_ne!(one[1..], other[1..], "fresh nonces");
+        assert_eq!(refused, [0u8; VERDICT_LEN], "a refusal carries nothing");
+    }
+
+    #[tokio::test]
+    async fn a_replayed_proof_meets_a_fresh_nonce() {
+        let k = key("k");
+        let (mut connector, hello) = Connector::new(&k, &STORE, &[]);
+        let mut first = Acceptor::new(&k, &STORE);
+        let (_, challenge) = first.on_hello(&hello).unwrap();
+        let recorded = connector.on_challenge(&challenge).unwrap();
+        assert!(first.on_proof(&recorded).is_ok());
+        let mut second = Acceptor::new(&k, &STORE);
+        second.on_hello(&hello).unwrap();
+        assert!(matches!(second.on_proof(&recorded), Err((_, HandshakeError::WrongProof))));
+    }
+
+    #[tokio::test]
+    async fn an_acceptor_that_accepts_without_the_key_is_caught() {
+        let (mut connector, hello) = Connector::new(&key("k"), &RPC, &[0; 8]);
+        let mut impostor = Acceptor::new(&key("other"), &RPC);
+        let (_, challenge) = impostor.on_hello(&hello).unwrap();
+        connector.on_challenge(&challenge).unwrap();
+        let mut verdict = [0u8; VERDICT_LEN];
+        verdict[0] = ACCEPTED;
+        assert!(matches!(connector.on_verdict(&verdict), Err(HandshakeError::Impostor)));
+    }
+
+    #[tokio::test]
+    async fn bindings_purposes_and_garbage_are_refused() {
+        let k = key("k");
+        let (_, rpc_hello) = Connector::new(&k, &RPC, &[0; 8]);
+        assert!(matches!(Acceptor::new(&k, &COLLECTIVES).on_hello(&rpc_hello), Err(HandshakeError::NotAHello)));
+        let mut old = rpc_hello.clone();
+        old[8] = 1;
+        assert!(matches!(Acceptor::new(&k, &RPC).on_hello(&old), Err(HandshakeError::Version(1))));
+        // a proof bound to other ranks does not pass
+        let (mut connector, hello) = Connector::new(&k, &RPC, &[1; 8]);
+        let mut acceptor = Acceptor::new(&k, &RPC);
+        let mut forged = hello.clone();
+        forged[9] = 2;
+        let (_, challenge) = acceptor.on_hello(&forged).unwrap();
+        let proof = connector.on_challenge(&challenge).unwrap();
+        assert!(acceptor.on_proof(&proof).is_err());
+        let (mut a, mut b) = duplex(1024);
+        let (_, accepted) = tokio::join!(
+            async {
+                let (_, hello) = Connector::new(&k, &RPC, &[7; 8]);
+                a.write_all(&hello).await.unwrap();
+                drop(a);
+            },
+            accept(&mut b, &k, &RPC, |binding| Err(format!("no rank {}", binding[0])))
+        );
+        assert!(matches!(accepted, Err(HandshakeError::Unwanted(why)) if why == "no rank 7"));
+        let mut connector = Connector::new(&k, &STORE, &[]).0;
+        assert!(matches!(connector.on_challenge(&no_secret_challenge()), Err(HandshakeError::NoSecret)));
+    }
+}
