@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 import torch_gate
-from agents import WORKERS, agent, finish_all, node_args, rounds_of, starts, wait_round
+from agents import WORKERS, agent, assert_nothing_left, finish_all, node_args, rounds_of, starts, wait_for, wait_round
 from conftest import reserved_port as reserve
 from netns import hosts_for_a_test
 
@@ -139,6 +139,40 @@ def test_a_secret_from_the_environment_reaches_workers_only_as_a_private_file(
     assert "environment variables leak" in a.output()
     assert text not in a.output()
     assert not os.path.exists(given), "the agent removes the file it wrote"
+
+
+def test_a_killed_agents_private_copy_of_the_secret_is_removed_by_its_watchdog(
+    tmp_path, marker, monkeypatch, reserved_port
+):
+    text = f"s3cr3t-{uuid.uuid4().hex}"
+    monkeypatch.setenv("ELASTIX_AUTH_TOKEN", text)
+    monkeypatch.delenv("ELASTIX_AUTH_TOKEN_FILE", raising=False)
+    args = node_args("1", f"127.0.0.1:{reserved_port}", "127.0.0.1", FAST, WORKER, run_id="killedjob")
+    a = agent(tmp_path, marker, "n0", "run", *args)
+    formed = wait_round(tmp_path, 1)
+    (record,) = [r for r in starts(tmp_path) if r["round"] == formed]
+    with open(f"/proc/{record['pid']}/environ", "rb") as f:
+        environ = dict(entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry)
+    given = environ[b"ELASTIX_AUTH_TOKEN_FILE"].decode()
+    assert os.stat(os.path.dirname(given)).st_mode & 0o077 == 0, "the copy's directory is private"
+    # the cleanup watchdog: forked from the agent, so it shares the agent's command line
+    with open(f"/proc/{a.proc.pid}/cmdline", "rb") as f:
+        cmdline = f.read()
+    watchdogs = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read() == cmdline and int(pid) != a.proc.pid:
+                    watchdogs.append(int(pid))
+        except OSError:
+            pass
+    assert len(watchdogs) == 1, watchdogs
+    with open(f"/proc/{watchdogs[0]}/environ", "rb") as f:
+        assert text.encode() not in f.read(), "the watchdog's environment holds no secret"
+    a.proc.kill()
+    a.proc.wait(10)
+    wait_for(lambda: not os.path.exists(os.path.dirname(given)), timeout=30, what="the watchdog removing the copy")
+    assert_nothing_left(marker)
 
 
 def test_an_agent_with_a_wrong_or_missing_secret_is_refused_and_the_job_goes_on(

@@ -45,14 +45,12 @@ NOT_RUN = {
 
 # Shell commands that prepare the elastix commands of their block: run with bash as written,
 # `~` being a directory of the test.
-SETUP = {
-    "head -c 32 /dev/urandom | base64 > ~/.elastix-secret",
-    "chmod 600 ~/.elastix-secret",
-}
+SETUP: set = set()
 
 HOW_TO_MARK = (
     "tests/test_readme.py runs `elastix run` (a numeric --nproc-per-node; train.py or "
-    "examples/train_digits.py as the program), `elastix status`, `elastix dump` and `elastix store` / "
+    "examples/train_digits.py as the program), `elastix status`, `elastix dump`, `elastix secret` and "
+    "`elastix store` / "
     "`elastix-store`, with node0, node1, ... host or etcd1, ... as host names; make the command one of "
     "those, or add it to NOT_RUN in tests/test_readme.py with the reason it cannot run"
 )
@@ -454,6 +452,10 @@ def run_elastix(ctx, command, segment, stack):
         assert store.out().startswith(expected), f"{command.where()}: expected {expected!r}\n{store.describe()}"
         store.proc.send_signal(signal.SIGTERM)
         assert store.finish(timeout=30) == 0, store.describe()
+    elif what == "secret":
+        made = ctx.start(argv, env, "secret", stack)
+        assert made.finish(timeout=30) == 0, made.describe()
+        assert os.stat(argv[2]).st_mode & 0o777 == 0o600, command.where()
     else:
         fail(command, f"`elastix {what}` is not a command this test knows how to run")
 

@@ -18,6 +18,8 @@ import logging
 import os
 import secrets
 import socket
+import subprocess
+import sys
 import threading
 import warnings
 from datetime import timedelta
@@ -113,6 +115,17 @@ def test_links_and_files_in_shared_directories_are_refused(tmp_path, env):
     env.setenv(FILE_ENV, write_secret(shared))
     with pytest.raises(PermissionError, match="everyone may write to"):
         load_secret()
+
+
+def test_a_process_that_loaded_the_secret_cannot_be_dumped(tmp_path, env):
+    env.setenv(FILE_ENV, write_secret(tmp_path))
+    probe = (
+        "import ctypes; from elastix import _auth\n"
+        "dumpable = lambda: ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)  # PR_GET_DUMPABLE\n"
+        "before = dumpable(); _auth.load_secret(); print(before, dumpable())"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["1", "0"], out.stdout + out.stderr
 
 
 def test_elastix_secret_writes_a_strong_private_secret_once(tmp_path, env):

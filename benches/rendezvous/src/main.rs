@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use elastix_core::auth::Secret;
+use elastix_core::auth::{PlainClients, Secret};
 use elastix_core::rendezvous::c10d::keys::run_prefix;
 use elastix_core::rendezvous::etcd::EtcdRendezvous;
 use elastix_core::rendezvous::store::{RendezvousStore, TcpRendezvousStore};
@@ -46,11 +46,8 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
-    if args.secret {
-        // before any server or client is made: they take the process's secret by default
-        let secret = Secret::from_bytes("elastix-rdzv-bench's job secret").expect("a secret");
-        elastix_core::auth::use_secret(secret).expect("the only secret");
-    }
+    // handed to the store and to every client
+    let secret = args.secret.then(|| Secret::from_bytes("elastix-rdzv-bench's job secret").expect("a secret"));
     let runtime =
         tokio::runtime::Builder::new_multi_thread().worker_threads(args.threads).enable_all().build().expect("runtime");
     if let Some(endpoints) = &args.etcd {
@@ -60,7 +57,10 @@ fn main() {
         return;
     }
     let server = match args.endpoint {
-        None => Some(BackgroundServer::start(&ServerConfig::default(), 1).expect("start the store")),
+        None => {
+            let config = ServerConfig::default().requiring(secret.as_ref(), PlainClients::LoopbackAndAuthenticated);
+            Some(BackgroundServer::start(&config, 1).expect("start the store"))
+        }
         Some(_) => None,
     };
     let (host, port) = match (&args.endpoint, &server) {
@@ -72,7 +72,7 @@ fn main() {
         (None, None) => unreachable!(),
     };
     if let Some(count) = args.connects {
-        let (median, p90) = runtime.block_on(connects(&host, port, count));
+        let (median, p90) = runtime.block_on(connects(&host, port, count, secret));
         println!(r#"{{"connects": {count}, "median_us": {median:.1}, "p90_us": {p90:.1}}}"#);
         return;
     }
@@ -81,7 +81,10 @@ fn main() {
         let prefix = run_prefix(&run_id);
         let settings = settings(&run_id, args.nodes);
         let nodes = (0..args.nodes).map(|_| {
-            let options = ConnectOptions::new(host.clone(), port, Some(Duration::from_secs(60)));
+            let options = ConnectOptions {
+                secret: secret.clone(),
+                ..ConnectOptions::new(host.clone(), port, Some(Duration::from_secs(60)))
+            };
             let store = TcpRendezvousStore::new(options, prefix.clone(), Duration::from_secs(60));
             DynamicRendezvous::new(store, settings.clone(), prefix.clone()).expect("handler")
         });
@@ -148,11 +151,12 @@ async fn one_round<N: Node>(nodes: u32, handlers: Vec<N>) -> f64 {
 }
 
 /// `count` connections one after another: the median and 90th percentile, in microseconds.
-async fn connects(host: &str, port: u16, count: u32) -> (f64, f64) {
+async fn connects(host: &str, port: u16, count: u32, secret: Option<Secret>) -> (f64, f64) {
+    let options = ConnectOptions { secret, ..ConnectOptions::new(host, port, Some(Duration::from_secs(10))) };
     let mut times = Vec::with_capacity(count as usize);
     for _ in 0..count {
         let start = Instant::now();
-        let client = Client::connect(&ConnectOptions::new(host, port, Some(Duration::from_secs(10)))).await;
+        let client = Client::connect(&options).await;
         times.push(start.elapsed().as_secs_f64() * 1e6);
         drop(client.expect("connect"));
     }

@@ -308,7 +308,7 @@ class TcpComm:
         hs = _Handshake(
             sock, _address(addr), time.monotonic() + self._handshake_limit(), _core.PairAcceptor(self._key, PURPOSE)
         )
-        hs.ticket, shed_fds = self._lobby.arrive(addr[0], sock.fileno())
+        hs.ticket, shed_fds = self._lobby.arrive(addr[0].split("%", 1)[0], sock.fileno())  # no IPv6 scope
         pending[sock] = hs
         sel.register(sock, selectors.EVENT_READ, None)
         for old in [h for h in pending.values() if h.sock.fileno() in shed_fds]:

@@ -14,7 +14,10 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
+use crate::auth::Secret;
+use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS};
 use crate::rendezvous::endpoint::{parse_endpoint, DEFAULT_PORT};
+use crate::rendezvous::job_secret;
 use crate::rendezvous::job_status;
 use crate::rendezvous::status::StatusQuery;
 use crate::rendezvous::{RendezvousError, RendezvousInfo};
@@ -72,7 +75,8 @@ pub async fn job_dump(query: &StatusQuery, rank: Option<u32>) -> RdzvResult<Opti
         }
     }
     let (host, port) = parse_endpoint(&status.endpoint, DEFAULT_PORT)?;
-    let options = TcpStoreOptions { timeout: Some(query.timeout), ..TcpStoreOptions::new(host, port) };
+    let secret = job_secret(&RendezvousConf::from_input(&query.conf, DYNAMIC_KEYS)?)?;
+    let options = TcpStoreOptions { timeout: Some(query.timeout), secret, ..TcpStoreOptions::new(host, port) };
     let mut store = TcpStore::open(options).await?;
     let nodes: Vec<u32> = status.members.iter().map(|member| member.group_rank).collect();
     let replies = request(&mut store, &query.run_id, rank, &nodes, query.timeout).await?;
@@ -155,13 +159,14 @@ pub struct DumpRequests {
 
 impl DumpRequests {
     /// Watches the round's rendezvous store for requests.
-    pub fn watch(info: &RendezvousInfo, host: &str) -> DumpRequests {
+    pub fn watch(info: &RendezvousInfo, host: &str, secret: Option<&Secret>) -> DumpRequests {
         let (sender, asked) = mpsc::channel(1);
         let node = Node {
             run_id: info.run_id.clone(),
             rank: info.rank,
             host: host.to_owned(),
             store: (info.store_host.clone(), info.store_port),
+            secret: secret.cloned(),
         };
         DumpRequests { asked, watcher: tokio::spawn(node.serve(sender)) }
     }
@@ -183,6 +188,7 @@ struct Node {
     rank: u32,
     host: String,
     store: (String, u16),
+    secret: Option<Secret>,
 }
 
 impl Node {
@@ -205,7 +211,8 @@ impl Node {
         asked: &mpsc::Sender<Asked>,
         next: &mut Option<i64>,
     ) -> Result<(), crate::store::StoreError> {
-        let options = TcpStoreOptions::new(self.store.0.clone(), self.store.1);
+        let options =
+            TcpStoreOptions { secret: self.secret.clone(), ..TcpStoreOptions::new(self.store.0.clone(), self.store.1) };
         let mut store = TcpStore::open(options).await?;
         // requests made before this round are not for it
         let mut n = match *next {

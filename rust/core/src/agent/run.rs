@@ -35,6 +35,7 @@ use super::ranks::{self, RoleInfo};
 use super::result::{AgentErrorInfo, AgentResult, RunState, LOGS_INCOMPLETE};
 use super::signals::Signals;
 use super::standby::StandbyPool;
+use crate::auth::Secret;
 use crate::metrics::{self, Exposes, MetricsServer};
 use crate::rendezvous::node::host_name;
 use crate::rendezvous::records::{AgentFacts, FailureRecord, FORMAT_VERSION};
@@ -296,7 +297,7 @@ impl Agent {
             (signal, _) = signals.recv() => return Err(AgentError::Interrupted(signal)),
         };
         let host = config.local_addr.clone().unwrap_or_else(host_name);
-        point_workers_at_the_secret(&mut config, &host)?;
+        point_workers_at_the_secret(&mut config, rdzv.secret(), &host)?;
         let outputs = worker_outputs(&config, console::on_terminal());
         if outputs.contains(&Output::Shared) {
             tracing::info!(
@@ -403,7 +404,7 @@ impl Agent {
             counts.forget_worker_heartbeats();
             counts.workers_running(self.config.local_world_size);
             self.publish_node_status(&report.global_ranks).await;
-            let mut dumps = DumpRequests::watch(&info, &self.host);
+            let mut dumps = DumpRequests::watch(&info, &self.host, self.rdzv.secret());
             // the summary of a failure that ends the job lists all that fail with it
             let last_chance = report.restart_count >= i64::from(self.config.max_restarts);
             let together = if last_chance { FAILED_TOGETHER } else { Duration::ZERO };
@@ -560,9 +561,10 @@ impl Agent {
         changes: &mut Option<watch::Receiver<Option<MembershipChange>>>,
     ) -> Result<Start> {
         let me = RoleInfo { role: self.config.role.clone(), local_world_size: self.config.local_world_size };
+        let secret = self.rdzv.secret().cloned();
         let exchange = async {
             let at = (info.store_host.clone(), info.store_port);
-            let store = connect_store(&mut self.store, &at, STORE_TIMEOUT).await?;
+            let store = connect_store(&mut self.store, &at, secret.as_ref(), STORE_TIMEOUT).await?;
             ranks::assign(store, &info.store_prefix, info.rank, info.world_size, &me, STORE_TIMEOUT).await
         };
         // every member takes part in the exchange: one lost meanwhile never will
@@ -707,6 +709,7 @@ impl Agent {
         let deadline = tokio::time::Instant::now() + timeout;
         let key = |rank: u32| format!("{}/terminal/{rank}", info.store_prefix).into_bytes();
         let (rdzv, slot, signals) = (&mut self.rdzv, &mut self.store, &mut self.signals);
+        let secret = rdzv.secret().cloned();
         let mut at = (info.store_host.clone(), info.store_port);
         let mut awaited: Vec<u32> = (0..info.world_size).filter(|rank| *rank != info.rank).collect();
         // members reported lost meanwhile (a cut link, a silent machine): not waited for either
@@ -718,7 +721,7 @@ impl Agent {
                 let slice = remaining.min(BARRIER_LOOK_EVERY);
                 // everyone there (`None`), or who has not arrived yet
                 let attempt = async {
-                    let store = connect_store(slot, &at, remaining.min(BARRIER_RECONNECT)).await?;
+                    let store = connect_store(slot, &at, secret.as_ref(), remaining.min(BARRIER_RECONNECT)).await?;
                     store.set(&key(info.rank), b"1").await?;
                     let keys: Vec<Vec<u8>> = awaited.iter().map(|rank| key(*rank)).collect();
                     let keys: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
@@ -870,17 +873,22 @@ fn count_exits(event: &Event, local_world_size: u32) {
     counts.workers_running(0);
 }
 
-/// A connection to the rendezvous store at `at` (host, port), kept in `slot` while it stays
-/// usable; a new one is tried for up to `patience`.
+/// A connection to the round's store at `at` (host, port), proving `secret`, kept in `slot`
+/// while it stays usable; a new one is tried for up to `patience`.
 async fn connect_store<'a>(
     slot: &'a mut Option<TcpStore>,
     at: &(String, u16),
+    secret: Option<&Secret>,
     patience: Duration,
 ) -> Result<&'a mut TcpStore> {
     let reusable =
         slot.as_ref().is_some_and(|store| store.client().is_usable() && store.host() == at.0 && store.port() == at.1);
     if !reusable {
-        let options = TcpStoreOptions { timeout: Some(patience), ..TcpStoreOptions::new(at.0.clone(), at.1) };
+        let options = TcpStoreOptions {
+            timeout: Some(patience),
+            secret: secret.cloned(),
+            ..TcpStoreOptions::new(at.0.clone(), at.1)
+        };
         *slot = Some(TcpStore::open(options).await?);
     }
     Ok(slot.as_mut().expect("opened above"))
@@ -888,9 +896,9 @@ async fn connect_store<'a>(
 
 /// Gives the workers the job secret's file (never the secret itself), or, without a secret on
 /// a node others can reach, says once who can reach the job and how to close it.
-fn point_workers_at_the_secret(config: &mut AgentConfig, host: &str) -> Result<()> {
-    let file = crate::auth::children_file().map_err(|err| RendezvousError::Config(err.to_string()))?;
-    match file {
+fn point_workers_at_the_secret(config: &mut AgentConfig, secret: Option<&Secret>, host: &str) -> Result<()> {
+    let file = secret.map(crate::auth::children_file).transpose();
+    match file.map_err(|err| RendezvousError::Config(err.to_string()))? {
         Some(path) => {
             config.env.insert(crate::auth::TOKEN_FILE_VAR.to_owned(), path.to_string_lossy().into_owned());
         }

@@ -2,7 +2,8 @@
 //! components (the store's, RPC's and the collectives' TCP connections).
 //!
 //! * [`secret`]: where the secret comes from (a file only its owner may read; an environment
-//!   variable, with a warning), the checks it must pass, and the one this process uses.
+//!   variable, with a warning) and the checks it must pass. It is handed explicitly to each
+//!   server and client that needs it.
 //! * [`key`]: the keys derived from it: the job's (store connections) and a group's (one
 //!   round's RPC or collectives connections).
 //! * [`pair`]: the handshake every such connection starts with; the connector proves first.
@@ -21,7 +22,4 @@ pub use door::{Door, DoorLimits, Lobby, HANDSHAKE_DEADLINE};
 pub use gate::{Admitted, Gate, PlainClients, SECRET_REQUIRED};
 pub use key::Key;
 pub use pair::HandshakeError;
-pub use secret::{
-    children_file, process_secret, process_secret_or_log, remove_children_file, use_secret, Secret, SecretError,
-    TOKEN_FILE_VAR, TOKEN_VAR,
-};
+pub use secret::{children_file, remove_children_file, Secret, SecretError, TOKEN_FILE_VAR, TOKEN_VAR};

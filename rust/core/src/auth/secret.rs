@@ -1,4 +1,5 @@
-//! Where the job secret comes from, and the one this process uses.
+//! Where the job secret comes from, and the checks it must pass. Whoever needs it is given it
+//! explicitly: there is no process-wide default.
 //!
 //! The secret is read from a file that only its owner may read (`ELASTIX_AUTH_TOKEN_FILE`,
 //! `--rdzv-conf auth_token_file`, `elastix-store --auth-token-file`): a file that its group or
@@ -40,6 +41,8 @@ impl std::fmt::Debug for Secret {
         write!(f, "Secret(from {:?})", self.source)
     }
 }
+
+impl Eq for Secret {}
 
 impl PartialEq for Secret {
     fn eq(&self, other: &Self) -> bool {
@@ -245,29 +248,6 @@ pub fn write_new(path: &Path) -> Result<(), SecretError> {
     checked
 }
 
-/// The secret this process uses: `None` until first asked for; then what the environment
-/// names, unless [`use_secret`] chose one first.
-static PROCESS: Mutex<Option<Result<Option<Secret>, SecretError>>> = Mutex::new(None);
-
-/// The job secret this process's servers and clients use by default (read from the
-/// environment on first use; an unusable secret file is an error every time it is asked for).
-pub fn process_secret() -> Result<Option<Secret>, SecretError> {
-    let mut process = PROCESS.lock().unwrap_or_else(PoisonError::into_inner);
-    process.get_or_insert_with(Secret::from_env).clone()
-}
-
-/// Makes `secret` this process's: it must agree with the environment's, if that names one.
-pub fn use_secret(secret: Secret) -> Result<(), SecretError> {
-    let mut process = PROCESS.lock().unwrap_or_else(PoisonError::into_inner);
-    match process.get_or_insert_with(Secret::from_env) {
-        Ok(Some(existing)) => same_secret(existing, &secret),
-        current => {
-            *current = Ok(Some(secret));
-            Ok(())
-        }
-    }
-}
-
 /// Two sources of the job secret must agree.
 pub fn same_secret(one: &Secret, other: &Secret) -> Result<(), SecretError> {
     if one == other {
@@ -280,41 +260,27 @@ pub fn same_secret(one: &Secret, other: &Secret) -> Result<(), SecretError> {
     )))
 }
 
-/// [`process_secret`] for a server's or client's default: an unusable secret file is logged
-/// (the agent and the Python bindings check it first and fail with the error).
-pub fn process_secret_or_log() -> Option<Secret> {
-    process_secret().unwrap_or_else(|err| {
-        tracing::error!("{err}; connections made without the job secret will be refused by servers that hold it");
-        None
-    })
-}
-
-/// The file children that need the secret are pointed at (`ELASTIX_AUTH_TOKEN_FILE`): the
+/// The file children that need `secret` are pointed at (`ELASTIX_AUTH_TOKEN_FILE`): the
 /// secret's own file, or, for a secret from `ELASTIX_AUTH_TOKEN`, its private copy
-/// ([`private_copy`]). `None` without a secret.
-pub fn children_file() -> Result<Option<PathBuf>, SecretError> {
-    let Some(secret) = process_secret()? else { return Ok(None) };
-    if let Some(path) = secret.file() {
-        return Ok(Some(path.to_owned()));
+/// ([`private_copy`]).
+pub fn children_file(secret: &Secret) -> Result<PathBuf, SecretError> {
+    match secret.file() {
+        Some(path) => Ok(path.to_owned()),
+        None => Ok(private_copy(secret)?.join(PRIVATE_COPY_NAME)),
     }
-    Ok(private_copy()?.map(|dir| dir.join(PRIVATE_COPY_NAME)))
 }
 
 /// The private copy's file name, in its directory.
 pub const PRIVATE_COPY_NAME: &str = "secret";
 
-/// For a secret from `ELASTIX_AUTH_TOKEN`, the directory (of mode 0700, under the temporary
-/// directory) holding a copy of it that children can be pointed at, written once; removed by
-/// [`remove_children_file`], or by the cleanup watchdog if this process is killed. `None`
-/// without a secret or for a secret that has a file of its own.
-pub fn private_copy() -> Result<Option<PathBuf>, SecretError> {
-    let Some(secret) = process_secret()? else { return Ok(None) };
-    if secret.file().is_some() {
-        return Ok(None);
-    }
+/// The directory (of mode 0700, under the temporary directory) holding a copy of `secret`
+/// that children can be pointed at, for a secret without a file of its own (from
+/// `ELASTIX_AUTH_TOKEN`); written once per process, removed by [`remove_children_file`], or by
+/// the cleanup watchdog if this process is killed.
+pub fn private_copy(secret: &Secret) -> Result<PathBuf, SecretError> {
     let mut written = CHILDREN_DIR.lock().unwrap_or_else(PoisonError::into_inner);
     if let Some(dir) = written.as_ref() {
-        return Ok(Some(dir.clone()));
+        return Ok(dir.clone());
     }
     let dir = std::env::temp_dir().join(format!("elastix-secret-{}-{:016x}", std::process::id(), fastrand::u64(..)));
     let fail = |err: std::io::Error| {
@@ -329,7 +295,12 @@ pub fn private_copy() -> Result<Option<PathBuf>, SecretError> {
         .map_err(fail)?;
     std::io::Write::write_all(&mut file, secret.key()).map_err(fail)?;
     *written = Some(dir.clone());
-    Ok(Some(dir))
+    Ok(dir)
+}
+
+/// The directory [`private_copy`] wrote, if it wrote one.
+pub fn private_copy_dir() -> Option<PathBuf> {
+    CHILDREN_DIR.lock().unwrap_or_else(PoisonError::into_inner).clone()
 }
 
 /// Removes the private copy [`private_copy`] wrote, if it wrote one.

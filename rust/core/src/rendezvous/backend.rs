@@ -11,6 +11,7 @@ use super::change::{MembershipChange, RendezvousInfo};
 use super::error::Result;
 use super::presence::Census;
 use super::records::{AgentFacts, FailureRecord};
+use crate::auth::Secret;
 
 /// A backend's answer, later.
 pub type Fut<'a, T> = Pin<Box<dyn Future<Output = Result<T>> + Send + 'a>>;
@@ -42,6 +43,9 @@ pub trait Backend: Send {
 
     /// Where the job's state lives, for messages.
     fn describe_store(&self) -> String;
+
+    /// The job secret the agent's store connections prove (the workers' store's included).
+    fn secret(&self) -> Option<&Secret>;
 
     /// The port of the rendezvous store this agent serves, if it serves one.
     fn hosted_port(&self) -> Option<u16> {

@@ -39,5 +39,6 @@ pub use create::Rendezvous;
 pub use error::RendezvousError;
 pub use job_status::job_status;
 pub use node::NodeDesc;
+pub(crate) use params::job_secret;
 pub use params::RendezvousParams;
 pub use settings::RendezvousSettings;

@@ -26,10 +26,12 @@ pub struct RendezvousParams {
 /// How often a waiting node reports (default 15 s); mostly for tests and impatient operators.
 pub const PROGRESS_INTERVAL_VAR: &str = "ELASTIX_RDZV_PROGRESS_INTERVAL";
 
-/// The settings of a dynamic backend: the node bounds, `--local-addr` and the conf's timings.
+/// The settings of a dynamic backend: the node bounds, `--local-addr`, the conf's timings and
+/// the job secret ([`job_secret`]).
 pub(crate) fn dynamic_settings(params: &RendezvousParams, conf: &RendezvousConf) -> Result<RendezvousSettings> {
     let mut settings = RendezvousSettings::new(&params.run_id, params.min_nodes, params.max_nodes)?.with_conf(conf)?;
     settings.local_addr = params.local_addr.clone();
+    settings.secret = job_secret(conf)?;
     settings.progress_interval = progress_interval(settings.progress_interval)?;
     Ok(settings)
 }
@@ -43,25 +45,16 @@ pub(crate) fn progress_interval(default: Duration) -> Result<Duration> {
         .ok_or_else(|| RendezvousError::Config(format!("{PROGRESS_INTERVAL_VAR}={text:?} is not a positive duration")))
 }
 
-/// The job secret `--rdzv-conf auth_token_file` names, read and checked but not yet used,
-/// after a check that the environment's secret (if any) is usable and the same.
-pub(crate) fn conf_secret(conf: &RendezvousConf) -> Result<Option<Secret>> {
+/// The job secret: the file `--rdzv-conf auth_token_file` names, else the environment's
+/// (`ELASTIX_AUTH_TOKEN_FILE`, `ELASTIX_AUTH_TOKEN`), read and checked; both given, they must
+/// agree. `None` without one.
+pub(crate) fn job_secret(conf: &RendezvousConf) -> Result<Option<Secret>> {
     let config = |err: SecretError| RendezvousError::Config(err.to_string());
     let given =
         conf.get("auth_token_file").map(|path| Secret::from_file(Path::new(path))).transpose().map_err(config)?;
-    if let (Some(given), Some(env)) = (&given, Secret::from_env().map_err(config)?) {
-        crate::auth::secret::same_secret(&env, given).map_err(config)?;
+    let env = Secret::from_env().map_err(config)?;
+    if let (Some(given), Some(env)) = (&given, &env) {
+        crate::auth::secret::same_secret(env, given).map_err(config)?;
     }
-    Ok(given)
-}
-
-/// Makes `secret` (from [`conf_secret`]) this process's, or else the environment's: what the
-/// stores and clients of this process prove from then on.
-pub(crate) fn apply_secret(secret: Option<Secret>) -> Result<()> {
-    let config = |err: SecretError| RendezvousError::Config(err.to_string());
-    if let Some(secret) = secret {
-        crate::auth::use_secret(secret).map_err(config)?;
-    }
-    crate::auth::process_secret().map_err(config)?;
-    Ok(())
+    Ok(given.or(env))
 }

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use super::conf::RendezvousConf;
 use super::error::{RendezvousError, Result};
+use crate::auth::Secret;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RendezvousSettings {
@@ -31,6 +32,9 @@ pub struct RendezvousSettings {
     /// How long a member may be out of contact with the store before it stops its workers;
     /// `None`: as long as the others take to count it lost ([`Self::node_lost_after`]).
     pub store_outage_limit: Option<Duration>,
+    /// The job secret: every store connection proves it, and the stores this node serves
+    /// require it.
+    pub secret: Option<Secret>,
 }
 
 impl RendezvousSettings {
@@ -56,6 +60,7 @@ impl RendezvousSettings {
             local_addr: None,
             progress_interval: Self::DEFAULT_PROGRESS_INTERVAL,
             store_outage_limit: None,
+            secret: None,
         };
         settings.validate()?;
         Ok(settings)

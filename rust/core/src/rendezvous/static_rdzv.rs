@@ -12,11 +12,11 @@ use super::conf::{RendezvousConf, STATIC_KEYS};
 use super::endpoint::parse_endpoint;
 use super::error::{RendezvousError, Result};
 use super::node::NodeDesc;
-use super::params::{apply_secret, conf_secret, progress_interval, RendezvousParams};
+use super::params::{job_secret, progress_interval, RendezvousParams};
 use super::records::{encode, Arrival, FORMAT_VERSION};
 use super::settings::RendezvousSettings;
 use super::store::{RendezvousStore, StoreConn, TcpRendezvousStore, DEFAULT_READ_TIMEOUT};
-use crate::auth::Secret;
+use crate::auth::{PlainClients, Secret};
 use crate::store::{ConnectOptions, ServerConfig, StoreServer};
 
 /// torch's `timeout` default for the static backend.
@@ -36,7 +36,7 @@ pub(crate) struct StaticOptions {
 impl StaticOptions {
     pub(crate) fn parse(params: &RendezvousParams) -> Result<StaticOptions> {
         let mut conf = RendezvousConf::from_input(&params.conf, STATIC_KEYS)?;
-        let secret = conf_secret(&conf)?;
+        let secret = job_secret(&conf)?;
         if let Some(rank) = params.node_rank {
             conf.insert("rank", &rank.to_string(), STATIC_KEYS)?;
         }
@@ -69,13 +69,14 @@ pub struct StaticRendezvous {
     rounds: u64,
     /// Restarts after failures (static nodes do not share them).
     restarts: i64,
+    /// The job secret: the store requires it, and every connection proves it.
+    secret: Option<Secret>,
 }
 
 impl StaticRendezvous {
-    /// The static backend for `options` (the secret becomes this process's).
+    /// The static backend for `options`.
     pub(crate) fn create(params: &RendezvousParams, options: StaticOptions) -> Result<StaticRendezvous> {
         let StaticOptions { rank, timeout, endpoint, secret, progress_interval } = options;
-        apply_secret(secret)?;
         let mut rdzv = StaticRendezvous::new(
             &params.run_id,
             rank,
@@ -83,6 +84,7 @@ impl StaticRendezvous {
             endpoint,
             timeout,
             params.local_addr.as_deref(),
+            secret,
         )?;
         rdzv.progress_interval = progress_interval;
         Ok(rdzv)
@@ -95,6 +97,7 @@ impl StaticRendezvous {
         master: (String, u16),
         timeout: Duration,
         local_addr: Option<&str>,
+        secret: Option<Secret>,
     ) -> Result<Self> {
         if world_size == 0 || rank >= world_size {
             return Err(RendezvousError::Config(format!(
@@ -103,12 +106,13 @@ impl StaticRendezvous {
         }
         // Rank 0 given port 0 serves at once on a port the kernel picks ([`Self::hosted_port`]),
         // so that the other ranks can be pointed at it without probing for a free port.
-        let server = if master.1 == 0 && rank == 0 { Some(serve(0)?) } else { None };
+        let server = if master.1 == 0 && rank == 0 { Some(serve(0, secret.as_ref())?) } else { None };
         if master.1 == 0 && server.is_none() {
             return Err(RendezvousError::Config("static rendezvous needs a master port (--master-port)".into()));
         }
         let master = (master.0, server.as_ref().map_or(master.1, StoreServer::port));
-        let options = ConnectOptions::new(master.0.clone(), master.1, Some(timeout));
+        let options =
+            ConnectOptions { secret: secret.clone(), ..ConnectOptions::new(master.0.clone(), master.1, Some(timeout)) };
         let store = TcpRendezvousStore::new(options, format!("/elastix/static/{run_id}/"), timeout);
         Ok(StaticRendezvous {
             run_id: run_id.to_owned(),
@@ -123,6 +127,7 @@ impl StaticRendezvous {
             store,
             rounds: 0,
             restarts: 0,
+            secret,
         })
     }
 
@@ -147,7 +152,7 @@ impl StaticRendezvous {
     /// Waits until every rank has checked in (the first time), then returns the fixed layout.
     pub async fn next_rendezvous(&mut self) -> Result<RendezvousInfo> {
         if self.rank == 0 && self.server.is_none() {
-            self.server = Some(serve(self.master_port)?);
+            self.server = Some(serve(self.master_port, self.secret.as_ref())?);
         }
         if self.rounds == 0 {
             self.check_in().await?;
@@ -210,9 +215,12 @@ impl StaticRendezvous {
     }
 }
 
-/// Rank 0's store, which the whole job shares. Must run inside a tokio runtime.
-fn serve(port: u16) -> Result<StoreServer> {
-    StoreServer::start(&ServerConfig { port, ..ServerConfig::default() })
+/// Rank 0's store, which the whole job shares (its workers' plain clients too). Must run inside
+/// a tokio runtime.
+fn serve(port: u16, secret: Option<&Secret>) -> Result<StoreServer> {
+    let config =
+        ServerConfig { port, ..ServerConfig::default() }.requiring(secret, PlainClients::LoopbackAndAuthenticated);
+    StoreServer::start(&config)
         .map_err(|err| RendezvousError::Config(format!("static rendezvous: rank 0 cannot serve the store: {err}")))
 }
 
@@ -244,6 +252,10 @@ impl Backend for StaticRendezvous {
 
     fn describe_store(&self) -> String {
         format!("{}:{}", self.master_addr, self.master_port)
+    }
+
+    fn secret(&self) -> Option<&Secret> {
+        self.secret.as_ref()
     }
 
     fn hosted_port(&self) -> Option<u16> {

@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use crate::auth::Secret;
 use crate::rendezvous::error::Result;
 use crate::store::client::Backoff;
 use crate::store::{Client, ConnectOptions, StoreError};
@@ -153,22 +154,27 @@ pub struct TcpRendezvousStore {
     prefix: String,
     /// Bound on each ordinary request (torch's `read_timeout`).
     read_timeout: Duration,
+    /// The job secret every connection proves.
+    secret: Option<Secret>,
 }
 
 impl TcpRendezvousStore {
     /// A single store at `options`' address.
     pub fn new(options: ConnectOptions, prefix: impl Into<String>, read_timeout: Duration) -> Self {
-        let mut store = Self::with_sites(vec![(options.host, options.port)], options.timeout, prefix, read_timeout);
+        let sites = vec![(options.host, options.port)];
+        let mut store = Self::with_sites(sites, options.timeout, prefix, read_timeout, options.secret);
         store.backoff = options.backoff;
         store
     }
 
     /// Stores at `sites`, in order of preference; the first is active until the job moves.
+    /// Every connection proves `secret`, if given.
     pub fn with_sites(
         sites: Vec<(String, u16)>,
         patience: Option<Duration>,
         prefix: impl Into<String>,
         read_timeout: Duration,
+        secret: Option<Secret>,
     ) -> Self {
         assert!(!sites.is_empty(), "a rendezvous store needs at least one site");
         TcpRendezvousStore {
@@ -178,6 +184,7 @@ impl TcpRendezvousStore {
             backoff: Backoff::default(),
             prefix: prefix.into(),
             read_timeout,
+            secret,
         }
     }
 
@@ -195,8 +202,12 @@ impl TcpRendezvousStore {
 
     async fn open(&self, site: usize, patience: Option<Duration>, max_attempts: Option<u32>) -> Result<TcpConn> {
         let (host, port) = self.sites[site].clone();
-        let options =
-            ConnectOptions { backoff: self.backoff.clone(), max_attempts, ..ConnectOptions::new(host, port, patience) };
+        let options = ConnectOptions {
+            backoff: self.backoff.clone(),
+            max_attempts,
+            secret: self.secret.clone(),
+            ..ConnectOptions::new(host, port, patience)
+        };
         let mut client = Client::connect(&options).await?;
         client.set_reply_timeout(Some(self.read_timeout));
         Ok(TcpConn { client, prefix: self.prefix.clone() })

@@ -14,7 +14,7 @@ use super::client::{Client, ConnectOptions, InterruptCheck};
 use super::error::{Result, StoreError};
 use super::protocol::INIT_KEY;
 use super::server::{BackgroundServer, ServerConfig};
-use crate::auth::{process_secret_or_log, PlainClients, Secret};
+use crate::auth::{PlainClients, Secret};
 
 /// Threads of an in-process server: enough to serve a job's workers, few enough to stay out
 /// of the training process's way.
@@ -42,7 +42,7 @@ pub struct TcpStoreOptions {
     pub server: ServerConfig,
     /// The job secret this store's connections prove, and a master's server requires (it
     /// then serves plain clients from loopback and from where a client authenticated).
-    /// Default: this process's ([`crate::auth::process_secret`]).
+    /// Default: none.
     pub secret: Option<Secret>,
 }
 
@@ -59,7 +59,7 @@ impl TcpStoreOptions {
             listen_fd: None,
             client_if_port_taken: false,
             server: ServerConfig::default(),
-            secret: process_secret_or_log(),
+            secret: None,
         }
     }
 }

@@ -56,11 +56,9 @@ fn reaper() -> &'static Reaper {
 impl Reaper {
     fn start() -> Reaper {
         let cgroup = JobCgroup::create();
-        // the private copy of a secret from ELASTIX_AUTH_TOKEN: the watchdog removes it if the
-        // agent is killed (made now if not yet: the workers are pointed at it anyway)
-        let secret_dir = crate::auth::secret::private_copy()
-            .ok()
-            .flatten()
+        // the private copy of a secret from ELASTIX_AUTH_TOKEN (made before the first worker
+        // starts): the watchdog removes it if the agent is killed
+        let secret_dir = crate::auth::secret::private_copy_dir()
             .and_then(|dir| std::ffi::CString::new(dir.into_os_string().into_encoded_bytes()).ok());
         let watchdog = Watchdog::start(cgroup.as_ref().ok().map(JobCgroup::dir_c), secret_dir.as_deref());
         let (watchdog, cgroup) = match (watchdog, cgroup) {

@@ -35,7 +35,8 @@ use crate::rendezvous::records::{
 };
 use crate::rendezvous::settings::RendezvousSettings;
 use crate::rendezvous::store::{RendezvousStore, StoreConn};
-use crate::store::{ServerConfig, StoreServer};
+use crate::rendezvous::trust::workers_store_config;
+use crate::store::StoreServer;
 
 /// How long a node waits between looks for a store site that answers.
 const SITE_RETRY: Duration = Duration::from_millis(500);
@@ -447,8 +448,9 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     ) -> Result<Option<RendezvousInfo>> {
         let member = Arrival { v: FORMAT_VERSION, node: Some(self.node.clone()) };
         let master_server = if rank == 0 {
+            let config = workers_store_config(&self.node.addr, self.settings.secret.as_ref());
             Some(
-                StoreServer::start_preferring(&ServerConfig::for_address(&self.node.addr), self.workers_store_port)
+                StoreServer::start_preferring(&config, self.workers_store_port)
                     .map_err(|err| RendezvousError::Config(format!("cannot start the workers' store: {err}")))?,
             )
         } else {

@@ -32,12 +32,12 @@ use super::change::{MembershipChange, RendezvousInfo};
 use super::conf::{RendezvousConf, DYNAMIC_KEYS};
 use super::endpoint::{is_local_addr, is_loopback_name, is_this_machine, parse_endpoints, DEFAULT_PORT};
 use super::error::{RendezvousError, Result};
-use super::params::{apply_secret, conf_secret, dynamic_settings, RendezvousParams};
+use super::params::{dynamic_settings, RendezvousParams};
 use super::presence::Census;
 use super::records::{AgentFacts, FailureRecord};
 use super::settings::RendezvousSettings;
 use super::store::{TcpRendezvousStore, DEFAULT_READ_TIMEOUT};
-use crate::auth::{PlainClients, Secret};
+use crate::auth::PlainClients;
 use crate::store::{ServerConfig, StoreServer};
 
 /// `--rdzv-backend c10d`'s configuration, parsed and checked (without side effects).
@@ -47,13 +47,11 @@ pub(crate) struct C10dOptions {
     sites: Vec<(String, u16)>,
     /// `is_host` as given (None: decided per site from the addresses).
     is_host: Option<bool>,
-    secret: Option<Secret>,
 }
 
 impl C10dOptions {
     pub(crate) fn parse(params: &RendezvousParams) -> Result<C10dOptions> {
         let conf = RendezvousConf::from_input(&params.conf, DYNAMIC_KEYS)?;
-        let secret = conf_secret(&conf)?;
         if let Some(store_type) = conf.get("store_type") {
             if store_type != "tcp" {
                 return Err(RendezvousError::Config(format!(
@@ -73,7 +71,7 @@ impl C10dOptions {
                     .into(),
             ));
         }
-        Ok(C10dOptions { settings, read_timeout, sites, is_host, secret })
+        Ok(C10dOptions { settings, read_timeout, sites, is_host })
     }
 }
 
@@ -88,8 +86,7 @@ impl C10dRendezvous {
     /// Serves the sites that are this node's and makes the handler. Must run inside a tokio
     /// runtime (the sites are served on it).
     pub(crate) async fn create(params: &RendezvousParams, options: C10dOptions) -> Result<C10dRendezvous> {
-        let C10dOptions { settings, read_timeout, mut sites, is_host: explicit, secret } = options;
-        apply_secret(secret)?;
+        let C10dOptions { settings, read_timeout, mut sites, is_host: explicit } = options;
         let listed = sites.len() > 1;
         let mut servers = Vec::new();
         for site in sites.iter_mut() {
@@ -102,7 +99,7 @@ impl C10dRendezvous {
                 continue;
             }
             // only agents connect to the rendezvous store, and with a secret they all prove it
-            let auth = crate::auth::process_secret().ok().flatten().map(|secret| (secret, PlainClients::Refuse));
+            let auth = settings.secret.clone().map(|secret| (secret, PlainClients::Refuse));
             // a store for agents on this machine alone (--standalone) is reachable from it alone
             let host = is_loopback_name(&site.0).then(|| site.0.clone());
             match StoreServer::start(&ServerConfig { host, port: site.1, auth, ..ServerConfig::default() }) {
@@ -124,7 +121,13 @@ impl C10dRendezvous {
         // timeout; with several sites, one that does not answer soon is passed over.
         let patience = if sites.len() == 1 { settings.join_timeout } else { settings.heartbeat_timeout };
         let prefix = run_prefix(&params.run_id);
-        let store = TcpRendezvousStore::with_sites(sites, Some(patience), prefix.clone(), read_timeout);
+        let store = TcpRendezvousStore::with_sites(
+            sites,
+            Some(patience),
+            prefix.clone(),
+            read_timeout,
+            settings.secret.clone(),
+        );
         let handler = DynamicRendezvous::new(store, settings, prefix)?;
         Ok(C10dRendezvous { handler, servers })
     }
@@ -162,6 +165,10 @@ impl Backend for C10dRendezvous {
 
     fn describe_store(&self) -> String {
         self.handler.describe_store()
+    }
+
+    fn secret(&self) -> Option<&crate::auth::Secret> {
+        self.handler.settings().secret.as_ref()
     }
 
     fn loss_window(&self) -> Duration {

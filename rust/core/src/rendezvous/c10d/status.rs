@@ -9,7 +9,7 @@ use super::locate::read_meta;
 use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS};
 use crate::rendezvous::endpoint::{parse_endpoints, DEFAULT_PORT};
 use crate::rendezvous::error::{RendezvousError, Result};
-use crate::rendezvous::params::{apply_secret, conf_secret};
+use crate::rendezvous::params::job_secret;
 use crate::rendezvous::records::{decode, now_ms, Arrival, Event, FailureRecord, Meta, NodeStatus, Seal};
 use crate::rendezvous::status::{judge, Evidence, Health, JobStatus, LastFailure, Lost, Member, Restarts, State};
 use crate::rendezvous::status::{StatusQuery, EVENTS_SCANNED, STATUS_VERSION};
@@ -23,9 +23,10 @@ const ARRIVALS_NAMED: u64 = 32;
 /// run with that ID.
 pub(crate) async fn c10d_status(query: &StatusQuery) -> Result<Option<JobStatus>> {
     let conf = RendezvousConf::from_input(&query.conf, DYNAMIC_KEYS)?;
-    apply_secret(conf_secret(&conf)?)?;
+    let secret = job_secret(&conf)?;
     let sites = parse_endpoints(&query.endpoint, DEFAULT_PORT)?;
-    let store = TcpRendezvousStore::with_sites(sites, Some(query.timeout), run_prefix(&query.run_id), query.timeout);
+    let prefix = run_prefix(&query.run_id);
+    let store = TcpRendezvousStore::with_sites(sites, Some(query.timeout), prefix, query.timeout, secret);
     let Some((site, mut conn, meta)) = locate(&store, query.timeout).await? else { return Ok(None) };
     let mut status = read(&mut conn, &meta, &query.run_id).await?;
     status.endpoint = store.describe_site(site);

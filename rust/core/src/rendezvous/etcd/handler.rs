@@ -28,7 +28,8 @@ use crate::rendezvous::records::{
 };
 use crate::rendezvous::settings::RendezvousSettings;
 use crate::rendezvous::trust::let_in;
-use crate::store::{ServerConfig, StoreServer};
+use crate::rendezvous::trust::workers_store_config;
+use crate::store::StoreServer;
 
 /// How long a node waits before it tries etcd again after losing it.
 const RETRY: Duration = Duration::from_millis(500);
@@ -298,9 +299,9 @@ impl EtcdRendezvous {
         if rank != 0 {
             return Ok(None);
         }
-        let server =
-            StoreServer::start_preferring(&ServerConfig::for_address(&self.node.addr), self.workers_store_port)
-                .map_err(|err| RendezvousError::Config(format!("cannot start the workers' store: {err}")))?;
+        let config = workers_store_config(&self.node.addr, self.settings.secret.as_ref());
+        let server = StoreServer::start_preferring(&config, self.workers_store_port)
+            .map_err(|err| RendezvousError::Config(format!("cannot start the workers' store: {err}")))?;
         let master = Master { v: FORMAT_VERSION, addr: self.node.addr.clone(), port: server.port() };
         self.client.put(&self.keys.master(round), &encode(&master)).await.map_err(|err| self.error(err))?;
         Ok(Some((server, master)))
@@ -571,6 +572,10 @@ impl Backend for EtcdRendezvous {
 
     fn describe_store(&self) -> String {
         EtcdRendezvous::describe_store(self)
+    }
+
+    fn secret(&self) -> Option<&crate::auth::Secret> {
+        self.settings.secret.as_ref()
     }
 
     fn loss_window(&self) -> Duration {

@@ -23,10 +23,9 @@ use elastix_etcd::{EtcdClient, EtcdOptions, TlsFiles};
 use super::conf::{RendezvousConf, ETCD_KEYS};
 use super::endpoint::parse_endpoints;
 use super::error::{RendezvousError, Result};
-use super::params::{apply_secret, conf_secret, dynamic_settings, RendezvousParams};
+use super::params::{dynamic_settings, job_secret, RendezvousParams};
 use super::settings::RendezvousSettings;
 use super::status::{JobStatus, StatusQuery};
-use crate::auth::Secret;
 
 /// etcd's client port.
 pub const DEFAULT_ETCD_PORT: u16 = 2379;
@@ -37,7 +36,6 @@ pub(crate) struct EtcdRdzvOptions {
     settings: RendezvousSettings,
     client: EtcdOptions,
     prefix: String,
-    secret: Option<Secret>,
 }
 
 impl EtcdRdzvOptions {
@@ -45,7 +43,6 @@ impl EtcdRdzvOptions {
     /// other side effect.
     pub(crate) fn parse(params: &RendezvousParams) -> Result<EtcdRdzvOptions> {
         let mut conf = RendezvousConf::from_input(&params.conf, ETCD_KEYS)?;
-        let secret = conf_secret(&conf)?;
         if let Some(timeout) = conf.get("timeout").map(str::to_owned) {
             if conf.get("join_timeout").is_none() {
                 conf.insert("join_timeout", &timeout, ETCD_KEYS)?;
@@ -72,15 +69,14 @@ impl EtcdRdzvOptions {
         settings.store_outage_limit = Some(settings.join_timeout);
         let client = client_options(&conf, &params.endpoint, settings.heartbeat_timeout)?;
         let prefix = run_prefix(&conf, &params.run_id);
-        Ok(EtcdRdzvOptions { settings, client, prefix, secret })
+        Ok(EtcdRdzvOptions { settings, client, prefix })
     }
 }
 
 impl EtcdRendezvous {
-    /// The etcd backend for `options` (the secret becomes this process's).
+    /// The etcd backend for `options`.
     pub(crate) fn create(options: EtcdRdzvOptions) -> Result<EtcdRendezvous> {
-        let EtcdRdzvOptions { settings, client, prefix, secret } = options;
-        apply_secret(secret)?;
+        let EtcdRdzvOptions { settings, client, prefix } = options;
         let client = EtcdClient::new(&client).map_err(|err| RendezvousError::Config(err.to_string()))?;
         EtcdRendezvous::new(client, settings, prefix)
     }
@@ -118,7 +114,7 @@ fn run_prefix(conf: &RendezvousConf, run_id: &str) -> String {
 /// `elastix status` on etcd: the job's state, or `None` if the cluster holds no such run.
 pub(crate) async fn etcd_status(query: &StatusQuery) -> Result<Option<JobStatus>> {
     let conf = RendezvousConf::from_input(&query.conf, ETCD_KEYS)?;
-    apply_secret(conf_secret(&conf)?)?;
+    job_secret(&conf)?; // checked as the agents check it, though etcd does not use it
     let options = client_options(&conf, &query.endpoint, query.timeout)?;
     let client = EtcdClient::new(&options).map_err(|err| RendezvousError::Config(err.to_string()))?;
     let keys = keys::EtcdKeys::new(run_prefix(&conf, &query.run_id));

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::backoff::Backoff;
 use crate::auth::pair::{self, HandshakeError, Proven, STORE};
-use crate::auth::{process_secret_or_log, Key, Secret, SECRET_REQUIRED, TOKEN_FILE_VAR};
+use crate::auth::{Key, Secret, SECRET_REQUIRED, TOKEN_FILE_VAR};
 use crate::store::error::{Result, StoreError};
 use crate::store::protocol::VALIDATION_MAGIC;
 use crate::store::request::Request;
@@ -29,8 +29,7 @@ pub struct ConnectOptions {
     /// Give up after this many attempts even before the deadline (`None`: no limit). A probe
     /// that only asks whether a server is up uses it: a refusal is answer enough.
     pub max_attempts: Option<u32>,
-    /// The job secret to prove to the server before any request. Default: this process's
-    /// ([`crate::auth::process_secret`]).
+    /// The job secret to prove to the server before any request. Default: none.
     pub secret: Option<Secret>,
 }
 
@@ -42,7 +41,7 @@ impl ConnectOptions {
             timeout,
             backoff: Backoff::default(),
             max_attempts: None,
-            secret: process_secret_or_log(),
+            secret: None,
         }
     }
 }

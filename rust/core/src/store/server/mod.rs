@@ -25,7 +25,7 @@ use super::counter::parse_counter;
 use super::db::Db;
 use super::limits::Limits;
 use crate::address_log::AddressLog;
-use crate::auth::{process_secret_or_log, Admitted, Gate, PlainClients, Secret};
+use crate::auth::{Admitted, Gate, PlainClients, Secret};
 
 /// How to run a server.
 #[derive(Clone, Debug)]
@@ -44,8 +44,7 @@ pub struct ServerConfig {
     /// (the default): never, as torch's clients stay connected and idle for hours.
     pub idle_timeout: Option<Duration>,
     /// With a job secret, clients must prove it (plain clients only as the policy allows).
-    /// Default: this process's secret ([`crate::auth::process_secret`]), if any, admitting
-    /// plain clients from loopback and from where an authenticated client came.
+    /// Default: none (a server without a secret serves every client).
     pub auth: Option<(Secret, PlainClients)>,
 }
 
@@ -55,6 +54,11 @@ impl ServerConfig {
     pub fn for_address(addr: &str) -> ServerConfig {
         let loopback = listener::is_loopback_name(addr);
         ServerConfig { host: loopback.then(|| addr.to_owned()), ..ServerConfig::default() }
+    }
+
+    /// Requires `secret` (if given) of clients, admitting plain ones as `plain` allows.
+    pub fn requiring(self, secret: Option<&Secret>, plain: PlainClients) -> ServerConfig {
+        ServerConfig { auth: secret.map(|secret| (secret.clone(), plain)), ..self }
     }
 
     /// Most connections served by default, however many descriptors the process may open.
@@ -80,7 +84,7 @@ impl Default for ServerConfig {
             limits: Limits::default(),
             max_connections: Self::default_max_connections(),
             idle_timeout: None,
-            auth: process_secret_or_log().map(|secret| (secret, PlainClients::LoopbackAndAuthenticated)),
+            auth: None,
         }
     }
 }
