@@ -56,14 +56,18 @@ def main() -> None:
     with os.fdopen(fd, "w") as f:
         f.write(SECRET)
     port = free_port()
+    serve = ["--host", "127.0.0.1", "--port", str(port), "--auth-token-file", secret]
     store = subprocess.Popen(
-        [sys.executable, "-m", "elastix", "store", "--host", "127.0.0.1", "--port", str(port)]
-        + ["--auth-token-file", secret],
+        [sys.executable, "-m", "elastix", "store", *serve],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     endpoint = ["--endpoint", f"127.0.0.1:{port}", "--secret"]
-    modes = {"no flood": [], "flood, 1 address": ["127.0.0.2"], "flood, 16 addresses": [f"127.0.0.{i}" for i in range(2, 18)]}
+    modes = {
+        "no flood": [],
+        "flood, 1 address": ["127.0.0.2"],
+        "flood, 16 addresses": [f"127.0.0.{i}" for i in range(2, 18)],
+    }
     results: dict[str, dict[str, list]] = {mode: {"median": [], "p90": [], "round": [], "flood": []} for mode in modes}
     try:
         time.sleep(1)  # the store listens
@@ -74,10 +78,9 @@ def main() -> None:
                 stats = os.path.join(work, f"stats-{run}-{len(sources)}.json")
                 if sources:
                     source_args = [arg for source in sources for arg in ("--source", source)]
-                    flood = subprocess.Popen(
-                        [sys.executable, FLOOD, f"127.0.0.1:{port}", *source_args, "--per-port", "3000"]
-                        + ["--rate", str(args.rate), "--until", stop, "--deadline", "600", "--stats", stats]
-                    )
+                    limits = ["--per-port", "3000", "--rate", str(args.rate), "--deadline", "600"]
+                    ends = ["--until", stop, "--stats", stats]
+                    flood = subprocess.Popen([sys.executable, FLOOD, f"127.0.0.1:{port}", *source_args, *limits, *ends])
                     time.sleep(3)  # the flood at its steady state
                 connects = bench("--nodes", "1", "--connects", str(args.connects), *endpoint)
                 round_ = bench("--nodes", str(args.nodes), *endpoint)
@@ -104,7 +107,9 @@ def main() -> None:
         print(f"{label:>34} | " + " | ".join(f"{cell:>20}" for cell in cells))
     for mode in modes:
         for stats in results[mode]["flood"][:1]:
-            print(f"{mode}: the flood opened {stats['opened']} connections, the store closed {stats['closed_by_server']}")
+            print(
+                f"{mode}: the flood opened {stats['opened']} connections, the store closed {stats['closed_by_server']}"
+            )
     print(f"(medians of {args.runs} runs; flood at up to {args.rate:.0f} new connections/s)")
 
 

@@ -117,19 +117,25 @@ def test_a_job_with_a_secret_completes_and_the_secret_never_shows(tmp_path, mark
     assert files_holding(tmp_path, text) == [path], "no log, record or error file holds the secret"
 
 
-def test_a_secret_from_the_environment_reaches_workers_only_as_a_private_file(
-    tmp_path, marker, monkeypatch, reserved_port
-):
+def job_with_the_secret_in_the_environment(tmp_path, marker, monkeypatch, port, run_id):
+    """A one-node job whose agent has the secret in ELASTIX_AUTH_TOKEN (and hosts the
+    rendezvous store): the agent, the secret, and its worker's environment once it runs."""
     text = f"s3cr3t-{uuid.uuid4().hex}"
     monkeypatch.setenv("ELASTIX_AUTH_TOKEN", text)
     monkeypatch.delenv("ELASTIX_AUTH_TOKEN_FILE", raising=False)
-    # the agent hosts the rendezvous store (the endpoint is this machine)
-    args = node_args("1", f"127.0.0.1:{reserved_port}", "127.0.0.1", FAST, WORKER, run_id="envjob")
+    args = node_args("1", f"127.0.0.1:{port}", "127.0.0.1", FAST, WORKER, run_id=run_id)
     a = agent(tmp_path, marker, "n0", "run", *args)
     formed = wait_round(tmp_path, 1)
     (record,) = [r for r in starts(tmp_path) if r["round"] == formed]
     with open(f"/proc/{record['pid']}/environ", "rb") as f:
         environ = dict(entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry)
+    return a, text, environ
+
+
+def test_a_secret_from_the_environment_reaches_workers_only_as_a_private_file(
+    tmp_path, marker, monkeypatch, reserved_port
+):
+    a, text, environ = job_with_the_secret_in_the_environment(tmp_path, marker, monkeypatch, reserved_port, "envjob")
     assert b"ELASTIX_AUTH_TOKEN" not in environ
     given = environ[b"ELASTIX_AUTH_TOKEN_FILE"].decode()
     assert os.stat(given).st_mode & 0o077 == 0
@@ -144,15 +150,7 @@ def test_a_secret_from_the_environment_reaches_workers_only_as_a_private_file(
 def test_a_killed_agents_private_copy_of_the_secret_is_removed_by_its_watchdog(
     tmp_path, marker, monkeypatch, reserved_port
 ):
-    text = f"s3cr3t-{uuid.uuid4().hex}"
-    monkeypatch.setenv("ELASTIX_AUTH_TOKEN", text)
-    monkeypatch.delenv("ELASTIX_AUTH_TOKEN_FILE", raising=False)
-    args = node_args("1", f"127.0.0.1:{reserved_port}", "127.0.0.1", FAST, WORKER, run_id="killedjob")
-    a = agent(tmp_path, marker, "n0", "run", *args)
-    formed = wait_round(tmp_path, 1)
-    (record,) = [r for r in starts(tmp_path) if r["round"] == formed]
-    with open(f"/proc/{record['pid']}/environ", "rb") as f:
-        environ = dict(entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry)
+    a, text, environ = job_with_the_secret_in_the_environment(tmp_path, marker, monkeypatch, reserved_port, "killed")
     given = environ[b"ELASTIX_AUTH_TOKEN_FILE"].decode()
     assert os.stat(os.path.dirname(given)).st_mode & 0o077 == 0, "the copy's directory is private"
     # the cleanup watchdog: forked from the agent, so it shares the agent's command line

@@ -56,14 +56,10 @@ pub struct Gate {
 
 impl Gate {
     pub fn new(secret: Secret, plain: PlainClients) -> Gate {
-        Gate::with_limits(secret, plain, DoorLimits::default())
-    }
-
-    pub fn with_limits(secret: Secret, plain: PlainClients, limits: DoorLimits) -> Gate {
         Gate {
             key: Key::job(&secret),
             plain,
-            door: Door::new(limits, HANDSHAKE_DEADLINE),
+            door: Door::new(DoorLimits::default(), HANDSHAKE_DEADLINE),
             trusted: Mutex::default(),
             refused: AddressLog::new(),
         }
@@ -78,11 +74,6 @@ impl Gate {
     /// Connections refused so far.
     pub fn refused(&self) -> u64 {
         self.refused.count()
-    }
-
-    /// Connections waiting to authenticate now.
-    pub fn waiting(&self) -> usize {
-        self.door.waiting()
     }
 
     /// Sheds the oldest connection waiting to authenticate (the process is out of descriptors
