@@ -265,6 +265,26 @@ def test_stranger_with_a_wrong_key_is_refused_and_its_data_never_used(comms, env
     exchange(c0, c1, b"genuine contribution")
 
 
+def test_a_stranger_gets_nothing_to_test_guesses_against(comms, env, tmp_path):
+    """The listener answers a hello with a random nonce only, and a wrong proof with a refusal
+    that carries nothing: no sample of the key to test guesses against offline."""
+    env.setenv(FILE_ENV, write_secret(tmp_path))
+    _c0, c1 = comms(2)
+    stranger = dial(c1)
+    connector = _core.PairConnector(stranger_key(), tcp_comm.PURPOSE, PAIR.pack(0, 1))
+    stranger.sendall(connector.hello)
+    challenge = read_exact(stranger, CHALLENGE_BYTES)
+    stranger.settimeout(0.5)
+    with pytest.raises(socket.timeout):
+        stranger.recv(1)  # nothing more before this side proves the key
+    stranger.settimeout(WAIT)
+    stranger.sendall(connector.on_challenge(challenge))
+    verdict = read_exact(stranger, tcp_comm.VERDICT_BYTES)
+    assert challenge[0] == 1 and verdict == bytes(tcp_comm.VERDICT_BYTES), (challenge, verdict)
+    assert closed_by_peer(stranger)
+    stranger.close()
+
+
 def test_acceptor_keeps_waiting_and_its_timeout_names_the_strangers(comms, caplog):
     caplog.set_level(logging.WARNING, logger="elastix")
     _c0, c1 = comms(2, timeout=3.0)  # rank 0 never connects

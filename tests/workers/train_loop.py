@@ -6,7 +6,8 @@ $OUT_DIR/stop exists (or 180 s pass); then, given $LINGER seconds (set on one no
 that long (the other nodes wait for it at the exit barrier).
 
 Over network namespaces every node shares the host name, so ELASTIX_COLLECTIVES_HOST_ID (set
-by the test per node) keeps the ranks of different nodes on TCP, as on real machines."""
+by the test per node) keeps the ranks of different nodes on TCP, as on real machines. With
+TRAIN_RPC=1 every rank also joins elastix RPC and calls its right neighbour every 10 steps."""
 
 import json
 import os
@@ -34,6 +35,13 @@ os.replace(path + ".tmp", path)
 print(f"worker rank {rank} started in round {record['round']}", flush=True)
 
 ec.init_process_group()
+rpc = None
+if os.environ.get("TRAIN_RPC") == "1":
+    import operator
+
+    import elastix.rpc as rpc
+
+    rpc.init_rpc(f"w{rank}")
 grad = np.ones(64 * 1024, np.float32)  # 256 KiB: most of a step is spent in the collective
 steps = open(os.path.join(out, f"steps_{record['round']}_{rank}.txt"), "a", buffering=1)
 deadline = time.monotonic() + 180
@@ -46,8 +54,13 @@ while True:
     grad[-1] = float(os.path.exists(os.path.join(out, "stop")))
     ec.all_reduce(grad)
     assert float(grad[0]) == ec.get_world_size(), (grad[0], ec.get_world_size())
+    if rpc is not None and step % 10 == 0:
+        right = f"w{(rank + 1) % ec.get_world_size()}"
+        assert rpc.rpc_sync(right, operator.add, args=(step, 1)) == step + 1
     steps.write(f"{time.time():.3f} {step}\n")
     step += 1
     if grad[-1] > 0:
         break
+if rpc is not None:
+    rpc.shutdown()
 time.sleep(float(os.environ.get("LINGER", "0")))
