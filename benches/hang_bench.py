@@ -7,9 +7,13 @@ finds a worker hung.
   `FileTimerServer` (torch's timer for torchrun workers), when torch is installed.
 * detection: a worker beats, then stops; with `--worker-timeout T`, the agent reports how
   long the worker had been silent when it found it hung; minus T, that is the detection
-  latency (median and max over runs).
+  latency (median and max over runs). The same for a plain program that never imports
+  elastix and blocks (the site hook watches its main thread; the agent its CPU).
+* automatic progress: a plain program's tight Python loop (`--loop` iterations, best of 5
+  passes) and its process's CPU time, without `--worker-timeout` (no watching thread) and with
+  `--worker-timeout 1` (the site hook's thread looks at the main thread every 100 ms).
 
-    python benches/hang_bench.py [--calls 1000000] [--runs 5] [--timeout 1]
+    python benches/hang_bench.py [--calls 1000000] [--runs 5] [--timeout 1] [--loop 20000000]
 """
 
 from __future__ import annotations
@@ -46,6 +50,25 @@ HUNG_WORKER = textwrap.dedent(
     import time, elastix
     elastix.heartbeat()
     time.sleep(600)
+    """
+)
+
+PLAIN_HUNG_WORKER = "import threading\nthreading.Event().wait()\n"
+
+LOOP_WORKER = textwrap.dedent(
+    """
+    import sys, time
+    n = int(sys.argv[1])
+    best = float("inf")
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    for _ in range(5):
+        start = time.perf_counter()
+        x = 0
+        for i in range(n):
+            x += i
+        best = min(best, time.perf_counter() - start)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    print(f"RESULT {best:.4f} {cpu / wall:.4f}", flush=True)
     """
 )
 
@@ -87,18 +110,37 @@ def torch_timer_cost(blocks: int, workdir: str) -> "float | None":
         server.stop()
 
 
-def detection(runs: int, timeout: float, workdir: str) -> "list[float]":
+def detection(runs: int, timeout: float, workdir: str, worker: str = HUNG_WORKER) -> "list[float]":
     script = os.path.join(workdir, "hung.py")
     with open(script, "w") as f:
-        f.write(HUNG_WORKER)
+        f.write(worker)
     latencies = []
     for _ in range(runs):
         done = elastix_run(script, flags=["--worker-timeout", str(timeout)])
-        found = re.search(r"no heartbeat for (\d+\.\d+)s", done.stderr)
+        found = re.search(r"(?:no heartbeat|used no CPU) for (\d+\.\d+)s", done.stderr)
         if not found:
             raise SystemExit(f"no hang was reported:\n{done.stderr}")
         latencies.append(float(found.group(1)) - timeout)
     return latencies
+
+
+def loop_costs(iterations: int, runs: int, workdir: str) -> "dict[str, tuple[float, float]]":
+    """(best pass seconds, CPU share of the process), medians over runs, per setting."""
+    script = os.path.join(workdir, "loop.py")
+    with open(script, "w") as f:
+        f.write(LOOP_WORKER)
+    settings = {"no --worker-timeout": [], "--worker-timeout 1": []}
+    for _ in range(runs):
+        for setting, flags in (("no --worker-timeout", []), ("--worker-timeout 1", ["--worker-timeout", "1"])):
+            done = elastix_run(script, str(iterations), flags=flags)
+            found = re.search(r"RESULT (\S+) (\S+)", done.stdout)
+            if not found:
+                raise SystemExit(f"the loop worker failed:\n{done.stdout}\n{done.stderr}")
+            settings[setting].append((float(found.group(1)), float(found.group(2))))
+    return {
+        setting: (statistics.median(r[0] for r in results), statistics.median(r[1] for r in results))
+        for setting, results in settings.items()
+    }
 
 
 def main() -> None:
@@ -106,12 +148,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1_000_000)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=1.0)
+    parser.add_argument("--loop", type=int, default=20_000_000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="elastix-hang-bench-") as workdir:
         beat, timer = elastix_costs(args.calls, workdir)
         # torch sends each acquire and release through a FIFO its server drains every 0.1 s: few
         theirs = torch_timer_cost(100, workdir)
         latencies = detection(args.runs, args.timeout, workdir)
+        plain = detection(args.runs, args.timeout, workdir, PLAIN_HUNG_WORKER)
+        loops = loop_costs(args.loop, args.runs, workdir)
     print(f"{'':<32}{'elastix':>12}{'torch':>12}{'ratio':>8}")
     print(f"{'heartbeat() per call':<32}{beat:>10.0f}ns{'(none)':>12}")
     if theirs is None:
@@ -122,6 +167,14 @@ def main() -> None:
         f"detection after --worker-timeout {args.timeout:g}s: median {statistics.median(latencies) * 1000:.0f} ms, "
         f"max {max(latencies) * 1000:.0f} ms over {len(latencies)} runs (reported with 10 ms resolution)"
     )
+    print(
+        f"plain blocked program found hung after --worker-timeout {args.timeout:g}s: median "
+        f"{statistics.median(plain) * 1000:.0f} ms, max {max(plain) * 1000:.0f} ms over {len(plain)} runs"
+    )
+    (off, off_cpu), (on, on_cpu) = loops["no --worker-timeout"], loops["--worker-timeout 1"]
+    print(f"tight loop of {args.loop} iterations, best of 5 passes (median of {args.runs} runs):")
+    print(f"  without the watching thread {off:.3f} s, with it {on:.3f} s: {on / off:.3f}x")
+    print(f"  the process's CPU share: {off_cpu:.3f} without, {on_cpu:.3f} with")
 
 
 if __name__ == "__main__":

@@ -135,6 +135,10 @@ def build(
         master_addr = master_port = None  # torch uses them for static only
     if log_dir is not None and log_dir != os.devnull:  # torch: /dev/null means no log files
         log_dir = os.path.abspath(os.path.expanduser(log_dir))
+    if python_workers:
+        from .watch import watched_env
+
+        env = watched_env(env or {})
     config = {
         "run_id": str(run_id),
         "role": str(role),

@@ -289,7 +289,8 @@ GROUPS = [
                 type=str,
                 default=None,
                 metavar="DURATION",
-                help="a worker that called elastix.heartbeat() and then sends none for this long is hung: its "
+                help="a worker that sends no elastix.heartbeat() for this long is hung, and so is a Python worker "
+                "that never sends one whose main thread has not moved and that used no CPU for this long: its "
                 "stacks are dumped and it is restarted like a failed one (default: off; expect_progress and "
                 "elastix.timer.expires apply regardless)",
             ),

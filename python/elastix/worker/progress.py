@@ -7,10 +7,14 @@ fraction of a microsecond and no system call. Outside ``elastix run`` they do no
 
 The agent counts a worker as hung when an ``expires`` timer runs out, when inside
 ``expect_progress(within=W)`` its last heartbeat is older than W, or, with
-``--worker-timeout T``, when its last heartbeat (once it sent one) is older than T. Before
-killing it, the agent has it dump every thread's stack (``faulthandler``, armed on a
-real-time signal when this module first finds its slot, as ``import elastix`` does), and
-shows them in the failure summary.
+``--worker-timeout T``, when its last heartbeat (once it sent one) is older than T; a worker that
+never sends one is watched through its main thread and CPU use by elastix's site hook
+(python/elastix/worker/watch_site). Before killing it, the agent has it dump every thread's
+stack (``faulthandler``, armed on a real-time signal by the site hook, or when this module first
+finds its slot, as ``import elastix`` does), and shows them with its warning.
+
+The slot belongs to the process that claimed it first (its pid is in the slot): a child
+started with fork, spawn or forkserver inherits the variables but never writes to it.
 """
 
 from __future__ import annotations
@@ -24,13 +28,13 @@ from typing import Iterator, List, Optional, Union
 
 # the layout of a slot: words of 8 bytes, as the agent reads them
 _WORDS = 8
-_LAST_BEAT, _WINDOW, _DEADLINE, _DUMP_SIGNAL = range(4)
+_LAST_BEAT, _WINDOW, _DEADLINE, _DUMP_SIGNAL, _MOVED, _OWNER = range(6)
 
 _words: Optional[memoryview] = None  # this worker's page, as 64-bit words
 _base = 0  # its slot's first word
 _looked = False
 _lock = threading.Lock()  # guards the window and timer stacks (heartbeats need no lock)
-_windows: List[int] = []
+_windows: List[List[int]] = []  # open windows, innermost last; each entry is its own object
 _deadlines: List[int] = []
 _stacks_file = None  # kept open: faulthandler writes to its descriptor
 _monotonic_ns = time.monotonic_ns  # the agent reads CLOCK_MONOTONIC too
@@ -53,8 +57,12 @@ def _slot() -> Optional[memoryview]:
         base = int(slot) * _WORDS
         if base + _WORDS > len(words):
             raise RuntimeError(f"{path} has no slot {slot}: ELASTIX_HEARTBEAT_SLOT does not match the page")
+        if words[base + _OWNER] not in (0, os.getpid()):
+            return None  # another process's slot: this is a child it started with spawn or forkserver
+        words[base + _OWNER] = os.getpid()
         _words, _base = words, base
-        _arm_stack_dumps(words, base)
+        if not words[base + _DUMP_SIGNAL]:  # the site hook armed them already
+            _arm_stack_dumps(words, base)
         # a forked child (a data loader worker) is not this worker: its beats must not count
         os.register_at_fork(after_in_child=_forget)
         return words
@@ -103,16 +111,18 @@ def expect_progress(within: Union[timedelta, float]) -> Iterator[None]:
     if words is None:
         yield
         return
+    entry = [window]
     with _lock:
-        _windows.append(window)
+        _windows.append(entry)
         words[_base + _WINDOW] = window
     heartbeat()
     try:
         yield
     finally:
         with _lock:
-            _windows.remove(window)
-            words[_base + _WINDOW] = _windows[-1] if _windows else 0
+            # this block's own entry: with windows of equal length, the innermost one is left
+            del _windows[next(i for i, open_ in enumerate(_windows) if open_ is entry)]
+            words[_base + _WINDOW] = _windows[-1][0] if _windows else 0
 
 
 @contextmanager

@@ -17,6 +17,7 @@ use tokio::task::JoinHandle;
 
 use super::config::{AgentConfig, STD_ERR, STD_OUT};
 use super::console;
+use super::cpu::{self, CpuActivity};
 use super::dumps::{DumpRequests, WorkerStacks};
 use super::env::{worker_args, worker_env, WorkerPlace};
 use super::error::{AgentError, Result};
@@ -50,6 +51,8 @@ struct Worker {
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
     /// Where it dumps its stacks when asked.
     stacks_file: PathBuf,
+    /// Its recent CPU use: a worker in a long C call is busy, not hung.
+    cpu: CpuActivity,
     /// Dropped after the group is killed: the watchdog forgets the group only then.
     watch: Watch,
 }
@@ -217,18 +220,24 @@ impl WorkerGroup {
         answers
     }
 
-    /// The running workers whose heartbeat or timer lapsed, with their slots.
-    fn hung(&self) -> Vec<(usize, Lapse, Slot)> {
+    /// The running workers whose heartbeat or timer lapsed, or that stalled, with their slots.
+    fn hung(&mut self) -> Vec<(usize, Lapse, Slot)> {
         let Some(page) = &self.heartbeats else { return Vec::new() };
         let now = heartbeats::now_ns();
-        (0..self.workers.len())
-            .filter(|index| self.workers[*index].exit.is_none())
-            .filter_map(|index| {
-                let slot = page.slot(index);
-                crate::metrics::agent::get().worker_heartbeat_at(index as u32, slot.last_beat);
-                slot.lapse(now, self.worker_timeout).map(|lapse| (index, lapse, slot))
-            })
-            .collect()
+        let mut hung = Vec::new();
+        for (index, worker) in self.workers.iter_mut().enumerate().filter(|(_, w)| w.exit.is_none()) {
+            let slot = page.slot(index);
+            crate::metrics::agent::get().worker_heartbeat_at(index as u32, slot.last_beat);
+            if self.worker_timeout.is_some() && slot.moved != 0 {
+                if let Some(ticks) = cpu::cpu_ticks(worker.pid) {
+                    worker.cpu.observe(now, ticks);
+                }
+            }
+            if let Some(lapse) = slot.lapse(now, self.worker_timeout, worker.cpu.busy_at()) {
+                hung.push((index, lapse, slot));
+            }
+        }
+        hung
     }
 
     /// Dumps the stacks of hung workers, kills them and describes them as failures.
@@ -237,11 +246,15 @@ impl WorkerGroup {
         for (index, lapse, slot) in hung {
             let worker = &self.workers[index];
             let last = heartbeats::wall_time(slot.last_beat);
-            tracing::warn!(
-                "{} is hung: {lapse}; dumping its stacks, then killing it",
-                worker.place.name(Some(worker.pid))
-            );
+            let name = worker.place.name(Some(worker.pid));
             let stacks = stacks::dump(worker.pid, slot.dump_signal, &worker.stacks_file).await;
+            match &stacks {
+                Ok(stacks) => tracing::warn!(
+                    "{name} is hung: {lapse}; killing it. Its stacks (kept in {}):\n{stacks}",
+                    worker.stacks_file.display()
+                ),
+                Err(why) => tracing::warn!("{name} is hung: {lapse}; killing it (no stacks: {why})"),
+            }
             let _ = killpg(Pid::from_raw(worker.pid as i32), Signal::SIGKILL);
             described.push((index, lapse, last, stacks));
         }
@@ -396,6 +409,10 @@ fn spawn(
         env.insert(heartbeats::FILE_VAR.to_owned(), page.to_string_lossy().into_owned());
         env.insert(heartbeats::SLOT_VAR.to_owned(), local_rank.to_string());
         env.insert(heartbeats::STACKS_VAR.to_owned(), stacks_file.to_string_lossy().into_owned());
+        if let Some(timeout) = config.worker_timeout() {
+            let every = heartbeats::progress_interval(timeout).as_millis();
+            env.insert(heartbeats::PROGRESS_VAR.to_owned(), every.to_string());
+        }
     }
     let output = launch.outputs[local_rank as usize];
     let activated = standby.and_then(|standby| {
@@ -465,7 +482,7 @@ fn spawn(
         reaped.release_if_empty();
         let _ = exits.send((index, status, SystemTime::now()));
     });
-    Ok(Worker { place, pid, exit: None, pumps, stderr_tail, stacks_file, watch })
+    Ok(Worker { place, pid, exit: None, pumps, stderr_tail, stacks_file, cpu: CpuActivity::default(), watch })
 }
 
 /// Waits up to [`DRAIN_WAIT`] for output pumps to reach EOF; returns those still running.

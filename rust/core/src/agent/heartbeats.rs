@@ -3,13 +3,21 @@
 //! (no system call, no store round trip), and the check that reads them.
 //!
 //! A worker's slot is [`SLOT_WORDS`] words: the time of its last heartbeat, the progress
-//! window it is in (`expect_progress`), the deadline of its earliest timer and the signal on
-//! which it dumps its threads' stacks (0 until armed); the rest is spare. Times are
-//! `CLOCK_MONOTONIC` nanoseconds, the clock Python's `time.monotonic_ns()` reads; 0 means
-//! none. A worker is hung when its timer expired, when it is in a progress window and its
-//! last heartbeat is older than that, or when `--worker-timeout` is set and its last
-//! heartbeat (once it sent one) is older than that. Workers that never use these are never
-//! hung.
+//! window it is in (`expect_progress`), the deadline of its earliest timer, the signal on
+//! which it dumps its threads' stacks (0 until armed), when its main thread last moved and
+//! the pid of the process that owns the slot; the rest is spare. Times are `CLOCK_MONOTONIC`
+//! nanoseconds, the clock Python's `time.monotonic_ns()` reads; 0 means none.
+//!
+//! Every Python worker fills the last two with no change to its code: elastix's site hook
+//! (python/elastix/worker/watch_site) claims the slot for the worker's own pid (children
+//! started with spawn or forkserver, which inherit the variables, leave it alone) and a
+//! thread of it writes when the main thread's current frame and line last changed.
+//!
+//! A worker is hung when its timer expired, when it is in a progress window and its last
+//! heartbeat is older than that, or, with `--worker-timeout T`: when its last heartbeat (once
+//! it sent one) is older than T, or, for a worker that never sent one, when its main thread
+//! has not moved and it used no CPU ([`super::cpu`]) for T. Explicit heartbeats and windows
+//! take precedence over the automatic progress.
 
 use std::fs::File;
 use std::io;
@@ -26,12 +34,22 @@ const LAST_BEAT: usize = 0;
 const WINDOW: usize = 1;
 const DEADLINE: usize = 2;
 const DUMP_SIGNAL: usize = 3;
+const MOVED: usize = 4;
+const OWNER: usize = 5;
 
 /// The variables a worker finds its slot with.
 pub const FILE_VAR: &str = "ELASTIX_HEARTBEAT_FILE";
 pub const SLOT_VAR: &str = "ELASTIX_HEARTBEAT_SLOT";
 /// Where a worker's stack dumps go (see [`super::stacks`]).
 pub const STACKS_VAR: &str = "ELASTIX_STACKS_FILE";
+/// How often (milliseconds) the site hook looks at the main thread; set with `--worker-timeout`.
+pub const PROGRESS_VAR: &str = "ELASTIX_PROGRESS_INTERVAL_MS";
+
+/// How often the site hook should look for a worker timeout: often enough to see a move
+/// within a small part of it, rarely enough to cost nothing.
+pub fn progress_interval(worker_timeout: Duration) -> Duration {
+    (worker_timeout / 10).clamp(Duration::from_millis(20), Duration::from_secs(1))
+}
 
 /// The wall-clock time of a moment on the workers' clock (`None` for 0: never).
 pub fn wall_time(ns: u64) -> Option<std::time::SystemTime> {
@@ -50,14 +68,31 @@ pub struct Slot {
     pub window: u64,
     pub deadline: u64,
     pub dump_signal: u64,
+    /// When the main thread's frame or line last changed (0: nobody watches it).
+    pub moved: u64,
+    /// The pid of the process that claimed the slot (0: none yet).
+    pub owner: u64,
 }
 
 /// Why a worker counts as hung.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Lapse {
-    TimerExpired { late: Duration },
-    NoProgress { window: Duration, since: Duration },
-    NoHeartbeat { timeout: Duration, since: Duration },
+    TimerExpired {
+        late: Duration,
+    },
+    NoProgress {
+        window: Duration,
+        since: Duration,
+    },
+    NoHeartbeat {
+        timeout: Duration,
+        since: Duration,
+    },
+    /// No heartbeat ever, and neither a move of the main thread nor CPU use for the timeout.
+    Stalled {
+        timeout: Duration,
+        since: Duration,
+    },
 }
 
 impl std::fmt::Display for Lapse {
@@ -71,13 +106,20 @@ impl std::fmt::Display for Lapse {
             Lapse::NoHeartbeat { timeout, since } => {
                 write!(f, "no heartbeat for {} (--worker-timeout {})", secs(since), secs(timeout))
             }
+            Lapse::Stalled { timeout, since } => write!(
+                f,
+                "its main thread has not moved and it used no CPU for {} (--worker-timeout {})",
+                secs(since),
+                secs(timeout)
+            ),
         }
     }
 }
 
 impl Slot {
-    /// Whether this slot, read at `now`, makes its worker hung.
-    pub fn lapse(&self, now: u64, worker_timeout: Option<Duration>) -> Option<Lapse> {
+    /// Whether this slot, read at `now`, makes its worker hung; `busy_at`: the last moment
+    /// its process was seen using CPU (0: never).
+    pub fn lapse(&self, now: u64, worker_timeout: Option<Duration>, busy_at: u64) -> Option<Lapse> {
         let since_beat = Duration::from_nanos(now.saturating_sub(self.last_beat));
         if self.deadline != 0 && now > self.deadline {
             return Some(Lapse::TimerExpired { late: Duration::from_nanos(now - self.deadline) });
@@ -86,12 +128,15 @@ impl Slot {
         if self.window != 0 && self.last_beat != 0 && since_beat > window {
             return Some(Lapse::NoProgress { window, since: since_beat });
         }
-        match worker_timeout {
-            Some(timeout) if self.last_beat != 0 && since_beat > timeout => {
-                Some(Lapse::NoHeartbeat { timeout, since: since_beat })
-            }
-            _ => None,
+        let timeout = worker_timeout?;
+        if self.last_beat != 0 {
+            return (since_beat > timeout).then_some(Lapse::NoHeartbeat { timeout, since: since_beat });
         }
+        if self.window != 0 || self.moved == 0 {
+            return None; // in a window that has not seen a beat yet, or nobody watches it
+        }
+        let since = Duration::from_nanos(now.saturating_sub(self.moved.max(busy_at)));
+        (since > timeout).then_some(Lapse::Stalled { timeout, since })
     }
 }
 
@@ -153,6 +198,8 @@ impl Heartbeats {
             window: self.word(slot, WINDOW),
             deadline: self.word(slot, DEADLINE),
             dump_signal: self.word(slot, DUMP_SIGNAL),
+            moved: self.word(slot, MOVED),
+            owner: self.word(slot, OWNER),
         }
     }
 }
@@ -198,20 +245,32 @@ mod tests {
     #[test]
     fn lapses() {
         let now = 100 * S;
+        let five = Some(Duration::from_secs(5));
         let quiet = Slot::default();
-        assert_eq!(quiet.lapse(now, Some(Duration::from_secs(1))), None, "never beat: never hung");
+        assert_eq!(quiet.lapse(now, Some(Duration::from_secs(1)), 0), None, "nothing watched: never hung");
         let beat = Slot { last_beat: 90 * S, ..Slot::default() };
-        assert_eq!(beat.lapse(now, None), None, "no --worker-timeout");
+        assert_eq!(beat.lapse(now, None, 0), None, "no --worker-timeout");
         assert_eq!(
-            beat.lapse(now, Some(Duration::from_secs(5))),
+            beat.lapse(now, five, 0),
             Some(Lapse::NoHeartbeat { timeout: Duration::from_secs(5), since: Duration::from_secs(10) })
         );
-        assert_eq!(beat.lapse(now, Some(Duration::from_secs(20))), None);
+        assert_eq!(beat.lapse(now, Some(Duration::from_secs(20)), 0), None);
         let window = Slot { last_beat: 90 * S, window: 5 * S, ..Slot::default() };
-        assert!(matches!(window.lapse(now, None), Some(Lapse::NoProgress { .. })));
+        assert!(matches!(window.lapse(now, None, 0), Some(Lapse::NoProgress { .. })));
         let timer = Slot { last_beat: 99 * S, deadline: 98 * S, ..Slot::default() };
-        assert_eq!(timer.lapse(now, None), Some(Lapse::TimerExpired { late: Duration::from_secs(2) }));
-        assert_eq!(Slot { deadline: 101 * S, ..Slot::default() }.lapse(now, None), None);
+        assert_eq!(timer.lapse(now, None, 0), Some(Lapse::TimerExpired { late: Duration::from_secs(2) }));
+        assert_eq!(Slot { deadline: 101 * S, ..Slot::default() }.lapse(now, None, 0), None);
+        // automatic progress: the main thread, else the CPU, must have moved within the timeout
+        let still = Slot { moved: 90 * S, ..Slot::default() };
+        assert_eq!(
+            still.lapse(now, five, 0),
+            Some(Lapse::Stalled { timeout: Duration::from_secs(5), since: Duration::from_secs(10) })
+        );
+        assert_eq!(still.lapse(now, five, 97 * S), None, "busy in a C call");
+        assert_eq!(Slot { moved: 97 * S, ..Slot::default() }.lapse(now, five, 0), None);
+        assert_eq!(still.lapse(now, None, 0), None, "no --worker-timeout");
+        // explicit heartbeats take precedence: a recent beat keeps a still main thread alive
+        assert_eq!(Slot { moved: 90 * S, last_beat: 98 * S, ..Slot::default() }.lapse(now, five, 0), None);
     }
 
     #[test]
@@ -240,7 +299,10 @@ mod tests {
             [7u64, 0, 0, 0, 0, 0, 0, 0, 11, 12, 13, 14, 15, 0, 0, 0].iter().flat_map(|w| w.to_ne_bytes()).collect();
         std::os::unix::fs::FileExt::write_all_at(&map, &words, 0).unwrap();
         assert_eq!(page.slot(0).last_beat, 7);
-        assert_eq!(page.slot(1), Slot { last_beat: 11, window: 12, deadline: 13, dump_signal: 14 });
+        assert_eq!(
+            page.slot(1),
+            Slot { last_beat: 11, window: 12, deadline: 13, dump_signal: 14, moved: 15, owner: 0 }
+        );
         drop(page);
         assert!(!path.exists());
     }

@@ -4,7 +4,7 @@
 //! * [`run`]: the agent's loop; [`group`]: one attempt's worker processes; [`logs`]: where
 //!   their output goes; [`pump`]: relaying it; [`console`] and [`logfiles`]: the threads that
 //!   write it, so the agent never blocks on a stalled reader or a full disk; [`failure`]: what a failure left behind and
-//!   the summary; [`heartbeats`] and [`stacks`]: hung workers and their stack dumps;
+//!   the summary; [`heartbeats`], [`cpu`] and [`stacks`]: hung workers and their stack dumps;
 //!   [`dumps`]: stack dumps on demand.
 //! * [`events`]: the event log of every state change.
 //! * [`config`], [`env`], [`ranks`]: what workers are started with; [`process`]: how a child
@@ -12,6 +12,7 @@
 
 pub mod config;
 pub mod console;
+pub mod cpu;
 pub mod dumps;
 pub mod env;
 pub mod error;

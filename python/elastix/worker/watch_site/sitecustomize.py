@@ -1,0 +1,111 @@
+"""Run at the start-up of every Python worker of ``elastix run`` (the agent puts this directory
+first on the worker's ``PYTHONPATH``), so that hang detection needs no change to the program:
+plain torch scripts that never import elastix are watched too.
+
+In the worker itself (not in children it starts with spawn or forkserver, which inherit the
+variables: the slot names the pid that claimed it), with a heartbeat slot
+(``ELASTIX_HEARTBEAT_FILE``, ``ELASTIX_HEARTBEAT_SLOT``; see rust/core/src/agent/heartbeats.rs):
+
+- ``faulthandler`` is armed on a real-time signal, writing every thread's stack to
+  ``ELASTIX_STACKS_FILE``; the slot says which signal, and the agent sends it before it kills a
+  hung worker, and for ``elastix dump``;
+- with ``ELASTIX_PROGRESS_INTERVAL_MS`` (set with ``--worker-timeout``), a daemon thread looks at
+  the main thread's current frame and line that often and writes in the slot when they last
+  changed (plain words in shared memory: no system call). The agent counts a worker hung when
+  that has not changed and the worker used no CPU for the timeout.
+
+Then it leaves no trace (off ``sys.path`` and ``sys.modules``) and runs the ``sitecustomize`` a
+plain start would have run. Standard library only: nothing of elastix is imported.
+"""
+
+import os
+import sys
+
+_WORDS = 8  # a slot's 64-bit words, as the agent reads them
+_DUMP_SIGNAL, _MOVED, _OWNER = 3, 4, 5
+
+
+def _claim():
+    """This worker's slot as 64-bit words and its first word's index, or None."""
+    path, slot = os.environ.get("ELASTIX_HEARTBEAT_FILE"), os.environ.get("ELASTIX_HEARTBEAT_SLOT")
+    if not path or not slot:
+        return None
+    import mmap
+
+    try:
+        with open(path, "r+b") as page:
+            words = memoryview(mmap.mmap(page.fileno(), 0)).cast("Q")
+        base = int(slot) * _WORDS
+        if base + _WORDS > len(words) or words[base + _OWNER] not in (0, os.getpid()):
+            return None  # not this slot's worker: a child started with spawn or forkserver
+    except (OSError, ValueError):
+        return None  # the agent's page is gone: nothing to report to
+    words[base + _OWNER] = os.getpid()
+    return words, base
+
+
+def _arm_stack_dumps(words, base):
+    path = os.environ.get("ELASTIX_STACKS_FILE")
+    if not path:
+        return
+    import faulthandler
+    import signal
+
+    number = signal.SIGRTMIN + 3  # a real-time signal: no program uses it for anything else
+    # faulthandler keeps the file (and so its descriptor) for as long as the signal is registered
+    faulthandler.register(number, file=open(path, "a"), all_threads=True)
+    words[base + _DUMP_SIGNAL] = number
+
+
+def _watch_the_main_thread(words, base, interval):
+    import threading
+    import time
+
+    main = threading.main_thread().ident
+    current_frames, monotonic_ns, sleep = sys._current_frames, time.monotonic_ns, time.sleep
+
+    def watch():
+        last = None
+        while True:
+            frame = current_frames().get(main)
+            if frame is None:
+                return  # the main thread is gone: the interpreter is exiting
+            where = (id(frame.f_code), frame.f_lineno)
+            del frame
+            if where != last:
+                last = where
+                words[base + _MOVED] = monotonic_ns()
+            sleep(interval)
+
+    words[base + _MOVED] = monotonic_ns()
+    threading.Thread(target=watch, name="elastix-progress", daemon=True).start()
+
+
+def _step_aside():
+    here = os.path.dirname(os.path.realpath(__file__))
+    sys.path[:] = [entry for entry in sys.path if not (entry and os.path.realpath(entry) == here)]
+    sys.path_importer_cache.pop(here, None)
+    del sys.modules[__name__]
+    try:
+        import sitecustomize  # noqa: F401  (the one a plain start runs; the import takes its place)
+    except ImportError as error:
+        if error.name != "sitecustomize":
+            raise
+        raise ImportError("no sitecustomize besides elastix's", name="sitecustomize") from None
+
+
+def _start():
+    claimed = _claim()
+    if claimed is None:
+        return
+    _arm_stack_dumps(*claimed)
+    interval = os.environ.get("ELASTIX_PROGRESS_INTERVAL_MS")
+    if interval:
+        _watch_the_main_thread(*claimed, max(int(interval), 1) / 1000)
+
+
+try:
+    _start()
+except Exception as error:  # never the reason a worker does not start
+    print(f"elastix: hang detection is off for this worker: {error!r}", file=sys.stderr)
+_step_aside()
