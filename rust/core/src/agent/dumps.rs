@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::auth::Secret;
-use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS};
+use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS, ETCD_KEYS};
 use crate::rendezvous::endpoint::{parse_endpoint, DEFAULT_PORT};
 use crate::rendezvous::job_secret;
 use crate::rendezvous::job_status;
@@ -47,13 +47,17 @@ pub fn reply_key(run_id: &str, n: i64, node: u32) -> String {
 /// `elastix dump`: finds the job's members as `elastix status` does, then asks them for
 /// their workers' stacks (of global rank `rank` only, if given). `Ok(None)`: no such job.
 pub async fn job_dump(query: &StatusQuery, rank: Option<u32>) -> RdzvResult<Option<Value>> {
-    if query.backend != "c10d" {
-        // the agents watch a TCP store for requests; an etcd job's is its rank 0's workers' store
-        return Err(RendezvousError::Config(format!(
-            "--rdzv-backend {}: elastix dump asks jobs through their c10d rendezvous store only",
-            query.backend
-        )));
-    }
+    let keys = match query.backend.as_str() {
+        "c10d" => DYNAMIC_KEYS,
+        "etcd" | "etcd-v3" => ETCD_KEYS,
+        other => {
+            return Err(RendezvousError::Config(format!(
+                "--rdzv-backend {other}: elastix dump asks c10d and etcd jobs (a static job has no shared state to \
+                 find its agents by)"
+            )))
+        }
+    };
+    let secret = job_secret(&RendezvousConf::from_input(&query.conf, keys)?)?;
     let Some(status) = job_status(query).await? else { return Ok(None) };
     if status.members.is_empty() {
         return Err(RendezvousError::Config(format!(
@@ -74,8 +78,11 @@ pub async fn job_dump(query: &StatusQuery, rank: Option<u32>) -> RdzvResult<Opti
             )));
         }
     }
-    let (host, port) = parse_endpoint(&status.endpoint, DEFAULT_PORT)?;
-    let secret = job_secret(&RendezvousConf::from_input(&query.conf, DYNAMIC_KEYS)?)?;
+    // the agents watch the round's store: c10d's, or on etcd rank 0's workers' store
+    let Some(store) = &status.round_store else {
+        return Err(RendezvousError::Config(format!("job {} has no running round to ask", query.run_id)));
+    };
+    let (host, port) = parse_endpoint(store, DEFAULT_PORT)?;
     let options = TcpStoreOptions { timeout: Some(query.timeout), secret, ..TcpStoreOptions::new(host, port) };
     let mut store = TcpStore::open(options).await?;
     let nodes: Vec<u32> = status.members.iter().map(|member| member.group_rank).collect();

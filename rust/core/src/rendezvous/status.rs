@@ -65,8 +65,11 @@ pub struct JobStatus {
     pub v: u32,
     pub run_id: String,
     pub backend: &'static str,
-    /// The store site holding the state (`host:port`).
+    /// The store site holding the state (`host:port`; etcd: the cluster's endpoints).
     pub endpoint: String,
+    /// The store the running round's agents share (`host:port`), where requests such as
+    /// `elastix dump` go: c10d's store, or on etcd rank 0's workers' store.
+    pub round_store: Option<String>,
     pub health: Health,
     pub state: State,
     /// Why the job is not healthy, one line each.
@@ -269,6 +272,7 @@ mod tests {
             run_id: "job".into(),
             backend: "c10d",
             endpoint: "h:1".into(),
+            round_store: None,
             health: Health::Healthy,
             state: State::Running,
             problems: vec![],

@@ -30,6 +30,7 @@ pub(crate) async fn c10d_status(query: &StatusQuery) -> Result<Option<JobStatus>
     let Some((site, mut conn, meta)) = locate(&store, query.timeout).await? else { return Ok(None) };
     let mut status = read(&mut conn, &meta, &query.run_id).await?;
     status.endpoint = store.describe_site(site);
+    status.round_store = Some(status.endpoint.clone());
     Ok(Some(status))
 }
 
@@ -112,6 +113,7 @@ async fn read<C: StoreConn>(conn: &mut C, meta: &Meta, run_id: &str) -> Result<J
         run_id: run_id.to_owned(),
         backend: "c10d",
         endpoint: String::new(),
+        round_store: None,
         health: Health::Healthy,
         state: State::Running,
         problems: Vec::new(),

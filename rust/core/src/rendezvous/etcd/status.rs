@@ -12,7 +12,7 @@ use super::keys::{EtcdKeys, Range};
 use super::ops::{self, etcd_error};
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::node::NodeDesc;
-use crate::rendezvous::records::{decode, now_ms, Arrival, FailureRecord, Meta, NodeStatus};
+use crate::rendezvous::records::{decode, now_ms, Arrival, FailureRecord, Master, Meta, NodeStatus};
 use crate::rendezvous::status::{
     judge, Evidence, Health, JobStatus, LastFailure, Lost, Member, Restarts, State, STATUS_VERSION,
 };
@@ -124,12 +124,18 @@ pub(super) async fn read(client: &EtcdClient, keys: &EtcdKeys, run_id: &str) -> 
             }
         }
     }
+    let round_store = match formed {
+        true => reader.record::<Master>(&keys.master(round), "workers' store").await?,
+        false => None,
+    };
+    let round_store = round_store.map(|master| format!("{}:{}", master.addr, master.port));
     let now = now_ms();
     let mut status = JobStatus {
         v: STATUS_VERSION,
         run_id: run_id.to_owned(),
         backend: "etcd",
         endpoint: client.endpoints().to_owned(),
+        round_store,
         health: Health::Healthy,
         state: State::Running,
         problems: Vec::new(),
