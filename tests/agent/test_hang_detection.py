@@ -153,6 +153,39 @@ def test_a_worker_busy_in_one_long_c_call_is_not_hung(tmp_path, marker):
     assert code == 0 and "done" in out and "hung" not in err, err
 
 
+HOLDUP = textwrap.dedent(
+    """
+    import threading
+    import numpy as np
+    import elastix.collectives as ec
+
+    def stuck_before_collective():
+        threading.Event().wait()
+
+    ec.init_process_group()
+    x = np.ones(16)
+    for _ in range(4):
+        ec.all_reduce(x)
+    if ec.get_rank() == 1:
+        stuck_before_collective()
+    ec.all_reduce(x)  # the others' fifth, which rank 1 never enters
+    """
+)
+
+
+def test_the_rank_that_never_enters_a_collective_is_named_not_the_ones_that_wait(tmp_path, marker):
+    script = tmp_path / "holdup.py"
+    script.write_text(HOLDUP)
+    flags = ["--nproc-per-node", "3", "--worker-timeout", "2"]
+    proc = elastix_run("--standalone", *flags, script, out_dir=tmp_path, marker=marker)
+    code, _out, err = finish(proc, timeout=120)
+    assert code == 1, err
+    named = r"ranks 0,2 wait in all_reduce #5 \(group 0\) for rank 1; rank 1 is in stuck_before_collective \(\S+:\d+\)"
+    assert re.search(r"is hung: .*" + named, err), err  # with the warning
+    assert re.search(r"hung      : .*" + named, err), err  # and in the summary
+    assert_nothing_left(marker)
+
+
 SPAWNS = textwrap.dedent(
     """
     import multiprocessing, threading, time

@@ -164,6 +164,29 @@ def test_status_on_etcd_shows_both_nodes_then_the_lost_one(tmp_path, marker, etc
     assert_nothing_left(marker)
 
 
+def test_a_standalone_job_prints_its_run_id_and_a_status_command_that_works(tmp_path, marker):
+    """A --standalone job makes its run ID up: the agent prints it with a command to paste."""
+    import shlex
+
+    from agents import Agent
+
+    argv = [sys.executable, "-m", "elastix", "run", "--standalone", "--nproc-per-node", "1", LOOP]
+    a = Agent(argv, tmp_path, marker, "standalone")
+    try:
+        shown = wait_for(
+            lambda: [line for line in a.output().splitlines() if "to watch the job: elastix status" in line],
+            what="the status command in the agent's log",
+        )
+        command = shlex.split(shown[0].split("to watch the job: ", 1)[1])
+        assert command[:2] == ["elastix", "status"] and "--rdzv-id" in command, shown
+        done = status(*command[2:])
+        assert done.returncode == HEALTHY and "HEALTHY" in done.stdout, done.stdout + done.stderr
+    finally:
+        (tmp_path / "stop").touch()
+        assert a.finish() == 0, a.output()
+    assert_nothing_left(marker)
+
+
 def test_bad_input_is_a_clear_error_with_its_exit_code(rdzv_port):
     unknown = status("--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-id", "no-such-job")
     assert unknown.returncode == NOT_FOUND, unknown

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-WORDS = 8
+WORDS = 32
 WINDOW, OWNER = 1, 5
 
 
@@ -32,7 +32,7 @@ def test_nested_windows_of_equal_length_restore_the_enclosing_one(tmp_path):
 
         def window():
             page.seek(0)
-            return struct.unpack("8Q", page.read(64))[1]
+            return struct.unpack("32Q", page.read(256))[1]
 
         seen = []
         with elastix.expect_progress(within=10):

@@ -28,8 +28,10 @@ Array = Any
 Op = Union[ReduceOp, str]
 
 
-def _run(g: ProcessGroup, fn: Callable[[], Any], async_op: bool) -> Optional[Work]:
-    """A Work with ``async_op`` (torch's contract), else None once the collective is done."""
+def _run(g: ProcessGroup, fn: Callable[[], Any], async_op: bool, desc: List[int]) -> Optional[Work]:
+    """A Work with ``async_op`` (torch's contract), else None once the collective is done. The
+    collective (``desc``) goes in the flight recorder."""
+    fn = g.recorded(fn, desc)
     if g.send_executor._pending:
         g.send_executor.drain()  # a collective never shares a connection with a pending send
     if async_op:
@@ -108,7 +110,7 @@ def all_reduce(
     if type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable:
         # the common case, kept short: a contiguous NumPy array reduced where it is
         view = x.reshape(-1).view(kind.view)
-        return _run(g, lambda: g.backend.all_reduce(view, code, kop, div, desc), async_op)
+        return _run(g, lambda: g.backend.all_reduce(view, code, kop, div, desc), async_op, desc)
     h = _Host(x, True)
     flat = flat_out(h.host, "all_reduce tensor")
     view = flat.flat.view(kind.view)
@@ -118,7 +120,7 @@ def all_reduce(
         flat.finish()
         h.done()
 
-    return _run(g, fn, async_op)
+    return _run(g, fn, async_op, desc)
 
 
 def reduce(
@@ -149,7 +151,7 @@ def reduce(
             flat.finish()
             h.done()
 
-    return _run(g, fn, async_op)
+    return _run(g, fn, async_op, desc)
 
 
 def reduce_scatter(
@@ -183,7 +185,7 @@ def reduce_scatter(
         flat.finish()
         h.done()
 
-    return _run(g, fn, async_op)
+    return _run(g, fn, async_op, desc)
 
 
 def reduce_scatter_tensor(
@@ -231,7 +233,7 @@ def broadcast(tensor: Array, src: int, group: Optional[ProcessGroup] = None, asy
             flat.finish()
             h.done()
 
-    return _run(g, fn, async_op)
+    return _run(g, fn, async_op, desc)
 
 
 def all_gather(
@@ -258,7 +260,7 @@ def all_gather(
             f.finish()
             h.done()
 
-    return _run(g, fn, async_op)
+    return _run(g, fn, async_op, desc)
 
 
 def all_gather_into_tensor(
@@ -319,7 +321,7 @@ def gather(
             f.finish()
             h.done()
 
-    return _run(g, fn, async_op)
+    return _run(g, fn, async_op, desc)
 
 
 def scatter(
@@ -355,7 +357,7 @@ def scatter(
         flat.finish()
         h.done()
 
-    return _run(g, fn, async_op)
+    return _run(g, fn, async_op, desc)
 
 
 def all_to_all(
@@ -386,7 +388,7 @@ def all_to_all(
             f.finish()
             h.done()
 
-    return _run(g, fn, async_op)
+    return _run(g, fn, async_op, desc)
 
 
 def all_to_all_single(
@@ -419,7 +421,7 @@ def barrier(
     desc = descriptor.make("barrier", np.dtype(np.uint8), ())
     if _nccl(g):
         return _on_nccl(g, lambda: g.backend.barrier(desc), async_op)
-    return _run(g, lambda: g.backend.barrier(desc), async_op)
+    return _run(g, lambda: g.backend.barrier(desc), async_op, desc)
 
 
 # -- point to point -------------------------------------------------------------------------------

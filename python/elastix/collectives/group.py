@@ -8,11 +8,13 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import zlib
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from ..store import PrefixStore
 from ..store.base import to_seconds
+from ..worker import progress
 from .errors import GroupError, NotInitializedError
 from .work import Executor
 
@@ -53,6 +55,9 @@ class ProcessGroup:
         # and once destroyed, which resolve() checks before any collective runs
         self.backend: Any = None
         self.destroyed = False
+        # the flight recorder's view of this group: its number, and its collectives so far
+        self.number = int(name) if name.isdigit() else zlib.crc32(name.encode())
+        self.collectives = 0
         self.executor = Executor(f"pg{name}")
         self.send_executor = Executor(f"pg{name}-send")
         if self._rank >= 0:
@@ -60,6 +65,23 @@ class ProcessGroup:
 
     def rank(self) -> int:
         return self._rank
+
+    def recorded(self, fn: Callable[[], Any], desc: Sequence[int]) -> Callable[[], Any]:
+        """``fn`` (a collective described by ``desc``) with its start now and its end recorded in
+        this worker's flight recorder (elastix.worker.progress), which the agent reads to name
+        the rank that holds the others up when they hang."""
+        self.collectives += 1
+        at = progress.flight_enter(desc[0], self.number, self.collectives, desc[4])
+        if at is None:
+            return fn
+
+        def run() -> Any:
+            try:
+                return fn()
+            finally:
+                progress.flight_exit(at)
+
+        return run
 
     def size(self) -> int:
         return len(self.ranks)

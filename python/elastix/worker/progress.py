@@ -27,8 +27,9 @@ from datetime import timedelta
 from typing import Iterator, List, Optional, Union
 
 # the layout of a slot: words of 8 bytes, as the agent reads them
-_WORDS = 8
-_LAST_BEAT, _WINDOW, _DEADLINE, _DUMP_SIGNAL, _MOVED, _OWNER = range(6)
+_WORDS = 32
+_LAST_BEAT, _WINDOW, _DEADLINE, _DUMP_SIGNAL, _MOVED, _OWNER, _, _, _FLIGHT_COUNT = range(9)
+_FLIGHT_RING, _FLIGHT_WORDS, _FLIGHTS = 9, 5, 4  # the last 4 collectives, 5 words each
 
 _words: Optional[memoryview] = None  # this worker's page, as 64-bit words
 _base = 0  # its slot's first word
@@ -144,10 +145,36 @@ def _expires(after: Union[timedelta, float]) -> Iterator[None]:
             words[_base + _DEADLINE] = min(_deadlines) if _deadlines else 0
 
 
+def flight_enter(kind: int, group: int, seq: int, nbytes: int) -> Optional[int]:
+    """Records, in the flight recorder of this worker's slot, that it enters collective
+    number ``seq`` of ``group``; returns the entry's place for :func:`flight_exit` (None
+    outside ``elastix run``). Plain words in shared memory, no lock: one thread runs a group's
+    collectives."""
+    words = _words if _looked else _slot()
+    if words is None:
+        return None
+    count = words[_base + _FLIGHT_COUNT]
+    at = _base + _FLIGHT_RING + (count % _FLIGHTS) * _FLIGHT_WORDS
+    words[at + 4] = 0  # unfinished, before the entry says what it is
+    words[at] = (kind & 0xFF) | (group << 8)
+    words[at + 1] = seq
+    words[at + 2] = nbytes
+    words[at + 3] = _monotonic_ns()
+    words[_base + _FLIGHT_COUNT] = count + 1
+    return at
+
+
+def flight_exit(at: int) -> None:
+    """The collective recorded at ``at`` is over."""
+    words = _words
+    if words is not None:
+        words[at + 4] = _monotonic_ns()
+
+
 def arm() -> None:
     """Finds this worker's slot now (and arms stack dumps), if under ``elastix run``."""
     if os.environ.get("ELASTIX_HEARTBEAT_FILE"):
         _slot()
 
 
-__all__ = ["heartbeat", "expect_progress", "arm"]
+__all__ = ["heartbeat", "expect_progress", "arm", "flight_enter", "flight_exit"]

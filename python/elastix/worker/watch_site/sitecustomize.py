@@ -21,7 +21,7 @@ plain start would have run. Standard library only: nothing of elastix is importe
 import os
 import sys
 
-_WORDS = 8  # a slot's 64-bit words, as the agent reads them
+_WORDS = 32  # a slot's 64-bit words, as the agent reads them
 _DUMP_SIGNAL, _MOVED, _OWNER = 3, 4, 5
 
 

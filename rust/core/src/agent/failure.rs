@@ -70,11 +70,20 @@ impl Failure {
         }
     }
 
-    /// The failure of a worker that was killed as hung: why, its last heartbeat, its stacks
-    /// (or why there are none).
-    pub fn hung(mut self, lapse: &Lapse, last_beat: Option<SystemTime>, stacks: Result<String, String>) -> Failure {
+    /// The failure of a worker that was killed as hung: why, who held it up (if a collective's
+    /// flight records say), its last heartbeat, its stacks (or why there are none).
+    pub fn hung(
+        mut self,
+        lapse: &Lapse,
+        holdup: Option<&str>,
+        last_beat: Option<SystemTime>,
+        stacks: Result<String, String>,
+    ) -> Failure {
         let last = last_beat.map_or_else(|| "never".to_owned(), |at| humantime::format_rfc3339_millis(at).to_string());
-        self.hung = Some(format!("{lapse}; last heartbeat: {last}"));
+        self.hung = Some(match holdup {
+            Some(holdup) => format!("{lapse}; {holdup}; last heartbeat: {last}"),
+            None => format!("{lapse}; last heartbeat: {last}"),
+        });
         self.message = match stacks {
             Ok(stacks) => format!("stacks when it was found hung:\n{stacks}"),
             Err(why) => format!("no stacks: {why}"),

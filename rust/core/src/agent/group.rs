@@ -22,7 +22,8 @@ use super::dumps::{DumpRequests, WorkerStacks};
 use super::env::{worker_args, worker_env, WorkerPlace};
 use super::error::{AgentError, Result};
 use super::failure::Failure;
-use super::heartbeats::{self, Heartbeats, Lapse, Slot};
+use super::flight::{self, Holdup, RankRecord};
+use super::heartbeats::{self, Flight, Heartbeats, Lapse, Slot};
 use super::logfiles::{LogFile, LogWriter};
 use super::logs::{expand_prefix, DEFAULT_TEE_PREFIX};
 use super::process::{Output, Supervised, SupervisedCommand};
@@ -245,18 +246,23 @@ impl WorkerGroup {
         let mut described = Vec::with_capacity(hung.len());
         for (index, lapse, slot) in hung {
             let worker = &self.workers[index];
-            let last = heartbeats::wall_time(slot.last_beat);
-            let name = worker.place.name(Some(worker.pid));
             let stacks = stacks::dump(worker.pid, slot.dump_signal, &worker.stacks_file).await;
-            match &stacks {
+            described.push((index, lapse, heartbeats::wall_time(slot.last_beat), stacks));
+        }
+        // before anyone is killed: the ranks waited for are asked for their stacks too
+        let holdup = self.holdup(&described).await.map(|holdup| holdup.to_string());
+        for (index, lapse, _, stacks) in &described {
+            let worker = &self.workers[*index];
+            let name = worker.place.name(Some(worker.pid));
+            let why = holdup.as_ref().map_or_else(|| lapse.to_string(), |holdup| format!("{lapse}; {holdup}"));
+            match stacks {
                 Ok(stacks) => tracing::warn!(
-                    "{name} is hung: {lapse}; killing it. Its stacks (kept in {}):\n{stacks}",
+                    "{name} is hung: {why}; killing it. Its stacks (kept in {}):\n{stacks}",
                     worker.stacks_file.display()
                 ),
-                Err(why) => tracing::warn!("{name} is hung: {lapse}; killing it (no stacks: {why})"),
+                Err(no) => tracing::warn!("{name} is hung: {why}; killing it (no stacks: {no})"),
             }
             let _ = killpg(Pid::from_raw(worker.pid as i32), Signal::SIGKILL);
-            described.push((index, lapse, last, stacks));
         }
         let deadline = tokio::time::Instant::now() + KILL_WAIT;
         while described.iter().any(|(index, ..)| self.workers[*index].exit.is_none()) {
@@ -272,9 +278,29 @@ impl WorkerGroup {
             if self.workers[index].exit.is_none() {
                 self.workers[index].exit = Some((killed_status(), SystemTime::now()));
             }
-            failures.push(self.failure(index).await.hung(&lapse, last, stacks));
+            failures.push(self.failure(index).await.hung(&lapse, holdup.as_deref(), last, stacks));
         }
         failures
+    }
+
+    /// The collective the hung workers wait in for ranks of this node that never entered it,
+    /// from every running worker's flight recorder; the ranks waited for are asked for their
+    /// stacks (to say where they are) unless they dumped them already.
+    async fn holdup(&self, described: &[(usize, Lapse, Option<SystemTime>, Result<String, String>)]) -> Option<Holdup> {
+        let page = self.heartbeats.as_ref()?;
+        let running: Vec<usize> = (0..self.workers.len()).filter(|i| self.workers[*i].exit.is_none()).collect();
+        let flights: Vec<Vec<Flight>> = running.iter().map(|index| page.flights(*index)).collect();
+        let ranks: Vec<u32> = running.iter().map(|index| self.workers[*index].place.global_rank).collect();
+        let dumped = |index: usize| described.iter().find(|d| d.0 == index).and_then(|d| d.3.as_ref().ok().cloned());
+        let mut stacks: Vec<Option<String>> = running.iter().map(|index| dumped(*index)).collect();
+        let found = flight::holdup(&rank_records(&ranks, &flights, &stacks))?;
+        for (i, index) in running.iter().enumerate() {
+            let worker = &self.workers[*index];
+            if stacks[i].is_none() && found.missing.iter().any(|(rank, _)| *rank == ranks[i]) {
+                stacks[i] = stacks::dump(worker.pid, page.slot(*index).dump_signal, &worker.stacks_file).await.ok();
+            }
+        }
+        flight::holdup(&rank_records(&ranks, &flights, &stacks))
     }
 
     /// The other workers that fail within `window` of a first failure.
@@ -382,6 +408,15 @@ impl Drop for WorkerGroup {
     fn drop(&mut self) {
         self.kill_all();
     }
+}
+
+/// What the flight recorders and stacks of some workers say, rank by rank.
+fn rank_records<'a>(ranks: &[u32], flights: &'a [Vec<Flight>], stacks: &'a [Option<String>]) -> Vec<RankRecord<'a>> {
+    ranks
+        .iter()
+        .zip(flights.iter().zip(stacks))
+        .map(|(rank, (flights, stacks))| RankRecord { rank: *rank, flights, stacks: stacks.as_deref() })
+        .collect()
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -5,8 +5,10 @@
 //! A worker's slot is [`SLOT_WORDS`] words: the time of its last heartbeat, the progress
 //! window it is in (`expect_progress`), the deadline of its earliest timer, the signal on
 //! which it dumps its threads' stacks (0 until armed), when its main thread last moved and
-//! the pid of the process that owns the slot; the rest is spare. Times are `CLOCK_MONOTONIC`
-//! nanoseconds, the clock Python's `time.monotonic_ns()` reads; 0 means none.
+//! the pid of the process that owns the slot, then its collective flight recorder: how many
+//! collectives it entered, and the last [`FLIGHTS`] of them ([`Flight`], written by
+//! elastix.collectives as each starts and ends); the rest is spare. Times are
+//! `CLOCK_MONOTONIC` nanoseconds, the clock Python's `time.monotonic_ns()` reads; 0 means none.
 //!
 //! Every Python worker fills the last two with no change to its code: elastix's site hook
 //! (python/elastix/worker/watch_site) claims the slot for the worker's own pid (children
@@ -28,15 +30,35 @@ use std::time::Duration;
 use memmap2::{MmapOptions, MmapRaw};
 use nix::time::{clock_gettime, ClockId};
 
-/// Words in one worker's slot (64 bytes: one cache line, so workers never share one).
-pub const SLOT_WORDS: usize = 8;
+/// Words in one worker's slot (256 bytes: whole cache lines, so workers never share one).
+pub const SLOT_WORDS: usize = 32;
 const LAST_BEAT: usize = 0;
 const WINDOW: usize = 1;
 const DEADLINE: usize = 2;
 const DUMP_SIGNAL: usize = 3;
 const MOVED: usize = 4;
 const OWNER: usize = 5;
+/// The number of collectives entered so far; the entries follow, a ring of [`FLIGHTS`].
+const FLIGHT_COUNT: usize = 8;
+const FLIGHT_RING: usize = 9;
+/// Words per flight entry: kind | group << 8, sequence number, bytes, entered, finished.
+const FLIGHT_WORDS: usize = 5;
+/// Collectives each slot remembers.
+pub const FLIGHTS: usize = 4;
 
+/// One collective as its rank recorded it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flight {
+    /// The operation (elastix.collectives.descriptor.KINDS).
+    pub kind: u8,
+    pub group: u64,
+    /// Its number among the group's collectives on this rank (the first is 1).
+    pub seq: u64,
+    pub bytes: u64,
+    pub entered: u64,
+    /// 0 while it runs.
+    pub finished: u64,
+}
 /// The variables a worker finds its slot with.
 pub const FILE_VAR: &str = "ELASTIX_HEARTBEAT_FILE";
 pub const SLOT_VAR: &str = "ELASTIX_HEARTBEAT_SLOT";
@@ -72,6 +94,27 @@ pub struct Slot {
     pub moved: u64,
     /// The pid of the process that claimed the slot (0: none yet).
     pub owner: u64,
+}
+
+impl Heartbeats {
+    /// The last collectives worker `slot` recorded, oldest first.
+    pub fn flights(&self, slot: usize) -> Vec<Flight> {
+        let count = self.word(slot, FLIGHT_COUNT) as usize;
+        (count.saturating_sub(FLIGHTS)..count)
+            .map(|n| {
+                let at = FLIGHT_RING + (n % FLIGHTS) * FLIGHT_WORDS;
+                let head = self.word(slot, at);
+                Flight {
+                    kind: (head & 0xff) as u8,
+                    group: head >> 8,
+                    seq: self.word(slot, at + 1),
+                    bytes: self.word(slot, at + 2),
+                    entered: self.word(slot, at + 3),
+                    finished: self.word(slot, at + 4),
+                }
+            })
+            .collect()
+    }
 }
 
 /// Why a worker counts as hung.
@@ -295,14 +338,26 @@ mod tests {
         let path = page.path().to_owned();
         let map = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
         // a worker writes its slot's words in place
-        let words: Vec<u8> =
-            [7u64, 0, 0, 0, 0, 0, 0, 0, 11, 12, 13, 14, 15, 0, 0, 0].iter().flat_map(|w| w.to_ne_bytes()).collect();
-        std::os::unix::fs::FileExt::write_all_at(&map, &words, 0).unwrap();
+        let mut words = [0u64; 2 * SLOT_WORDS];
+        words[0] = 7;
+        words[SLOT_WORDS..SLOT_WORDS + 5].copy_from_slice(&[11, 12, 13, 14, 15]);
+        // slot 1 entered 5 collectives: the ring holds the last 4, the fifth in its first place
+        words[SLOT_WORDS + FLIGHT_COUNT] = 5;
+        for n in 1..5u64 {
+            let at = SLOT_WORDS + FLIGHT_RING + (n as usize % FLIGHTS) * FLIGHT_WORDS;
+            words[at..at + FLIGHT_WORDS].copy_from_slice(&[1 | (3 << 8), n + 1, 64, 100 + n, 200 + n]);
+        }
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        std::os::unix::fs::FileExt::write_all_at(&map, &bytes, 0).unwrap();
         assert_eq!(page.slot(0).last_beat, 7);
         assert_eq!(
             page.slot(1),
             Slot { last_beat: 11, window: 12, deadline: 13, dump_signal: 14, moved: 15, owner: 0 }
         );
+        let flights = page.flights(1);
+        assert_eq!(flights.iter().map(|f| f.seq).collect::<Vec<_>>(), [2, 3, 4, 5]);
+        assert_eq!(flights[3], Flight { kind: 1, group: 3, seq: 5, bytes: 64, entered: 104, finished: 204 });
+        assert!(page.flights(0).is_empty());
         drop(page);
         assert!(!path.exists());
     }

@@ -5,6 +5,7 @@
 //!   their output goes; [`pump`]: relaying it; [`console`] and [`logfiles`]: the threads that
 //!   write it, so the agent never blocks on a stalled reader or a full disk; [`failure`]: what a failure left behind and
 //!   the summary; [`heartbeats`], [`cpu`] and [`stacks`]: hung workers and their stack dumps;
+//!   [`flight`]: which rank holds the others up in a collective;
 //!   [`dumps`]: stack dumps on demand.
 //! * [`events`]: the event log of every state change.
 //! * [`config`], [`env`], [`ranks`]: what workers are started with; [`process`]: how a child
@@ -18,6 +19,7 @@ pub mod env;
 pub mod error;
 pub mod events;
 pub mod failure;
+pub mod flight;
 pub mod group;
 pub mod heartbeats;
 pub mod logfiles;

@@ -267,6 +267,8 @@ struct Agent {
     metrics_server: Option<MetricsServer>,
     /// The round the workers last started in.
     round: u64,
+    /// The last round this agent was told of (`None` before the first).
+    round_seen: Option<u64>,
 }
 
 impl Agent {
@@ -327,6 +329,7 @@ impl Agent {
             events,
             metrics_server: metrics,
             round: 0,
+            round_seen: None,
         })
     }
 
@@ -349,6 +352,11 @@ impl Agent {
                 },
                 (signal, _) = self.signals.recv() => return Ok(End::Interrupted(signal)),
             };
+            if self.round_seen.is_none() {
+                // the first round: how to look at the job (a --standalone job's run ID is made up)
+                tracing::info!("{}", self.how_to_watch());
+            }
+            self.round_seen = Some(info.round);
             // each round has a store of its own, even where it reuses the last one's address
             // (a restarted job keeps its MASTER_PORT): a connection to the old one is stale
             self.store = None;
@@ -550,6 +558,18 @@ impl Agent {
             unsure.join(", ")
         );
         tokio::time::timeout(window, next_change(changes)).await.ok()
+    }
+
+    /// The run ID, and a command that shows the job's state from any machine that reaches its
+    /// store (the first site in use on c10d, the cluster on etcd).
+    fn how_to_watch(&self) -> String {
+        let (backend, run_id) = (self.rdzv.name(), self.rdzv.run_id());
+        let endpoint = match backend {
+            "c10d" => self.rdzv.describe_store(),
+            "static" => return format!("run ID {run_id} (static rendezvous: no shared job state to show)"),
+            _ => self.config.rdzv_endpoint.clone(),
+        };
+        format!("run ID {run_id}; to watch the job: elastix status --rdzv-backend {backend} --rdzv-endpoint {endpoint} --rdzv-id {run_id}")
     }
 
     /// Exchanges ranks with the other nodes and starts the local workers. A stop signal ends

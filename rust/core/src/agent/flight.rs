@@ -1,0 +1,200 @@
+//! Who holds everyone up. When workers hang in a collective, the ones waiting inside it are not
+//! the cause: a peer that never entered it is. Each rank's flight recorder (its last few
+//! collectives, in its heartbeat slot: [`super::heartbeats::Flight`]) says where it is; merged,
+//! they name the ranks that wait, the collective they wait in, and the ranks they wait for,
+//! with where those are (the main thread's innermost frame, from their stack dump).
+
+use super::heartbeats::Flight;
+
+/// elastix.collectives.descriptor.KINDS, by number.
+const KINDS: [&str; 11] = [
+    "?",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+    "barrier",
+    "send/recv",
+];
+
+/// The world group's number (elastix.collectives names it "0").
+const WORLD: u64 = 0;
+
+/// What one rank's slot and stacks say.
+pub struct RankRecord<'a> {
+    pub rank: u32,
+    /// Oldest first.
+    pub flights: &'a [Flight],
+    /// Its threads' stacks, if it dumped them.
+    pub stacks: Option<&'a str>,
+}
+
+/// Ranks waiting inside one collective for ranks that never entered it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holdup {
+    pub waiting: Vec<u32>,
+    pub kind: &'static str,
+    pub group: u64,
+    pub seq: u64,
+    /// The ranks waited for, with where each one is (if its stacks say).
+    pub missing: Vec<(u32, Option<String>)>,
+}
+
+impl std::fmt::Display for Holdup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |ranks: &mut dyn Iterator<Item = u32>| ranks.map(|r| r.to_string()).collect::<Vec<_>>().join(",");
+        let plural = |n: usize| if n == 1 { "rank" } else { "ranks" };
+        let verb = if self.waiting.len() == 1 { "waits" } else { "wait" };
+        write!(
+            f,
+            "{} {} {verb} in {} #{} (group {}) for {} {}",
+            plural(self.waiting.len()),
+            list(&mut self.waiting.iter().copied()),
+            self.kind,
+            self.seq,
+            self.group,
+            plural(self.missing.len()),
+            list(&mut self.missing.iter().map(|(rank, _)| *rank)),
+        )?;
+        for (rank, at) in &self.missing {
+            match at {
+                Some(at) => write!(f, "; rank {rank} is in {at}")?,
+                None => write!(f, "; rank {rank} never entered it")?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The collective that ranks wait in for others that never entered it, if the records show
+/// one: the furthest unfinished one (highest sequence number), in its group.
+pub fn holdup(records: &[RankRecord<'_>]) -> Option<Holdup> {
+    let in_flight = |record: &RankRecord<'_>| record.flights.last().filter(|flight| flight.finished == 0).copied();
+    let target =
+        records.iter().filter_map(in_flight).max_by_key(|flight| (flight.seq, std::cmp::Reverse(flight.group)))?;
+    let waiting: Vec<u32> = records
+        .iter()
+        .filter(|record| in_flight(record).is_some_and(|f| f.group == target.group && f.seq == target.seq))
+        .map(|record| record.rank)
+        .collect();
+    let missing: Vec<(u32, Option<String>)> = records
+        .iter()
+        .filter(|record| !waiting.contains(&record.rank))
+        .filter(|record| {
+            let reached = record.flights.iter().filter(|f| f.group == target.group).map(|f| f.seq).max();
+            // a rank with no record of the group is in it only if it is the world
+            match reached {
+                Some(seq) => seq < target.seq,
+                None => target.group == WORLD,
+            }
+        })
+        .map(|record| (record.rank, record.stacks.and_then(main_thread_frame)))
+        .collect();
+    if missing.is_empty() {
+        return None;
+    }
+    let kind = KINDS.get(target.kind as usize).copied().unwrap_or("?");
+    Some(Holdup { waiting, kind, group: target.group, seq: target.seq, missing })
+}
+
+/// The main thread's innermost frame of the program's own code in a faulthandler dump, as
+/// `function (file:line)`: the main thread is the one whose outermost frame is module code,
+/// and the program's own code is what is not under a `lib/pythonX.Y` directory (the standard
+/// library, installed packages), unless nothing else is.
+pub fn main_thread_frame(stacks: &str) -> Option<String> {
+    let mut frames: Vec<&str> = Vec::new();
+    let mut found = None;
+    let mut close = |frames: &mut Vec<&str>| {
+        if found.is_none() && frames.last().is_some_and(|outer| outer.ends_with(" in <module>")) {
+            let own = frames.iter().find(|frame| !frame.contains("/lib/python"));
+            found = own.or(frames.first()).map(|inner| (*inner).to_owned());
+        }
+        frames.clear();
+    };
+    for line in stacks.lines() {
+        let line = line.trim();
+        if line.starts_with("File \"") {
+            frames.push(line);
+        } else {
+            close(&mut frames);
+        }
+    }
+    close(&mut frames);
+    // File "path", line N in function
+    let frame = found?;
+    let (path, rest) = frame.strip_prefix("File \"")?.split_once("\", line ")?;
+    let (line, function) = rest.split_once(" in ")?;
+    Some(format!("{function} ({path}:{line})"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flight(group: u64, seq: u64, finished: bool) -> Flight {
+        Flight { kind: 1, group, seq, bytes: 40, entered: 10, finished: if finished { 20 } else { 0 } }
+    }
+
+    const STUCK: &str = r#"Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/usr/lib/python3.11/threading.py", line 622 in wait
+  File "/tmp/side.py", line 3 in side
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 327 in wait
+  File "/tmp/train.py", line 12 in stuck_before_collective
+  File "/tmp/train.py", line 30 in <module>
+"#;
+
+    #[test]
+    fn the_rank_that_never_entered_is_named_not_the_ones_that_wait() {
+        let done = [flight(0, 4, true)];
+        let waiting = [flight(0, 4, true), flight(0, 5, false)];
+        let records = [
+            RankRecord { rank: 0, flights: &waiting, stacks: None },
+            RankRecord { rank: 1, flights: &done, stacks: Some(STUCK) },
+            RankRecord { rank: 2, flights: &waiting, stacks: None },
+        ];
+        let found = holdup(&records).unwrap();
+        assert_eq!(
+            found.to_string(),
+            "ranks 0,2 wait in all_reduce #5 (group 0) for rank 1; rank 1 is in stuck_before_collective \
+             (/tmp/train.py:12)"
+        );
+    }
+
+    #[test]
+    fn nothing_in_flight_or_nobody_missing_is_no_holdup() {
+        let done = [flight(0, 5, true)];
+        let waiting = [flight(0, 5, false)];
+        assert_eq!(holdup(&[RankRecord { rank: 0, flights: &done, stacks: None }]), None);
+        let all_in = [
+            RankRecord { rank: 0, flights: &waiting, stacks: None },
+            RankRecord { rank: 1, flights: &waiting, stacks: None },
+        ];
+        assert_eq!(holdup(&all_in), None, "everyone is inside: the cause is elsewhere (another node?)");
+        // a subgroup's waiters do not wait for ranks that never used that group
+        let sub = [flight(3, 1, false)];
+        let records =
+            [RankRecord { rank: 0, flights: &sub, stacks: None }, RankRecord { rank: 1, flights: &[], stacks: None }];
+        assert_eq!(holdup(&records), None);
+        let never = [
+            RankRecord { rank: 0, flights: &waiting, stacks: None },
+            RankRecord { rank: 1, flights: &[], stacks: None },
+        ];
+        assert_eq!(
+            holdup(&never).unwrap().to_string(),
+            "rank 0 waits in all_reduce #5 (group 0) for rank 1; rank 1 never entered it"
+        );
+    }
+
+    #[test]
+    fn the_main_thread_is_the_one_running_module_code() {
+        assert_eq!(main_thread_frame(STUCK).unwrap(), "stuck_before_collective (/tmp/train.py:12)");
+        assert_eq!(main_thread_frame("Thread 0x1 (most recent call first):\n  File \"a.py\", line 1 in f\n"), None);
+    }
+}
