@@ -8,6 +8,7 @@ from typing_extensions import Self
 
 __version__: str
 RENDEZVOUS_BACKENDS: tuple[str, ...]
+COLLECTIVE_KINDS: tuple[str, ...]
 
 @final
 class TcpStoreCore:

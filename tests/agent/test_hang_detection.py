@@ -115,11 +115,16 @@ BUSY = textwrap.dedent(
 )
 
 
+def run_program(tmp_path, marker, source, *flags):
+    """`elastix run --standalone FLAGS` of the program `source`: (exit code, stdout, stderr)."""
+    script = tmp_path / "program.py"
+    script.write_text(source)
+    proc = elastix_run("--standalone", *flags, script, out_dir=tmp_path, marker=marker)
+    return finish(proc, timeout=120)
+
+
 def test_a_plain_worker_blocked_forever_is_hung_with_its_stack(tmp_path, marker):
-    script = tmp_path / "blocked.py"
-    script.write_text(BLOCKED)
-    proc = elastix_run("--standalone", "--worker-timeout", "2", script, out_dir=tmp_path, marker=marker)
-    code, _out, err = finish(proc, timeout=120)
+    code, _out, err = run_program(tmp_path, marker, BLOCKED, "--worker-timeout", "2")
     assert code == 1, err
     reason = r"its main thread has not moved and it used no CPU for (\d+\.\d+)s \(--worker-timeout 2\.00s\)"
     found = re.search(r"hung      : " + reason, err)
@@ -133,11 +138,7 @@ def test_a_plain_worker_blocked_forever_is_hung_with_its_stack(tmp_path, marker)
 
 
 def test_a_plain_worker_restarted_from_a_warm_standby_is_watched_too(tmp_path, marker):
-    script = tmp_path / "blocked.py"
-    script.write_text(BLOCKED)
-    flags = ["--worker-timeout", "1", "--max-restarts", "1"]
-    proc = elastix_run("--standalone", *flags, script, out_dir=tmp_path, marker=marker)
-    code, _out, err = finish(proc, timeout=120)
+    code, _out, err = run_program(tmp_path, marker, BLOCKED, "--worker-timeout", "1", "--max-restarts", "1")
     assert code == 1, err
     # both attempts found hung: the second one (started from the standby the agent keeps warm
     # for a restart) goes through the site hook after its activation, as a cold start does
@@ -146,10 +147,7 @@ def test_a_plain_worker_restarted_from_a_warm_standby_is_watched_too(tmp_path, m
 
 
 def test_a_worker_busy_in_one_long_c_call_is_not_hung(tmp_path, marker):
-    script = tmp_path / "busy.py"
-    script.write_text(BUSY)
-    proc = elastix_run("--standalone", "--worker-timeout", "2", script, out_dir=tmp_path, marker=marker)
-    code, out, err = finish(proc, timeout=120)
+    code, out, err = run_program(tmp_path, marker, BUSY, "--worker-timeout", "2")
     assert code == 0 and "done" in out and "hung" not in err, err
 
 
@@ -174,11 +172,7 @@ HOLDUP = textwrap.dedent(
 
 
 def test_the_rank_that_never_enters_a_collective_is_named_not_the_ones_that_wait(tmp_path, marker):
-    script = tmp_path / "holdup.py"
-    script.write_text(HOLDUP)
-    flags = ["--nproc-per-node", "3", "--worker-timeout", "2"]
-    proc = elastix_run("--standalone", *flags, script, out_dir=tmp_path, marker=marker)
-    code, _out, err = finish(proc, timeout=120)
+    code, _out, err = run_program(tmp_path, marker, HOLDUP, "--nproc-per-node", "3", "--worker-timeout", "2")
     assert code == 1, err
     named = r"ranks 0,2 wait in all_reduce #5 \(group 0\) for rank 1; rank 1 is in stuck_before_collective \(\S+:\d+\)"
     assert re.search(r"is hung: .*" + named, err), err  # with the warning
@@ -206,10 +200,7 @@ SPAWNS = textwrap.dedent(
 
 
 def test_children_started_with_spawn_or_forkserver_do_not_beat_for_their_parent(tmp_path, marker):
-    script = tmp_path / "spawns.py"
-    script.write_text(SPAWNS)
-    proc = elastix_run("--standalone", "--worker-timeout", "2", script, out_dir=tmp_path, marker=marker)
-    code, _out, err = finish(proc, timeout=120)
+    code, _out, err = run_program(tmp_path, marker, SPAWNS, "--worker-timeout", "2")
     assert code == 1 and "hung      : no heartbeat for" in err, err
     assert_nothing_left(marker)
 

@@ -163,7 +163,7 @@ def test_elastix_run_asks_for_standbys_only_when_a_restart_can_happen(tmp_path):
     # one node and no restart budget: nothing will ever restart
     assert run_config(["--standalone", script])["standby"] is None
     config = run_config(["--standalone", "--max-restarts", "2", script])
-    assert config["standby"]["PYTHONPATH"].split(os.pathsep)[0].endswith("standby_site")
+    assert config["standby"]["PYTHONPATH"].split(os.pathsep)[0].endswith(os.path.join("worker", "site"))
     # an elastic multi-node job restarts on membership changes, without a budget
     assert run_config(["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", script])["standby"]
     assert run_config(["--standalone", "--max-restarts", "2", "-m", "pkg.train"])["standby"]

@@ -15,7 +15,7 @@ from outside: /proc/<pid>/environ shows the environment the standby started with
 import os
 from typing import Dict, Mapping, Optional, Sequence
 
-SITE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "worker", "standby_site")
+from .watch import SITE_DIR
 
 
 def standby_env(args: Sequence[str], env: Mapping[str, str]) -> Optional[Dict[str, str]]:
@@ -28,4 +28,6 @@ def standby_env(args: Sequence[str], env: Mapping[str, str]) -> Optional[Dict[st
     if not (list(args[:1]) == ["-u"] and (module or script)):
         return None
     path = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    if path.split(os.pathsep)[0] == SITE_DIR:  # the worker's own PYTHONPATH has it first already
+        return {"PYTHONPATH": path}
     return {"PYTHONPATH": SITE_DIR + (os.pathsep + path if path else "")}

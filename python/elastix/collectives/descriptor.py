@@ -9,21 +9,11 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from .. import _core
 from .dtypes import dtype_id
 
-KINDS = [
-    "?",
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "all_gather",
-    "gather",
-    "scatter",
-    "reduce_scatter",
-    "all_to_all",
-    "barrier",
-    "send/recv",
-]
+# by the number descriptors and the flight recorder carry (the agent reads them too)
+KINDS = list(_core.COLLECTIVE_KINDS)
 KIND = {name: i for i, name in enumerate(KINDS)}
 OPS = ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG"]
 MAX_DIMS = 7

@@ -9,7 +9,7 @@ The agent counts a worker as hung when an ``expires`` timer runs out, when insid
 ``expect_progress(within=W)`` its last heartbeat is older than W, or, with
 ``--worker-timeout T``, when its last heartbeat (once it sent one) is older than T; a worker that
 never sends one is watched through its main thread and CPU use by elastix's site hook
-(python/elastix/worker/watch_site). Before killing it, the agent has it dump every thread's
+(python/elastix/worker/site). Before killing it, the agent has it dump every thread's
 stack (``faulthandler``, armed on a real-time signal by the site hook, or when this module first
 finds its slot, as ``import elastix`` does), and shows them with its warning.
 

@@ -6,8 +6,9 @@
 
 use super::heartbeats::Flight;
 
-/// elastix.collectives.descriptor.KINDS, by number.
-const KINDS: [&str; 11] = [
+/// The collectives' kinds, by the number their records (and descriptors) carry; Python's
+/// elastix.collectives.descriptor takes them from here.
+pub const KINDS: [&str; 11] = [
     "?",
     "all_reduce",
     "broadcast",

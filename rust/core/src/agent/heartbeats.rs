@@ -11,7 +11,7 @@
 //! `CLOCK_MONOTONIC` nanoseconds, the clock Python's `time.monotonic_ns()` reads; 0 means none.
 //!
 //! Every Python worker fills the last two with no change to its code: elastix's site hook
-//! (python/elastix/worker/watch_site) claims the slot for the worker's own pid (children
+//! (python/elastix/worker/site) claims the slot for the worker's own pid (children
 //! started with spawn or forkserver, which inherit the variables, leave it alone) and a
 //! thread of it writes when the main thread's current frame and line last changed.
 //!

@@ -1,21 +1,23 @@
-"""Run at the start-up of every Python worker of ``elastix run`` (the agent puts this directory
-first on the worker's ``PYTHONPATH``), so that hang detection needs no change to the program:
-plain torch scripts that never import elastix are watched too.
+"""Run at the start-up of every Python worker of ``elastix run``: the agent puts this directory
+first on the worker's ``PYTHONPATH``. Standard library only: nothing of elastix is imported.
 
-In the worker itself (not in children it starts with spawn or forkserver, which inherit the
-variables: the slot names the pid that claimed it), with a heartbeat slot
-(``ELASTIX_HEARTBEAT_FILE``, ``ELASTIX_HEARTBEAT_SLOT``; see rust/core/src/agent/heartbeats.rs):
-
-- ``faulthandler`` is armed on a real-time signal, writing every thread's stack to
-  ``ELASTIX_STACKS_FILE``; the slot says which signal, and the agent sends it before it kills a
-  hung worker, and for ``elastix dump``;
-- with ``ELASTIX_PROGRESS_INTERVAL_MS`` (set with ``--worker-timeout``), a daemon thread looks at
-  the main thread's current frame and line that often and writes in the slot when they last
-  changed (plain words in shared memory: no system call). The agent counts a worker hung when
-  that has not changed and the worker used no CPU for the timeout.
-
-Then it leaves no trace (off ``sys.path`` and ``sys.modules``) and runs the ``sitecustomize`` a
-plain start would have run. Standard library only: nothing of elastix is imported.
+1. A warm standby (``ELASTIX_STANDBY_FD`` set; see elastix/agent/standby.py) waits here for its
+   activation on that descriptor: the worker's whole environment, ``KEY=VALUE`` entries each
+   ended by a NUL byte. Nothing at all means the agent no longer needs this standby, which then
+   exits.
+2. Hang detection, so that it needs no change to the program (plain torch scripts that never
+   import elastix are watched too). In the worker itself (not in children it starts with spawn
+   or forkserver, which inherit the variables: the slot names the pid that claimed it), with a
+   heartbeat slot (``ELASTIX_HEARTBEAT_FILE``, ``ELASTIX_HEARTBEAT_SLOT``; see
+   rust/core/src/agent/heartbeats.rs): ``faulthandler`` is armed on a real-time signal, writing
+   every thread's stack to ``ELASTIX_STACKS_FILE`` (the slot says which signal; the agent sends
+   it before it kills a hung worker, and for ``elastix dump``); with
+   ``ELASTIX_PROGRESS_INTERVAL_MS`` (set with ``--worker-timeout``), a daemon thread looks at the
+   main thread's current frame and line that often and writes in the slot when they last
+   changed (plain words in shared memory: no system call). The agent counts a worker hung when
+   they have not changed and the worker used no CPU for the timeout.
+3. Then it leaves no trace (off ``sys.path`` and ``sys.modules``) and runs the ``sitecustomize``
+   a plain start would have run, and start-up goes on.
 """
 
 import os
@@ -23,6 +25,23 @@ import sys
 
 _WORDS = 32  # a slot's 64-bit words, as the agent reads them
 _DUMP_SIGNAL, _MOVED, _OWNER = 3, 4, 5
+
+
+def _wait_for_the_worker_environment(fd: int) -> None:
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    if not chunks:
+        os._exit(0)
+    os.environb.clear()
+    for entry in b"".join(chunks).split(b"\0"):
+        if entry:
+            key, _, value = entry.partition(b"=")
+            os.environb[key] = value
 
 
 def _claim():
@@ -104,6 +123,9 @@ def _start():
         _watch_the_main_thread(*claimed, max(int(interval), 1) / 1000)
 
 
+_fd = os.environ.get("ELASTIX_STANDBY_FD")
+if _fd is not None:
+    _wait_for_the_worker_environment(int(_fd))
 try:
     _start()
 except Exception as error:  # never the reason a worker does not start
