@@ -200,6 +200,7 @@ def check_agent_config(config_json: str) -> None:
 def run_agent(config_json: str) -> str:
     """Runs an agent to the end (the GIL released); returns the outcome as JSON."""
 
+def job_runs(backend: str, endpoint: str, conf_json: str, timeout: float) -> List[str]: ...
 def job_status(backend: str, endpoint: str, run_id: str, conf_json: str, timeout: float) -> Optional[str]:
     """`elastix status`'s report as JSON, or None when the store holds no such run; raises
     ValueError for bad settings or an unreachable store, the store's errors otherwise."""

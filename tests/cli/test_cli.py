@@ -13,6 +13,7 @@ import pytest
 import torch_gate
 from elastix import _core
 from elastix.agent import nproc
+from elastix.agent.watch import SITE_DIR
 from elastix.cli import main as elastix_main
 from elastix.cli.run import main as run_main
 from elastix.cli.run_config import config_from_args
@@ -132,7 +133,7 @@ def test_defaults_make_a_standalone_one_node_config(script):
     assert config["local_world_size"] == 1
     assert config["entrypoint"] == sys.executable
     assert config["args"] == ["-u", script]
-    assert config["env"] == {}
+    assert own_env(config) == {}
     assert (config["min_nodes"], config["max_nodes"]) == (1, 1)
     assert config["node_rank"] is None and config["master_addr"] is None and config["master_port"] is None
     assert config["max_restarts"] == 0
@@ -277,17 +278,26 @@ def test_missing_script_is_a_clear_error(tmp_path, capsys):
     assert code == 2 and "trian.py" in out.err and "not found" in out.err
 
 
+def own_env(config):
+    """The workers' configured variables, less elastix's site hook first on PYTHONPATH (every
+    Python worker gets it: hang detection with no change to the program)."""
+    env = dict(config["env"])
+    first, _, rest = env.pop("PYTHONPATH").partition(os.pathsep)
+    assert first == SITE_DIR and rest == os.environ.get("PYTHONPATH", ""), config["env"]
+    return env
+
+
 def test_omp_num_threads(script, monkeypatch):
     warnings = []
     config = parse(["--nproc-per-node", "2", script], warnings)
-    assert config["env"] == {"OMP_NUM_THREADS": "1"}
+    assert own_env(config) == {"OMP_NUM_THREADS": "1"}
     assert any("OMP_NUM_THREADS" in w for w in warnings)
     assert "OMP_NUM_THREADS" not in os.environ  # only the workers get it
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     warnings.clear()
-    assert parse(["--nproc-per-node", "2", script], warnings)["env"] == {}
+    assert own_env(parse(["--nproc-per-node", "2", script], warnings)) == {}
     assert not warnings
-    assert parse(["--nproc-per-node", "1", script])["env"] == {}
+    assert own_env(parse(["--nproc-per-node", "1", script])) == {}
 
 
 def test_redirects_tee_and_filter(script):

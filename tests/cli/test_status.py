@@ -164,6 +164,37 @@ def test_status_on_etcd_shows_both_nodes_then_the_lost_one(tmp_path, marker, etc
     assert_nothing_left(marker)
 
 
+def watch_it(args):
+    """`elastix status --watch`: reports one after another into a pipe, a screen redrawn on a
+    real pseudo-terminal; Ctrl-C (SIGINT) ends it with 130."""
+    import pty
+    import select
+    import time
+
+    def read_until_two_reports(fd):
+        seen, deadline = b"", time.monotonic() + 60
+        while seen.count(b"HEALTHY") < 2 and time.monotonic() < deadline:
+            if select.select([fd], [], [], 1)[0]:
+                seen += os.read(fd, 4096)
+        return seen
+
+    argv = [sys.executable, "-m", "elastix", "status", *args, "--watch", "0.2"]
+    piped = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    controller, terminal = pty.openpty()
+    shown = subprocess.Popen(argv, stdout=terminal, stderr=subprocess.PIPE)
+    os.close(terminal)
+    try:
+        lines = read_until_two_reports(piped.stdout.fileno())
+        screen = read_until_two_reports(controller)
+    finally:
+        for proc in (piped, shown):
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(30) == 130
+        os.close(controller)
+    assert lines.count(b"HEALTHY") >= 2 and lines.count(b"--- ") >= 2, lines
+    assert screen.count(b"\x1b[H\x1b[2J") >= 2 and b"--- " not in screen, screen
+
+
 def test_a_standalone_job_prints_its_run_id_and_a_status_command_that_works(tmp_path, marker):
     """A --standalone job makes its run ID up: the agent prints it with a command to paste."""
     import shlex
@@ -181,9 +212,40 @@ def test_a_standalone_job_prints_its_run_id_and_a_status_command_that_works(tmp_
         assert command[:2] == ["elastix", "status"] and "--rdzv-id" in command, shown
         done = status(*command[2:])
         assert done.returncode == HEALTHY and "HEALTHY" in done.stdout, done.stdout + done.stderr
+        watch_it(command[2:])
     finally:
         (tmp_path / "stop").touch()
         assert a.finish() == 0, a.output()
+    assert_nothing_left(marker)
+
+
+def test_without_a_run_id_status_lists_the_runs_the_store_holds(tmp_path, marker, rdzv_port):
+    endpoint = f"127.0.0.1:{rdzv_port}"
+    assert status("--rdzv-endpoint", endpoint).returncode == NOT_FOUND, "no runs yet"
+    (tmp_path / "one").mkdir()
+    first = agent(
+        tmp_path / "one", marker, "a", "run", *node_args("1", endpoint, "127.0.0.2", CONF, LOOP, run_id="alpha")
+    )
+    (tmp_path / "two").mkdir()
+    try:
+        wait_round(tmp_path / "one", 1)
+        only = status("--rdzv-endpoint", endpoint)  # one run: its report
+        assert only.returncode == HEALTHY and only.stdout.startswith("job alpha at "), only.stdout + only.stderr
+        second = agent(
+            tmp_path / "two", marker, "b", "run", *node_args("1", endpoint, "127.0.0.3", CONF, LOOP, run_id="beta")
+        )
+        wait_round(tmp_path / "two", 1)
+        listed = status("--rdzv-endpoint", endpoint)
+        assert listed.returncode == HEALTHY, listed.stdout + listed.stderr
+        lines = listed.stdout.splitlines()
+        assert lines[0].startswith(f"runs at {endpoint} (c10d)"), lines
+        assert [line.split()[1] for line in lines[1:]] == ["alpha", "beta"] and "HEALTHY" in lines[1], lines
+        as_json = json.loads(status("--rdzv-endpoint", endpoint, "--json").stdout)
+        assert as_json["runs"] == ["alpha", "beta"], as_json
+    finally:
+        for out in (tmp_path / "one", tmp_path / "two"):
+            (out / "stop").touch()
+    assert first.finish() == 0 and second.finish() == 0, first.output() + second.output()
     assert_nothing_left(marker)
 
 

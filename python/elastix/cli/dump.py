@@ -51,6 +51,8 @@ def main(argv: Optional[List[str]] = None, prog: str = "elastix dump") -> None:
         parser.error("--rdzv-endpoint is required (the job's rendezvous store, HOST:PORT)")
     if args.rank is not None and args.rank < 0:
         parser.error(f"--rank {args.rank}: ranks are 0 or more")
+    if args.rdzv_id is None:
+        args.rdzv_id = "none"  # `elastix run`'s default, as torchrun's
     if args.rdzv_backend == "static":
         parser.error("--rdzv-backend static: elastix dump asks c10d and etcd jobs (a static job has no shared state)")
     try:

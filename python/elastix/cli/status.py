@@ -35,7 +35,8 @@ authentication:
 
 examples:
   elastix status --rdzv-endpoint host0:29400 --rdzv-id job7
-  elastix status --rdzv-endpoint host0:29400 --rdzv-id job7 --json | jq .members"""
+  elastix status --rdzv-endpoint host0:29400 --rdzv-id job7 --json | jq .members
+  elastix status --rdzv-endpoint host0:29400 --rdzv-id job7 --watch"""
 
 
 def build_parser(prog: str = "elastix status") -> EnvArgumentParser:
@@ -48,7 +49,19 @@ def build_parser(prog: str = "elastix status") -> EnvArgumentParser:
     )
     for flag in (RDZV_ENDPOINT, RDZV_ID, RDZV_BACKEND, RDZV_CONF):  # as `elastix run` takes them
         flag.add_to(parser)
+    # without a run ID: the runs the store holds (`elastix run`'s default ID is torch's "none")
+    parser.set_defaults(rdzv_id=None)
     parser.add_argument("--json", action=EnvFlag, pet=False, help="print the report as one JSON object")
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        const=2.0,
+        default=None,
+        type=float,
+        metavar="SECONDS",
+        help="show the report again every SECONDS (default 2) until interrupted (Ctrl-C); a terminal is "
+        "redrawn, other output gets one report after another",
+    )
     parser.add_argument(
         "--timeout",
         action=EnvOption,
@@ -66,10 +79,65 @@ def main(argv: Optional[List[str]] = None, prog: str = "elastix status") -> None
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not args.rdzv_endpoint:
         parser.error("--rdzv-endpoint is required (the job's rendezvous store, HOST:PORT)")
+    if args.watch is not None and not args.watch > 0:
+        parser.error(f"--watch {args.watch:g}: give a positive number of seconds")
     try:
-        sys.exit(run(args, prog))
+        if args.rdzv_id is None:
+            sys.exit(runs(args, prog))
+        sys.exit(run(args, prog) if args.watch is None else watch(args, prog))
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def runs(args: argparse.Namespace, prog: str) -> int:
+    """Without ``--rdzv-id``: the runs the store holds, a headline each; the report itself when
+    there is only one (``--watch`` then watches it)."""
+    from .. import _core
+    from .._logging import setup_cli
+
+    setup_cli("error")
+    try:
+        found = _core.job_runs(args.rdzv_backend, args.rdzv_endpoint, json.dumps(args.rdzv_conf), float(args.timeout))
+    except Exception as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return ERROR
+    if len(found) == 1:
+        args.rdzv_id = found[0]
+        return run(args, prog) if args.watch is None else watch(args, prog)
+    if args.json:
+        print(json.dumps({"v": 1, "runs": found}))
+        return HEALTHY if found else NOT_FOUND
+    if not found:
+        print(f"{prog}: no runs at {args.rdzv_endpoint} ({args.rdzv_backend})", file=sys.stderr)
+        return NOT_FOUND
+    print(f"runs at {args.rdzv_endpoint} ({args.rdzv_backend}); --rdzv-id ID shows one:")
+    for run_id in found:
+        try:
+            report = _core.job_status(
+                args.rdzv_backend, args.rdzv_endpoint, run_id, json.dumps(args.rdzv_conf), float(args.timeout)
+            )
+        except Exception as err:
+            print(f"  {run_id}: cannot read it ({err})")
+            continue
+        headline = render(json.loads(report)).splitlines()[0] if report else f"job {run_id}: gone"
+        print(f"  {headline}")
+    return HEALTHY
+
+
+def watch(args: argparse.Namespace, prog: str) -> int:
+    """The report every ``args.watch`` seconds until interrupted: a terminal is redrawn in place,
+    anything else gets the reports one after another, each under a line with the time."""
+    import time
+
+    redraw = sys.stdout.isatty()
+    while True:
+        if redraw:
+            sys.stdout.write("\x1b[H\x1b[2J")  # home, clear
+        else:
+            print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        run(args, prog)
+        sys.stdout.flush()
+        time.sleep(args.watch)
 
 
 def run(args: argparse.Namespace, prog: str = "elastix status") -> int:

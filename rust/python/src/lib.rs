@@ -38,6 +38,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(agent::check_agent_config, module)?)?;
     module.add_function(wrap_pyfunction!(agent::parse_duration, module)?)?;
     module.add_function(wrap_pyfunction!(status::job_status, module)?)?;
+    module.add_function(wrap_pyfunction!(status::job_runs, module)?)?;
     module.add_function(wrap_pyfunction!(status::job_dump, module)?)?;
     module.add_function(wrap_pyfunction!(logging::init_cli_logging, module)?)?;
     module.add_function(wrap_pyfunction!(logging::log_line, module)?)?;

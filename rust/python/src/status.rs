@@ -1,13 +1,13 @@
 //! `job_status(...)`: `elastix status`'s reading of a job, as the JSON report (`None`: the
-//! store holds no such run); `job_dump(...)`: `elastix dump`'s stacks of a running job's
+//! store holds no such run); `job_runs(...)`: the runs a store holds; `job_dump(...)`: `elastix dump`'s stacks of a running job's
 //! workers, likewise. Bounded by `timeout`; the GIL is released meanwhile.
 
 use std::time::Duration;
 
 use elastix_core::agent::dumps::job_dump as job_dump_of;
-use elastix_core::rendezvous::job_status as read_status;
 use elastix_core::rendezvous::status::StatusQuery;
 use elastix_core::rendezvous::RendezvousError;
+use elastix_core::rendezvous::{job_runs as read_runs, job_status as read_status};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -49,6 +49,19 @@ pub fn job_status(
     let query = query(backend, endpoint, run_id, &conf_json, timeout)?;
     let status = block_on(py, read_status(&query))?;
     Ok(status.map(|status| serde_json::to_string(&status).expect("a status report serializes")))
+}
+
+/// The run IDs the store (or etcd cluster) at `endpoint` holds.
+#[pyfunction]
+pub fn job_runs(
+    py: Python<'_>,
+    backend: String,
+    endpoint: String,
+    conf_json: String,
+    timeout: f64,
+) -> PyResult<Vec<String>> {
+    let query = query(backend, endpoint, String::new(), &conf_json, timeout)?;
+    Ok(block_on(py, async { read_runs(&query).await.map(Some) })?.unwrap_or_default())
 }
 
 /// The stacks of a running job's workers (of global rank `rank`, if given), as JSON.

@@ -156,6 +156,48 @@ pub fn summary(name: &str, failures: &[Failure]) -> String {
     )
 }
 
+/// The part of a failure's message worth showing in `most` bytes: a Python traceback starts at
+/// the program's own first frame (elastix's wrappers and the standard library above it are
+/// dropped), and what does not fit is cut before whole lines, keeping the end (the error).
+pub fn excerpt(text: &str, most: usize) -> String {
+    const HEADER: &str = "Traceback (most recent call last):";
+    let lines: Vec<&str> = text.lines().collect();
+    let mut kept: Vec<&str> = match lines.iter().position(|line| line.trim() == HEADER) {
+        Some(start) => {
+            let frames = &lines[start + 1..];
+            let own = frames.iter().position(|line| {
+                let line = line.trim_start();
+                line.starts_with("File \"") && !line.contains("/lib/python") && !line.contains("/elastix/worker/")
+            });
+            let mut kept = vec![lines[start]];
+            kept.extend_from_slice(&frames[own.unwrap_or(0)..]);
+            kept
+        }
+        None => lines,
+    };
+    let size = |lines: &[&str]| lines.iter().map(|line| line.len() + 1).sum::<usize>();
+    let mut cut = false;
+    while kept.len() > 1 && size(&kept) > most {
+        kept.remove(0);
+        cut = true;
+    }
+    let mut shown = kept.join("\n");
+    if shown.len() > most {
+        // one line longer than everything: its end, at a character boundary
+        let mut from = shown.len() - most;
+        while !shown.is_char_boundary(from) {
+            from += 1;
+        }
+        shown = shown[from..].to_owned();
+        cut = true;
+    }
+    if cut {
+        format!("...\n{shown}")
+    } else {
+        shown
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,5 +250,20 @@ mod tests {
 
     fn first_only() -> Failure {
         Failure::new(0, 0, "h", 1, 3, SystemTime::now(), "/none", &[])
+    }
+
+    #[test]
+    fn an_excerpt_starts_at_the_programs_frame_and_is_cut_at_lines() {
+        let traceback = "noise before\nTraceback (most recent call last):\n  File \"/venv/lib/python3.11/site-packages/elastix/worker/record.py\", line 40, in wrapper\n    return f()\n  File \"/job/train.py\", line 9, in main\n    step()\nValueError: bad batch";
+        assert_eq!(
+            excerpt(traceback, 2000),
+            "Traceback (most recent call last):\n  File \"/job/train.py\", line 9, in main\n    step()\nValueError: bad batch"
+        );
+        let cut = excerpt(traceback, 40);
+        assert!(cut.starts_with("...\n") && cut.ends_with("\nValueError: bad batch"), "{cut}");
+        assert!(cut.lines().skip(1).all(|line| traceback.lines().any(|whole| whole == line)), "whole lines: {cut}");
+        let long = "é".repeat(100);
+        assert!(excerpt(&long, 11).len() <= 11 + 4);
+        assert_eq!(excerpt("short", 100), "short");
     }
 }

@@ -286,7 +286,7 @@ impl WorkerGroup {
     /// The collective the hung workers wait in for ranks of this node that never entered it,
     /// from every running worker's flight recorder; the ranks waited for are asked for their
     /// stacks (to say where they are) unless they dumped them already.
-    async fn holdup(&self, described: &[(usize, Lapse, Option<SystemTime>, Result<String, String>)]) -> Option<Holdup> {
+    async fn holdup(&self, described: &[HungWorker]) -> Option<Holdup> {
         let page = self.heartbeats.as_ref()?;
         let running: Vec<usize> = (0..self.workers.len()).filter(|i| self.workers[*i].exit.is_none()).collect();
         let flights: Vec<Vec<Flight>> = running.iter().map(|index| page.flights(*index)).collect();
@@ -409,6 +409,9 @@ impl Drop for WorkerGroup {
         self.kill_all();
     }
 }
+
+/// A worker found hung: its index, why, its last heartbeat and its stacks (or why none).
+type HungWorker = (usize, Lapse, Option<SystemTime>, Result<String, String>);
 
 /// What the flight recorders and stacks of some workers say, rank by rank.
 fn rank_records<'a>(ranks: &[u32], flights: &'a [Vec<Flight>], stacks: &'a [Option<String>]) -> Vec<RankRecord<'a>> {

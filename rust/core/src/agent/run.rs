@@ -690,7 +690,7 @@ impl Agent {
             local_rank: first.local_rank,
             exitcode: first.exitcode,
             signal: first.signal.clone(),
-            message: tail_of(&first.message, FailureRecord::MAX_MESSAGE),
+            message: super::failure::excerpt(&first.message, FailureRecord::MAX_MESSAGE),
             restarts_used,
             max_restarts: self.config.max_restarts,
         };
@@ -863,17 +863,6 @@ async fn store_host_is_gone(rdzv: &mut Rendezvous, host: &str) -> bool {
 }
 
 /// The last `most` bytes of `text` (the end of a traceback says what went wrong), marked as cut.
-fn tail_of(text: &str, most: usize) -> String {
-    if text.len() <= most {
-        return text.to_owned();
-    }
-    let mut cut = text.len() - most;
-    while !text.is_char_boundary(cut) {
-        cut += 1;
-    }
-    format!("...{}", &text[cut..])
-}
-
 /// Counts the workers that ended by themselves (not those the agent then stopped) and those
 /// the watchdog killed as hung, and that none runs once an attempt ended.
 fn count_exits(event: &Event, local_world_size: u32) {

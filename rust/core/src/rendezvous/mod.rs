@@ -37,7 +37,7 @@ pub use change::{MembershipChange, RendezvousInfo};
 pub use conf::ConfInput;
 pub use create::Rendezvous;
 pub use error::RendezvousError;
-pub use job_status::job_status;
+pub use job_status::{job_runs, job_status};
 pub use node::NodeDesc;
 pub(crate) use params::job_secret;
 pub use params::RendezvousParams;

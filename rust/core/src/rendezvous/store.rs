@@ -72,8 +72,15 @@ pub trait RendezvousStore: Clone + Send + Sync + 'static {
     }
 }
 
+/// The key (outside every run's prefix) that lists the runs a c10d store has held, one run ID
+/// per line, appended by the node that creates a run's state (`elastix status` without a run
+/// ID reads it).
+pub const RUNS_KEY: &str = "/elastix/rdzv/runs";
+
 /// One connection's operations.
 pub trait StoreConn: Send + 'static {
+    /// Adds `run_id` to the store's list of runs ([`RUNS_KEY`]).
+    fn register_run(&mut self, run_id: &str) -> impl Future<Output = Result<()>> + Send;
     fn add(&mut self, key: &str, delta: i64) -> impl Future<Output = Result<i64>> + Send;
     fn set(&mut self, key: &str, value: &[u8]) -> impl Future<Output = Result<()>> + Send;
     /// Sets several keys in one request, in order.
@@ -282,6 +289,11 @@ fn slices(keys: &[Vec<u8>]) -> Vec<&[u8]> {
 }
 
 impl StoreConn for TcpConn {
+    async fn register_run(&mut self, run_id: &str) -> Result<()> {
+        let line = format!("{run_id}\n");
+        Ok(timed("append", self.client.append(RUNS_KEY.as_bytes(), line.as_bytes())).await?)
+    }
+
     async fn add(&mut self, key: &str, delta: i64) -> Result<i64> {
         let key = self.key(key);
         Ok(timed("add", self.client.add(&key, delta)).await?)

@@ -241,8 +241,15 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
                         incarnation: fastrand::u64(1..),
                         generation,
                     };
-                    let stored =
-                        self.with_conn(async |conn| conn.compare_set(Keys::META, b"", &encode(&ours)).await).await?;
+                    let mine = encode(&ours);
+                    let stored = self.with_conn(async |conn| conn.compare_set(Keys::META, b"", &mine).await).await?;
+                    if stored[..] == mine[..] {
+                        // this node made the run's state: the store's list of runs names it
+                        let run_id = self.settings.run_id.clone();
+                        if let Err(err) = self.with_conn(async |conn| conn.register_run(&run_id).await).await {
+                            tracing::debug!("cannot add run {run_id:?} to the store's list of runs: {err}");
+                        }
+                    }
                     return self.settle(site, decode(&stored, "metadata")?).await;
                 }
                 Choice::Wait | Choice::Minority => {

@@ -13,7 +13,7 @@ use crate::rendezvous::params::job_secret;
 use crate::rendezvous::records::{decode, now_ms, Arrival, Event, FailureRecord, Meta, NodeStatus, Seal};
 use crate::rendezvous::status::{judge, Evidence, Health, JobStatus, LastFailure, Lost, Member, Restarts, State};
 use crate::rendezvous::status::{StatusQuery, EVENTS_SCANNED, STATUS_VERSION};
-use crate::rendezvous::store::{RendezvousStore, StoreConn, TcpRendezvousStore};
+use crate::rendezvous::store::{RendezvousStore, StoreConn, TcpRendezvousStore, RUNS_KEY};
 use crate::store::counter::parse_counter;
 
 /// Arrivals named while a round forms.
@@ -32,6 +32,28 @@ pub(crate) async fn c10d_status(query: &StatusQuery) -> Result<Option<JobStatus>
     status.endpoint = store.describe_site(site);
     status.round_store = Some(status.endpoint.clone());
     Ok(Some(status))
+}
+
+/// The runs the first answering site's list names ([`RUNS_KEY`]), each once, oldest first.
+pub(crate) async fn c10d_runs(query: &StatusQuery) -> Result<Vec<String>> {
+    let conf = RendezvousConf::from_input(&query.conf, DYNAMIC_KEYS)?;
+    let secret = job_secret(&conf)?;
+    let sites = parse_endpoints(&query.endpoint, DEFAULT_PORT)?;
+    // no run prefix: the list lives outside every run's keys
+    let store = TcpRendezvousStore::with_sites(sites, Some(query.timeout), "", query.timeout, secret);
+    let mut conn = store.connect().await?;
+    let key = [RUNS_KEY.to_owned()];
+    if !conn.check(&key).await? {
+        return Ok(Vec::new());
+    }
+    let list = conn.multi_get(&key).await?.remove(0);
+    let mut runs: Vec<String> = Vec::new();
+    for run in String::from_utf8_lossy(&list).lines().filter(|run| !run.is_empty()) {
+        if !runs.iter().any(|seen| seen == run) {
+            runs.push(run.to_owned());
+        }
+    }
+    Ok(runs)
 }
 
 /// The site holding the live copy of the state (the highest generation), with a connection

@@ -111,6 +111,29 @@ fn run_prefix(conf: &RendezvousConf, run_id: &str) -> String {
     format!("{prefix}{run_id}/")
 }
 
+/// `elastix status` on etcd without a run ID: the runs under the key prefix (those with
+/// metadata), by name.
+pub(crate) async fn etcd_runs(query: &StatusQuery) -> Result<Vec<String>> {
+    let conf = RendezvousConf::from_input(&query.conf, ETCD_KEYS)?;
+    job_secret(&conf)?;
+    let options = client_options(&conf, &query.endpoint, query.timeout)?;
+    let client = EtcdClient::new(&options).map_err(|err| RendezvousError::Config(err.to_string()))?;
+    let prefix = run_prefix(&conf, "");
+    let request = elastix_etcd::pb::etcdserverpb::RangeRequest {
+        key: prefix.clone().into_bytes(),
+        range_end: keys::prefix_end(prefix.as_bytes()),
+        keys_only: true,
+        ..Default::default()
+    };
+    let response = client.range(request).await.map_err(|err| ops::etcd_error(err, &client))?;
+    let runs = response.kvs.iter().filter_map(|kv| {
+        let key = std::str::from_utf8(&kv.key).ok()?;
+        let run = key.strip_prefix(&prefix)?.strip_suffix("/meta")?;
+        (!run.is_empty() && !run.contains('/')).then(|| run.to_owned())
+    });
+    Ok(runs.collect())
+}
+
 /// `elastix status` on etcd: the job's state, or `None` if the cluster holds no such run.
 pub(crate) async fn etcd_status(query: &StatusQuery) -> Result<Option<JobStatus>> {
     let conf = RendezvousConf::from_input(&query.conf, ETCD_KEYS)?;
