@@ -51,12 +51,14 @@ def test_status_shows_both_nodes_then_the_lost_one_after_a_kill(tmp_path, marker
         assert (now["health"], now["state"], code) == ("healthy", "running", HEALTHY), now
         assert sorted(m["addr"] for m in now["members"]) == ["127.0.0.2", "127.0.0.3"]  # ranks: arrival order
         assert [m["ranks"] for m in now["members"]] == [[0], [1]]
+        assert all(m["uptime_s"] is not None and m["uptime_s"] >= 0 for m in now["members"]), now["members"]
         assert now["restarts"] == {"used": 0, "allowed": 0}
         assert (now["min_nodes"], now["max_nodes"], now["problems"]) == (1, 2, [])
 
         human = status("--rdzv-endpoint", endpoint, "--rdzv-id", run_id)
         assert human.returncode == HEALTHY, human.stderr
         assert "HEALTHY" in human.stdout and "127.0.0.2" in human.stdout and "127.0.0.3" in human.stdout, human.stdout
+        assert " UP " in human.stdout, human.stdout
 
         nodes[1].proc.send_signal(signal.SIGKILL)
         nodes[1].proc.wait(10)

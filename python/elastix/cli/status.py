@@ -173,6 +173,18 @@ def _age(seconds: Optional[float]) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s ago"
 
 
+def _uptime(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
 def _table(rows: List[List[str]]) -> List[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["    " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
@@ -195,12 +207,12 @@ def render(status: Dict[str, Any]) -> str:
         lines += [f"    - {problem}" for problem in status["problems"]]
     if status["members"]:
         lines.append("  members:")
-        rows = [["GROUP RANK", "NODE", "HOST", "WORKERS", "RANKS", "HEARTBEAT", "METRICS"]]
+        rows = [["GROUP RANK", "NODE", "HOST", "WORKERS", "RANKS", "UP", "HEARTBEAT", "METRICS"]]
         for m in status["members"]:
             workers = "-" if m["local_world_size"] is None else str(m["local_world_size"])
             metrics = "-" if m["metrics_port"] is None else f"{m['addr']}:{m['metrics_port']}"
             row = [str(m["group_rank"]), m["node"], m["host"] or "-", workers, _ranks(m["ranks"])]
-            rows.append([*row, _age(m["heartbeat_age_s"]), metrics])
+            rows.append([*row, _uptime(m.get("uptime_s")), _age(m["heartbeat_age_s"]), metrics])
         lines += _table(rows)
     if status["arrived"]:
         lines.append(f"  arrived: {', '.join(status['arrived'])}")

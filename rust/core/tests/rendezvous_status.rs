@@ -42,6 +42,7 @@ fn facts(first_rank: u32) -> AgentFacts {
         first_rank,
         max_restarts: 3,
         metrics_port: Some(9100),
+        workers_started_ms: 0,
     }
 }
 

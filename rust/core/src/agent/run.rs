@@ -670,6 +670,7 @@ impl Agent {
             first_rank: global_ranks.iter().copied().min().unwrap_or(0),
             max_restarts: self.config.max_restarts,
             metrics_port: self.metrics_server.as_ref().map(MetricsServer::port),
+            workers_started_ms: crate::rendezvous::records::now_ms(),
         };
         match tokio::time::timeout(PUBLISH_TIMEOUT, self.rdzv.publish_node_status(facts)).await {
             Ok(Ok(())) => {}

@@ -92,6 +92,10 @@ pub struct AgentFacts {
     pub max_restarts: u32,
     /// The agent's metrics endpoint port, if it serves one.
     pub metrics_port: Option<u16>,
+    /// When this attempt's workers started (ms since the epoch, the agent's clock; 0: unknown,
+    /// as from an older agent).
+    #[serde(default)]
+    pub workers_started_ms: u64,
 }
 
 /// A member's [`AgentFacts`], with what the rendezvous adds: for `elastix status`.

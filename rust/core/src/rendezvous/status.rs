@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use super::conf::ConfInput;
 use super::node::NodeDesc;
-use super::records::{FailureRecord, NodeStatus};
+use super::records::{now_ms, FailureRecord, NodeStatus};
 
 /// What `elastix status` asks for.
 #[derive(Clone, Debug)]
@@ -111,6 +111,9 @@ pub struct Member {
     pub heartbeat_age_s: Option<f64>,
     /// Silence after which the others count it lost, in seconds.
     pub lost_after_s: Option<f64>,
+    /// How long its workers of this attempt have run, in seconds (the agent's clock against
+    /// this machine's).
+    pub uptime_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -155,6 +158,10 @@ impl Member {
             metrics_port: facts.and_then(|facts| facts.metrics_port),
             heartbeat_age_s,
             lost_after_s: status.map(|status| status.lost_after_ms as f64 / 1000.0),
+            uptime_s: facts
+                .map(|facts| facts.workers_started_ms)
+                .filter(|started| *started != 0)
+                .map(|started| now_ms().saturating_sub(started) as f64 / 1000.0),
         }
     }
 }
@@ -263,6 +270,7 @@ mod tests {
             metrics_port: None,
             heartbeat_age_s: age,
             lost_after_s: Some(15.0),
+            uptime_s: None,
         }
     }
 
