@@ -122,6 +122,25 @@ def elastix_run(*args, out_dir, marker, **popen):
     return subprocess.Popen([sys.executable, "-m", "elastix", "run", *map(str, args)], env=env, text=True, **popen)
 
 
+def finish_each(procs, timeout=90):
+    """finish() of several `elastix run`s that depend on each other, within one deadline; if
+    one does not finish, every one is killed and the error shows all their outputs."""
+    deadline = time.monotonic() + timeout
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((proc.returncode, out, err))
+        except subprocess.TimeoutExpired:
+            shown = []
+            for i, other in enumerate(procs):
+                other.kill()
+                out, err = other.communicate()
+                shown.append(f"--- elastix run #{i} (exit {other.returncode})\nstdout:\n{out}\nstderr:\n{err}")
+            raise AssertionError(f"elastix run did not finish in {timeout}s\n" + "\n".join(shown)) from None
+    return results
+
+
 def finish(proc, timeout=90):
     try:
         out, err = proc.communicate(timeout=timeout)

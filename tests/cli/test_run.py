@@ -13,7 +13,17 @@ import time
 import pytest
 
 import torch_gate
-from agents import FAST_RDZV, WORKERS, assert_nothing_left, elastix_run, finish, node_args, starts, wait_for
+from agents import (
+    FAST_RDZV,
+    WORKERS,
+    assert_nothing_left,
+    elastix_run,
+    finish,
+    finish_each,
+    node_args,
+    starts,
+    wait_for,
+)
 from conftest import closed_port, reserved_port
 
 
@@ -262,7 +272,7 @@ def test_an_endpoint_without_a_node_rank_forms_a_multi_node_job(tmp_path, marker
             )
             for i in (1, 2)
         ]
-        results = [finish(agent) for agent in agents]
+        results = finish_each(agents)
     for code, _out, err in results:
         assert code == 0, err
     assert any("meet there with the c10d rendezvous" in err for _, _, err in results)
