@@ -1,12 +1,41 @@
 """What the runs of torch's own test files against elastix share (tests/store/ and tests/cli/
-torch_*_conformance.py): a unittest result that keeps one row per test, (outcome, the first
-line of its error), where a failed subtest fails its test and the first problem stays; and the
-table of those rows against the KNOWN ones."""
+torch_*_conformance.py): a stand-in for ``expecttest`` where it is missing, the test classes a
+loaded file defines, a unittest result that keeps one row per test, (outcome, the first line of
+its error), where a failed subtest fails its test and the first problem stays; and the table of
+those rows against the KNOWN ones."""
 
 from __future__ import annotations
 
+import sys
+import types
 import unittest
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
+
+
+def expecttest_stand_in() -> None:
+    """torch's test helpers import ``expecttest`` (a test-only dependency of torch's, absent
+    where only torch's runtime requirements are installed) for its ``TestCase`` base, whose
+    ``assertExpectedInline`` none of the files run here uses: a plain ``unittest.TestCase``
+    stands in."""
+    try:
+        import expecttest  # noqa: F401
+    except ImportError:
+        stand_in = types.ModuleType("expecttest", "stand-in: expecttest is not installed")
+        stand_in.TestCase = unittest.TestCase  # type: ignore[attr-defined]
+        stand_in.ACCEPT = False  # type: ignore[attr-defined]
+        sys.modules["expecttest"] = stand_in
+
+
+def test_classes(module: types.ModuleType) -> List[type]:
+    """The test classes the module defines, in file order."""
+    return [
+        value
+        for value in vars(module).values()
+        if isinstance(value, type)
+        and issubclass(value, unittest.TestCase)
+        and value.__module__ == module.__name__
+        and unittest.defaultTestLoader.getTestCaseNames(value)
+    ]
 
 
 class RowRecorder(unittest.TestResult):

@@ -87,7 +87,7 @@ import unittest
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: run as a script too
-from conformance_rows import RowRecorder, print_rows
+from conformance_rows import RowRecorder, expecttest_stand_in, print_rows, test_classes
 
 ENV_VAR = "ELASTIX_TORCH_TEST_DIR"
 PER_TEST_TIMEOUT_S = 150  # the slowest tests take about 30 s here (an elastic job's 30 s last call)
@@ -423,22 +423,10 @@ def _import_for(stand_ins: Optional[Dict[str, _StandIn]]) -> Any:
     return test_module_import
 
 
-def _expecttest_stand_in() -> None:
-    """torch's test helpers import ``expecttest`` (a test-only dependency of torch's) for its
-    ``TestCase`` base, whose ``assertExpectedInline`` no launcher test uses."""
-    try:
-        import expecttest  # noqa: F401
-    except ImportError:
-        stand_in = types.ModuleType("expecttest", "stand-in: expecttest is not installed")
-        stand_in.TestCase = unittest.TestCase  # type: ignore[attr-defined]
-        stand_in.ACCEPT = False  # type: ignore[attr-defined]
-        sys.modules["expecttest"] = stand_in
-
-
 def exec_test_module(module: types.ModuleType, path: str, baseline: bool) -> None:
     """Runs torch's test file as ``module``, importing elastix's names (torch's own when
     ``baseline``)."""
-    _expecttest_stand_in()
+    expecttest_stand_in()
     import torch.testing._internal.common_utils  # noqa: F401  (before the module: it reads sys.argv)
 
     module.__file__ = path
@@ -484,18 +472,6 @@ if __name__ == "__mp_main__" and os.environ.get(_CHILD_ENV):  # a spawn child of
 
 # ---------------------------------------------------------------------------------------------
 # the child: runs one file's tests, reporting to a pipe
-
-
-def test_classes(module: types.ModuleType) -> List[type]:
-    """The test classes the module defines, in file order."""
-    return [
-        value
-        for value in vars(module).values()
-        if isinstance(value, type)
-        and issubclass(value, unittest.TestCase)
-        and value.__module__ == module.__name__
-        and unittest.defaultTestLoader.getTestCaseNames(value)
-    ]
 
 
 class Recorder(RowRecorder):

@@ -44,7 +44,7 @@ from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: run as a script too
-from conformance_rows import RowRecorder, print_rows
+from conformance_rows import RowRecorder, expecttest_stand_in, print_rows, test_classes
 
 ENV_VAR = "ELASTIX_TORCH_TEST_STORE"
 TEST_TIMEOUT_S = 90  # per test; torch's own waits are at most 10 s
@@ -138,23 +138,10 @@ def _create_tcp_store_with_elastix(common_utils: types.ModuleType) -> Any:
     return create_tcp_store
 
 
-def _expecttest_stand_in() -> None:
-    """torch's test helpers import ``expecttest`` (a test-only dependency of torch's, absent
-    where only torch's runtime requirements are installed) for its ``TestCase`` base, whose
-    ``assertExpectedInline`` no store test uses: a plain ``unittest.TestCase`` stands in."""
-    try:
-        import expecttest  # noqa: F401
-    except ImportError:
-        stand_in = types.ModuleType("expecttest", "stand-in: expecttest is not installed")
-        stand_in.TestCase = unittest.TestCase  # type: ignore[attr-defined]
-        stand_in.ACCEPT = False  # type: ignore[attr-defined]
-        sys.modules["expecttest"] = stand_in
-
-
 def load_test_module(path: str, name: str = "torch_test_store", substitute: bool = True) -> types.ModuleType:
     """torch's test module, executed with elastix's stores in place of torch's (with torch's
     own when ``substitute`` is false: the baseline)."""
-    _expecttest_stand_in()
+    expecttest_stand_in()
     import torch
     import torch.distributed
     import torch.testing._internal.common_distributed as common_distributed
@@ -208,18 +195,6 @@ def rendezvous_uses_elastix(enabled: bool = True) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(rendezvous, name, value)
-
-
-def test_classes(module: types.ModuleType) -> List[type]:
-    """The test classes the module defines, in file order."""
-    return [
-        value
-        for value in vars(module).values()
-        if isinstance(value, type)
-        and issubclass(value, unittest.TestCase)
-        and value.__module__ == module.__name__
-        and unittest.defaultTestLoader.getTestCaseNames(value)
-    ]
 
 
 class _TestTimeout(Exception):
