@@ -23,10 +23,14 @@ pub fn cpu_ticks(pid: u32) -> Option<u64> {
     Some(utime + stime)
 }
 
+/// Clock ticks a second (asked once: it never changes while the system runs).
 fn ticks_per_second() -> u64 {
-    // SAFETY: sysconf takes a plain integer and touches no memory of ours.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    u64::try_from(ticks).ok().filter(|t| *t > 0).unwrap_or(100)
+    static TICKS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        // SAFETY: sysconf takes a plain integer and touches no memory of ours.
+        let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        u64::try_from(ticks).ok().filter(|t| *t > 0).unwrap_or(100)
+    })
 }
 
 /// One worker's recent CPU use.

@@ -150,10 +150,6 @@ impl Door {
     pub fn waiting(&self) -> usize {
         self.lobby().waiting()
     }
-
-    pub fn shed(&self) -> u64 {
-        self.lobby().shed()
-    }
 }
 
 struct Leave<'a> {

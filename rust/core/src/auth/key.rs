@@ -22,18 +22,19 @@ impl std::fmt::Debug for Key {
     }
 }
 
-fn hmac(secret: &[u8], parts: &[&[u8]]) -> Arc<[u8]> {
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes keys of any length");
+/// HMAC-SHA256 under `key` of `parts`, one after another.
+fn hmac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes keys of any length");
     for part in parts {
         mac.update(part);
     }
-    Arc::from(&mac.finalize().into_bytes()[..])
+    mac.finalize().into_bytes().into()
 }
 
 impl Key {
     /// The key of the job's store connections.
     pub fn job(secret: &Secret) -> Key {
-        Key { bytes: hmac(secret.key(), &[b"elastix job key v2"]), kind: "job" }
+        Key { bytes: Arc::from(hmac(secret.key(), &[b"elastix job key v2"])), kind: "job" }
     }
 
     /// A group's key for one round: `nonce` is drawn by the group's rank 0 and published in the
@@ -41,7 +42,7 @@ impl Key {
     /// secret the nonce itself is the key, as private as the store it came from.
     pub fn group(secret: Option<&Secret>, label: &[u8], nonce: &[u8]) -> Key {
         match secret {
-            Some(secret) => Key { bytes: hmac(secret.key(), &[label, nonce]), kind: "group" },
+            Some(secret) => Key { bytes: Arc::from(hmac(secret.key(), &[label, nonce])), kind: "group" },
             None => Key { bytes: Arc::from(nonce), kind: "group, without a job secret" },
         }
     }
@@ -52,11 +53,7 @@ impl Key {
     }
 
     pub(super) fn mac(&self, parts: &[&[u8]]) -> [u8; 32] {
-        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.bytes).expect("HMAC takes keys of any length");
-        for part in parts {
-            mac.update(part);
-        }
-        mac.finalize().into_bytes().into()
+        hmac(&self.bytes, parts)
     }
 }
 

@@ -90,19 +90,7 @@ impl Secret {
                  of keys"
             )));
         }
-        let dir = match path.parent() {
-            Some(dir) if !dir.as_os_str().is_empty() => dir,
-            _ => Path::new("."),
-        };
-        if let Ok(dir_metadata) = std::fs::metadata(dir) {
-            if dir_metadata.permissions().mode() & 0o002 != 0 {
-                return Err(fail(format!(
-                    "it is in {}, a directory everyone may write to (anyone could have put it there or may replace \
-                     it); keep it in a directory of your own",
-                    dir.display()
-                )));
-            }
-        }
+        check_directory(path).map_err(fail)?;
         let mut bytes = Vec::new();
         std::io::Read::read_to_end(&mut &file, &mut bytes).map_err(|err| fail(err.to_string()))?;
         Secret::new(bytes, Source::File(path.to_owned())).map_err(|SecretError(why)| fail(why))
@@ -174,6 +162,23 @@ impl Secret {
     }
 }
 
+/// A secret's file must not be in a directory everyone may write to: anyone could have put it
+/// there, or may replace it.
+fn check_directory(path: &Path) -> Result<(), String> {
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    match std::fs::metadata(dir) {
+        Ok(metadata) if metadata.permissions().mode() & 0o002 != 0 => Err(format!(
+            "it is in {}, a directory everyone may write to (anyone could have put it there or may replace it); \
+             keep it in a directory of your own",
+            dir.display()
+        )),
+        _ => Ok(()),
+    }
+}
+
 fn trimmed(mut bytes: Vec<u8>) -> Vec<u8> {
     while bytes.last().is_some_and(u8::is_ascii_whitespace) {
         bytes.pop();
@@ -222,6 +227,8 @@ fn forbid_dumps() {
 /// yet, readable by its owner only; refuses what [`Secret::from_file`] would refuse.
 pub fn write_new(path: &Path) -> Result<(), SecretError> {
     let shown = path.display();
+    // refused before anything is written there
+    check_directory(path).map_err(|why| SecretError(format!("job secret file {shown}: {why}")))?;
     let mut bytes = [0u8; 32];
     rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut bytes);
     let text: String = bytes.iter().map(|byte| format!("{byte:02x}")).chain(["\n".to_owned()]).collect();
@@ -393,6 +400,11 @@ mod tests {
         let secret = Secret::from_file(&path).unwrap();
         assert_eq!(secret.key().len(), 64);
         assert!(write_new(&path).unwrap_err().to_string().contains("exists already"));
+        let shared = dir.join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let err = write_new(&shared.join("job.secret")).unwrap_err().to_string();
+        assert!(err.contains("everyone may write to") && !shared.join("job.secret").exists(), "{err}");
         assert_eq!(Secret::from_file(&path).unwrap(), secret, "untouched");
         std::fs::remove_dir_all(&dir).unwrap();
     }
