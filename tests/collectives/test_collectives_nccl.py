@@ -58,6 +58,27 @@ def test_cupy_built_without_nccl_is_reported(monkeypatch):
         nccl_backend.require_cupy()
 
 
+def test_the_unique_id_reaches_nccl_in_the_form_each_cupy_takes():
+    """CuPy 14 takes the id as bytes, earlier CuPy as a tuple of signed chars; the store holds
+    its byte values. (The real communicator is made by the GPU tests below.)"""
+    import types
+
+    from elastix.collectives.nccl_backend import _communicator
+
+    uid = [0, 1, 127, 128, 255]
+
+    def takes(form):
+        def communicator(size, comm_id, rank):
+            if not isinstance(comm_id, form):
+                raise TypeError(f"Argument 'commId' has incorrect type (expected {form.__name__})")
+            return (size, comm_id, rank)
+
+        return types.SimpleNamespace(NcclCommunicator=communicator)
+
+    assert _communicator(takes(bytes), 2, uid, 1) == (2, bytes([0, 1, 127, 128, 255]), 1)
+    assert _communicator(takes(tuple), 2, uid, 0) == (2, (0, 1, 127, -128, -1), 0)
+
+
 @needs_gpu
 def test_nccl_world_of_one():
     import cupy

@@ -86,6 +86,16 @@ class NcclWork(Work):
         return self._result
 
 
+def _communicator(nccl, size: int, uid: "list[int]", rank: int):
+    """A communicator from the unique id's byte values, in the form this CuPy takes: bytes
+    (CuPy 14 on) or a tuple of signed chars (before). A wrong form is refused before NCCL is
+    called, so asking again is safe."""
+    try:
+        return nccl.NcclCommunicator(size, bytes(uid), rank)
+    except TypeError:
+        return nccl.NcclCommunicator(size, tuple(v - 256 if v > 127 else v for v in uid), rank)
+
+
 class NcclBackend:
     name = "nccl"
 
@@ -93,9 +103,9 @@ class NcclBackend:
         self.cupy, self.nccl = require_cupy()
         self.rank, self.size, self.ranks, self.timeout = rank, size, list(ranks), timeout
         if rank == 0:
-            store.set("nccl/uid", json.dumps([int(v) for v in self.nccl.get_unique_id()]))
-        uid = tuple(json.loads(store.get("nccl/uid")))
-        self.comm = self.nccl.NcclCommunicator(size, uid, rank)
+            # bytes in CuPy 14, a tuple of signed chars before: stored as the bytes' values
+            store.set("nccl/uid", json.dumps([int(v) % 256 for v in self.nccl.get_unique_id()]))
+        self.comm = _communicator(self.nccl, size, json.loads(store.get("nccl/uid")), rank)
         self.check = os.environ.get("ELASTIX_NCCL_CHECK", "") not in ("", "0")
         self.broken: Optional[str] = None
 
