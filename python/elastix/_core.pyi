@@ -191,6 +191,10 @@ def reset_log_cache() -> None:
 def parse_duration(text: str) -> float:
     """Seconds in a duration as --rdzv-conf writes it (30, 30s, 500ms, 2m); ValueError otherwise."""
 
+def failure_summary(name: str, failures_json: str) -> Tuple[str, int]:
+    """The agent's root-cause summary of failures (a JSON list of its failure objects) and the
+    root cause's index; ValueError for none or a malformed one."""
+
 def close_python_gate() -> bool:
     """The atexit hook of the exit gate (rust/python/src/exit_gate.rs); registered at import."""
 

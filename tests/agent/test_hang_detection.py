@@ -2,6 +2,7 @@
 found hung by its agent, its threads' stacks are dumped into the failure summary, it is
 killed, and the job restarts it like a failed worker."""
 
+import json
 import os
 import re
 import sys
@@ -75,7 +76,7 @@ def test_a_hung_worker_is_named_with_its_stacks_and_the_job_fails(tmp_path, mark
     assert found, err
     # found within a second of the lapse, as the agent measured it
     assert float(found.group(1)) < {"heartbeat": 2 + 1, "window": 1 + 1, "timer": 1}[mode], err
-    assert "exitcode  : -9 (SIGKILL)" in err
+    assert re.search(r"exitcode  : -9 \(pid: \d+\) \(SIGKILL\)", err), err
     # every thread's stack, the stuck frame included
     assert "stacks when it was found hung:" in err
     assert "in stuck_in_data_loader" in err and "in side_thread_waits" in err
@@ -172,11 +173,23 @@ HOLDUP = textwrap.dedent(
 
 
 def test_the_rank_that_never_enters_a_collective_is_named_not_the_ones_that_wait(tmp_path, marker):
-    code, _out, err = run_program(tmp_path, marker, HOLDUP, "--nproc-per-node", "3", "--worker-timeout", "2")
+    events = tmp_path / "events.jsonl"
+    flags = ("--nproc-per-node", "3", "--worker-timeout", "2", "--event-log", str(events))
+    code, _out, err = run_program(tmp_path, marker, HOLDUP, *flags)
     assert code == 1, err
     named = r"ranks 0,2 wait in all_reduce #5 \(group 0\) for rank 1; rank 1 is in stuck_before_collective \(\S+:\d+\)"
     assert re.search(r"is hung: .*" + named, err), err  # with the warning
     assert re.search(r"hung      : .*" + named, err), err  # and in the summary
+    # the root cause is rank 1, whichever rank was found hung first: in the summary...
+    root = err.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 1 (local_rank: 1)" in root, err
+    # ...in the event log, and in the job's end there
+    logged = [json.loads(line) for line in events.read_text().splitlines()]
+    hung = {e["global_rank"]: e for e in logged if e["event"] == "worker_hung"}
+    assert [rank for rank, e in hung.items() if e["root_cause"]] == [1], logged
+    assert "stuck_before_collective" in hung[1]["message"], hung[1]
+    (end,) = [e for e in logged if e["event"] == "job_finished"]
+    assert end["state"] == "FAILED" and end["root_cause"].startswith("rank 1 (host "), end
     assert_nothing_left(marker)
 
 

@@ -5,6 +5,7 @@ and tests check the process table for anything left behind."""
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -163,7 +164,7 @@ def test_a_worker_killed_by_a_signal_is_named(tmp_path, marker):
     proc = elastix_run("--standalone", "--nproc-per-node", 2, script, out_dir=tmp_path, marker=marker)
     code, _out, err = finish(proc)
     assert code == 1
-    assert "-9 (SIGKILL)" in err
+    assert re.search(r"exitcode  : -9 \(pid: \d+\) \(SIGKILL\)", err), err
     assert_nothing_left(marker)
 
 

@@ -9,10 +9,11 @@ import signal
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+from .._core import failure_summary
 
 NOT_AVAILABLE = "<N/A>"
-_MAX_WIDTH = 60  # torch caps the message's rules at 60 columns
 
 
 @dataclass
@@ -23,7 +24,9 @@ class ProcessFailure:
     ``exitcode`` is minus the signal number for a worker killed by a signal. ``timestamp`` is
     in seconds since the epoch, with the agent's millisecond precision (torch: whole seconds).
     ``message`` is the agent's text; when built from the error file, as in torch, it is the
-    file's ``message`` (a dict for files written by ``record``).
+    file's ``message`` (a dict for files written by ``record``). ``hung`` says why a worker
+    killed as hung counted as hung; ``held_others_up``: other ranks waited for it in a
+    collective (it is the root cause even if another was found hung first).
     """
 
     local_rank: int
@@ -36,6 +39,8 @@ class ProcessFailure:
     host: str = ""
     signal: Optional[str] = None
     error_file_data: Dict[str, Any] = field(default_factory=dict)
+    hung: Optional[str] = None
+    held_others_up: bool = False
 
     def __post_init__(self) -> None:
         if self.error_file and os.path.isfile(self.error_file):
@@ -79,6 +84,8 @@ class ProcessFailure:
             global_rank=report.get("global_rank"),
             host=report.get("host") or "",
             signal=report.get("signal"),
+            hung=report.get("hung"),
+            held_others_up=bool(report.get("held_others_up")),
         )
 
     def signal_name(self) -> str:
@@ -121,64 +128,50 @@ def _error_data(data: Mapping[str, Any]) -> Tuple[Any, Optional[float]]:
 
 class ChildFailedError(Exception):
     """Workers failed: ``name`` is the program, ``failures`` maps global rank to failure. The
-    message is torch's table, with the first failure (earliest timestamp) as the root cause."""
+    message is torch's table with the root cause last, as the agent prints it: the agent's
+    rule chooses the root cause (a rank the others waited for in a collective, else the first
+    observed failure) and its renderer writes the table (``_core.failure_summary``)."""
 
     def __init__(self, name: str, failures: Mapping[int, ProcessFailure]) -> None:
         if not failures:
             raise ValueError("ChildFailedError needs at least one failure")
         self.name = name
         self.failures: Dict[int, ProcessFailure] = dict(failures)
+        self._text, root = failure_summary(name, json.dumps([_agent_form(r, f) for r, f in self.failures.items()]))
+        self._root_rank = list(self.failures)[root]
         super().__init__(self.format_msg())
 
     def get_first_failure(self) -> Tuple[int, ProcessFailure]:
-        rank = min(self.failures, key=lambda r: (self.failures[r].timestamp or 0.0, r))
-        return rank, self.failures[rank]
+        """The root cause (torch's name: with torch's rule it is the earliest failure)."""
+        return self._root_rank, self.failures[self._root_rank]
 
     def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
-        title = f"{self.name} FAILED"
-        root_rank, _ = self.get_first_failure()
-        width = len(title)
-        root = ""
-        others: List[str] = []
-        for index, (rank, failure) in enumerate(self.failures.items()):
-            block = _format_failure(index, rank, failure)
-            width = max(width, max(len(line) for line in block.split("\n")))
-            if rank == root_rank:
-                root = block
-            else:
-                others.append(block)
-        width = min(width, _MAX_WIDTH)
-        lines = [
-            "",
-            boarder_delim * width,
-            title,
-            section_delim * width,
-            "Failures:",
-            "\n".join(others) if others else "  <NO_OTHER_FAILURES>",
-            section_delim * width,
-            "Root Cause (first observed failure):",
-            root,
-            boarder_delim * width,
-        ]
-        return "\n".join(lines)
+        text = self._text
+        if (boarder_delim, section_delim) != ("=", "-"):
+            lines = text.split("\n")
+            rules = {0: boarder_delim, len(lines) - 1: boarder_delim}
+            text = "\n".join(
+                rules.get(i, section_delim) * len(line) if line and set(line) <= {"=", "-"} else line
+                for i, line in enumerate(lines)
+            )
+        return "\n" + text
 
 
-def _format_failure(index: int, rank: int, failure: ProcessFailure) -> str:
-    name = failure.signal_name()
-    exit_text = f"{failure.exitcode} (pid: {failure.pid})"
-    if name != NOT_AVAILABLE and failure.exitcode < 0:
-        exit_text += f" ({name})"
-    host = failure.host or _hostname()
-    traceback = failure.traceback().replace("\n", "\n  ")
-    return (
-        f"[{index}]:\n"
-        f"  time      : {failure.timestamp_isoformat()}\n"
-        f"  host      : {host}\n"
-        f"  rank      : {rank} (local_rank: {failure.local_rank})\n"
-        f"  exitcode  : {exit_text}\n"
-        f"  error_file: {failure.error_file}\n"
-        f"  traceback : {traceback}"
-    )
+def _agent_form(rank: int, failure: ProcessFailure) -> Dict[str, Any]:
+    """A failure as the agent's renderer reads it."""
+    return {
+        "global_rank": rank,
+        "local_rank": failure.local_rank,
+        "host": failure.host or _hostname(),
+        "pid": failure.pid,
+        "exitcode": failure.exitcode,
+        "signal": failure.signal if failure.exitcode < 0 else None,
+        "timestamp": failure.timestamp or 0.0,
+        "error_file": None if failure.error_file in (None, NOT_AVAILABLE) else failure.error_file,
+        "message": failure.traceback(),
+        "hung": failure.hung,
+        "held_others_up": failure.held_others_up,
+    }
 
 
 def _hostname() -> str:

@@ -1,7 +1,9 @@
 //! `run_agent(config_json) -> result_json`: runs an agent to the end on a runtime of its own,
 //! with the GIL released. The agent handles the signals it is configured for itself.
 //! `check_agent_config(config_json)`: the same checks, without running anything.
+//! `failure_summary(name, failures_json)`: the agent's root-cause rule and summary.
 
+use elastix_core::agent::failure::{self, Failure};
 use elastix_core::agent::{run_agent as run, AgentConfig};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -20,6 +22,16 @@ pub fn check_agent_config(config_json: &str) -> PyResult<()> {
 #[pyfunction]
 pub fn parse_duration(text: &str) -> PyResult<f64> {
     elastix_core::rendezvous::conf::parse_duration(text).map(|d| d.as_secs_f64()).map_err(PyValueError::new_err)
+}
+
+/// The root-cause summary of failures given as JSON (a list of the agent's failure objects):
+/// `(text, index of the root cause)`; Python's ChildFailedError shows what the agent prints.
+#[pyfunction]
+pub fn failure_summary(name: &str, failures_json: &str) -> PyResult<(String, usize)> {
+    let failures: Vec<Failure> =
+        serde_json::from_str(failures_json).map_err(|err| PyValueError::new_err(format!("failures: {err}")))?;
+    let root = failure::root_cause(&failures).ok_or_else(|| PyValueError::new_err("no failures"))?;
+    Ok((failure::summary(name, &failures), root))
 }
 
 #[pyfunction]

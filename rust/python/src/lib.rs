@@ -37,6 +37,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(agent::run_agent, module)?)?;
     module.add_function(wrap_pyfunction!(agent::check_agent_config, module)?)?;
     module.add_function(wrap_pyfunction!(agent::parse_duration, module)?)?;
+    module.add_function(wrap_pyfunction!(agent::failure_summary, module)?)?;
     module.add_function(wrap_pyfunction!(status::job_status, module)?)?;
     module.add_function(wrap_pyfunction!(status::job_runs, module)?)?;
     module.add_function(wrap_pyfunction!(status::job_dump, module)?)?;

@@ -13,9 +13,12 @@ use std::time::SystemTime;
 use serde_json::{json, Map, Value};
 
 use super::console;
-use super::failure::Failure;
+use super::failure::{self, Failure};
 use super::logfiles::{LogFile, LogWriter};
 use crate::rendezvous::{MembershipChange, RendezvousInfo};
+
+/// Longest failure message an event carries: the event log is read by people and pages.
+const MESSAGE_EXCERPT: usize = 2000;
 
 pub struct EventLog {
     file: Option<LogFile>,
@@ -68,13 +71,16 @@ impl EventLog {
         self.emit("workers_started", json!({"round": round, "global_ranks": global_ranks, "pids": pids})).await;
     }
 
-    /// `worker_hung` or `worker_failed`, one per failure.
+    /// `worker_hung` or `worker_failed`, one per failure; `root_cause` marks the one the others
+    /// follow from ([`failure::root_cause`]), `message` is an excerpt of what it left.
     pub async fn workers_failed(&self, failures: &[Failure]) {
-        for failure in failures {
+        let root = failure::root_cause(failures);
+        for (index, failure) in failures.iter().enumerate() {
             let name = if failure.hung.is_some() { "worker_hung" } else { "worker_failed" };
             let fields = json!({"global_rank": failure.global_rank, "local_rank": failure.local_rank,
                                 "worker_pid": failure.pid, "exitcode": failure.exitcode, "signal": failure.signal,
-                                "hung": failure.hung});
+                                "hung": failure.hung, "root_cause": root == Some(index),
+                                "message": failure::excerpt(&failure.message, MESSAGE_EXCERPT)});
             self.emit(name, fields).await;
         }
     }
@@ -103,7 +109,8 @@ impl EventLog {
         self.emit("restart", fields).await;
     }
 
-    pub async fn job_finished(&self, state: &str, exit_code: i32) {
-        self.emit("job_finished", json!({"state": state, "exit_code": exit_code})).await;
+    /// `root_cause`: for a failed job, its cause in one line.
+    pub async fn job_finished(&self, state: &str, exit_code: i32, root_cause: Option<&str>) {
+        self.emit("job_finished", json!({"state": state, "exit_code": exit_code, "root_cause": root_cause})).await;
     }
 }

@@ -1,12 +1,14 @@
-//! What a failed worker left behind, and the root-cause summary: which worker failed first,
-//! where, how (exit code or signal name), and why (its error file, torch's error.json format,
-//! or else the last lines of its stderr). No decorator is needed to see why a worker died.
+//! What a failed worker left behind, and the one root-cause rule and renderer: which worker is
+//! the cause ([`root_cause`]), where, how (exit code or signal name), and why (its error file,
+//! torch's error.json format, or else the last lines of its stderr). No decorator is needed to
+//! see why a worker died. Python's `ChildFailedError` renders through [`summary`] too.
 
 use std::time::SystemTime;
 
 use nix::sys::signal::Signal;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
+use super::flight::Holdup;
 use super::heartbeats::Lapse;
 
 /// Lines of stderr kept per worker for the summary.
@@ -14,7 +16,7 @@ pub const STDERR_TAIL_LINES: usize = 20;
 /// Width cap of the summary's rules, as torch's.
 const MAX_RULE: usize = 60;
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Failure {
     pub global_rank: u32,
     pub local_rank: u32,
@@ -32,7 +34,12 @@ pub struct Failure {
     /// worker, its threads' stacks.
     pub message: String,
     /// Why the worker counted as hung, and when it last sent a heartbeat.
+    #[serde(default)]
     pub hung: Option<String>,
+    /// Other ranks waited in a collective for this one (their flight records say so): it holds
+    /// everyone up, whoever was found hung first.
+    #[serde(default)]
+    pub held_others_up: bool,
 }
 
 impl Failure {
@@ -67,18 +74,20 @@ impl Failure {
             error_file: from_file.map(|_| error_file.to_owned()),
             message,
             hung: None,
+            held_others_up: false,
         }
     }
 
     /// The failure of a worker that was killed as hung: why, who held it up (if a collective's
-    /// flight records say), its last heartbeat, its stacks (or why there are none).
+    /// flight records say: [`Holdup`]), its last heartbeat, its stacks (or why there are none).
     pub fn hung(
         mut self,
         lapse: &Lapse,
-        holdup: Option<&str>,
+        holdup: Option<&Holdup>,
         last_beat: Option<SystemTime>,
         stacks: Result<String, String>,
     ) -> Failure {
+        self.held_others_up = holdup.is_some_and(|holdup| holdup.is_missing(self.global_rank));
         let last = last_beat.map_or_else(|| "never".to_owned(), |at| humantime::format_rfc3339_millis(at).to_string());
         self.hung = Some(match holdup {
             Some(holdup) => format!("{lapse}; {holdup}; last heartbeat: {last}"),
@@ -91,23 +100,70 @@ impl Failure {
         self
     }
 
+    /// One block of the summary, in torch's layout (local time to the second; continuation
+    /// lines indented by two), with a `hung` line for a hung worker.
     fn block(&self, index: usize) -> String {
-        let at = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs_f64(self.timestamp);
         let exit = match &self.signal {
-            Some(name) => format!("{} ({name}) (pid: {})", self.exitcode, self.pid),
+            Some(name) => format!("{} (pid: {}) ({name})", self.exitcode, self.pid),
             None => format!("{} (pid: {})", self.exitcode, self.pid),
         };
-        let detail = self.message.replace('\n', "\n    ");
+        let detail = self.message.replace('\n', "\n  ");
         let hung = self.hung.as_ref().map(|why| format!("\n  hung      : {why}")).unwrap_or_default();
         format!(
             "[{index}]:\n  time      : {}\n  host      : {}\n  rank      : {} (local_rank: {})\n  exitcode  : {exit}{hung}\n  error_file: {}\n  traceback : {detail}",
-            humantime::format_rfc3339_millis(at),
+            local_time(self.timestamp),
             self.host,
             self.global_rank,
             self.local_rank,
             self.error_file.as_deref().unwrap_or("<N/A>"),
         )
     }
+
+    /// One line for logs and timelines: "rank 1 (host h) exited with 1: ValueError: bad".
+    pub fn headline(&self) -> String {
+        let how = match (&self.hung, &self.signal) {
+            (Some(why), _) => format!("was hung ({why})"),
+            (None, Some(signal)) => format!("was killed by {signal}"),
+            (None, None) => format!("exited with {}", self.exitcode),
+        };
+        let last = self.message.lines().rev().find(|line| !line.trim().is_empty()).unwrap_or("").trim();
+        let last = if self.hung.is_some() || last.is_empty() { String::new() } else { format!(": {last}") };
+        format!("rank {} (host {}) {how}{last}", self.global_rank, self.host)
+    }
+}
+
+/// The root cause among one attempt's failures: a worker the others waited for in a collective
+/// (a rank waiting for a hung peer is not the cause: the peer is), else the first observed
+/// failure; ties go to the lower rank. `None` for no failures.
+pub fn root_cause(failures: &[Failure]) -> Option<usize> {
+    let key = |f: &Failure| (!f.held_others_up, f.timestamp, f.global_rank);
+    (0..failures.len()).min_by(|&a, &b| {
+        let (a, b) = (key(&failures[a]), key(&failures[b]));
+        a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)).then(a.2.cmp(&b.2))
+    })
+}
+
+/// `YYYY-MM-DD_HH:MM:SS` in local time, as torch shows a failure's time.
+fn local_time(timestamp: f64) -> String {
+    let seconds = timestamp.floor() as libc::time_t;
+    // SAFETY: `tm` is plain data that localtime_r fills in; both pointers are valid for the
+    // call, and localtime_r is the thread-safe variant (no shared static result).
+    let tm = unsafe {
+        let mut tm: libc::tm = std::mem::zeroed();
+        if libc::localtime_r(&seconds, &mut tm).is_null() {
+            return format!("{seconds}");
+        }
+        tm
+    };
+    format!(
+        "{:04}-{:02}-{:02}_{:02}:{:02}:{:02}",
+        tm.tm_year + 1900,
+        tm.tm_mon + 1,
+        tm.tm_mday,
+        tm.tm_hour,
+        tm.tm_min,
+        tm.tm_sec
+    )
 }
 
 /// "SIGSEGV" for 11, or "signal N" for numbers Linux does not name.
@@ -132,16 +188,16 @@ fn read_error_file(path: &str) -> Option<String> {
     stack.or(summary).map(|s| s.trim_end().to_owned()).or_else(|| Some(json.to_string()))
 }
 
-/// torch's ChildFailedError layout: the other failures, then the first one as the root cause.
+/// torch's ChildFailedError layout: the other failures, then the root cause ([`root_cause`]);
+/// blocks are numbered by their place in `failures`.
 pub fn summary(name: &str, failures: &[Failure]) -> String {
-    let mut ordered: Vec<&Failure> = failures.iter().collect();
-    ordered.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
-    let Some((root, others)) = ordered.split_first() else {
+    let Some(root) = root_cause(failures) else {
         return format!("{name} FAILED (no worker failure recorded)");
     };
     let title = format!("{name} FAILED");
-    let other_blocks: Vec<String> = others.iter().enumerate().map(|(i, f)| f.block(i + 1)).collect();
-    let root_block = root.block(0);
+    let other_blocks: Vec<String> =
+        failures.iter().enumerate().filter(|(i, _)| *i != root).map(|(i, f)| f.block(i)).collect();
+    let root_block = failures[root].block(root);
     let width = std::iter::once(title.as_str())
         .chain(other_blocks.iter().chain([&root_block]).flat_map(|b| b.lines()))
         .map(str::len)
@@ -237,15 +293,42 @@ mod tests {
         let rule = text.lines().next().unwrap();
         let longest = text.lines().map(str::len).max().unwrap();
         assert!(rule.chars().all(|c| c == '=') && rule.len() == longest.min(MAX_RULE), "{text}");
-        let root = text.split("Root Cause (first observed failure):").nth(1).unwrap();
+        let (others, root) = text.split_once("Root Cause (first observed failure):").unwrap();
         assert!(
-            root.contains("rank      : 0 (local_rank: 0)")
-                && root.contains("-11 (SIGSEGV)")
+            root.starts_with("\n[1]:\n")
+                && root.contains("rank      : 0 (local_rank: 0)")
+                && root.contains("exitcode  : -11 (pid: 10) (SIGSEGV)")
                 && root.contains("segfault here"),
             "{text}"
         );
-        assert!(text.contains("late"));
+        assert!(others.contains("[0]:") && others.contains("late"), "{text}");
         assert!(summary("x", &[first_only()]).contains("<NO_OTHER_FAILURES>"));
+    }
+
+    #[test]
+    fn the_rank_others_wait_for_is_the_root_cause_even_if_found_later() {
+        let t = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_700_000_000);
+        let waiting = Failure::new(0, 0, "h", 10, -9, t, "/none", &[]);
+        let mut stuck = Failure::new(1, 1, "h", 11, -9, t + std::time::Duration::from_millis(3), "/none", &[]);
+        assert_eq!(root_cause(&[waiting.clone(), stuck.clone()]), Some(0), "first observed");
+        stuck.held_others_up = true;
+        assert_eq!(root_cause(&[waiting.clone(), stuck.clone()]), Some(1), "the one held up for");
+        let tie = Failure::new(2, 0, "h", 12, 1, t, "/none", &[]);
+        assert_eq!(root_cause(&[tie, waiting]), Some(1), "a tie goes to the lower rank");
+        assert_eq!(root_cause(&[]), None);
+    }
+
+    #[test]
+    fn a_failure_in_one_line_names_the_rank_the_host_and_the_error() {
+        let t = SystemTime::now();
+        let failed = Failure::new(3, 1, "node7", 11, 1, t, "/none", &["Traceback".into(), "ValueError: bad".into()]);
+        assert_eq!(failed.headline(), "rank 3 (host node7) exited with 1: ValueError: bad");
+        let killed = Failure::new(0, 0, "node7", 11, -9, t, "/none", &[]);
+        assert_eq!(
+            killed.headline(),
+            "rank 0 (host node7) was killed by SIGKILL: Signal 9 (SIGKILL) received by PID 11"
+        );
+        assert!(local_time(0.0).len() == "1970-01-01_00:00:00".len() && local_time(0.0).contains('_'));
     }
 
     fn first_only() -> Failure {

@@ -45,6 +45,13 @@ pub struct Holdup {
     pub missing: Vec<(u32, Option<String>)>,
 }
 
+impl Holdup {
+    /// Whether the waiting ranks wait for `rank`.
+    pub fn is_missing(&self, rank: u32) -> bool {
+        self.missing.iter().any(|(missing, _)| *missing == rank)
+    }
+}
+
 impl std::fmt::Display for Holdup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let list = |ranks: &mut dyn Iterator<Item = u32>| ranks.map(|r| r.to_string()).collect::<Vec<_>>().join(",");

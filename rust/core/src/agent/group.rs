@@ -250,7 +250,15 @@ impl WorkerGroup {
             described.push((index, lapse, heartbeats::wall_time(slot.last_beat), stacks));
         }
         // before anyone is killed: the ranks waited for are asked for their stacks too
-        let holdup = self.holdup(&described).await.map(|holdup| holdup.to_string());
+        let holdup = self.holdup(&described).await;
+        // a rank waited for is the cause even if it has not lapsed itself: it goes with them
+        for index in self.held_up_for(holdup.as_ref(), &described) {
+            let worker = &self.workers[index];
+            let slot = self.heartbeats.as_ref().map(|page| page.slot(index));
+            let stacks = stacks::dump(worker.pid, slot.map_or(0, |s| s.dump_signal), &worker.stacks_file).await;
+            let last = slot.and_then(|slot| heartbeats::wall_time(slot.last_beat));
+            described.push((index, Lapse::HoldsOthersUp, last, stacks));
+        }
         for (index, lapse, _, stacks) in &described {
             let worker = &self.workers[*index];
             let name = worker.place.name(Some(worker.pid));
@@ -278,9 +286,19 @@ impl WorkerGroup {
             if self.workers[index].exit.is_none() {
                 self.workers[index].exit = Some((killed_status(), SystemTime::now()));
             }
-            failures.push(self.failure(index).await.hung(&lapse, holdup.as_deref(), last, stacks));
+            failures.push(self.failure(index).await.hung(&lapse, holdup.as_ref(), last, stacks));
         }
         failures
+    }
+
+    /// The running workers of this node that `holdup` says the others wait for, and that are
+    /// not among the hung ones already.
+    fn held_up_for(&self, holdup: Option<&Holdup>, described: &[HungWorker]) -> Vec<usize> {
+        let Some(holdup) = holdup else { return Vec::new() };
+        (0..self.workers.len())
+            .filter(|index| self.workers[*index].exit.is_none() && !described.iter().any(|d| d.0 == *index))
+            .filter(|index| holdup.is_missing(self.workers[*index].place.global_rank))
+            .collect()
     }
 
     /// The collective the hung workers wait in for ranks of this node that never entered it,

@@ -136,6 +136,9 @@ pub enum Lapse {
         timeout: Duration,
         since: Duration,
     },
+    /// Hung workers wait in a collective for this one, which never entered it (it may look
+    /// busy or may not have lapsed yet: it is the cause all the same).
+    HoldsOthersUp,
 }
 
 impl std::fmt::Display for Lapse {
@@ -155,6 +158,7 @@ impl std::fmt::Display for Lapse {
                 secs(since),
                 secs(timeout)
             ),
+            Lapse::HoldsOthersUp => write!(f, "hung ranks wait for it in a collective"),
         }
     }
 }

@@ -104,7 +104,8 @@ pub async fn run_agent(config: AgentConfig) -> AgentResult {
     }
     if let Some(agent) = &agent {
         let (state, exit_code) = end.state();
-        agent.events.job_finished(state, exit_code).await;
+        let cause = (state == "FAILED").then(|| report.root_cause()).flatten();
+        agent.events.job_finished(state, exit_code, cause.as_deref()).await;
         // a signal asks for a prompt exit: a hung disk gets less time then
         let within = if matches!(end, End::Interrupted(_)) { CONSOLE_FLUSH_WAIT } else { LOG_FLUSH_WAIT };
         report.output_errors = agent.log_writer.finish(within).await;
@@ -196,6 +197,21 @@ struct Report {
 }
 
 impl Report {
+    /// Why the run failed, in one line: the error that ended it (for a failure elsewhere, its
+    /// last line: the exception), else the root cause among this node's failures.
+    fn root_cause(&self) -> Option<String> {
+        let Some(error) = &self.error else {
+            return super::failure::root_cause(&self.failures).map(|root| self.failures[root].headline());
+        };
+        let is_rule = |line: &str| line.chars().all(|c| c == '=' || c == '-');
+        let last = error.message.lines().rev().map(str::trim).find(|line| !line.is_empty() && !is_rule(line));
+        Some(match (error.kind.as_str(), last) {
+            ("remote_failure", Some(last)) => format!("workers failed on another node: {last}"),
+            (_, Some(last)) if error.message.lines().count() > 1 => last.to_owned(),
+            _ => error.message.clone(),
+        })
+    }
+
     /// A success whose kept log files are incomplete is not a plain success: it says so
     /// (through the console, so a stalled stderr does not hold the agent) and exits non-zero.
     fn logs_verdict(&self, end: End) -> End {
@@ -681,7 +697,7 @@ impl Agent {
 
     /// Tells `elastix status` the root cause of this node's failure (best effort, bounded).
     async fn publish_failure(&mut self, failures: &[Failure], restarts_used: i64) {
-        let Some(first) = failures.iter().min_by(|a, b| a.timestamp.total_cmp(&b.timestamp)) else { return };
+        let Some(first) = super::failure::root_cause(failures).map(|root| &failures[root]) else { return };
         let record = FailureRecord {
             v: FORMAT_VERSION,
             round: self.round,
