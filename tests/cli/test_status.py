@@ -141,6 +141,13 @@ def test_status_on_etcd_shows_both_nodes_then_the_lost_one(tmp_path, marker, etc
         assert (now["backend"], now["health"], code) == ("etcd", "healthy", HEALTHY), now
         assert sorted(m["addr"] for m in now["members"]) == ["127.0.0.2", "127.0.0.3"]  # ranks: arrival order
 
+        def workers_published():
+            now, _code = etcd_report()
+            ranks = now and sorted(w["rank"] for m in now["members"] for w in m["workers"])
+            return now if ranks == [0, 1] else None
+
+        wait_for(workers_published, what="each member's workers' progress on etcd")
+
         nodes[1].proc.send_signal(signal.SIGKILL)
         nodes[1].proc.wait(10)
         wait_round(tmp_path, 1, after=first, what="the survivor re-forming alone")
@@ -311,4 +318,55 @@ def test_status_authenticates_as_the_agents_do(tmp_path, marker, monkeypatch):
             node.proc.wait(10)
         store.terminate()
         store.wait(30)
+    assert_nothing_left(marker)
+
+
+PROGRESS = """
+import os, threading, time
+if os.environ["RANK"] == "0":
+    import elastix
+
+    for step in range(100000):  # beats with its step until the test stops it
+        elastix.heartbeat(step=step)
+        time.sleep(0.01)
+        if os.path.exists(os.path.join(os.environ["OUT_DIR"], "stop")):
+            break
+else:  # a plain program that never imports elastix: watched all the same, never beats
+    while not os.path.exists(os.path.join(os.environ["OUT_DIR"], "stop")):
+        time.sleep(0.05)
+"""
+
+
+def test_each_workers_progress_is_shown_beats_step_and_last_seen(tmp_path, marker):
+    import shlex
+
+    from agents import Agent
+
+    script = tmp_path / "progress.py"
+    script.write_text(PROGRESS)
+    argv = [sys.executable, "-m", "elastix", "run", "--standalone", "--nproc-per-node", "2"]
+    a = Agent([*argv, "--worker-timeout", "60", str(script)], tmp_path, marker, "standalone")
+    try:
+        shown = wait_for(
+            lambda: [line for line in a.output().splitlines() if "to watch the job: elastix status" in line],
+            what="the status command in the agent's log",
+        )
+        command = shlex.split(shown[0].split("to watch the job: ", 1)[1])[2:]
+
+        def stepping():
+            done = status(*command, "--json")
+            workers = json.loads(done.stdout)["members"][0]["workers"] if done.returncode == HEALTHY else []
+            return workers if len(workers) == 2 and workers[0]["step"] else None
+
+        beating, plain = sorted(wait_for(stepping, what="rank 0's steps in the status"), key=lambda w: w["rank"])
+        assert beating["beats"] >= 1 and beating["step"] >= 1 and beating["seen_age_s"] < 30, beating
+        assert plain["beats"] == 0 and plain["step"] is None, plain
+        human = status(*command).stdout
+        table = human.split("  workers:\n")[1].splitlines()
+        assert table[0].split() == ["RANK", "GROUP", "RANK", "BEATS", "STEP", "LAST", "SEEN"], human
+        assert table[1].split()[:2] == ["0", "0"] and table[1].endswith("s ago"), human
+        assert table[2].split()[:5] == ["1", "0", "0", "-", "-"] or table[2].split()[:4] == ["1", "0", "0", "-"], human
+    finally:
+        (tmp_path / "stop").touch()
+        assert a.finish() == 0, a.output()
     assert_nothing_left(marker)

@@ -190,6 +190,28 @@ def _table(rows: List[List[str]]) -> List[str]:
     return ["    " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
 
 
+WORKERS_SHOWN = 32  # beyond this many, the ones seen longest ago (--json lists every one)
+
+
+def _workers(members: List[Dict[str, Any]]) -> List[str]:
+    """Each worker's progress, as its agent last published it: heartbeats, the step the last
+    one named, and when it was last seen making progress (a beat or a move of its main thread)."""
+    workers = [(m["group_rank"], w) for m in members for w in m.get("workers") or []]
+    if not workers:
+        return []
+    shown, more = workers, ""
+    if len(workers) > WORKERS_SHOWN:
+        never = float("inf")
+        shown = sorted(workers, key=lambda mw: never if mw[1]["seen_age_s"] is None else mw[1]["seen_age_s"])
+        shown = shown[-WORKERS_SHOWN:]
+        more = f" (the {WORKERS_SHOWN} seen longest ago of {len(workers)}; --json lists all)"
+    rows = [["RANK", "GROUP RANK", "BEATS", "STEP", "LAST SEEN"]]
+    for group_rank, w in sorted(shown, key=lambda mw: mw[1]["rank"]):
+        step = "-" if w["step"] is None else str(w["step"])
+        rows.append([str(w["rank"]), str(group_rank), str(w["beats"]), step, _age(w["seen_age_s"])])
+    return [f"  workers{more}:", *_table(rows)]
+
+
 def render(status: Dict[str, Any]) -> str:
     """The report for a person: a headline, then what explains it."""
     state = {"running": f"running round {status['round']}", "forming": f"round {status['round']} forming"}
@@ -214,6 +236,7 @@ def render(status: Dict[str, Any]) -> str:
             row = [str(m["group_rank"]), m["node"], m["host"] or "-", workers, _ranks(m["ranks"])]
             rows.append([*row, _uptime(m.get("uptime_s")), _age(m["heartbeat_age_s"]), metrics])
         lines += _table(rows)
+        lines += _workers(status["members"])
     if status["arrived"]:
         lines.append(f"  arrived: {', '.join(status['arrived'])}")
     if status["lost"]:

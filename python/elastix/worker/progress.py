@@ -28,7 +28,7 @@ from typing import Iterator, List, Optional, Union
 
 # the layout of a slot: words of 8 bytes, as the agent reads them
 _WORDS = 32
-_LAST_BEAT, _WINDOW, _DEADLINE, _DUMP_SIGNAL, _MOVED, _OWNER, _, _, _FLIGHT_COUNT = range(9)
+_LAST_BEAT, _WINDOW, _DEADLINE, _DUMP_SIGNAL, _MOVED, _OWNER, _BEATS, _STEP, _FLIGHT_COUNT = range(9)
 _FLIGHT_RING, _FLIGHT_WORDS, _FLIGHTS = 9, 5, 4  # the last 4 collectives, 5 words each
 
 _words: Optional[memoryview] = None  # this worker's page, as 64-bit words
@@ -88,11 +88,18 @@ def _forget() -> None:
     _words, _looked = None, True
 
 
-def heartbeat() -> None:
-    """Tells the agent this worker makes progress. Cheap enough to call every step."""
+def heartbeat(step: Optional[int] = None) -> None:
+    """Tells the agent this worker makes progress. Cheap enough to call every step. ``step``
+    (a training step, a non-negative int) is shown by ``elastix status`` with the count of
+    beats."""
     words = _words if _looked else _slot()
     if words is not None:
         words[_base] = _monotonic_ns()
+        words[_base + _BEATS] += 1
+        if step is not None:
+            if step < 0:
+                raise ValueError(f"heartbeat(step={step!r}): a step is a non-negative int")
+            words[_base + _STEP] = step + 1  # 0: no step given
 
 
 def _nanoseconds(duration: Union[timedelta, float, int], name: str) -> int:

@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use super::config::{AgentConfig, STD_ERR, STD_OUT};
@@ -27,11 +27,13 @@ use super::heartbeats::{self, Flight, Heartbeats, Lapse, Slot};
 use super::logfiles::{LogFile, LogWriter};
 use super::logs::{expand_prefix, DEFAULT_TEE_PREFIX};
 use super::process::{Output, Supervised, SupervisedCommand};
+use super::progress;
 use super::pump::{pump, Duplicate, Sink};
 use super::ranks::Assignment;
 use super::reaper::{self, Cgroup, GroupCgroup, Watch};
 use super::stacks;
 use super::standby::{Standby, StandbyPool};
+use crate::rendezvous::records::WorkerProgress;
 use crate::rendezvous::RendezvousInfo;
 
 /// After SIGKILL, how long to wait for the kernel to reap a worker before giving up on it.
@@ -82,6 +84,8 @@ pub struct WorkerGroup {
     /// The workers' heartbeat slots (`None` if the page could not be made: no hang detection).
     heartbeats: Option<Heartbeats>,
     worker_timeout: Option<Duration>,
+    /// Where each watch tick notes the workers' progress, if it is published.
+    progress: Option<watch::Sender<Vec<WorkerProgress>>>,
 }
 
 /// What a group needs to start.
@@ -134,6 +138,7 @@ impl WorkerGroup {
             cgroup,
             heartbeats,
             worker_timeout,
+            progress: None,
         };
         let duplicates = duplicate_files(launch)?;
         for local_rank in 0..launch.config.local_world_size {
@@ -149,6 +154,20 @@ impl WorkerGroup {
             }
         }
         Ok(group)
+    }
+
+    /// Notes the workers' progress in `notes` at every watch tick from now on.
+    pub fn note_progress_in(&mut self, notes: watch::Sender<Vec<WorkerProgress>>) {
+        self.progress = Some(notes);
+    }
+
+    /// The workers' progress, from their slots, for whoever publishes it.
+    fn note_progress(&self) {
+        let (Some(notes), Some(page)) = (&self.progress, &self.heartbeats) else { return };
+        let workers = self.workers.iter().enumerate();
+        notes.send_replace(
+            workers.map(|(index, w)| progress::progress_of(w.place.global_rank, &page.slot(index))).collect(),
+        );
     }
 
     pub fn global_ranks(&self) -> Vec<u32> {
@@ -185,6 +204,7 @@ impl WorkerGroup {
                     }
                 }
                 _ = watch.tick(), if self.heartbeats.is_some() => {
+                    self.note_progress();
                     let hung = self.hung();
                     if !hung.is_empty() {
                         return GroupOutcome::Failed(self.stop_hung(hung).await);

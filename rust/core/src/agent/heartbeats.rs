@@ -38,6 +38,9 @@ const DEADLINE: usize = 2;
 const DUMP_SIGNAL: usize = 3;
 const MOVED: usize = 4;
 const OWNER: usize = 5;
+/// Heartbeats sent, and the last step one named plus one (0: none named).
+const BEATS: usize = 6;
+const STEP: usize = 7;
 /// The number of collectives entered so far; the entries follow, a ring of [`FLIGHTS`].
 const FLIGHT_COUNT: usize = 8;
 const FLIGHT_RING: usize = 9;
@@ -94,6 +97,10 @@ pub struct Slot {
     pub moved: u64,
     /// The pid of the process that claimed the slot (0: none yet).
     pub owner: u64,
+    /// Heartbeats sent so far.
+    pub beats: u64,
+    /// The training step the last heartbeat named, if any did.
+    pub step: Option<u64>,
 }
 
 impl Heartbeats {
@@ -247,6 +254,8 @@ impl Heartbeats {
             dump_signal: self.word(slot, DUMP_SIGNAL),
             moved: self.word(slot, MOVED),
             owner: self.word(slot, OWNER),
+            beats: self.word(slot, BEATS),
+            step: self.word(slot, STEP).checked_sub(1),
         }
     }
 }
@@ -345,6 +354,7 @@ mod tests {
         let mut words = [0u64; 2 * SLOT_WORDS];
         words[0] = 7;
         words[SLOT_WORDS..SLOT_WORDS + 5].copy_from_slice(&[11, 12, 13, 14, 15]);
+        words[SLOT_WORDS + BEATS..SLOT_WORDS + STEP + 1].copy_from_slice(&[9, 42]);
         // slot 1 entered 5 collectives: the ring holds the last 4, the fifth in its first place
         words[SLOT_WORDS + FLIGHT_COUNT] = 5;
         for n in 1..5u64 {
@@ -356,8 +366,18 @@ mod tests {
         assert_eq!(page.slot(0).last_beat, 7);
         assert_eq!(
             page.slot(1),
-            Slot { last_beat: 11, window: 12, deadline: 13, dump_signal: 14, moved: 15, owner: 0 }
+            Slot {
+                last_beat: 11,
+                window: 12,
+                deadline: 13,
+                dump_signal: 14,
+                moved: 15,
+                owner: 0,
+                beats: 9,
+                step: Some(41)
+            }
         );
+        assert_eq!((page.slot(0).beats, page.slot(0).step), (0, None), "no step named");
         let flights = page.flights(1);
         assert_eq!(flights.iter().map(|f| f.seq).collect::<Vec<_>>(), [2, 3, 4, 5]);
         assert_eq!(flights[3], Flight { kind: 1, group: 3, seq: 5, bytes: 64, entered: 104, finished: 204 });

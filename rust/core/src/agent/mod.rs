@@ -25,6 +25,7 @@ pub mod heartbeats;
 pub mod logfiles;
 pub mod logs;
 pub mod process;
+pub mod progress;
 pub mod pump;
 pub mod ranks;
 pub mod reaper;

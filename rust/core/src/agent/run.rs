@@ -31,6 +31,7 @@ use super::group::{GroupOutcome, Launch, WorkerGroup, FAILED_TOGETHER};
 use super::logfiles::LogWriter;
 use super::logs::{worker_outputs, LogDirs};
 use super::process::Output;
+use super::progress::ProgressPublisher;
 use super::ranks::{self, RoleInfo};
 use super::result::{AgentErrorInfo, AgentResult, RunState, LOGS_INCOMPLETE};
 use super::signals::Signals;
@@ -285,6 +286,8 @@ struct Agent {
     round: u64,
     /// The last round this agent was told of (`None` before the first).
     round_seen: Option<u64>,
+    /// Republishes this member's status with its workers' progress (this attempt's).
+    progress: Option<ProgressPublisher>,
 }
 
 impl Agent {
@@ -346,6 +349,7 @@ impl Agent {
             metrics_server: metrics,
             round: 0,
             round_seen: None,
+            progress: None,
         })
     }
 
@@ -427,7 +431,7 @@ impl Agent {
             report.global_ranks = group.global_ranks();
             counts.forget_worker_heartbeats();
             counts.workers_running(self.config.local_world_size);
-            self.publish_node_status(&report.global_ranks).await;
+            self.publish_node_status(&mut group).await;
             let mut dumps = DumpRequests::watch(&info, &self.host, self.rdzv.secret());
             // the summary of a failure that ends the job lists all that fail with it
             let last_chance = report.restart_count >= i64::from(self.config.max_restarts);
@@ -677,8 +681,10 @@ impl Agent {
     }
 
     /// Tells `elastix status` who this member is (best effort, bounded: a slow store must not
-    /// hold the agent while its workers run unwatched).
-    async fn publish_node_status(&mut self, global_ranks: &[u32]) {
+    /// hold the agent while its workers run unwatched), then starts republishing it with the
+    /// workers' progress, which `group` notes.
+    async fn publish_node_status(&mut self, group: &mut WorkerGroup) {
+        let global_ranks = group.global_ranks();
         let facts = AgentFacts {
             host: self.host.clone(),
             role: self.config.role.clone(),
@@ -687,12 +693,18 @@ impl Agent {
             max_restarts: self.config.max_restarts,
             metrics_port: self.metrics_server.as_ref().map(MetricsServer::port),
             workers_started_ms: crate::rendezvous::records::now_ms(),
+            workers: Vec::new(),
         };
-        match tokio::time::timeout(PUBLISH_TIMEOUT, self.rdzv.publish_node_status(facts)).await {
+        match tokio::time::timeout(PUBLISH_TIMEOUT, self.rdzv.publish_node_status(facts.clone())).await {
             Ok(Ok(())) => {}
             Ok(Err(err)) => tracing::debug!("could not publish this node's status: {err}"),
             Err(_) => tracing::debug!("publishing this node's status took over {PUBLISH_TIMEOUT:?}; skipped"),
         }
+        self.progress = self.rdzv.status_writer().map(|writer| {
+            let (publisher, notes) = ProgressPublisher::start(writer, facts);
+            group.note_progress_in(notes);
+            publisher
+        });
     }
 
     /// Tells `elastix status` the root cause of this node's failure (best effort, bounded).

@@ -16,6 +16,10 @@ use crate::auth::Secret;
 /// A backend's answer, later.
 pub type Fut<'a, T> = Pin<Box<dyn Future<Output = Result<T>> + Send + 'a>>;
 
+/// Writes this member's [`AgentFacts`] again, from a task of the agent's own (its workers'
+/// progress), with a connection of its own: the backend itself is not held.
+pub type StatusWriter = std::sync::Arc<dyn Fn(AgentFacts) -> Fut<'static, ()> + Send + Sync>;
+
 fn ready<'a, T: Send + 'a>(value: T) -> Fut<'a, T> {
     Box::pin(std::future::ready(Ok(value)))
 }
@@ -93,6 +97,11 @@ pub trait Backend: Send {
     /// Publishes the root cause of this node's last failure, for `elastix status`.
     fn publish_failure<'a>(&'a mut self, _failure: &'a FailureRecord) -> Fut<'a, ()> {
         ready(())
+    }
+
+    /// What republishes this member's status in the current round (`None`: no shared state).
+    fn status_writer(&self) -> Option<StatusWriter> {
+        None
     }
 
     /// Asks the other members of the current round (`only` these group ranks, if given)

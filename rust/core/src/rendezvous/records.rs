@@ -96,6 +96,22 @@ pub struct AgentFacts {
     /// as from an older agent).
     #[serde(default)]
     pub workers_started_ms: u64,
+    /// Each worker's progress when this was published (republished as it changes).
+    #[serde(default)]
+    pub workers: Vec<WorkerProgress>,
+}
+
+/// One worker's progress as its agent last saw it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerProgress {
+    pub rank: u32,
+    /// Heartbeats sent (`elastix.heartbeat()`).
+    pub beats: u64,
+    /// The training step its last heartbeat named, if any did.
+    pub step: Option<u64>,
+    /// When it was last seen making progress: its last heartbeat or its main thread's last
+    /// move, ms since the epoch on the agent's clock (`None`: never).
+    pub seen_ms: Option<u64>,
 }
 
 /// A member's [`AgentFacts`], with what the rendezvous adds: for `elastix status`.

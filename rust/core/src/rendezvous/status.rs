@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use super::conf::ConfInput;
 use super::node::NodeDesc;
-use super::records::{now_ms, FailureRecord, NodeStatus};
+use super::records::{now_ms, FailureRecord, NodeStatus, WorkerProgress};
 
 /// What `elastix status` asks for.
 #[derive(Clone, Debug)]
@@ -114,6 +114,18 @@ pub struct Member {
     /// How long its workers of this attempt have run, in seconds (the agent's clock against
     /// this machine's).
     pub uptime_s: Option<f64>,
+    /// Its workers' progress, as its agent last published it.
+    pub workers: Vec<WorkerStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct WorkerStatus {
+    pub rank: u32,
+    pub beats: u64,
+    pub step: Option<u64>,
+    /// Seconds since it was last seen making progress (a heartbeat or a move of its main
+    /// thread; the agent's clock against this machine's); `None`: never.
+    pub seen_age_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -162,6 +174,18 @@ impl Member {
                 .map(|facts| facts.workers_started_ms)
                 .filter(|started| *started != 0)
                 .map(|started| now_ms().saturating_sub(started) as f64 / 1000.0),
+            workers: facts.map_or_else(Vec::new, |facts| facts.workers.iter().map(WorkerStatus::from).collect()),
+        }
+    }
+}
+
+impl From<&WorkerProgress> for WorkerStatus {
+    fn from(progress: &WorkerProgress) -> WorkerStatus {
+        WorkerStatus {
+            rank: progress.rank,
+            beats: progress.beats,
+            step: progress.step,
+            seen_age_s: progress.seen_ms.map(|seen| now_ms().saturating_sub(seen) as f64 / 1000.0),
         }
     }
 }
@@ -271,6 +295,7 @@ mod tests {
             heartbeat_age_s: age,
             lost_after_s: Some(15.0),
             uptime_s: None,
+            workers: Vec::new(),
         }
     }
 

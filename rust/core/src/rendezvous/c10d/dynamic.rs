@@ -26,6 +26,7 @@ use super::liveness::{member_key, report_lost, spawn_heartbeats, spawn_monitor, 
 use super::locate::{self, Choice, Known, Probe};
 use super::round::{JoinOutcome, RoundJoin};
 use super::trust;
+use crate::rendezvous::backend::StatusWriter;
 use crate::rendezvous::change::{MembershipChange, RendezvousInfo};
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::node::NodeDesc;
@@ -719,6 +720,30 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         let Some((round, rank)) = self.current.as_ref().map(|m| (m.round, m.rank)) else { return Ok(()) };
         let status = NodeStatus::new(self.node.clone(), facts, self.settings.node_lost_after());
         self.with_conn(async |conn| conn.set(&Keys::node_status(round, rank), &encode(&status)).await).await
+    }
+
+    /// What republishes this member's status in the current round, over a connection of its
+    /// own (opened on first use, again after an error).
+    pub fn status_writer(&self) -> Option<StatusWriter> {
+        let (round, rank) = self.current.as_ref().map(|m| (m.round, m.rank))?;
+        let (store, node, key) = (self.store.clone(), self.node.clone(), Keys::node_status(round, rank));
+        let (lost_after, patience) = (self.settings.node_lost_after(), self.settings.heartbeat_timeout);
+        let conn: Arc<tokio::sync::Mutex<Option<S::Conn>>> = Arc::default();
+        Some(Arc::new(move |facts| {
+            let (store, conn, key) = (store.clone(), conn.clone(), key.clone());
+            let status = NodeStatus::new(node.clone(), facts, lost_after);
+            Box::pin(async move {
+                let mut conn = conn.lock().await;
+                if conn.is_none() {
+                    *conn = Some(store.connect_site(store.active_site(), patience).await?);
+                }
+                let result = conn.as_mut().expect("connected above").set(&key, &encode(&status)).await;
+                if result.is_err() {
+                    *conn = None;
+                }
+                result
+            })
+        }))
     }
 
     /// Publishes the root cause of this node's last failure, for `elastix status`.

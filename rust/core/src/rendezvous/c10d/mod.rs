@@ -27,7 +27,7 @@ use tokio::sync::watch;
 
 use self::dynamic::DynamicRendezvous;
 use self::keys::run_prefix;
-use super::backend::{Backend, Fut};
+use super::backend::{Backend, Fut, StatusWriter};
 use super::change::{MembershipChange, RendezvousInfo};
 use super::conf::{RendezvousConf, DYNAMIC_KEYS};
 use super::endpoint::{is_local_addr, is_loopback_name, is_this_machine, parse_endpoints, DEFAULT_PORT};
@@ -197,6 +197,10 @@ impl Backend for C10dRendezvous {
 
     fn publish_node_status(&mut self, facts: AgentFacts) -> Fut<'_, ()> {
         Box::pin(self.handler.publish_node_status(facts))
+    }
+
+    fn status_writer(&self) -> Option<StatusWriter> {
+        self.handler.status_writer()
     }
 
     fn publish_failure<'a>(&'a mut self, failure: &'a FailureRecord) -> Fut<'a, ()> {

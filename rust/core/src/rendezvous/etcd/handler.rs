@@ -18,7 +18,7 @@ use super::join::{member_id, wait_master, Ctx, Entry, Joined, Outcome};
 use super::keys::EtcdKeys;
 use super::member::{self, RoundWatch};
 use super::ops::{self, etcd_error};
-use crate::rendezvous::backend::{Backend, Fut};
+use crate::rendezvous::backend::{Backend, Fut, StatusWriter};
 use crate::rendezvous::change::{MembershipChange, RendezvousInfo};
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::node::NodeDesc;
@@ -521,6 +521,20 @@ impl EtcdRendezvous {
         self.client.put(&key, &encode(&status)).await.map_err(|err| self.error(err))
     }
 
+    /// What republishes this member's status in the current round.
+    pub fn status_writer(&self) -> Option<StatusWriter> {
+        let (round, rank) = self.current.as_ref().map(|m| (m.round, m.rank))?;
+        let (client, node, key) = (self.client.clone(), self.node.clone(), self.keys.node_status(round, rank));
+        let lost_after = self.settings.node_lost_after();
+        Some(Arc::new(move |facts| {
+            let (client, key) = (client.clone(), key.clone());
+            let status = NodeStatus::new(node.clone(), facts, lost_after);
+            Box::pin(async move {
+                client.put(&key, &encode(&status)).await.map(drop).map_err(|err| etcd_error(err, &client))
+            })
+        }))
+    }
+
     /// Publishes the root cause of this node's last failure, for `elastix status`.
     pub async fn publish_failure(&mut self, failure: &FailureRecord) -> Result<()> {
         let key = self.keys.last_failure();
@@ -608,6 +622,10 @@ impl Backend for EtcdRendezvous {
 
     fn publish_failure<'a>(&'a mut self, failure: &'a FailureRecord) -> Fut<'a, ()> {
         Box::pin(EtcdRendezvous::publish_failure(self, failure))
+    }
+
+    fn status_writer(&self) -> Option<StatusWriter> {
+        EtcdRendezvous::status_writer(self)
     }
 
     fn census<'a>(&'a mut self, only: Option<&'a [u32]>) -> Fut<'a, Census> {

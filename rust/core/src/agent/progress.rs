@@ -1,0 +1,79 @@
+//! Each worker's progress (heartbeats, step, when last seen) for `elastix status`. The group
+//! notes it from the heartbeat page at every watch tick (a send on a watch channel, never a
+//! wait), and a task of the agent's own republishes the member's status with it at most
+//! every [`PUBLISH_EVERY`]: the control loop never waits on the store for it.
+
+use std::time::{Duration, UNIX_EPOCH};
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::heartbeats::{self, Slot};
+use crate::rendezvous::backend::StatusWriter;
+use crate::rendezvous::records::{AgentFacts, WorkerProgress};
+
+/// How often a member's progress reaches the store at most: `elastix status` is read by
+/// people, and a job of thousands of nodes must not turn it into load.
+const PUBLISH_EVERY: Duration = Duration::from_secs(5);
+/// Bound on one write: a store that does not answer is tried again next time.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The task that publishes one attempt's progress; stopped when dropped.
+pub struct ProgressPublisher {
+    task: JoinHandle<()>,
+}
+
+impl ProgressPublisher {
+    /// Republishes `facts` with the workers' progress whenever the returned sender has news.
+    pub fn start(writer: StatusWriter, facts: AgentFacts) -> (ProgressPublisher, watch::Sender<Vec<WorkerProgress>>) {
+        let (sender, mut news) = watch::channel(Vec::new());
+        let task = tokio::spawn(async move {
+            while news.changed().await.is_ok() {
+                let workers = news.borrow_and_update().clone();
+                let write = writer(AgentFacts { workers, ..facts.clone() });
+                match tokio::time::timeout(WRITE_TIMEOUT, write).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(err)) => tracing::debug!("could not publish the workers' progress: {err}"),
+                    Err(_) => tracing::debug!("publishing the workers' progress took over {WRITE_TIMEOUT:?}; skipped"),
+                }
+                tokio::time::sleep(PUBLISH_EVERY).await;
+            }
+        });
+        (ProgressPublisher { task }, sender)
+    }
+}
+
+impl Drop for ProgressPublisher {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// What global rank `rank`'s slot says of its progress.
+pub fn progress_of(rank: u32, slot: &Slot) -> WorkerProgress {
+    let seen = heartbeats::wall_time(slot.last_beat.max(slot.moved));
+    let seen_ms = seen.and_then(|at| at.duration_since(UNIX_EPOCH).ok()).map(|since| since.as_millis() as u64);
+    WorkerProgress { rank, beats: slot.beats, step: slot.step, seen_ms }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_worker_is_seen_at_its_last_beat_or_move_whichever_is_later() {
+        let now = heartbeats::now_ns();
+        let slot = Slot {
+            last_beat: now - 3_000_000_000,
+            moved: now - 1_000_000_000,
+            beats: 7,
+            step: Some(41),
+            ..Slot::default()
+        };
+        let progress = progress_of(5, &slot);
+        let age_ms = crate::rendezvous::records::now_ms() - progress.seen_ms.unwrap();
+        assert!((900..1500).contains(&age_ms), "{age_ms}");
+        assert_eq!((progress.rank, progress.beats, progress.step), (5, 7, Some(41)));
+        assert_eq!(progress_of(0, &Slot::default()).seen_ms, None, "never seen");
+    }
+}
