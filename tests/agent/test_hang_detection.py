@@ -193,6 +193,58 @@ def test_the_rank_that_never_enters_a_collective_is_named_not_the_ones_that_wait
     assert_nothing_left(marker)
 
 
+CROSS_NODE = HOLDUP.replace("if ec.get_rank() == 1:", "if ec.get_rank() == 2:")
+
+
+@pytest.fixture
+def hosts():
+    from netns import hosts_for_a_test
+
+    yield from hosts_for_a_test(2)
+
+
+def test_across_hosts_the_rank_that_never_enters_is_named_by_the_other_nodes(tmp_path, marker, hosts):
+    """Two namespace hosts, two ranks each; rank 2 (host 1) never enters the fifth all_reduce.
+    Host 0's ranks 0 and 1 wait inside it with nobody missing on host 0: its agent asks the
+    other agent for its flight records through the store and names rank 2, with where it is.
+    (Host 1 waits longer before calling a worker hung, so that host 0 finds the hang first.)"""
+    from agents import agent
+
+    script = tmp_path / "program.py"
+    script.write_text(CROSS_NODE)
+    endpoint = f"{hosts.addr(0)}:29400"
+    conf = "keep_alive_interval=250ms,keep_alive_max_attempt=8,join_timeout=60s"
+    nodes = [
+        agent(
+            tmp_path,
+            marker,
+            f"n{i}",
+            "run",
+            *("--nnodes", 2, "--nproc-per-node", 2, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint),
+            *("--rdzv-id", "crossnode", "--local-addr", hosts.addr(i), "--rdzv-conf", conf),
+            *("--worker-timeout", 2 + 8 * i, "--event-log", tmp_path / f"events{i}.jsonl", script),
+            python=tuple(hosts.python(i)),
+        )
+        for i in range(2)
+    ]
+    try:
+        codes = [node.finish(timeout=120) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    outputs = [node.output() for node in nodes]
+    assert codes == [1, 1], outputs
+    named = (
+        r"ranks 0,1,3 wait in all_reduce #5 \(group 0\) for rank 2; rank 2 is in stuck_before_collective \(\S+:\d+\)"
+    )
+    assert re.search(r"is hung: .*" + named, outputs[0]), outputs[0]  # with the warning
+    assert re.search(r"hung      : .*" + named, outputs[0]), outputs[0]  # and in the summary
+    # which closes the job: host 1 shows it
+    assert "the job was closed after a failure on another node" in outputs[1], outputs[1]
+    assert re.search(r"hung      : .*" + named, outputs[1]), outputs[1]
+    assert_nothing_left(marker)
+
+
 SPAWNS = textwrap.dedent(
     """
     import multiprocessing, threading, time

@@ -6,6 +6,11 @@
 //! Keys, under `elastix/dump/<run_id>/`: `requests` (the count), `<n>` (request `n`:
 //! `{"rank": R}` or `{"rank": null}` for all), `<n>/node/<group rank>` (a node's reply:
 //! `{"node": .., "host": .., "workers": [{"rank", "local_rank", "pid", "stacks" | "error"}]}`).
+//!
+//! The same requests carry hangs across nodes ([`FlightExchange`]): `{"flights": ROUND}` asks
+//! every agent for its workers' flight records ([`RankFlights`]), which it writes to
+//! `elastix/flights/<run_id>/<round>/<group rank>`; an agent that finds workers hung writes
+//! its own there first, unasked.
 
 use std::time::Duration;
 
@@ -14,6 +19,7 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
+use super::flight::RankFlights;
 use crate::auth::Secret;
 use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS, ETCD_KEYS};
 use crate::rendezvous::endpoint::{parse_endpoint, DEFAULT_PORT};
@@ -109,7 +115,7 @@ pub async fn request(
     timeout: Duration,
 ) -> Result<Vec<(u32, Option<String>)>, crate::store::StoreError> {
     let n = store.add(request_count_key(run_id).as_bytes(), 1).await?;
-    let request = serde_json::to_vec(&DumpRequest { rank }).expect("a plain struct serializes");
+    let request = serde_json::to_vec(&DumpRequest { rank, flights: None }).expect("a plain struct serializes");
     store.set(request_key(run_id, n).as_bytes(), &request).await?;
     let keys: Vec<String> = nodes.iter().map(|node| reply_key(run_id, n, *node)).collect();
     // checks, not a WAIT: a WAIT that times out leaves its connection unusable, and the
@@ -133,11 +139,18 @@ pub async fn request(
     Ok(replies)
 }
 
-/// What `elastix dump` asks for.
-#[derive(Debug, Serialize, Deserialize)]
+/// What `elastix dump` (or an agent, for a hang) asks for.
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub struct DumpRequest {
     /// One global rank, or every worker.
     pub rank: Option<u32>,
+    /// Instead of stacks: the flight records of round `flights`' workers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flights: Option<u64>,
+}
+
+pub fn flights_key(run_id: &str, round: u64, node: u32) -> String {
+    format!("elastix/flights/{run_id}/{round}/{node}")
 }
 
 /// One worker's answer.
@@ -153,15 +166,16 @@ pub struct WorkerStacks {
 }
 
 /// A request for the worker group, and where its answer goes.
-pub struct Asked {
-    pub rank: Option<u32>,
-    pub answer: oneshot::Sender<Vec<WorkerStacks>>,
+pub enum Asked {
+    Stacks { rank: Option<u32>, answer: oneshot::Sender<Vec<WorkerStacks>> },
+    Flights { answer: oneshot::Sender<Vec<RankFlights>> },
 }
 
 /// The requests of one attempt; dropping it stops watching.
 pub struct DumpRequests {
     asked: mpsc::Receiver<Asked>,
     watcher: JoinHandle<()>,
+    exchange: Option<FlightExchange>,
 }
 
 impl DumpRequests {
@@ -175,7 +189,17 @@ impl DumpRequests {
             store: (info.store_host.clone(), info.store_port),
             secret: secret.cloned(),
         };
-        DumpRequests { asked, watcher: tokio::spawn(node.serve(sender)) }
+        let exchange = (info.world_size > 1).then(|| FlightExchange {
+            node: node.clone(),
+            round: info.round,
+            nodes: info.world_size,
+        });
+        DumpRequests { asked, watcher: tokio::spawn(node.serve(sender)), exchange }
+    }
+
+    /// Where this node shares flight records with the others (`None`: a one-node round).
+    pub fn exchange(&self) -> Option<&FlightExchange> {
+        self.exchange.as_ref()
     }
 
     /// The next request (cancel safe).
@@ -190,6 +214,7 @@ impl Drop for DumpRequests {
     }
 }
 
+#[derive(Clone)]
 struct Node {
     run_id: String,
     rank: u32,
@@ -230,25 +255,112 @@ impl Node {
         loop {
             let key = request_key(&self.run_id, n);
             store.wait(&[key.as_bytes()], None).await?;
-            let request: DumpRequest =
-                serde_json::from_slice(&store.get(key.as_bytes()).await?).unwrap_or(DumpRequest { rank: None });
-            tracing::info!(
-                "stack dump request {n} for {}: asking the workers",
-                request.rank.map_or_else(|| "every rank".to_owned(), |rank| format!("rank {rank}"))
-            );
-            let (answer, answered) = oneshot::channel();
-            let workers = match asked.send(Asked { rank: request.rank, answer }).await {
-                Ok(()) => tokio::time::timeout(ANSWER_WAIT, answered).await.ok().and_then(Result::ok),
-                Err(_) => None,
-            };
-            let reply = serde_json::json!({
-                "node": self.rank,
-                "host": self.host,
-                "workers": workers.unwrap_or_default(),
-            });
-            store.set(reply_key(&self.run_id, n, self.rank).as_bytes(), reply.to_string().as_bytes()).await?;
+            let request: DumpRequest = serde_json::from_slice(&store.get(key.as_bytes()).await?).unwrap_or_default();
+            if let Some(round) = request.flights {
+                let (answer, answered) = oneshot::channel();
+                if asked.send(Asked::Flights { answer }).await.is_ok() {
+                    if let Ok(Ok(records)) = tokio::time::timeout(ANSWER_WAIT, answered).await {
+                        let records = serde_json::to_vec(&records).expect("flight records serialize");
+                        store.set(flights_key(&self.run_id, round, self.rank).as_bytes(), &records).await?;
+                    }
+                }
+            } else {
+                tracing::info!(
+                    "stack dump request {n} for {}: asking the workers",
+                    request.rank.map_or_else(|| "every rank".to_owned(), |rank| format!("rank {rank}"))
+                );
+                let (answer, answered) = oneshot::channel();
+                let workers = match asked.send(Asked::Stacks { rank: request.rank, answer }).await {
+                    Ok(()) => tokio::time::timeout(ANSWER_WAIT, answered).await.ok().and_then(Result::ok),
+                    Err(_) => None,
+                };
+                let reply = serde_json::json!({
+                    "node": self.rank,
+                    "host": self.host,
+                    "workers": workers.unwrap_or_default(),
+                });
+                store.set(reply_key(&self.run_id, n, self.rank).as_bytes(), reply.to_string().as_bytes()).await?;
+            }
             n += 1;
             *next = Some(n);
         }
+    }
+}
+
+/// A hang across nodes: ranks of one node wait in a collective for ranks of another. The
+/// node that finds them shares its workers' flight records through the round's store, asks
+/// the other agents for theirs, and reads what arrives within [`GATHER_WAIT`]; an agent busy
+/// with a hang of its own shares its records unasked.
+pub struct FlightExchange {
+    node: Node,
+    round: u64,
+    nodes: u32,
+}
+
+/// How long a node with hung workers waits for the others' flight records.
+const GATHER_WAIT: Duration = Duration::from_secs(2);
+
+impl FlightExchange {
+    /// Writes this node's records (best effort, bounded).
+    pub async fn share(&self, records: &[RankFlights]) {
+        let key = flights_key(&self.node.run_id, self.round, self.node.rank);
+        let value = serde_json::to_vec(records).expect("flight records serialize");
+        let write = async { self.connect().await?.set(key.as_bytes(), &value).await };
+        match tokio::time::timeout(GATHER_WAIT, write).await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => tracing::debug!("could not share this node's flight records: {err}"),
+            Err(_) => tracing::debug!("sharing this node's flight records took over {GATHER_WAIT:?}"),
+        }
+    }
+
+    /// Asks the other agents for their records and returns those that came in time.
+    pub async fn gather(&self) -> Vec<RankFlights> {
+        let others: Vec<u32> = (0..self.nodes).filter(|node| *node != self.node.rank).collect();
+        tracing::info!("asking the other {} node(s) where their ranks are, for up to {GATHER_WAIT:?}", others.len());
+        let mut found = Vec::new();
+        let mut heard = vec![false; others.len()];
+        let ask = async {
+            let mut store = self.connect().await?;
+            let n = store.add(request_count_key(&self.node.run_id).as_bytes(), 1).await?;
+            let request = DumpRequest { rank: None, flights: Some(self.round) };
+            store
+                .set(request_key(&self.node.run_id, n).as_bytes(), &serde_json::to_vec(&request).expect("serializes"))
+                .await?;
+            while heard.iter().any(|heard| !heard) {
+                for (node, heard) in others.iter().zip(heard.iter_mut()).filter(|(_, heard)| !**heard) {
+                    let key = flights_key(&self.node.run_id, self.round, *node);
+                    if store.check(&[key.as_bytes()]).await? {
+                        *heard = true;
+                        let records: Vec<RankFlights> =
+                            serde_json::from_slice(&store.get(key.as_bytes()).await?).unwrap_or_default();
+                        found.extend(records);
+                    }
+                }
+                if heard.iter().any(|heard| !heard) {
+                    tokio::time::sleep(REPLY_POLL).await;
+                }
+            }
+            Ok::<(), crate::store::StoreError>(())
+        };
+        match tokio::time::timeout(GATHER_WAIT, ask).await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => tracing::debug!("could not ask the other nodes for their flight records: {err}"),
+            Err(_) => {
+                let silent: Vec<String> =
+                    others.iter().zip(&heard).filter(|(_, h)| !**h).map(|(n, _)| n.to_string()).collect();
+                tracing::info!("no flight records from node(s) {} within {GATHER_WAIT:?}", silent.join(","));
+            }
+        }
+        found
+    }
+
+    async fn connect(&self) -> Result<TcpStore, crate::store::StoreError> {
+        let (host, port) = self.node.store.clone();
+        let options = TcpStoreOptions {
+            timeout: Some(GATHER_WAIT),
+            secret: self.node.secret.clone(),
+            ..TcpStoreOptions::new(host, port)
+        };
+        TcpStore::open(options).await
     }
 }

@@ -4,6 +4,8 @@
 //! they name the ranks that wait, the collective they wait in, and the ranks they wait for,
 //! with where those are (the main thread's innermost frame, from their stack dump).
 
+use serde::{Deserialize, Serialize};
+
 use super::heartbeats::Flight;
 
 /// The collectives' kinds, by the number their records (and descriptors) carry; Python's
@@ -25,13 +27,21 @@ pub const KINDS: [&str; 11] = [
 /// The world group's number (elastix.collectives names it "0").
 const WORLD: u64 = 0;
 
-/// What one rank's slot and stacks say.
-pub struct RankRecord<'a> {
+/// What one rank's slot and stacks say (shared between nodes as JSON).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankFlights {
     pub rank: u32,
     /// Oldest first.
-    pub flights: &'a [Flight],
-    /// Its threads' stacks, if it dumped them.
-    pub stacks: Option<&'a str>,
+    pub flights: Vec<Flight>,
+    /// Where its main thread is ([`main_thread_frame`]), if its stacks were dumped.
+    pub at: Option<String>,
+}
+
+impl RankFlights {
+    /// The collective it is inside, if any.
+    pub fn in_flight(&self) -> Option<Flight> {
+        self.flights.last().filter(|flight| flight.finished == 0).copied()
+    }
 }
 
 /// Ranks waiting inside one collective for ranks that never entered it.
@@ -80,16 +90,18 @@ impl std::fmt::Display for Holdup {
 
 /// The collective that ranks wait in for others that never entered it, if the records show
 /// one: the furthest unfinished one (highest sequence number), in its group.
-pub fn holdup(records: &[RankRecord<'_>]) -> Option<Holdup> {
-    let in_flight = |record: &RankRecord<'_>| record.flights.last().filter(|flight| flight.finished == 0).copied();
-    let target =
-        records.iter().filter_map(in_flight).max_by_key(|flight| (flight.seq, std::cmp::Reverse(flight.group)))?;
-    let waiting: Vec<u32> = records
+pub fn holdup(records: &[RankFlights]) -> Option<Holdup> {
+    let target = records
         .iter()
-        .filter(|record| in_flight(record).is_some_and(|f| f.group == target.group && f.seq == target.seq))
+        .filter_map(RankFlights::in_flight)
+        .max_by_key(|flight| (flight.seq, std::cmp::Reverse(flight.group)))?;
+    let mut waiting: Vec<u32> = records
+        .iter()
+        .filter(|record| record.in_flight().is_some_and(|f| f.group == target.group && f.seq == target.seq))
         .map(|record| record.rank)
         .collect();
-    let missing: Vec<(u32, Option<String>)> = records
+    waiting.sort_unstable();
+    let mut missing: Vec<(u32, Option<String>)> = records
         .iter()
         .filter(|record| !waiting.contains(&record.rank))
         .filter(|record| {
@@ -100,8 +112,9 @@ pub fn holdup(records: &[RankRecord<'_>]) -> Option<Holdup> {
                 None => target.group == WORLD,
             }
         })
-        .map(|record| (record.rank, record.stacks.and_then(main_thread_frame)))
+        .map(|record| (record.rank, record.at.clone()))
         .collect();
+    missing.sort_unstable();
     if missing.is_empty() {
         return None;
     }
@@ -147,6 +160,10 @@ mod tests {
         Flight { kind: 1, group, seq, bytes: 40, entered: 10, finished: if finished { 20 } else { 0 } }
     }
 
+    fn record(rank: u32, flights: &[Flight], stacks: Option<&str>) -> RankFlights {
+        RankFlights { rank, flights: flights.to_vec(), at: stacks.and_then(main_thread_frame) }
+    }
+
     const STUCK: &str = r#"Thread 0x00007f0000000001 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 320 in wait
   File "/usr/lib/python3.11/threading.py", line 622 in wait
@@ -162,11 +179,7 @@ Current thread 0x00007f0000000002 (most recent call first):
     fn the_rank_that_never_entered_is_named_not_the_ones_that_wait() {
         let done = [flight(0, 4, true)];
         let waiting = [flight(0, 4, true), flight(0, 5, false)];
-        let records = [
-            RankRecord { rank: 0, flights: &waiting, stacks: None },
-            RankRecord { rank: 1, flights: &done, stacks: Some(STUCK) },
-            RankRecord { rank: 2, flights: &waiting, stacks: None },
-        ];
+        let records = [record(0, &waiting, None), record(1, &done, Some(STUCK)), record(2, &waiting, None)];
         let found = holdup(&records).unwrap();
         assert_eq!(
             found.to_string(),
@@ -176,24 +189,33 @@ Current thread 0x00007f0000000002 (most recent call first):
     }
 
     #[test]
+    fn records_merged_from_several_nodes_name_the_remote_rank() {
+        let done = [flight(0, 4, true)];
+        let waiting = [flight(0, 4, true), flight(0, 5, false)];
+        // this node's ranks first, then what the other node shared (as JSON)
+        let mut records = vec![record(1, &waiting, None), record(0, &waiting, None)];
+        assert_eq!(holdup(&records), None, "nobody missing among this node's ranks");
+        let shared = serde_json::to_string(&[record(3, &waiting, None), record(2, &done, Some(STUCK))]).unwrap();
+        records.extend(serde_json::from_str::<Vec<RankFlights>>(&shared).unwrap());
+        assert_eq!(
+            holdup(&records).unwrap().to_string(),
+            "ranks 0,1,3 wait in all_reduce #5 (group 0) for rank 2; rank 2 is in stuck_before_collective \
+             (/tmp/train.py:12)"
+        );
+    }
+
+    #[test]
     fn nothing_in_flight_or_nobody_missing_is_no_holdup() {
         let done = [flight(0, 5, true)];
         let waiting = [flight(0, 5, false)];
-        assert_eq!(holdup(&[RankRecord { rank: 0, flights: &done, stacks: None }]), None);
-        let all_in = [
-            RankRecord { rank: 0, flights: &waiting, stacks: None },
-            RankRecord { rank: 1, flights: &waiting, stacks: None },
-        ];
+        assert_eq!(holdup(&[record(0, &done, None)]), None);
+        let all_in = [record(0, &waiting, None), record(1, &waiting, None)];
         assert_eq!(holdup(&all_in), None, "everyone is inside: the cause is elsewhere (another node?)");
         // a subgroup's waiters do not wait for ranks that never used that group
         let sub = [flight(3, 1, false)];
-        let records =
-            [RankRecord { rank: 0, flights: &sub, stacks: None }, RankRecord { rank: 1, flights: &[], stacks: None }];
+        let records = [record(0, &sub, None), record(1, &[], None)];
         assert_eq!(holdup(&records), None);
-        let never = [
-            RankRecord { rank: 0, flights: &waiting, stacks: None },
-            RankRecord { rank: 1, flights: &[], stacks: None },
-        ];
+        let never = [record(0, &waiting, None), record(1, &[], None)];
         assert_eq!(
             holdup(&never).unwrap().to_string(),
             "rank 0 waits in all_reduce #5 (group 0) for rank 1; rank 1 never entered it"

@@ -18,12 +18,13 @@ use tokio::task::JoinHandle;
 use super::config::{AgentConfig, STD_ERR, STD_OUT};
 use super::console;
 use super::cpu::{self, CpuActivity};
+use super::dumps::{Asked, FlightExchange};
 use super::dumps::{DumpRequests, WorkerStacks};
 use super::env::{worker_args, worker_env, WorkerPlace};
 use super::error::{AgentError, Result};
 use super::failure::Failure;
-use super::flight::{self, Holdup, RankRecord};
-use super::heartbeats::{self, Flight, Heartbeats, Lapse, Slot};
+use super::flight::{self, Holdup, RankFlights};
+use super::heartbeats::{self, Heartbeats, Lapse, Slot};
 use super::logfiles::{LogFile, LogWriter};
 use super::logs::{expand_prefix, DEFAULT_TEE_PREFIX};
 use super::process::{Output, Supervised, SupervisedCommand};
@@ -68,6 +69,17 @@ pub enum GroupOutcome {
     /// [`FAILED_TOGETHER`]), in the order they exited.
     Failed(Vec<Failure>),
 }
+
+/// What [`WorkerGroup::wait`] saw.
+pub enum Waited {
+    Done(GroupOutcome),
+    /// Workers found hung, still running: [`WorkerGroup::stop_hung`] describes and stops them,
+    /// a step of its own so that no membership change cuts it short and loses what it says.
+    Hung(HungWorkers),
+}
+
+/// Workers found hung: their indexes, why, and their slots when found.
+pub struct HungWorkers(Vec<(usize, Lapse, Slot)>);
 
 /// Workers that fail within this long of the first failure are reported with it, when the
 /// failure ends the job (one crash often takes every rank down at once; torchrun reports all
@@ -181,13 +193,13 @@ impl WorkerGroup {
     /// Waits until a worker fails or hangs, or every worker has succeeded; answers stack dump
     /// requests meanwhile. Workers that fail within `together` of a first failure are
     /// reported with it (zero: those that already did).
-    pub async fn wait(&mut self, dumps: &mut DumpRequests, together: Duration) -> GroupOutcome {
+    pub async fn wait(&mut self, dumps: &mut DumpRequests, together: Duration) -> Waited {
         let mut watch = tokio::time::interval(WATCH_EVERY);
         watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             tokio::select! {
                 exit = self.exits.recv() => {
-                    let Some((index, status, at)) = exit else { return GroupOutcome::Succeeded };
+                    let Some((index, status, at)) = exit else { return Waited::Done(GroupOutcome::Succeeded) };
                     let status = status.unwrap_or_else(|_| failed_status());
                     self.workers[index].exit = Some((status, at));
                     if !status.success() {
@@ -197,22 +209,24 @@ impl WorkerGroup {
                         for index in failed {
                             failures.push(self.failure(index).await);
                         }
-                        return GroupOutcome::Failed(failures);
+                        return Waited::Done(GroupOutcome::Failed(failures));
                     }
                     if self.workers.iter().all(|w| w.exit.is_some()) {
-                        return GroupOutcome::Succeeded;
+                        return Waited::Done(GroupOutcome::Succeeded);
                     }
                 }
                 _ = watch.tick(), if self.heartbeats.is_some() => {
                     self.note_progress();
                     let hung = self.hung();
                     if !hung.is_empty() {
-                        return GroupOutcome::Failed(self.stop_hung(hung).await);
+                        return Waited::Hung(HungWorkers(hung));
                     }
                 }
                 Some(asked) = dumps.next() => {
-                    let stacks = self.dump_stacks(asked.rank).await;
-                    let _ = asked.answer.send(stacks);
+                    match asked {
+                        Asked::Stacks { rank, answer } => drop(answer.send(self.dump_stacks(rank).await)),
+                        Asked::Flights { answer } => drop(answer.send(self.rank_flights(&[]).await)),
+                    }
                 }
             }
         }
@@ -262,15 +276,15 @@ impl WorkerGroup {
     }
 
     /// Dumps the stacks of hung workers, kills them and describes them as failures.
-    async fn stop_hung(&mut self, hung: Vec<(usize, Lapse, Slot)>) -> Vec<Failure> {
-        let mut described = Vec::with_capacity(hung.len());
-        for (index, lapse, slot) in hung {
+    pub async fn stop_hung(&mut self, hung: HungWorkers, exchange: Option<&FlightExchange>) -> Vec<Failure> {
+        let mut described = Vec::with_capacity(hung.0.len());
+        for (index, lapse, slot) in hung.0 {
             let worker = &self.workers[index];
             let stacks = stacks::dump(worker.pid, slot.dump_signal, &worker.stacks_file).await;
             described.push((index, lapse, heartbeats::wall_time(slot.last_beat), stacks));
         }
         // before anyone is killed: the ranks waited for are asked for their stacks too
-        let holdup = self.holdup(&described).await;
+        let holdup = self.holdup(&described, exchange).await;
         // a rank waited for is the cause even if it has not lapsed itself: it goes with them
         for index in self.held_up_for(holdup.as_ref(), &described) {
             let worker = &self.workers[index];
@@ -321,24 +335,41 @@ impl WorkerGroup {
             .collect()
     }
 
-    /// The collective the hung workers wait in for ranks of this node that never entered it,
-    /// from every running worker's flight recorder; the ranks waited for are asked for their
-    /// stacks (to say where they are) unless they dumped them already.
-    async fn holdup(&self, described: &[HungWorker]) -> Option<Holdup> {
-        let page = self.heartbeats.as_ref()?;
-        let running: Vec<usize> = (0..self.workers.len()).filter(|i| self.workers[*i].exit.is_none()).collect();
-        let flights: Vec<Vec<Flight>> = running.iter().map(|index| page.flights(*index)).collect();
-        let ranks: Vec<u32> = running.iter().map(|index| self.workers[*index].place.global_rank).collect();
-        let dumped = |index: usize| described.iter().find(|d| d.0 == index).and_then(|d| d.3.as_ref().ok().cloned());
-        let mut stacks: Vec<Option<String>> = running.iter().map(|index| dumped(*index)).collect();
-        let found = flight::holdup(&rank_records(&ranks, &flights, &stacks))?;
-        for (i, index) in running.iter().enumerate() {
-            let worker = &self.workers[*index];
-            if stacks[i].is_none() && found.missing.iter().any(|(rank, _)| *rank == ranks[i]) {
-                stacks[i] = stacks::dump(worker.pid, page.slot(*index).dump_signal, &worker.stacks_file).await.ok();
-            }
+    /// The collective the hung workers wait in for ranks that never entered it, from every
+    /// running worker's flight records, and in a job of several nodes from the other nodes'
+    /// too (asked through `exchange` when no rank of this node is the one waited for).
+    async fn holdup(&self, described: &[HungWorker], exchange: Option<&FlightExchange>) -> Option<Holdup> {
+        let mut records = self.rank_flights(described).await;
+        let local = flight::holdup(&records);
+        let Some(exchange) = exchange.filter(|_| records.iter().any(|record| record.in_flight().is_some())) else {
+            return local;
+        };
+        exchange.share(&records).await;
+        if local.is_some() {
+            return local;
         }
-        flight::holdup(&rank_records(&ranks, &flights, &stacks))
+        records.extend(exchange.gather().await);
+        flight::holdup(&records)
+    }
+
+    /// Every running worker's flight records, with where its main thread is for those not
+    /// inside a collective (the ones others may wait for): from its stacks in `described`,
+    /// else dumped now.
+    async fn rank_flights(&self, described: &[HungWorker]) -> Vec<RankFlights> {
+        let Some(page) = &self.heartbeats else { return Vec::new() };
+        let mut records = Vec::new();
+        for (index, worker) in self.workers.iter().enumerate().filter(|(_, w)| w.exit.is_none()) {
+            let mut record = RankFlights { rank: worker.place.global_rank, flights: page.flights(index), at: None };
+            if record.in_flight().is_none() {
+                let stacks = match described.iter().find(|d| d.0 == index) {
+                    Some(d) => d.3.clone().ok(),
+                    None => stacks::dump(worker.pid, page.slot(index).dump_signal, &worker.stacks_file).await.ok(),
+                };
+                record.at = stacks.as_deref().and_then(flight::main_thread_frame);
+            }
+            records.push(record);
+        }
+        records
     }
 
     /// The other workers that fail within `window` of a first failure.
@@ -450,15 +481,6 @@ impl Drop for WorkerGroup {
 
 /// A worker found hung: its index, why, its last heartbeat and its stacks (or why none).
 type HungWorker = (usize, Lapse, Option<SystemTime>, Result<String, String>);
-
-/// What the flight recorders and stacks of some workers say, rank by rank.
-fn rank_records<'a>(ranks: &[u32], flights: &'a [Vec<Flight>], stacks: &'a [Option<String>]) -> Vec<RankRecord<'a>> {
-    ranks
-        .iter()
-        .zip(flights.iter().zip(stacks))
-        .map(|(rank, (flights, stacks))| RankRecord { rank: *rank, flights, stacks: stacks.as_deref() })
-        .collect()
-}
 
 #[allow(clippy::too_many_arguments)]
 fn spawn(

@@ -50,7 +50,7 @@ const FLIGHT_WORDS: usize = 5;
 pub const FLIGHTS: usize = 4;
 
 /// One collective as its rank recorded it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Flight {
     /// The operation (elastix.collectives.descriptor.KINDS).
     pub kind: u8,

@@ -27,7 +27,7 @@ use super::env::worker_name;
 use super::error::{AgentError, Result};
 use super::events::EventLog;
 use super::failure::{summary, Failure};
-use super::group::{GroupOutcome, Launch, WorkerGroup, FAILED_TOGETHER};
+use super::group::{GroupOutcome, Launch, Waited, WorkerGroup, FAILED_TOGETHER};
 use super::logfiles::LogWriter;
 use super::logs::{worker_outputs, LogDirs};
 use super::process::Output;
@@ -437,7 +437,15 @@ impl Agent {
             let last_chance = report.restart_count >= i64::from(self.config.max_restarts);
             let together = if last_chance { FAILED_TOGETHER } else { Duration::ZERO };
             let event = tokio::select! {
-                outcome = group.wait(&mut dumps, together) => Event::Workers(outcome),
+                waited = group.wait(&mut dumps, together) => match waited {
+                    Waited::Done(outcome) => Event::Workers(outcome),
+                    // describing and stopping hung workers (their stacks, who holds them up,
+                    // across nodes too) is not cut short by a change another node's failure
+                    // brings meanwhile
+                    Waited::Hung(hung) => {
+                        Event::Workers(GroupOutcome::Failed(group.stop_hung(hung, dumps.exchange()).await))
+                    }
+                },
                 change = next_change(&mut changes) => Event::Change(change),
                 (signal, forward) = self.signals.recv() => Event::Signal(signal, forward),
             };
