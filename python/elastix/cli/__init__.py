@@ -1,7 +1,7 @@
 """The ``elastix`` command line, one module per subcommand: ``elastix run`` (torchrun's
 launcher), ``elastix store`` (the standalone store server, same as ``elastix-store``),
-``elastix status`` (a job's state), ``elastix dump`` (its workers' stacks), ``elastix secret``
-(a new job secret) and ``--version``."""
+``elastix status`` (a job's state), ``elastix dump`` (its workers' stacks), ``elastix timeline``
+(a run's event logs as a page), ``elastix secret`` (a new job secret) and ``--version``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ COMMANDS = {
     "store": "serve a TCPStore-compatible key-value store (same as elastix-store)",
     "status": "show a job's state from its rendezvous store (`elastix status --help`)",
     "dump": "show the stacks of a running job's workers (`elastix dump --help`)",
+    "timeline": "draw a run's event logs as one HTML page (`elastix timeline --help`)",
     "secret": "write a new strong job secret to a file only you can read (`elastix secret FILE`)",
 }
 
@@ -37,6 +38,11 @@ def main(argv: Optional[List[str]] = None) -> None:
 
         dump.main(argv[1:], prog="elastix dump")
         return
+    if argv[:1] == ["timeline"]:
+        from . import timeline
+
+        timeline.main(argv[1:], prog="elastix timeline")
+        return
     if argv[:1] == ["secret"]:
         from . import secret
 
@@ -54,7 +60,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         prog="elastix",
         description="A fast, PyTorch-free elastic launcher and store.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="commands:\n" + "\n".join(f"  {name:<8}{text}" for name, text in COMMANDS.items()),
+        epilog="commands:\n" + "\n".join(f"  {name:<10}{text}" for name, text in COMMANDS.items()),
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     parser.add_argument("command", nargs="?", choices=sorted(COMMANDS), metavar="COMMAND")
