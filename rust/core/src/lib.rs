@@ -4,8 +4,9 @@
 //!   (server, client, and the in-process and file-backed stores used for `file://` init).
 //! * [`rendezvous`]: elastic membership of a job's nodes over a store.
 //! * [`agent`]: the per-node agent that runs and supervises the workers.
-//! * [`logging`]: the command-line programs' log output; [`address_log`]: warnings about
-//!   peers, once a minute per address.
+//! * [`logging`]: the command-line programs' log output; [`console`]: stdout and stderr
+//!   written by threads of their own (a stalled reader never blocks); [`address_log`]:
+//!   warnings about peers, once a minute per address.
 //! * [`collectives`]: the reduction kernels and shared-memory waits of the CPU collectives
 //!   (the algorithms themselves are in the Python package).
 
@@ -13,6 +14,7 @@ pub mod address_log;
 pub mod agent;
 pub mod auth;
 pub mod collectives;
+pub mod console;
 pub mod logging;
 pub mod metrics;
 pub mod rendezvous;

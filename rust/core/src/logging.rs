@@ -1,5 +1,5 @@
 //! Log output of the command-line programs (`elastix run`, `elastix-store`): tracing events as
-//! lines on stderr, written through [`crate::agent::console`] so that a stalled stderr never
+//! lines on stderr, written through [`crate::console`] so that a stalled stderr never
 //! blocks a control loop. `RUST_LOG`, when set, picks the events in detail; otherwise the
 //! program's level (`--log-level`, `ELASTIX_LOG_LEVEL`).
 //!
@@ -68,7 +68,7 @@ pub fn init_stderr(level: &str) -> Result<bool, String> {
     let detailed = std::env::var_os("RUST_LOG").is_some();
     Ok(tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(crate::agent::console::stderr_writer)
+        .with_writer(crate::console::stderr_writer)
         .with_ansi(false)
         .event_format(Line { with_target: detailed })
         .try_init()
@@ -119,7 +119,7 @@ pub fn python_line(levelno: u32, message: &str) {
 /// Waits (up to `within`) until the lines logged so far are written: the writer is a thread
 /// of its own, and a program that exits right away would lose what it has not written yet.
 pub async fn flush(within: std::time::Duration) -> bool {
-    crate::agent::console::stderr().flush(within).await
+    crate::console::stderr().flush(within).await
 }
 
 #[cfg(test)]

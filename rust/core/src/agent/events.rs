@@ -12,9 +12,9 @@ use std::time::SystemTime;
 
 use serde_json::{json, Map, Value};
 
-use super::console;
 use super::failure::{self, Failure};
 use super::logfiles::{LogFile, LogWriter};
+use crate::console;
 use crate::rendezvous::{MembershipChange, RendezvousInfo};
 
 /// Longest failure message an event carries: the event log is read by people and pages.

@@ -16,7 +16,6 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use super::config::{AgentConfig, STD_ERR, STD_OUT};
-use super::console;
 use super::cpu::{self, CpuActivity};
 use super::dumps::{Asked, FlightExchange};
 use super::dumps::{DumpRequests, WorkerStacks};
@@ -34,6 +33,7 @@ use super::ranks::Assignment;
 use super::reaper::{self, Cgroup, GroupCgroup, Watch};
 use super::stacks;
 use super::standby::{Standby, StandbyPool};
+use crate::console;
 use crate::rendezvous::records::WorkerProgress;
 use crate::rendezvous::RendezvousInfo;
 
@@ -262,7 +262,7 @@ impl WorkerGroup {
         let mut hung = Vec::new();
         for (index, worker) in self.workers.iter_mut().enumerate().filter(|(_, w)| w.exit.is_none()) {
             let slot = page.slot(index);
-            crate::metrics::agent::get().worker_heartbeat_at(index as u32, slot.last_beat);
+            crate::metrics::agent::get().worker_heartbeat_at(index as u32, heartbeats::instant(slot.last_beat));
             if self.worker_timeout.is_some() && slot.moved != 0 {
                 if let Some(ticks) = cpu::cpu_ticks(worker.pid) {
                     worker.cpu.observe(now, ticks);

@@ -81,6 +81,12 @@ pub fn wall_time(ns: u64) -> Option<std::time::SystemTime> {
     (ns != 0).then(|| std::time::SystemTime::now() - Duration::from_nanos(now_ns().saturating_sub(ns)))
 }
 
+/// Moment `ns` of the workers' clock on this process's monotonic clock (`None` for 0: never).
+pub fn instant(ns: u64) -> Option<std::time::Instant> {
+    let now = std::time::Instant::now();
+    (ns != 0).then(|| now.checked_sub(Duration::from_nanos(now_ns().saturating_sub(ns))).unwrap_or(now))
+}
+
 /// Now on the workers' clock.
 pub fn now_ns() -> u64 {
     clock_gettime(ClockId::CLOCK_MONOTONIC).map_or(0, |t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)

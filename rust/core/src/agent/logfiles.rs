@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::console;
+use crate::console;
 
 /// Lines queued for the disk before the pumps wait.
 const FILE_QUEUE_LINES: usize = 1024;

@@ -1,7 +1,7 @@
 //! Worker output: where it goes ([`worker_outputs`]), the log directories, line prefixes.
 //! Piped output reaches its file (if redirected or tee'd) and the agent's console (unless
 //! redirected or filtered) through [`super::pump`]; files and console are written by threads
-//! of their own ([`super::logfiles`], [`super::console`]).
+//! of their own ([`super::logfiles`], [`crate::console`]).
 //!
 //! Log directories are never deleted or reused: each start of the workers gets a fresh
 //! `attempt_<n>` directory under the run's directory.

@@ -5,7 +5,7 @@
 //! Pieces are relayed as soon as they are complete, so `\r` progress bars update live. A
 //! piece with no end yet (a prompt such as `input("name: ")`) is relayed after
 //! [`PARTIAL_WAIT`] without more output, or once it reaches [`LONGEST_PIECE`]. Every piece
-//! gets the prefix, as torchrun's tail gives one to every read; [`super::console`] keeps
+//! gets the prefix, as torchrun's tail gives one to every read; [`crate::console`] keeps
 //! different workers' pieces off each other's lines.
 
 use std::collections::VecDeque;
@@ -15,9 +15,9 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::task::JoinHandle;
 
-use super::console::{self, ConsoleStream};
 use super::failure::STDERR_TAIL_LINES;
 use super::logfiles::LogFile;
+use crate::console::{self, ConsoleStream};
 
 /// How long an unfinished piece waits for the rest before it is relayed as it is.
 pub const PARTIAL_WAIT: Duration = Duration::from_millis(100);
@@ -55,7 +55,7 @@ impl Duplicate {
 /// Where one worker stream's pieces go.
 pub struct Sink {
     pub file: Option<LogFile>,
-    /// The console stream pieces are echoed to ([`super::console::stdout`] or [`super::console::stderr`]).
+    /// The console stream pieces are echoed to ([`crate::console::stdout`] or [`crate::console::stderr`]).
     pub console: Option<&'static ConsoleStream>,
     pub prefix: Vec<u8>,
     /// Last lines kept (stderr only).

@@ -11,7 +11,7 @@
 //!   128+N and leaves the rendezvous open (the other nodes re-form without it).
 //! * All local workers succeeding leads to the exit barrier; once every node is through, the
 //!   job is done and the rendezvous is closed as succeeded.
-//! * Worker output never holds the agent (see [`super::console`], [`super::logfiles`]): the
+//! * Worker output never holds the agent (see [`crate::console`], [`super::logfiles`]): the
 //!   result counts the console lines dropped for a stalled reader and lists what could not be
 //!   written; a success whose kept log files are incomplete exits [`LOGS_INCOMPLETE`].
 
@@ -21,7 +21,6 @@ use nix::sys::signal::Signal;
 use tokio::sync::watch;
 
 use super::config::AgentConfig;
-use super::console::{self, StreamMark};
 use super::dumps::DumpRequests;
 use super::env::worker_name;
 use super::error::{AgentError, Result};
@@ -37,6 +36,7 @@ use super::result::{AgentErrorInfo, AgentResult, RunState, LOGS_INCOMPLETE};
 use super::signals::Signals;
 use super::standby::StandbyPool;
 use crate::auth::Secret;
+use crate::console::{self, StreamMark};
 use crate::metrics::{self, Exposes, MetricsServer};
 use crate::rendezvous::node::host_name;
 use crate::rendezvous::records::{AgentFacts, FailureRecord, FORMAT_VERSION};
@@ -905,12 +905,14 @@ async fn store_host_is_gone(rdzv: &mut Rendezvous, host: &str) -> bool {
 fn count_exits(event: &Event, local_world_size: u32) {
     let counts = metrics::agent::get();
     match event {
-        Event::Workers(GroupOutcome::Succeeded) => (0..local_world_size).for_each(|_| counts.worker_exited(0)),
+        Event::Workers(GroupOutcome::Succeeded) => (0..local_world_size).for_each(|_| counts.worker_exited("0".into())),
         Event::Workers(GroupOutcome::Failed(failures)) => {
             for failure in failures {
                 match failure.hung {
                     Some(_) => counts.hung_worker(), // killed by the watchdog, not ended by itself
-                    None => counts.worker_exited(failure.exitcode),
+                    None => {
+                        counts.worker_exited(failure.signal.clone().unwrap_or_else(|| failure.exitcode.to_string()))
+                    }
                 }
             }
         }

@@ -1,9 +1,9 @@
 //! What an agent counts. Everything here changes at round or failure time, never per output
 //! line or per request, so it is counted whether or not a metrics endpoint runs.
 //!
-//! Worker heartbeats (`elastix.heartbeat()`, [`crate::agent::heartbeats`]): the group's
-//! watchdog hands each worker's last beat to [`AgentMetrics::worker_heartbeat_at`] as it reads
-//! the page, and the scrape turns them into
+//! The agent pushes what it knows (nothing here reads the agent's state): worker heartbeats
+//! (`elastix.heartbeat()`) reach [`AgentMetrics::worker_heartbeat_at`] as the group's watchdog
+//! reads them, as moments on this process's clock, and the scrape turns them into
 //! `elastix_agent_worker_heartbeat_age_seconds{local_rank}`; workers it kills as hung are
 //! counted by [`AgentMetrics::hung_worker`].
 
@@ -68,8 +68,8 @@ pub struct AgentMetrics {
     heartbeat_age: FloatGauge,
     last_heartbeat: Mutex<Option<Instant>>,
     worker_heartbeat_age: Family<LocalRank, FloatGauge>,
-    /// Last beat of each local rank, on the workers' clock (CLOCK_MONOTONIC nanoseconds).
-    worker_beats: Mutex<BTreeMap<u32, u64>>,
+    /// Last beat of each local rank.
+    worker_beats: Mutex<BTreeMap<u32, Instant>>,
     dropped_log_lines: Counter,
 }
 
@@ -163,12 +163,11 @@ impl AgentMetrics {
     pub(super) fn refresh(&self) {
         let age = |at: Option<Instant>| at.map_or(f64::NAN, |at| at.elapsed().as_secs_f64());
         self.heartbeat_age.set(age(*lock(&self.last_heartbeat)));
-        let now_ns = crate::agent::heartbeats::now_ns();
-        for (local_rank, beat_ns) in lock(&self.worker_beats).iter() {
-            let since = now_ns.saturating_sub(*beat_ns) as f64 / 1e9;
+        for (local_rank, beat) in lock(&self.worker_beats).iter() {
+            let since = beat.elapsed().as_secs_f64();
             self.worker_heartbeat_age.get_or_create(&LocalRank { local_rank: *local_rank }).set(since);
         }
-        let console = [crate::agent::console::stdout(), crate::agent::console::stderr()];
+        let console = [crate::console::stdout(), crate::console::stderr()];
         let dropped: u64 = console.iter().map(|stream| stream.mark().dropped).sum();
         // only the scrape moves this counter: it follows the consoles' own (monotonic) counts
         self.dropped_log_lines.inc_by(dropped.saturating_sub(self.dropped_log_lines.get()));
@@ -203,13 +202,8 @@ impl AgentMetrics {
         self.workers.set(i64::from(count));
     }
 
-    /// A worker that ended by itself: `exitcode` as in a failure (minus the signal number for
-    /// a signal).
-    pub fn worker_exited(&self, exitcode: i32) {
-        let exit = match exitcode {
-            code if code < 0 => crate::agent::failure::signal_name(-code),
-            code => code.to_string(),
-        };
+    /// A worker that ended by itself: `exit` is its exit code, or the signal's name.
+    pub fn worker_exited(&self, exit: String) {
         self.worker_exits.get_or_create(&Exit { exit }).inc();
     }
 
@@ -218,11 +212,10 @@ impl AgentMetrics {
         self.hung_workers.inc();
     }
 
-    /// Local rank `local_rank`'s last heartbeat, at `beat_ns` on the workers' clock
-    /// ([`crate::agent::heartbeats::now_ns`]; 0: none yet, which is not recorded).
-    pub fn worker_heartbeat_at(&self, local_rank: u32, beat_ns: u64) {
-        if beat_ns != 0 {
-            lock(&self.worker_beats).insert(local_rank, beat_ns);
+    /// Local rank `local_rank`'s last heartbeat (`None`: none yet, which is not recorded).
+    pub fn worker_heartbeat_at(&self, local_rank: u32, beat: Option<Instant>) {
+        if let Some(beat) = beat {
+            lock(&self.worker_beats).insert(local_rank, beat);
         }
     }
 
@@ -245,18 +238,20 @@ mod tests {
     #[test]
     fn exits_are_labelled_by_code_or_signal_and_ages_computed_at_scrape() {
         let metrics = AgentMetrics::new();
-        metrics.worker_exited(1);
-        metrics.worker_exited(-9);
-        metrics.worker_exited(-9);
+        metrics.worker_exited("1".into());
+        metrics.worker_exited("SIGKILL".into());
+        metrics.worker_exited("SIGKILL".into());
         assert_eq!(metrics.worker_exits.get_or_create(&Exit { exit: "SIGKILL".into() }).get(), 2);
         assert_eq!(metrics.worker_exits.get_or_create(&Exit { exit: "1".into() }).get(), 1);
         metrics.refresh();
         assert!(metrics.heartbeat_age.get().is_nan());
         metrics.heartbeat_sent();
-        metrics.worker_heartbeat_at(3, crate::agent::heartbeats::now_ns());
+        metrics.worker_heartbeat_at(3, Some(Instant::now()));
+        metrics.worker_heartbeat_at(4, None);
         metrics.refresh();
         assert!(metrics.heartbeat_age.get() >= 0.0);
         assert!(metrics.worker_heartbeat_age.get(&LocalRank { local_rank: 3 }).is_some());
+        assert!(metrics.worker_heartbeat_age.get(&LocalRank { local_rank: 4 }).is_none(), "no beat yet");
         metrics.forget_worker_heartbeats();
         assert!(metrics.worker_heartbeat_age.get(&LocalRank { local_rank: 3 }).is_none());
     }

@@ -1,5 +1,5 @@
-//! The agent's console: worker lines and agent messages reach stdout and stderr through one
-//! writer thread per stream, fed by a queue bounded in bytes, so a reader that stops reading
+//! The process's console: the agent's worker lines and every program's log messages reach
+//! stdout and stderr through one writer thread per stream, fed by a queue bounded in bytes, so a reader that stops reading
 //! (a stalled pipe, a suspended terminal) never blocks the agent's runtime: heartbeats,
 //! restarts and signal handling go on.
 //!
@@ -48,8 +48,8 @@ enum Message {
     Flush(oneshot::Sender<()>),
 }
 
-/// Bytes for the console: a line, or a piece of one writer's output (see [`super::pump`])
-/// that ends in `\r` or is unfinished, prefix included.
+/// Bytes for the console: a line, or a piece of one writer's output (an agent relays its
+/// workers' output in pieces) that ends in `\r` or is unfinished, prefix included.
 struct Piece {
     writer: u32,
     bytes: Vec<u8>,
@@ -347,7 +347,7 @@ fn unwritable(name: &'static str, err: &io::Error) -> ConsoleStream {
 
 /// An `io::Write` for agent messages to stderr that never blocks: complete lines are queued
 /// on [`stderr()`] (a partial line waits in the writer for its end, or its drop). For a
-/// tracing subscriber: `.with_writer(elastix_core::agent::console::stderr_writer)`.
+/// tracing subscriber: `.with_writer(elastix_core::console::stderr_writer)`.
 pub fn stderr_writer() -> MessageWriter {
     MessageWriter { stream: stderr(), pending: Vec::new() }
 }
