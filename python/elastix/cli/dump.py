@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
+from ..ops.dump import complete, read, render
 from . import status
 from .envargs import EnvOption
 
@@ -62,44 +63,19 @@ def main(argv: Optional[List[str]] = None, prog: str = "elastix dump") -> None:
 
 
 def run(args: argparse.Namespace, prog: str = "elastix dump") -> int:
-    from .. import _core
     from .._logging import setup_cli
 
     setup_cli("error")
     try:
-        report = _core.job_dump(
-            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, json.dumps(args.rdzv_conf), args.rank, args.timeout
-        )
+        dump = read(args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, args.rdzv_conf, args.rank, args.timeout)
     except Exception as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return USAGE if str(err).startswith("--rank") else ERROR
-    if report is None:
+    if dump is None:
         print(f"{prog}: no job with run ID {args.rdzv_id!r} at {args.rdzv_endpoint}", file=sys.stderr)
         return NOT_FOUND
-    dump = json.loads(report)
     print(json.dumps(dump, indent=2) if args.json else render(dump))
     return COMPLETE if complete(dump) else INCOMPLETE
-
-
-def complete(dump: Dict[str, Any]) -> bool:
-    nodes = dump["nodes"]
-    workers = [worker for node in nodes for worker in node.get("workers", [])]
-    return bool(workers) and not any(node.get("missing") for node in nodes) and all("stacks" in w for w in workers)
-
-
-def render(dump: Dict[str, Any]) -> str:
-    lines = []
-    for node in dump["nodes"]:
-        if node.get("missing"):
-            lines.append(f"=== node {node['node']}: no reply in time")
-            continue
-        for worker in node.get("workers", []):
-            where = f"rank {worker['rank']} (local rank {worker['local_rank']}, pid {worker['pid']}) on {node['host']}"
-            if "stacks" in worker:
-                lines += [f"=== {where}", worker["stacks"], ""]
-            else:
-                lines.append(f"=== {where}: no stacks: {worker['error']}")
-    return "\n".join(lines).rstrip()
 
 
 __all__ = ["main", "run", "render"]
