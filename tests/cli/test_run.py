@@ -401,3 +401,18 @@ def test_sigterm_is_honoured_while_the_store_is_still_unreachable(tmp_path):
             if agent.poll() is None:
                 agent.kill()
                 agent.wait()
+
+
+def test_a_standalone_job_leaves_no_connection_for_its_store_to_wait_for(tmp_path, marker):
+    """At the end, the store an agent hosts stays up while other nodes' agents are still
+    connected (up to 5 s). A one-node job's own connections (its workers' progress publisher
+    included) are closed by then, so the store never waits them out."""
+    script = tmp_path / "beats.py"
+    script.write_text(
+        "import time, elastix\nfor step in range(30):\n    elastix.heartbeat(step=step)\n    time.sleep(0.01)\n"
+    )
+    flags = ("--standalone", "--nproc-per-node", 2, "--log-level", "debug")
+    code, _out, err = finish(elastix_run(*flags, script, out_dir=tmp_path, marker=marker))
+    assert code == 0, err
+    assert "still open after" not in err, err
+    assert_nothing_left(marker)

@@ -184,16 +184,13 @@ impl DumpRequests {
         let (sender, asked) = mpsc::channel(1);
         let node = Node {
             run_id: info.run_id.clone(),
+            round: info.round,
             rank: info.rank,
             host: host.to_owned(),
             store: (info.store_host.clone(), info.store_port),
             secret: secret.cloned(),
         };
-        let exchange = (info.world_size > 1).then(|| FlightExchange {
-            node: node.clone(),
-            round: info.round,
-            nodes: info.world_size,
-        });
+        let exchange = (info.world_size > 1).then(|| FlightExchange { node: node.clone(), nodes: info.world_size });
         DumpRequests { asked, watcher: tokio::spawn(node.serve(sender)), exchange }
     }
 
@@ -217,6 +214,7 @@ impl Drop for DumpRequests {
 #[derive(Clone)]
 struct Node {
     run_id: String,
+    round: u64,
     rank: u32,
     host: String,
     store: (String, u16),
@@ -257,6 +255,11 @@ impl Node {
             store.wait(&[key.as_bytes()], None).await?;
             let request: DumpRequest = serde_json::from_slice(&store.get(key.as_bytes()).await?).unwrap_or_default();
             if let Some(round) = request.flights {
+                if round != self.round {
+                    n += 1; // asked about another round (a late request): its workers are gone
+                    *next = Some(n);
+                    continue;
+                }
                 let (answer, answered) = oneshot::channel();
                 if asked.send(Asked::Flights { answer }).await.is_ok() {
                     if let Ok(Ok(records)) = tokio::time::timeout(ANSWER_WAIT, answered).await {
@@ -293,7 +296,6 @@ impl Node {
 /// with a hang of its own shares its records unasked.
 pub struct FlightExchange {
     node: Node,
-    round: u64,
     nodes: u32,
 }
 
@@ -303,7 +305,7 @@ const GATHER_WAIT: Duration = Duration::from_secs(2);
 impl FlightExchange {
     /// Writes this node's records (best effort, bounded).
     pub async fn share(&self, records: &[RankFlights]) {
-        let key = flights_key(&self.node.run_id, self.round, self.node.rank);
+        let key = flights_key(&self.node.run_id, self.node.round, self.node.rank);
         let value = serde_json::to_vec(records).expect("flight records serialize");
         let write = async { self.connect().await?.set(key.as_bytes(), &value).await };
         match tokio::time::timeout(GATHER_WAIT, write).await {
@@ -322,13 +324,13 @@ impl FlightExchange {
         let ask = async {
             let mut store = self.connect().await?;
             let n = store.add(request_count_key(&self.node.run_id).as_bytes(), 1).await?;
-            let request = DumpRequest { rank: None, flights: Some(self.round) };
+            let request = DumpRequest { rank: None, flights: Some(self.node.round) };
             store
                 .set(request_key(&self.node.run_id, n).as_bytes(), &serde_json::to_vec(&request).expect("serializes"))
                 .await?;
             while heard.iter().any(|heard| !heard) {
                 for (node, heard) in others.iter().zip(heard.iter_mut()).filter(|(_, heard)| !**heard) {
-                    let key = flights_key(&self.node.run_id, self.round, *node);
+                    let key = flights_key(&self.node.run_id, self.node.round, *node);
                     if store.check(&[key.as_bytes()]).await? {
                         *heard = true;
                         let records: Vec<RankFlights> =

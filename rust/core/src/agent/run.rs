@@ -286,8 +286,6 @@ struct Agent {
     round: u64,
     /// The last round this agent was told of (`None` before the first).
     round_seen: Option<u64>,
-    /// Republishes this member's status with its workers' progress (this attempt's).
-    progress: Option<ProgressPublisher>,
 }
 
 impl Agent {
@@ -349,7 +347,6 @@ impl Agent {
             metrics_server: metrics,
             round: 0,
             round_seen: None,
-            progress: None,
         })
     }
 
@@ -431,7 +428,9 @@ impl Agent {
             report.global_ranks = group.global_ranks();
             counts.forget_worker_heartbeats();
             counts.workers_running(self.config.local_world_size);
-            self.publish_node_status(&mut group).await;
+            // this attempt's: it goes with the attempt (its connection too, which the store
+            // hosted here would otherwise wait for at the end)
+            let _progress = self.publish_node_status(&mut group).await;
             let mut dumps = DumpRequests::watch(&info, &self.host, self.rdzv.secret());
             // the summary of a failure that ends the job lists all that fail with it
             let last_chance = report.restart_count >= i64::from(self.config.max_restarts);
@@ -690,8 +689,8 @@ impl Agent {
 
     /// Tells `elastix status` who this member is (best effort, bounded: a slow store must not
     /// hold the agent while its workers run unwatched), then starts republishing it with the
-    /// workers' progress, which `group` notes.
-    async fn publish_node_status(&mut self, group: &mut WorkerGroup) {
+    /// workers' progress, which `group` notes, until the publisher returned is dropped.
+    async fn publish_node_status(&mut self, group: &mut WorkerGroup) -> Option<ProgressPublisher> {
         let global_ranks = group.global_ranks();
         let facts = AgentFacts {
             host: self.host.clone(),
@@ -708,11 +707,11 @@ impl Agent {
             Ok(Err(err)) => tracing::debug!("could not publish this node's status: {err}"),
             Err(_) => tracing::debug!("publishing this node's status took over {PUBLISH_TIMEOUT:?}; skipped"),
         }
-        self.progress = self.rdzv.status_writer().map(|writer| {
+        self.rdzv.status_writer().map(|writer| {
             let (publisher, notes) = ProgressPublisher::start(writer, facts);
             group.note_progress_in(notes);
             publisher
-        });
+        })
     }
 
     /// Tells `elastix status` the root cause of this node's failure (best effort, bounded).

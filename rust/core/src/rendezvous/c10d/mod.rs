@@ -241,6 +241,13 @@ impl Backend for C10dRendezvous {
                 while server.connections() > 0 && tokio::time::Instant::now() < deadline {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
+                if server.connections() > 0 {
+                    tracing::debug!(
+                        "stopping the rendezvous store on port {} with {} connection(s) still open after {within:?}",
+                        server.port(),
+                        server.connections()
+                    );
+                }
             }
         })
     }
