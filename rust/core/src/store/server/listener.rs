@@ -9,12 +9,23 @@ use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
 /// TCP keepalive for every store connection, both ends: a peer that vanished without a FIN
 /// (power loss, a cut link) is noticed after about 2 minutes instead of never.
-pub fn set_keepalive(stream: &tokio::net::TcpStream) -> io::Result<()> {
-    let keepalive = socket2::TcpKeepalive::new()
+fn keepalive() -> socket2::TcpKeepalive {
+    socket2::TcpKeepalive::new()
         .with_time(std::time::Duration::from_secs(60))
         .with_interval(std::time::Duration::from_secs(10))
-        .with_retries(6);
-    socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive)
+        .with_retries(6)
+}
+
+/// [`keepalive`] on a client's connection.
+pub fn set_keepalive(stream: &tokio::net::TcpStream) -> io::Result<()> {
+    socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive())
+}
+
+/// Keepalive and TCP_NODELAY on the listening socket: Linux copies both to every connection
+/// it accepts, so a storm of clients costs no setsockopt per connection.
+fn set_accepted_options(socket: &Socket) -> io::Result<()> {
+    socket.set_tcp_nodelay(true)?;
+    socket.set_tcp_keepalive(&keepalive())
 }
 
 /// The soft limit on open files (RLIMIT_NOFILE), if it can be read.
@@ -94,6 +105,7 @@ fn bind_one(addr: SocketAddr) -> io::Result<TcpListener> {
         socket.set_only_v6(false)?;
     }
     socket.bind(&SockAddr::from(addr))?;
+    set_accepted_options(&socket)?;
     socket.listen(host_backlog())?;
     socket.set_nonblocking(true)?;
     Ok(socket.into())
@@ -140,6 +152,7 @@ pub fn adopt(fd: OwnedFd, expected_port: u16) -> io::Result<TcpListener> {
             format!("listen fd is bound to port {} but port {expected_port} was given", bound.port()),
         ));
     }
+    set_accepted_options(&socket)?;
     socket.listen(host_backlog())?;
     socket.set_nonblocking(true)?;
     Ok(socket.into())
@@ -148,6 +161,19 @@ pub fn adopt(fd: OwnedFd, expected_port: u16) -> io::Result<TcpListener> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn accepted_connections_inherit_nodelay_and_keepalive_from_the_listener() {
+        let listener = bind(Some("127.0.0.1"), 0).unwrap();
+        let _client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        listener.set_nonblocking(false).unwrap();
+        let (accepted, _) = listener.accept().unwrap();
+        let socket = socket2::SockRef::from(&accepted);
+        assert!(socket.tcp_nodelay().unwrap());
+        assert!(socket.keepalive().unwrap());
+        assert_eq!(socket.tcp_keepalive_time().unwrap(), std::time::Duration::from_secs(60));
+        assert_eq!(socket.tcp_keepalive_retries().unwrap(), 6);
+    }
 
     #[test]
     fn port_zero_binds_a_real_port_on_both_families() {

@@ -1,7 +1,9 @@
-//! The store server: a tokio accept loop with a connection limit, one task per connection,
+//! The store server: connections accepted on a thread of their own ([`acceptor`]) and admitted
+//! by a tokio task with a connection limit, one task per connection,
 //! all of them sharing one [`Db`] behind a mutex (every operation is short, and one lock makes
 //! the store linearizable like torch's single-threaded servers), and a graceful shutdown.
 
+mod acceptor;
 mod admission;
 mod connection;
 pub mod listener;
@@ -14,10 +16,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use tokio::net::TcpListener;
+use tokio::net::TcpStream;
 use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, watch};
 
+use self::acceptor::{Accepted, Acceptor};
 use self::admission::Admission;
 use self::connection::Connection;
 use self::shutdown::Shutdown;
@@ -170,8 +173,8 @@ impl StoreServer {
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(io::Error::other("StoreServer::start must run inside a tokio runtime"));
         }
-        let listener = TcpListener::from_std(std_listener)?;
-        let local_addr = listener.local_addr()?;
+        let local_addr = std_listener.local_addr()?;
+        let (acceptor, accepted) = Acceptor::start(std_listener)?;
         let shared = Arc::new(Shared {
             db: Mutex::new(Db::new()),
             limits: config.limits,
@@ -184,7 +187,7 @@ impl StoreServer {
         let (stop, stop_signal) = watch::channel(false);
         let (task_done, finished) = mpsc::channel(1);
         crate::store::linger::register_server(local_addr, &shared.admission.peers);
-        tokio::spawn(accept_loop(listener, shared.clone(), Shutdown::new(stop_signal), task_done));
+        tokio::spawn(accept_loop(acceptor, accepted, shared.clone(), Shutdown::new(stop_signal), task_done));
         tracing::info!(%local_addr, "store server listening");
         Ok(StoreServer { local_addr, shared, stop, finished })
     }
@@ -264,44 +267,50 @@ impl Drop for StoreServer {
     }
 }
 
-async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut shutdown: Shutdown, task_done: mpsc::Sender<()>) {
-    let mut error_backoff = Duration::from_millis(5);
+/// Admits what the [`Acceptor`] thread accepts, until shutdown (which stops the thread too).
+async fn accept_loop(
+    acceptor: Acceptor,
+    mut accepted: mpsc::UnboundedReceiver<Accepted>,
+    shared: Arc<Shared>,
+    mut shutdown: Shutdown,
+    task_done: mpsc::Sender<()>,
+) {
+    let _acceptor = acceptor;
+    let mut failing = false;
     loop {
-        let accepted = tokio::select! {
+        let next = tokio::select! {
             _ = shutdown.recv() => return,
-            accepted = listener.accept() => accepted,
+            next = accepted.recv() => next,
         };
-        let (stream, peer) = match accepted {
-            Ok(accepted) => {
-                error_backoff = Duration::from_millis(5);
-                accepted
-            }
-            Err(err) => {
+        let (stream, peer) = match next {
+            None => return, // the thread ended
+            Some(Ok((stream, peer))) => match TcpStream::from_std(stream) {
+                Ok(stream) => {
+                    failing = false;
+                    (stream, peer)
+                }
+                Err(err) => {
+                    tracing::debug!(%peer, "could not register an accepted connection: {err}");
+                    continue;
+                }
+            },
+            Some(Err(err)) => {
                 // Out of descriptors: connections still waiting to authenticate go first (a
-                // flood of strangers must not keep a member out); otherwise back off instead of
-                // spinning, keep serving the connections there are, and say so once per burst.
+                // flood of strangers must not keep a member out); the thread backs off from
+                // other errors, and existing clients are served meanwhile; said once per burst.
                 let out_of_descriptors = matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
                 if out_of_descriptors && shared.gate.as_ref().is_some_and(Gate::shed_oldest) {
                     tracing::debug!("accept failed: {err}; shed the oldest connection waiting to authenticate");
-                    tokio::task::yield_now().await;
-                    continue;
-                }
-                if error_backoff == Duration::from_millis(5) {
+                } else if !failing {
                     tracing::error!("accept failed: {err}; retrying with backoff, existing clients are still served");
                 } else {
-                    tracing::debug!("accept failed again: {err}; retrying in {error_backoff:?}");
+                    tracing::debug!("accept failed again: {err}");
                 }
-                tokio::select! {
-                    _ = shutdown.recv() => return,
-                    _ = tokio::time::sleep(error_backoff) => {}
-                }
-                error_backoff = (error_backoff * 2).min(Duration::from_secs(1));
+                failing = true;
                 continue;
             }
         };
-        if let Err(err) = stream.set_nodelay(true).and_then(|()| listener::set_keepalive(&stream)) {
-            tracing::debug!(%peer, "could not set TCP_NODELAY or keepalive: {err}");
-        }
+        // TCP_NODELAY and keepalive come from the listener (listener::bind)
         if shared.gate.is_none() {
             let Some(admitted) = shared.admission.admit(peer) else {
                 drop(stream); // refused: the client sees EOF now, not a hang in the backlog
