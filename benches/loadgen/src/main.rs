@@ -20,10 +20,15 @@
 //! time (only the stamp is patched in place), nothing is allocated per request, and
 //! latencies go into a fixed-bucket histogram. It reports its own CPU time over the measured
 //! window, so a run can show whether the generator or the server was the bottleneck.
+//!
+//! `--storm` instead starts `--connections` clients at once, as the ranks of a large job do
+//! (see [`storm`]), and reports when the slowest one was connected, validated, added and
+//! released.
 
 mod conn;
 mod histogram;
 mod poller;
+mod storm;
 mod wire;
 
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -67,6 +72,16 @@ struct Args {
     /// Also report this process's CPU use over the measured window (Linux /proc).
     #[arg(long)]
     server_pid: Option<u32>,
+    /// A connect storm of --connections clients instead of a closed loop.
+    #[arg(long)]
+    storm: bool,
+    /// After a storm, keep its connections open this many seconds (its report is out first).
+    #[arg(long, default_value_t = 0.0)]
+    hold: f64,
+    /// Storm clients connect from this many loopback addresses (127.0.0.2 on), as from
+    /// as many hosts.
+    #[arg(long, default_value_t = 1)]
+    sources: usize,
 }
 
 /// What one thread measured.
@@ -100,6 +115,14 @@ fn run(args: &Args) -> Result<(), String> {
     // A fresh key prefix per run: a server reused across runs still gives predictable replies.
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
     let tag = format!("{:x}", (nanos as u64) ^ u64::from(std::process::id()) << 40);
+    raise_open_file_limit();
+    if args.storm {
+        let (phases, held) = storm::run(addr, &tag, args.connections, threads, args.sources)?;
+        report_storm(args, threads, &phases);
+        std::thread::sleep(Duration::from_secs_f64(args.hold.max(0.0)));
+        drop(held);
+        return Ok(());
+    }
     let warmup = Duration::from_secs_f64(args.warmup);
     let duration = Duration::from_secs_f64(args.duration);
     let ready = Arc::new(Barrier::new(threads));
@@ -264,6 +287,35 @@ fn report(args: &Args, threads: usize, total: &Outcome) {
             us(0.999),
             cpu_pct
         );
+    }
+}
+
+fn report_storm(args: &Args, threads: usize, phases: &storm::Phases) {
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let (c, v, a, r) = (ms(phases.connected), ms(phases.validated), ms(phases.added), ms(phases.released));
+    if args.json {
+        println!(
+            "{{\"clients\": {}, \"threads\": {threads}, \"connected_ms\": {c:.1}, \"validated_ms\": {v:.1}, \
+             \"added_ms\": {a:.1}, \"released_ms\": {r:.1}}}",
+            args.connections
+        );
+    } else {
+        println!(
+            "{} clients: all connected at {c:.1} ms, validated at {v:.1} ms, added at {a:.1} ms, released at {r:.1} ms",
+            args.connections
+        );
+    }
+}
+
+/// Raises the soft open-file limit to the hard one: a storm holds one descriptor per client.
+fn raise_open_file_limit() {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit read and write the struct passed, valid for the calls.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
     }
 }
 

@@ -5,6 +5,7 @@ pub const VALIDATE: [u8; 5] = [0x00, 0xce, 0xf7, 0x85, 0x3c];
 const SET: u8 = 1;
 const GET: u8 = 3;
 const ADD: u8 = 4;
+const WAIT: u8 = 6;
 const PING: u8 = 13;
 
 pub fn ping(nonce: u32) -> [u8; 5] {
@@ -38,6 +39,13 @@ pub fn add(buf: &mut Vec<u8>, key: &[u8], delta: i64) {
     buf.extend_from_slice(&delta.to_le_bytes());
 }
 
+/// WAIT for one key.
+pub fn wait(buf: &mut Vec<u8>, key: &[u8]) {
+    buf.push(WAIT);
+    buf.extend_from_slice(&1u64.to_le_bytes());
+    put_str(buf, key);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -63,5 +71,10 @@ mod tests {
         want.extend_from_slice(&[0xfe, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]);
         assert_eq!(buf, want);
         assert_eq!(ping(0x191a), [0x0d, 0x1a, 0x19, 0, 0]);
+        let mut buf = Vec::new();
+        wait(&mut buf, b"/go");
+        let mut want = vec![6u8, 1, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0];
+        want.extend_from_slice(b"/go");
+        assert_eq!(buf, want);
     }
 }
