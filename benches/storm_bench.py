@@ -25,7 +25,6 @@ import sys
 
 from store_bench import TORCH_SERVER, Children, binaries, first_line
 
-
 HOLD_S = 3.0  # the storm's connections stay open this long after it, for the server's RSS
 
 
@@ -105,7 +104,9 @@ def main() -> int:
         print(f"storm_bench: {err}", file=sys.stderr)
         return 1
     print(f"\nconnect storm, {os.cpu_count()} CPUs, {args.threads} generator threads; ms from the first connect")
-    print(f"{'server':<8} {'clients':>8} {'connected':>10} {'validated':>10} {'added':>10} {'released':>10} {'RSS/client':>11}")
+    print(
+        f"{'server':<8} {'clients':>8} {'connected':>10} {'validated':>10} {'added':>10} {'released':>10} {'RSS/client':>11}"
+    )
     for r in rows:
         per = (r["rss_connected_kib"] - r["rss_idle_kib"]) * 1024 / r["clients"]
         print(
