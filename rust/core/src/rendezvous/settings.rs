@@ -37,6 +37,9 @@ pub struct RendezvousSettings {
     pub secret: Option<Secret>,
 }
 
+/// See [`RendezvousSettings::master_wait`].
+pub const SEALED_ROUND_GRACE: Duration = Duration::from_secs(2);
+
 impl RendezvousSettings {
     pub const DEFAULT_JOIN_TIMEOUT: Duration = Duration::from_secs(600);
     pub const DEFAULT_LAST_CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -92,6 +95,13 @@ impl RendezvousSettings {
             )));
         }
         Ok(())
+    }
+
+    /// How long a member of a sealed round waits for rank 0's workers' store address: up to
+    /// the join deadline, but never less than [`SEALED_ROUND_GRACE`] (a round that seals at
+    /// its deadline would otherwise fail for the moment rank 0 takes to start that store).
+    pub fn master_wait(&self, deadline: tokio::time::Instant) -> Duration {
+        deadline.saturating_duration_since(tokio::time::Instant::now()).max(SEALED_ROUND_GRACE)
     }
 
     /// After this long without a heartbeat a node counts as dead.

@@ -476,13 +476,14 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         // a live rank 0 publishes its address as the round seals: one that has not within two
         // loss windows died with the seal (None), unless the join deadline comes first
         let patience = self.settings.node_lost_after() * 2;
+        let master_wait = self.settings.master_wait(deadline);
         let master: Option<Master> = self
             .with_conn(async |conn| {
                 conn.set(&member_key(round, rank), &encode(&member)).await?;
                 if let Some(master) = &published {
                     conn.set(&Keys::master(round), &encode(master)).await?;
                 }
-                let remaining = deadline.saturating_duration_since(Instant::now());
+                let remaining = master_wait;
                 match conn.wait_get(&Keys::master(round), Some(remaining.min(patience))).await? {
                     Some(bytes) => decode(&bytes, "master address").map(Some),
                     None if remaining > patience => Ok(None),

@@ -557,7 +557,7 @@ pub(super) async fn wait_master(ctx: &Ctx<'_>, r: u64, watcher: &mut Watcher, de
             }
         }
     };
-    match tokio::time::timeout(deadline.saturating_duration_since(Instant::now()), waiting).await {
+    match tokio::time::timeout(ctx.settings.master_wait(deadline), waiting).await {
         Ok(result) => result,
         Err(_) => Err(RendezvousError::Timeout(format!(
             "rendezvous {:?} round {r}: rank 0 never published the workers' store address",
