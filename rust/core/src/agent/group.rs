@@ -17,8 +17,7 @@ use tokio::task::JoinHandle;
 
 use super::config::{AgentConfig, STD_ERR, STD_OUT};
 use super::cpu::{self, CpuActivity};
-use super::dumps::{Asked, FlightExchange};
-use super::dumps::{DumpRequests, WorkerStacks};
+use super::dumps::{Asked, DumpRequests, FlightExchange, WorkerStacks};
 use super::env::{worker_args, worker_env, WorkerPlace};
 use super::error::{AgentError, Result};
 use super::failure::Failure;
@@ -194,8 +193,8 @@ impl WorkerGroup {
     /// requests meanwhile. Workers that fail within `together` of a first failure are
     /// reported with it (zero: those that already did).
     pub async fn wait(&mut self, dumps: &mut DumpRequests, together: Duration) -> Waited {
-        let mut watch = tokio::time::interval(WATCH_EVERY);
-        watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut ticks = tokio::time::interval(WATCH_EVERY);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             tokio::select! {
                 exit = self.exits.recv() => {
@@ -215,7 +214,7 @@ impl WorkerGroup {
                         return Waited::Done(GroupOutcome::Succeeded);
                     }
                 }
-                _ = watch.tick(), if self.heartbeats.is_some() => {
+                _ = ticks.tick(), if self.heartbeats.is_some() => {
                     self.note_progress();
                     let hung = self.hung();
                     if !hung.is_empty() {
