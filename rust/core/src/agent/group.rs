@@ -4,7 +4,7 @@
 //! whole group and to the cgroup, every child reaped). A worker whose heartbeat or timer
 //! lapsed ([`super::heartbeats`]) counts as failed: its stacks are dumped, then it is killed.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -224,7 +224,9 @@ impl WorkerGroup {
                 Some(asked) = dumps.next() => {
                     match asked {
                         Asked::Stacks { rank, answer } => drop(answer.send(self.dump_stacks(rank).await)),
-                        Asked::Flights { answer } => drop(answer.send(self.rank_flights(&[]).await)),
+                        Asked::Flights { answer } => {
+                            drop(answer.send(self.rank_flights(&mut BTreeMap::new()).await))
+                        }
                     }
                 }
             }
@@ -238,8 +240,7 @@ impl WorkerGroup {
             if worker.exit.is_some() || rank.is_some_and(|rank| rank != worker.place.global_rank) {
                 continue;
             }
-            let signal = self.heartbeats.as_ref().map_or(0, |page| page.slot(index).dump_signal);
-            let (stacks, error) = match stacks::dump(worker.pid, signal, &worker.stacks_file).await {
+            let (stacks, error) = match self.stacks_of(index).await {
                 Ok(stacks) => (Some(stacks), None),
                 Err(why) => (None, Some(why)),
             };
@@ -252,6 +253,13 @@ impl WorkerGroup {
             });
         }
         answers
+    }
+
+    /// Worker `index`'s threads' stacks, dumped now (or why there are none).
+    async fn stacks_of(&self, index: usize) -> StacksOrWhy {
+        let worker = &self.workers[index];
+        let signal = self.heartbeats.as_ref().map_or(0, |page| page.slot(index).dump_signal);
+        stacks::dump(worker.pid, signal, &worker.stacks_file).await
     }
 
     /// The running workers whose heartbeat or timer lapsed, or that stalled, with their slots.
@@ -278,18 +286,18 @@ impl WorkerGroup {
     pub async fn stop_hung(&mut self, hung: HungWorkers, exchange: Option<&FlightExchange>) -> Vec<Failure> {
         let mut described = Vec::with_capacity(hung.0.len());
         for (index, lapse, slot) in hung.0 {
-            let worker = &self.workers[index];
-            let stacks = stacks::dump(worker.pid, slot.dump_signal, &worker.stacks_file).await;
-            described.push((index, lapse, heartbeats::wall_time(slot.last_beat), stacks));
+            described.push((index, lapse, heartbeats::wall_time(slot.last_beat), self.stacks_of(index).await));
         }
         // before anyone is killed: the ranks waited for are asked for their stacks too
-        let holdup = self.holdup(&described, exchange).await;
+        let mut dumped: BTreeMap<usize, StacksOrWhy> = described.iter().map(|d| (d.0, d.3.clone())).collect();
+        let holdup = self.holdup(&mut dumped, exchange).await;
         // a rank waited for is the cause even if it has not lapsed itself: it goes with them
         for index in self.held_up_for(holdup.as_ref(), &described) {
-            let worker = &self.workers[index];
-            let slot = self.heartbeats.as_ref().map(|page| page.slot(index));
-            let stacks = stacks::dump(worker.pid, slot.map_or(0, |s| s.dump_signal), &worker.stacks_file).await;
-            let last = slot.and_then(|slot| heartbeats::wall_time(slot.last_beat));
+            let last = self.heartbeats.as_ref().and_then(|page| heartbeats::wall_time(page.slot(index).last_beat));
+            let stacks = match dumped.remove(&index) {
+                Some(stacks) => stacks,
+                None => self.stacks_of(index).await,
+            };
             described.push((index, Lapse::HoldsOthersUp, last, stacks));
         }
         for (index, lapse, _, stacks) in &described {
@@ -337,8 +345,12 @@ impl WorkerGroup {
     /// The collective the hung workers wait in for ranks that never entered it, from every
     /// running worker's flight records, and in a job of several nodes from the other nodes'
     /// too (asked through `exchange` when no rank of this node is the one waited for).
-    async fn holdup(&self, described: &[HungWorker], exchange: Option<&FlightExchange>) -> Option<Holdup> {
-        let mut records = self.rank_flights(described).await;
+    async fn holdup(
+        &self,
+        dumped: &mut BTreeMap<usize, StacksOrWhy>,
+        exchange: Option<&FlightExchange>,
+    ) -> Option<Holdup> {
+        let mut records = self.rank_flights(dumped).await;
         let local = flight::holdup(&records);
         let Some(exchange) = exchange.filter(|_| records.iter().any(|record| record.in_flight().is_some())) else {
             return local;
@@ -352,19 +364,18 @@ impl WorkerGroup {
     }
 
     /// Every running worker's flight records, with where its main thread is for those not
-    /// inside a collective (the ones others may wait for): from its stacks in `described`,
-    /// else dumped now.
-    async fn rank_flights(&self, described: &[HungWorker]) -> Vec<RankFlights> {
+    /// inside a collective (the ones others may wait for): from its stacks in `dumped`, else
+    /// dumped now and kept there.
+    async fn rank_flights(&self, dumped: &mut BTreeMap<usize, StacksOrWhy>) -> Vec<RankFlights> {
         let Some(page) = &self.heartbeats else { return Vec::new() };
         let mut records = Vec::new();
         for (index, worker) in self.workers.iter().enumerate().filter(|(_, w)| w.exit.is_none()) {
             let mut record = RankFlights { rank: worker.place.global_rank, flights: page.flights(index), at: None };
             if record.in_flight().is_none() {
-                let stacks = match described.iter().find(|d| d.0 == index) {
-                    Some(d) => d.3.clone().ok(),
-                    None => stacks::dump(worker.pid, page.slot(index).dump_signal, &worker.stacks_file).await.ok(),
-                };
-                record.at = stacks.as_deref().and_then(flight::main_thread_frame);
+                if let std::collections::btree_map::Entry::Vacant(entry) = dumped.entry(index) {
+                    entry.insert(self.stacks_of(index).await);
+                }
+                record.at = dumped[&index].as_deref().ok().and_then(flight::main_thread_frame);
             }
             records.push(record);
         }
@@ -479,7 +490,9 @@ impl Drop for WorkerGroup {
 }
 
 /// A worker found hung: its index, why, its last heartbeat and its stacks (or why none).
-type HungWorker = (usize, Lapse, Option<SystemTime>, Result<String, String>);
+type HungWorker = (usize, Lapse, Option<SystemTime>, StacksOrWhy);
+/// A worker's stacks, or why there are none.
+type StacksOrWhy = std::result::Result<String, String>;
 
 #[allow(clippy::too_many_arguments)]
 fn spawn(
