@@ -162,6 +162,12 @@ pub fn now_ms() -> u64 {
     u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// Seconds from `at_ms` (ms since the epoch, another machine's clock, say) to `now_ms`, 0 if
+/// `at_ms` is later: how old a published moment is as this machine reads it.
+pub fn seconds_between(at_ms: u64, now_ms: u64) -> f64 {
+    now_ms.saturating_sub(at_ms) as f64 / 1000.0
+}
+
 pub fn encode<T: Serialize>(record: &T) -> Vec<u8> {
     serde_json::to_vec(record).expect("rendezvous records always serialize")
 }

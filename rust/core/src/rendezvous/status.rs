@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use super::conf::ConfInput;
 use super::node::NodeDesc;
-use super::records::{now_ms, FailureRecord, NodeStatus, WorkerProgress};
+use super::records::{now_ms, seconds_between, FailureRecord, NodeStatus, WorkerProgress};
 
 /// What `elastix status` asks for.
 #[derive(Clone, Debug)]
@@ -173,7 +173,7 @@ impl Member {
             uptime_s: facts
                 .map(|facts| facts.workers_started_ms)
                 .filter(|started| *started != 0)
-                .map(|started| now_ms().saturating_sub(started) as f64 / 1000.0),
+                .map(|started| seconds_between(started, now_ms())),
             workers: facts.map_or_else(Vec::new, |facts| facts.workers.iter().map(WorkerStatus::from).collect()),
         }
     }
@@ -185,7 +185,7 @@ impl From<&WorkerProgress> for WorkerStatus {
             rank: progress.rank,
             beats: progress.beats,
             step: progress.step,
-            seen_age_s: progress.seen_ms.map(|seen| now_ms().saturating_sub(seen) as f64 / 1000.0),
+            seen_age_s: progress.seen_ms.map(|seen| seconds_between(seen, now_ms())),
         }
     }
 }
@@ -201,7 +201,7 @@ impl LastFailure {
             exitcode: failure.exitcode,
             signal: failure.signal,
             message: failure.message,
-            age_s: now_ms.saturating_sub(failure.at_ms) as f64 / 1000.0,
+            age_s: seconds_between(failure.at_ms, now_ms),
         }
     }
 }

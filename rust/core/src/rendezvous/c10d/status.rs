@@ -10,7 +10,9 @@ use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS};
 use crate::rendezvous::endpoint::{parse_endpoints, DEFAULT_PORT};
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::params::job_secret;
-use crate::rendezvous::records::{decode, now_ms, Arrival, Event, FailureRecord, Meta, NodeStatus, Seal};
+use crate::rendezvous::records::{
+    decode, now_ms, seconds_between, Arrival, Event, FailureRecord, Meta, NodeStatus, Seal,
+};
 use crate::rendezvous::status::{judge, Evidence, Health, JobStatus, LastFailure, Lost, Member, Restarts, State};
 use crate::rendezvous::status::{StatusQuery, EVENTS_SCANNED, STATUS_VERSION};
 use crate::rendezvous::store::{RendezvousStore, StoreConn, TcpRendezvousStore, RUNS_KEY};
@@ -183,7 +185,7 @@ async fn heartbeat_age<C: StoreConn>(conn: &mut C, round: u64, rank: u32) -> Res
         }
         if let Some(value) = conn.try_get(&Keys::heartbeat(round, rank, seq)).await? {
             let Ok(sent) = String::from_utf8_lossy(&value).parse::<u64>() else { return Ok(None) };
-            return Ok(Some(now_ms().saturating_sub(sent) as f64 / 1000.0));
+            return Ok(Some(seconds_between(sent, now_ms())));
         }
     }
     Ok(None)
