@@ -41,10 +41,12 @@ def client(master):
     return elastix.TCPStore("127.0.0.1", master.port, timeout=timedelta(seconds=10))
 
 
-def held_port(addr: str = "127.0.0.1") -> socket.socket:
+def held_port(addr: str = "0.0.0.0") -> socket.socket:
     """A bound, non-listening socket with SO_REUSEADDR on a port the kernel picked at `addr`:
     the port is taken by no one but servers that bind with SO_REUSEADDR (elastix's, torch's,
-    etcd's) until it is closed."""
+    etcd's) until it is closed. By default on the wildcard, where stores listen: a port picked
+    for one address may be in use on another, and a store finding it taken there would take
+    another agent to be hosting it."""
     holder = socket.socket()
     holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     holder.bind((addr, 0))

@@ -27,14 +27,13 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from agents import assert_nothing_left, wait_for
-from conftest import REPO
+from conftest import REPO, held_port
 
 README = os.path.join(REPO, "README.md")
 
@@ -180,25 +179,11 @@ BLOCKS = readme_blocks()
 # -- the README's placeholders, made real ------------------------------------------------------
 
 
-def reserve(addresses, stack):
-    """One port free on every address: held by bound, non-listening sockets until the command
-    ends (servers binding with SO_REUSEADDR take it meanwhile; no one else can)."""
-    for _ in range(10):
-        holders = []
-        try:
-            for addr in addresses:
-                holder = socket.socket()
-                holders.append(holder)
-                holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                holder.bind((addr, holders[0].getsockname()[1] if len(holders) > 1 else 0))
-        except OSError:  # taken on another address: another port
-            for holder in holders:
-                holder.close()
-            continue
-        for holder in holders:
-            stack.callback(holder.close)
-        return holders[0].getsockname()[1]
-    raise AssertionError(f"no port free on all of {addresses} in 10 tries")
+def reserve(stack):
+    """A port held until the command ends (conftest.held_port)."""
+    holder = held_port()
+    stack.callback(holder.close)
+    return holder.getsockname()[1]
 
 
 class Places:
@@ -217,9 +202,9 @@ class Places:
             fail(self.command, f"host name {name!r} is none of node0, node1, ..., host, host0, ...")
         return f"127.0.0.{int(m.group(1) or 0) + 1}"
 
-    def port(self, number, addresses=("127.0.0.1",)):
+    def port(self, number):
         if number not in self.ports:
-            self.ports[number] = reserve(sorted(set(addresses)), self.stack)
+            self.ports[number] = reserve(self.stack)
         return self.ports[number]
 
     def endpoints(self, value):
@@ -227,11 +212,7 @@ class Places:
         if all(re.fullmatch(r"etcd\d+", host) for host, _ in items):
             ports = self.ctx.etcd().client_ports
             return ",".join(f"127.0.0.1:{ports[int(host[4:]) - 1]}" for host, _ in items)
-        addrs = [self.addr(host) for host, _ in items]
-        by_port = {}
-        for (_, port), addr in zip(items, addrs):
-            by_port.setdefault(port, []).append(addr)
-        return ",".join(f"{addr}:{self.port(port, by_port[port])}" for (_, port), addr in zip(items, addrs))
+        return ",".join(f"{self.addr(host)}:{self.port(port)}" for host, port in items)
 
     def path(self, text):
         where = {"~/": self.ctx.home + "/", "/tmp/": self.ctx.files + "/"}
@@ -268,6 +249,7 @@ class Process:
     it), bounded in time and killed at the end."""
 
     def __init__(self, argv, env, log_dir, name, stack):
+        self.name = name
         self.out_path, self.err_path = (os.path.join(log_dir, f"{name}.{s}") for s in ("out", "err"))
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, cwd=REPO, stdin=subprocess.DEVNULL)
@@ -291,10 +273,10 @@ class Process:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"did not finish in {timeout}s:\n{self.out()}\n{self.err()}") from None
+            raise AssertionError(f"{self.name} did not finish in {timeout}s:\n{self.out()}\n{self.err()}") from None
 
     def describe(self):
-        return f"exit status {self.proc.returncode}\nstdout:\n{self.out()[-3000:]}\nstderr:\n{self.err()[-3000:]}"
+        return f"{self.name}: exit status {self.proc.returncode}\nstdout:\n{self.out()[-3000:]}\nstderr:\n{self.err()[-3000:]}"
 
 
 class Context:
@@ -365,7 +347,12 @@ def run_job(ctx, command, env, argv, stack):
         local = {} if args.standalone else {"ELASTIX_LOCAL_ADDR": f"127.0.0.{i + 1}"}
         agents.append(ctx.start(argv, {**env, **local, "README_OUT": out}, f"agent{i}", stack))
     for agent in agents:
-        assert agent.finish() == 0, f"{command.where()}\n{agent.describe()}"
+        try:
+            code = agent.finish()
+        except AssertionError as hung:  # the other agents' logs tell why, as often as its own
+            others = "\n".join(other.describe() for other in agents if other is not agent)
+            raise AssertionError(f"{command.where()}\n{hung}\n{others}") from None
+        assert code == 0, f"{command.where()}\n{agent.describe()}"
     if ours:
         latest = max(int(r["ELASTIX_ROUND"]) for r in records(out))
         final = [r for r in records(out) if int(r["ELASTIX_ROUND"]) == latest]

@@ -108,7 +108,12 @@ impl C10dRendezvous {
                     servers.push(server);
                 }
                 // another agent on this machine got there first: use its store
-                Err(err) if explicit.is_none() && err.kind() == io::ErrorKind::AddrInUse => {}
+                Err(err) if explicit.is_none() && err.kind() == io::ErrorKind::AddrInUse => {
+                    tracing::info!(
+                        "port {} is taken on this machine: using the rendezvous store served there, not hosting one",
+                        site.1
+                    );
+                }
                 Err(err) => {
                     return Err(RendezvousError::Config(format!(
                         "cannot host the rendezvous store on port {}: {err}",
