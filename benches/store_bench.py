@@ -38,16 +38,14 @@ TARGET_P99_RATIO = 0.5  # ... with p99 <= 0.5x torch's
 
 
 def binaries() -> tuple[Path, Path]:
-    """The release builds of the server and the load generator, built if missing."""
+    """The release builds of the server and the load generator, built every time: a stale
+    binary would measure old code (cargo does nothing when they are current)."""
     target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
     if not target.is_absolute():
         target = REPO / target
-    store, loadgen = target / "release" / "elastix-store", target / "release" / "elastix-loadgen"
-    if not (store.exists() and loadgen.exists()):
-        print("building elastix-store and elastix-loadgen (release) ...", file=sys.stderr)
-        cmd = ["cargo", "build", "--release", "-p", "elastix-store", "-p", "elastix-loadgen"]
-        subprocess.run(cmd, cwd=REPO, check=True)
-    return store, loadgen
+    cmd = ["cargo", "build", "--release", "-q", "-p", "elastix-store", "-p", "elastix-loadgen"]
+    subprocess.run(cmd, cwd=REPO, check=True)
+    return target / "release" / "elastix-store", target / "release" / "elastix-loadgen"
 
 
 class Children:

@@ -120,6 +120,30 @@ fn pipelined_requests_in_one_segment_are_answered_in_order() {
 }
 
 #[test]
+fn bursts_and_large_values_through_buffers_that_start_small_and_adapt() {
+    // a connection's buffers start at hundreds of bytes: thousands of pipelined requests, a
+    // 4 MiB value each way, then small requests again, all on one connection
+    let server = server();
+    let mut raw = Raw::validated(&server);
+    let burst: Vec<Request> = (0..5_000u32).map(|nonce| Request::Ping { nonce }).collect();
+    raw.send(&burst);
+    let echoed = raw.read(4 * burst.len());
+    assert!(echoed.chunks(4).enumerate().all(|(i, reply)| reply == (i as u32).to_le_bytes()));
+    let large: Vec<u8> = (0..4 << 20).map(|i: u32| (i % 251) as u8).collect();
+    let writer = raw.0.try_clone().unwrap();
+    let sent = large.clone();
+    let sending = std::thread::spawn(move || {
+        let mut writer = writer;
+        writer.write_all(&bytes_of(&[Request::Set { key: b"/large", value: &sent }, Request::Get { key: b"/large" }]))
+    });
+    assert_eq!(raw.read(8 + large.len()), str_reply(&large));
+    sending.join().unwrap().unwrap();
+    for nonce in 0..100 {
+        assert!(raw.ping(nonce), "ping {nonce} after the large value");
+    }
+}
+
+#[test]
 fn requests_arriving_byte_by_byte_are_reassembled() {
     // E8, and E22: torch's libuv server closes a connection whose VALIDATE is split.
     let server = server();

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, BytesMut};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -19,8 +19,13 @@ use crate::store::protocol::{STOP_WAITING, VALIDATION_MAGIC};
 use crate::store::request::{Decoded, FrameError, Request};
 use crate::store::waiters::{WaiterId, Waker};
 
-/// Read buffers start at this size and shrink back to it after a large request.
-const READ_CHUNK: usize = 16 * 1024;
+/// Bounds of the adaptive read size. Most requests are tens of bytes and a storm leaves
+/// thousands of connections idle in WAIT, so a connection starts small; reads that fill what
+/// was offered double it, reads that use under a quarter halve it.
+const MIN_READ: usize = 512;
+const MAX_READ: usize = 64 * 1024;
+/// A reply buffer grown past this (a large GET) is released once written.
+const KEPT_WRITE: usize = 4 * 1024;
 
 /// Why a connection was closed by the server.
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +52,8 @@ pub(super) struct Connection {
     stream: TcpStream,
     peer: SocketAddr,
     read_buf: BytesMut,
+    /// How much room the next read is offered (between MIN_READ and MAX_READ).
+    read_size: usize,
     /// Do not decode again until this many bytes are buffered.
     needed: usize,
     session: Session,
@@ -68,12 +75,13 @@ impl Connection {
         Connection {
             stream,
             peer,
-            read_buf: BytesMut::with_capacity(READ_CHUNK),
+            read_buf: BytesMut::new(),
+            read_size: MIN_READ,
             needed: 1,
             session: Session {
                 id: shared.next_waiter_id(),
                 shared,
-                write_buf: BytesMut::with_capacity(READ_CHUNK),
+                write_buf: BytesMut::new(),
                 validated: false,
                 waker,
                 woken,
@@ -104,7 +112,7 @@ impl Connection {
         let stop = shutdown.recv();
         tokio::pin!(stop);
         loop {
-            self.reserve_for_next_read();
+            let offered = self.reserve_for_next_read();
             // a client blocked in WAIT may rightly be silent for hours
             let idle = idle_after(self.session.shared.idle_timeout.filter(|_| !self.session.holds_wait()));
             tokio::select! {
@@ -112,13 +120,15 @@ impl Connection {
                 _ = &mut stop => return Ok(()),
                 Some(()) = self.session.woken.recv() => self.session.write_buf.put_u8(STOP_WAITING),
                 timeout = idle => return Err(CloseReason::Idle(timeout)),
-                read = self.stream.read_buf(&mut self.read_buf) => {
-                    if read? == 0 {
+                read = read_arrived(&self.stream, &mut self.read_buf) => {
+                    let read = read?;
+                    if read == 0 {
                         return match self.read_buf.len() {
                             0 => Ok(()),
                             unread => Err(CloseReason::Truncated(unread)),
                         };
                     }
+                    self.adapt_read_size(read, offered);
                     self.process_buffered()?;
                 }
             }
@@ -140,17 +150,31 @@ impl Connection {
                     written = self.stream.write_all(replies) => written?,
                 }
             }
-            replies.clear();
+            if replies.capacity() > KEPT_WRITE {
+                *replies = BytesMut::new();
+            } else {
+                replies.clear();
+            }
         }
     }
 
-    fn reserve_for_next_read(&mut self) {
-        if self.read_buf.is_empty() && self.read_buf.capacity() > 4 * READ_CHUNK {
-            self.read_buf = BytesMut::with_capacity(READ_CHUNK); // release a large request's buffer
+    /// Makes room for the next read; returns how much it offers.
+    fn reserve_for_next_read(&mut self) -> usize {
+        if self.read_buf.is_empty() && self.read_buf.capacity() > 4 * self.read_size.max(MIN_READ) {
+            self.read_buf = BytesMut::new(); // release a large request's buffer
         }
-        let want = self.needed.saturating_sub(self.read_buf.len()).max(READ_CHUNK / 4);
+        let want = self.needed.saturating_sub(self.read_buf.len()).max(self.read_size);
         if self.read_buf.capacity() - self.read_buf.len() < want {
-            self.read_buf.reserve(want.max(READ_CHUNK));
+            self.read_buf.reserve(want);
+        }
+        self.read_buf.capacity() - self.read_buf.len()
+    }
+
+    fn adapt_read_size(&mut self, read: usize, offered: usize) {
+        if read >= offered {
+            self.read_size = (self.read_size * 2).min(MAX_READ);
+        } else if read < offered / 4 {
+            self.read_size = (self.read_size / 2).max(MIN_READ);
         }
     }
 
@@ -178,6 +202,31 @@ impl Connection {
             self.needed = 1;
         }
         Ok(())
+    }
+}
+
+/// Reads what has arrived (0: the peer closed). A read that leaves room unused has drained
+/// the socket, so it clears the readiness itself: otherwise the next read would be a syscall
+/// that only returns EAGAIN, one in three of a request's. A wake-up that came in meanwhile is
+/// kept (tokio clears only the readiness this read saw). Cancel safe.
+async fn read_arrived(stream: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+    loop {
+        stream.readable().await?;
+        let mut drained = None;
+        let result = stream.try_io(Interest::READABLE, || {
+            let room = buf.capacity() - buf.len();
+            let read = stream.try_read_buf(buf)?;
+            if read > 0 && read < room {
+                drained = Some(read);
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            Ok(read)
+        });
+        match (result, drained) {
+            (_, Some(read)) => return Ok(read),
+            (Err(err), None) if err.kind() == io::ErrorKind::WouldBlock => continue,
+            (result, None) => return result,
+        }
     }
 }
 
