@@ -1,11 +1,12 @@
 """Rendezvous benchmark: time for N simulated nodes to complete one round against one store.
 
-elastix: `elastix-rdzv-bench` (N handlers as tasks, each with its own store connections, one
-elastix store). torch (when installed): N DynamicRendezvousHandlers with the c10d backend,
+elastix: `elastix-rdzv-bench` (N handlers as tasks, each with its own store connection and
+presence listener, split over processes of 5,000; each leaves once it has its rank), against
+an elastix-store process. torch (when installed): N DynamicRendezvousHandlers with the c10d backend,
 each with its own TCPStore client, as threads split over two processes, against one torch
 TCPStore server; min_nodes = max_nodes = N, as in reference/baselines.md.
 
-    python benches/rendezvous_bench.py [--nodes 16 128 1024] [--torch-max-nodes 128]
+    python benches/rendezvous_bench.py [--nodes 16 128 1024 10000] [--torch-max-nodes 128]
 
 `--backend etcd`: the same round on a 3-member etcd cluster on loopback (Debian's etcd-server,
 started here in a temporary directory), next to the c10d backend, with the etcd requests each
@@ -24,8 +25,11 @@ import subprocess
 import sys
 import time
 
+from store_bench import Children, first_line
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "target", "release", "elastix-rdzv-bench")
+STORE = os.path.join(REPO, "target", "release", "elastix-store")
 
 TORCH_WORKER = r"""
 import sys, threading, time
@@ -54,13 +58,41 @@ print(max(finished), flush=True)
 """
 
 
+# Each simulated node holds a presence listener besides its store connection: 5,000 nodes
+# are 10,000 descriptors, half this machine's open-file limit for one process.
+NODES_PER_PROCESS = 5000
+
+
 def elastix_bench(nodes: int, *extra: str) -> dict:
+    """One round of `nodes` nodes, split over processes of at most NODES_PER_PROCESS that all
+    join at one agreed moment; against an elastix-store process of its own (c10d) unless
+    `extra` names an etcd cluster. Each node leaves once it has its rank (see
+    benches/rendezvous/src/main.rs): members' heartbeat and watcher connections (3 per node)
+    would take 10,000 nodes past the store's open-file limit, and are no part of the round."""
     # always: a stale binary would measure old code (cargo does nothing when it is current)
-    subprocess.run(["cargo", "build", "--release", "-q", "-p", "elastix-rdzv-bench"], cwd=REPO, check=True)
-    out = subprocess.run(
-        [BENCH, "--nodes", str(nodes), *extra], capture_output=True, text=True, check=True, timeout=600
-    )
-    return json.loads(out.stdout)
+    build = ["cargo", "build", "--release", "-q", "-p", "elastix-rdzv-bench", "-p", "elastix-store"]
+    subprocess.run(build, cwd=REPO, check=True)
+    children = Children()
+    try:
+        if "--etcd" not in extra:
+            store = children.start([STORE, "--host", "127.0.0.1", "--port", "0", "--log-level", "warn"])
+            port = int(first_line(children, store, "elastix-store", 30).rsplit(":", 1)[1])
+            extra = ("--endpoint", f"127.0.0.1:{port}", *extra)
+        counts = [NODES_PER_PROCESS] * (nodes // NODES_PER_PROCESS) + [nodes % NODES_PER_PROCESS]
+        start_at = time.time() + 1.0 + nodes / 2000  # every handler is made before the start
+        common = ["--nodes", str(nodes), "--run-id", f"bench-{nodes}-{os.getpid()}", "--start-at", str(start_at)]
+        common += ["--threads", "1", "--leave-after-rank", *extra]
+        procs = [children.start([BENCH, *common, "--here", str(here)]) for here in counts if here]
+        results = []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"elastix-rdzv-bench failed:\n{children.stderr_of(proc)[-2000:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        children.stop_all()
+    requests = sum(r.get("requests_per_node", 0) * here for r, here in zip(results, counts))
+    return {"seconds": max(r["finished_at"] for r in results) - start_at, "requests_per_node": requests / nodes}
 
 
 def elastix_round(nodes: int) -> float:
@@ -138,7 +170,7 @@ def torch_round(nodes: int, use_libuv: bool) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, nargs="+", default=[16, 128, 1024])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[16, 128, 1024, 10000])
     parser.add_argument("--torch-max-nodes", type=int, default=128, help="skip torch above this (it is slow)")
     parser.add_argument("--torch-libuv", action="store_true", help="torch's store on its libuv server")
     parser.add_argument("--backend", choices=["c10d", "etcd"], default="c10d")

@@ -1,8 +1,13 @@
 //! `elastix-rdzv-bench --nodes N`: N rendezvous handlers (simulated nodes), each with its own
 //! store connections, join one round against one store; prints how long until every node
 //! has its rank, as JSON. The store is an elastix server in this process (own runtime) unless
-//! `--endpoint host:port` names another one (a torch TCPStore, say), or `--etcd` an etcd
-//! cluster.
+//! `--endpoint host:port` names another one (an elastix-store process, a torch TCPStore), or
+//! `--etcd` an etcd cluster.
+//!
+//! `--leave-after-rank` makes each node a round and no more: it disconnects as soon as it has
+//! its rank, before a member's heartbeat and watcher connections are opened (with one thread,
+//! its background tasks are stopped before they first run). 10,000 members would hold
+//! 30,000 connections to one store: more than this machine's 20,000 open files.
 
 use std::time::{Duration, Instant};
 
@@ -20,6 +25,17 @@ struct Args {
     /// Simulated nodes (min_nodes = max_nodes = N).
     #[arg(long)]
     nodes: u32,
+    /// How many of them this process runs (default: all). Each node has a listener of its
+    /// own besides its connection, so 10,000 take several processes here: each is given the
+    /// same --run-id and --start-at, and prints when its last node had its rank.
+    #[arg(long)]
+    here: Option<u32>,
+    /// The rendezvous run ID (default: one of this process's own).
+    #[arg(long)]
+    run_id: Option<String>,
+    /// When the nodes join, in seconds since the Unix epoch (default: once they are made).
+    #[arg(long)]
+    start_at: Option<f64>,
     /// Use this store instead of an in-process elastix server.
     #[arg(long)]
     endpoint: Option<String>,
@@ -31,9 +47,12 @@ struct Args {
     /// each, to tell the cost of the protocol from that of opening thousands of connections.
     #[arg(long)]
     shared_client: bool,
-    /// Worker threads of the nodes' runtime.
+    /// Worker threads of the nodes' runtime (1: a current-thread runtime).
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// Each node disconnects as soon as it has its rank (see above).
+    #[arg(long)]
+    leave_after_rank: bool,
     /// With a job secret: the store requires it and every connection proves it.
     #[arg(long)]
     secret: bool,
@@ -46,14 +65,31 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
+    if let Ok(level) = std::env::var("RUST_LOG") {
+        elastix_core::logging::init_stderr(&level).expect("RUST_LOG");
+    }
     // handed to the store and to every client
     let secret = args.secret.then(|| Secret::from_bytes("elastix-rdzv-bench's job secret").expect("a secret"));
-    let runtime =
-        tokio::runtime::Builder::new_multi_thread().worker_threads(args.threads).enable_all().build().expect("runtime");
+    let mut builder = match args.threads {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        threads => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(threads);
+            builder
+        }
+    };
+    let runtime = builder.enable_all().build().expect("runtime");
+    let round = Round {
+        nodes: args.nodes,
+        here: args.here.unwrap_or(args.nodes),
+        run_id: args.run_id.clone().unwrap_or_else(|| format!("bench-{}-{}", args.nodes, std::process::id())),
+        start_at: args.start_at,
+        leave_after_rank: args.leave_after_rank,
+    };
     if let Some(endpoints) = &args.etcd {
-        let (seconds, requests) = runtime.block_on(etcd_round(args.nodes, endpoints, args.shared_client));
-        let per_node = requests as f64 / f64::from(args.nodes);
-        println!(r#"{{"nodes": {}, "seconds": {seconds:.4}, "requests_per_node": {per_node:.2}}}"#, args.nodes);
+        let (timing, requests) = runtime.block_on(etcd_round(&round, endpoints, args.shared_client));
+        let per_node = requests as f64 / f64::from(round.here);
+        println!(r#"{{"nodes": {}, {timing}, "requests_per_node": {per_node:.2}}}"#, args.nodes);
         return;
     }
     let server = match args.endpoint {
@@ -76,11 +112,10 @@ fn main() {
         println!(r#"{{"connects": {count}, "median_us": {median:.1}, "p90_us": {p90:.1}}}"#);
         return;
     }
-    let run_id = format!("bench-{}-{}", args.nodes, std::process::id());
-    let seconds = runtime.block_on(async {
-        let prefix = run_prefix(&run_id);
-        let settings = settings(&run_id, args.nodes);
-        let nodes = (0..args.nodes).map(|_| {
+    let timing = runtime.block_on(async {
+        let prefix = run_prefix(&round.run_id);
+        let settings = settings(&round.run_id, args.nodes);
+        let nodes = (0..round.here).map(|_| {
             let options = ConnectOptions {
                 secret: secret.clone(),
                 ..ConnectOptions::new(host.clone(), port, Some(Duration::from_secs(60)))
@@ -88,9 +123,35 @@ fn main() {
             let store = TcpRendezvousStore::new(options, prefix.clone(), Duration::from_secs(60));
             DynamicRendezvous::new(store, settings.clone(), prefix.clone()).expect("handler")
         });
-        one_round(args.nodes, nodes.collect()).await
+        round.run(nodes.collect()).await
     });
-    println!(r#"{{"nodes": {}, "seconds": {seconds:.4}}}"#, args.nodes);
+    println!(r#"{{"nodes": {}, {timing}}}"#, args.nodes);
+}
+
+/// One round, as this process takes part in it.
+struct Round {
+    nodes: u32,
+    here: u32,
+    run_id: String,
+    start_at: Option<f64>,
+    leave_after_rank: bool,
+}
+
+impl Round {
+    /// Every node here joins at the start; the figures, as JSON fields: seconds from the
+    /// start until the last of them had its rank, and that moment in Unix seconds.
+    async fn run<N: Node>(&self, handlers: Vec<N>) -> String {
+        if let Some(start_at) = self.start_at {
+            let until = Duration::from_secs_f64((start_at - unix_now()).max(0.0));
+            tokio::time::sleep(until).await;
+        }
+        let seconds = one_round(self.nodes, handlers, self.leave_after_rank).await;
+        format!(r#""seconds": {seconds:.4}, "finished_at": {:.4}"#, unix_now())
+    }
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_secs_f64()
 }
 
 fn settings(run_id: &str, nodes: u32) -> RendezvousSettings {
@@ -104,6 +165,10 @@ fn settings(run_id: &str, nodes: u32) -> RendezvousSettings {
 trait Node: Send + 'static {
     fn join(&mut self) -> impl std::future::Future<Output = Result<RendezvousInfo, RendezvousError>> + Send;
     fn stop(&mut self);
+    /// Stops and closes every connection.
+    fn leave(&mut self) {
+        self.stop();
+    }
 }
 
 impl<S: RendezvousStore> Node for DynamicRendezvous<S> {
@@ -112,6 +177,9 @@ impl<S: RendezvousStore> Node for DynamicRendezvous<S> {
     }
     fn stop(&mut self) {
         self.shutdown();
+    }
+    fn leave(&mut self) {
+        self.disconnect();
     }
 }
 
@@ -125,13 +193,16 @@ impl Node for EtcdRendezvous {
 }
 
 /// Every node joins one round at once; seconds until the last has its rank.
-async fn one_round<N: Node>(nodes: u32, handlers: Vec<N>) -> f64 {
+async fn one_round<N: Node>(nodes: u32, handlers: Vec<N>, leave_after_rank: bool) -> f64 {
     let start = Instant::now();
     let tasks: Vec<_> = handlers
         .into_iter()
         .map(|mut node| {
             tokio::spawn(async move {
                 let info = node.join().await.expect("rendezvous");
+                if leave_after_rank {
+                    node.leave();
+                }
                 (node, info)
             })
         })
@@ -143,7 +214,8 @@ async fn one_round<N: Node>(nodes: u32, handlers: Vec<N>) -> f64 {
     let elapsed = start.elapsed().as_secs_f64();
     let mut ranks: Vec<u32> = joined.iter().map(|(_, info)| info.rank).collect();
     ranks.sort();
-    assert_eq!(ranks, (0..nodes).collect::<Vec<_>>(), "every node has a distinct rank");
+    ranks.dedup();
+    assert!(ranks.len() == joined.len() && ranks.iter().all(|rank| *rank < nodes), "every node has a distinct rank");
     for (node, _) in &mut joined {
         node.stop();
     }
@@ -165,23 +237,22 @@ async fn connects(host: &str, port: u16, count: u32, secret: Option<Secret>) -> 
 }
 
 /// One round on etcd, and the etcd requests it took.
-async fn etcd_round(nodes: u32, endpoints: &str, shared_client: bool) -> (f64, u64) {
-    let run_id = format!("bench-{nodes}-{}", std::process::id());
-    let prefix = format!("/elastix/rdzv/{run_id}/");
+async fn etcd_round(round: &Round, endpoints: &str, shared_client: bool) -> (String, u64) {
+    let prefix = format!("/elastix/rdzv/{}/", round.run_id);
     let options = EtcdOptions {
         endpoints: endpoints.split(',').map(str::to_owned).collect(),
         tls: None,
         patience: Duration::from_secs(30),
     };
     let shared = EtcdClient::new(&options).expect("etcd client");
-    let settings = settings(&run_id, nodes);
-    let handlers = (0..nodes)
+    let settings = settings(&round.run_id, round.nodes);
+    let handlers = (0..round.here)
         .map(|_| {
             let client = if shared_client { shared.clone() } else { EtcdClient::new(&options).expect("etcd client") };
             EtcdRendezvous::new(client, settings.clone(), prefix.clone()).expect("handler")
         })
         .collect();
     let before = elastix_etcd::requests_sent();
-    let seconds = one_round(nodes, handlers).await;
-    (seconds, elastix_etcd::requests_sent() - before)
+    let timing = round.run(handlers).await;
+    (timing, elastix_etcd::requests_sent() - before)
 }
