@@ -252,6 +252,23 @@ def test_constructor_argument_errors():
     assert negative.num_keys() == 0  # -1 means "no world size"
 
 
+def test_address_in_use_names_the_process_holding_the_port():
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import socket, sys, time\ns = socket.create_server(('0.0.0.0', 0))\n"
+         "print(s.getsockname()[1], flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        port = int(holder.stdout.readline())
+        with pytest.raises(elastix.DistNetworkError) as error:
+            elastix.TCPStore("127.0.0.1", port, is_master=True)
+        said = str(error.value)
+        assert f"; it is held by pid {holder.pid} ({sys.executable} -c import socket" in said, said
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_address_in_use_multitenancy_and_the_agent_store(master, monkeypatch):
     with pytest.raises(
         elastix.DistNetworkError, match=rf"^The server socket has failed to listen on any local .*{master.port}"

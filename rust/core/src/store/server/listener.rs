@@ -86,11 +86,17 @@ pub fn bind(host: Option<&str>, port: u16) -> io::Result<TcpListener> {
             }
         }
     }
+    // a port in use is no mystery: say who holds it, where this process can tell
+    let holder = (last_kind == io::ErrorKind::AddrInUse && port != 0)
+        .then(|| super::port_holder::describe_holder(port))
+        .flatten()
+        .map(|holder| format!("; it is held by {holder}"))
+        .unwrap_or_default();
     Err(io::Error::new(
         last_kind,
         format!(
             // torch's wording, which users' code may match on
-            "The server socket has failed to listen on any local network address (port {port}; tried {})",
+            "The server socket has failed to listen on any local network address (port {port}; tried {}){holder}",
             failures.join("; ")
         ),
     ))

@@ -7,6 +7,7 @@ mod acceptor;
 mod admission;
 mod connection;
 pub mod listener;
+pub mod port_holder;
 mod shutdown;
 
 use std::io;
