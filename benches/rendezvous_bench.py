@@ -59,29 +59,34 @@ print(max(finished), flush=True)
 
 
 # Each simulated node holds a presence listener besides its store connection: 5,000 nodes
-# are 10,000 descriptors, half this machine's open-file limit for one process.
-NODES_PER_PROCESS = 5000
+# are 10,000 descriptors, half this machine's open-file limit for one process. An etcd client
+# of its own holds a connection to each of the 3 members.
+NODES_PER_PROCESS = {"c10d": 5000, "etcd": 2500}
 
 
 def elastix_bench(nodes: int, *extra: str) -> dict:
     """One round of `nodes` nodes, split over processes of at most NODES_PER_PROCESS that all
     join at one agreed moment; against an elastix-store process of its own (c10d) unless
-    `extra` names an etcd cluster. Each node leaves once it has its rank (see
+    `extra` names an etcd cluster. On c10d each node leaves once it has its rank (see
     benches/rendezvous/src/main.rs): members' heartbeat and watcher connections (3 per node)
-    would take 10,000 nodes past the store's open-file limit, and are no part of the round."""
+    would take 10,000 nodes past the store's open-file limit, and are no part of the round.
+    On etcd they stay (a node that leaves revokes its lease, which the others would see as a
+    departure), each process on a runtime of 2 threads."""
     # always: a stale binary would measure old code (cargo does nothing when it is current)
     build = ["cargo", "build", "--release", "-q", "-p", "elastix-rdzv-bench", "-p", "elastix-store"]
     subprocess.run(build, cwd=REPO, check=True)
     children = Children()
     try:
-        if "--etcd" not in extra:
+        backend = "etcd" if "--etcd" in extra else "c10d"
+        if backend == "c10d":
             store = children.start([STORE, "--host", "127.0.0.1", "--port", "0", "--log-level", "warn"])
             port = int(first_line(children, store, "elastix-store", 30).rsplit(":", 1)[1])
-            extra = ("--endpoint", f"127.0.0.1:{port}", *extra)
-        counts = [NODES_PER_PROCESS] * (nodes // NODES_PER_PROCESS) + [nodes % NODES_PER_PROCESS]
+            extra = ("--endpoint", f"127.0.0.1:{port}", "--threads", "1", "--leave-after-rank", *extra)
+        per_process = NODES_PER_PROCESS[backend]
+        counts = [per_process] * (nodes // per_process) + [nodes % per_process]
         start_at = time.time() + 1.0 + nodes / 2000  # every handler is made before the start
         common = ["--nodes", str(nodes), "--run-id", f"bench-{nodes}-{os.getpid()}", "--start-at", str(start_at)]
-        common += ["--threads", "1", "--leave-after-rank", *extra]
+        common += list(extra)
         procs = [children.start([BENCH, *common, "--here", str(here)]) for here in counts if here]
         results = []
         for proc in procs:

@@ -240,14 +240,20 @@ impl EtcdClient {
     }
 }
 
-/// Failures that pass: a member down or unreachable, an election under way, a timeout.
+/// Failures that pass: a member down or unreachable, an election under way, a timeout, or a
+/// member shedding load ("too many requests": its applying lags its commits by thousands of
+/// entries, as when 10,000 nodes join one round at once).
 pub(crate) fn passes(status: &Status) -> bool {
+    let message = status.message();
     match status.code() {
         Code::Unavailable | Code::DeadlineExceeded | Code::Aborted | Code::Cancelled => true,
-        // etcd reports a lost leader or a slow commit this way
+        Code::ResourceExhausted => message.contains("too many requests"),
+        // etcd reports a lost leader, a slow commit or its load this way
         Code::Unknown => {
-            let message = status.message();
-            message.contains("leader") || message.contains("timed out") || message.contains("transport")
+            message.contains("leader")
+                || message.contains("timed out")
+                || message.contains("transport")
+                || message.contains("too many requests")
         }
         _ => false,
     }
@@ -294,6 +300,14 @@ pub fn put_op(key: &[u8], value: &[u8]) -> RequestOp {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_overloaded_member_is_retried_but_a_request_too_large_is_not() {
+        assert!(passes(&Status::unknown("etcdserver: too many requests")));
+        assert!(passes(&Status::resource_exhausted("etcdserver: too many requests")));
+        assert!(!passes(&Status::resource_exhausted("grpc: received message larger than max")));
+        assert!(!passes(&Status::invalid_argument("etcdserver: too many operations in txn request")));
+    }
 
     #[test]
     fn a_lease_etcd_has_forgotten_is_told_from_other_refusals() {
