@@ -25,6 +25,7 @@ pub const DYNAMIC_KEYS: &[(&str, &str)] = &[
     ("read_timeout", "store operation timeout (default 60s)"),
     ("store_type", "tcp (default) or file"),
     ("is_host", "host the store in this agent (default: if the endpoint is this machine)"),
+    ("node_order", "where this node ranks among the others (SLURM_NODEID under Slurm; default: by address)"),
     ("timeout", "accepted for torch compatibility; dynamic rendezvous uses join_timeout"),
     ("auth_token_file", "file holding the job secret, readable only by its owner (or ELASTIX_AUTH_TOKEN_FILE)"),
 ];

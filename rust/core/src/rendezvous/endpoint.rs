@@ -89,10 +89,12 @@ async fn resolve(host: &str) -> Vec<IpAddr> {
 const RESOLVE_PATIENCE: Duration = Duration::from_secs(10);
 
 /// Whether `host` names this machine: "localhost", a loopback address, this machine's host
-/// name, or an address of one of its interfaces (also after resolving `host`, through tokio's
-/// resolver so that a slow DNS server does not hold up the runtime).
+/// name (also as the first label of a longer name: a Kubernetes pod `job-0` is
+/// `job-0.service`, a name its own DNS record may not have yet), or an address of one of its
+/// interfaces (also after resolving `host`, through tokio's resolver so that a slow DNS
+/// server does not hold up the runtime).
 pub async fn is_this_machine(host: &str) -> bool {
-    if host.eq_ignore_ascii_case("localhost") || host.eq_ignore_ascii_case(&super::node::host_name()) {
+    if host.eq_ignore_ascii_case("localhost") || names_host(host, &super::node::host_name()) {
         return true;
     }
     let addrs: Vec<IpAddr> = match host.parse::<IpAddr>() {
@@ -113,6 +115,14 @@ pub async fn is_this_machine(host: &str) -> bool {
     };
     let local = local_addresses();
     addrs.iter().any(|ip| ip.is_loopback() || local.contains(ip))
+}
+
+/// Whether `host` is the host name `own`, or a longer name whose first label is it (not an
+/// address: 10.0.0.1 is not host "10").
+fn names_host(host: &str, own: &str) -> bool {
+    let short = |name: &str| name.split('.').next().unwrap_or_default().to_owned();
+    host.eq_ignore_ascii_case(own)
+        || (host.parse::<IpAddr>().is_err() && !own.is_empty() && short(host).eq_ignore_ascii_case(&short(own)))
 }
 
 fn local_addresses() -> Vec<IpAddr> {
@@ -163,6 +173,9 @@ mod tests {
     #[tokio::test]
     async fn matches_the_local_address() {
         assert!(is_local_addr("127.0.0.2", "127.0.0.2").await);
+        assert!(names_host("job-0.job", "job-0") && names_host("JOB-0", "job-0.cluster.local"));
+        assert!(names_host("n1.example", "n1.example") && !names_host("n10.job", "n1"));
+        assert!(!names_host("10.0.0.1", "10") && !names_host("job-1.job", "job-0"));
         assert!(is_local_addr("localhost", "127.0.0.1").await);
         assert!(!is_local_addr("127.0.0.2", "127.0.0.3").await);
     }

@@ -1,5 +1,6 @@
-//! A node's identity in the rendezvous: (address, pid, local id), ordered in that order, which
-//! makes ranks deterministic and stable while the same agents stay.
+//! A node's identity in the rendezvous: (order, address, pid, local id), ordered in that order,
+//! which makes ranks deterministic and stable while the same agents stay. The order is a
+//! scheduler's node index where one is given (`--rdzv-conf node_order`), else none.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -9,6 +10,9 @@ use super::error::{RendezvousError, Result};
 
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct NodeDesc {
+    /// Ranks before the address where given (nodes without one rank first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order: Option<u32>,
     pub addr: String,
     pub pid: u32,
     /// Distinguishes several handlers in one process.
@@ -23,6 +27,7 @@ impl NodeDesc {
     pub fn this_process(addr: Option<&str>) -> NodeDesc {
         static NEXT_LOCAL_ID: AtomicU32 = AtomicU32::new(0);
         NodeDesc {
+            order: None,
             addr: addr.map_or_else(host_name, str::to_owned),
             pid: std::process::id(),
             local_id: NEXT_LOCAL_ID.fetch_add(1, Ordering::Relaxed),
@@ -63,11 +68,25 @@ mod tests {
 
     #[test]
     fn nodes_order_by_address_then_pid_then_local_id() {
-        let node = |addr: &str, pid, local_id| NodeDesc { addr: addr.into(), pid, local_id, presence: None };
+        let node =
+            |addr: &str, pid, local_id| NodeDesc { order: None, addr: addr.into(), pid, local_id, presence: None };
         let mut nodes = [node("b", 1, 0), node("a", 9, 1), node("a", 9, 0), node("a", 10, 0)];
         nodes.sort();
         let order: Vec<String> = nodes.iter().map(ToString::to_string).collect();
         assert_eq!(order, ["a_9_0", "a_9_1", "a_10_0", "b_1_0"]);
+    }
+
+    #[test]
+    fn a_schedulers_order_comes_before_the_address() {
+        let node = |order, addr: &str| NodeDesc { order, addr: addr.into(), pid: 1, local_id: 0, presence: None };
+        let mut nodes = [node(Some(2), "n2"), node(Some(10), "n10"), node(Some(1), "n9"), node(None, "z")];
+        nodes.sort();
+        let addrs: Vec<&str> = nodes.iter().map(|node| node.addr.as_str()).collect();
+        assert_eq!(addrs, ["z", "n9", "n2", "n10"]);
+        let json = nodes[1].to_json();
+        assert_eq!(NodeDesc::from_json(&json).unwrap(), nodes[1]);
+        // a record written without an order (an older agent) still reads
+        assert_eq!(NodeDesc::from_json(br#"{"addr":"a","pid":1,"local_id":0}"#).unwrap().order, None);
     }
 
     #[test]

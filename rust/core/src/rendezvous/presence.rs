@@ -181,7 +181,7 @@ mod tests {
         drop(dead);
         tokio::task::yield_now().await;
         let (_silent, silent_port, _fillers) = silent_listener();
-        let node = |presence| NodeDesc { addr: "127.0.0.1".into(), pid: 1, local_id: 0, presence };
+        let node = |presence| NodeDesc { order: None, addr: "127.0.0.1".into(), pid: 1, local_id: 0, presence };
         let members = vec![
             (1, node(Some(alive.port()))),
             (2, node(Some(dead_port))),

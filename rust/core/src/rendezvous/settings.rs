@@ -35,6 +35,9 @@ pub struct RendezvousSettings {
     /// The job secret: every store connection proves it, and the stores this node serves
     /// require it.
     pub secret: Option<Secret>,
+    /// The first key of this node's rank order, before its address (a scheduler's node
+    /// index, so that group ranks follow it); `None` ranks before any number.
+    pub node_order: Option<u32>,
 }
 
 /// See [`RendezvousSettings::master_wait`].
@@ -64,6 +67,7 @@ impl RendezvousSettings {
             progress_interval: Self::DEFAULT_PROGRESS_INTERVAL,
             store_outage_limit: None,
             secret: None,
+            node_order: None,
         };
         settings.validate()?;
         Ok(settings)
@@ -77,6 +81,12 @@ impl RendezvousSettings {
         self.heartbeat_timeout = conf.duration("heartbeat_timeout", self.heartbeat_timeout)?;
         self.keep_alive_interval = conf.duration("keep_alive_interval", self.keep_alive_interval)?;
         self.keep_alive_max_attempt = conf.positive_int("keep_alive_max_attempt", self.keep_alive_max_attempt)?;
+        if let Some(order) = conf.int("node_order")? {
+            let order = u32::try_from(order).map_err(|_| {
+                RendezvousError::Config(format!("--rdzv-conf node_order must be 0 or more, got {order}"))
+            })?;
+            self.node_order = Some(order);
+        }
         self.validate()?;
         Ok(self)
     }
@@ -140,5 +150,17 @@ mod tests {
         assert!(RendezvousSettings::new("job", 0, 1).is_err());
         let err = RendezvousSettings::new("job", 3, 2).unwrap_err().to_string();
         assert!(err.contains("max_nodes (2) must be at least min_nodes (3)"), "{err}");
+    }
+
+    #[test]
+    fn node_order_is_a_number_of_zero_or_more() {
+        let with = |text| {
+            RendezvousSettings::new("job", 1, 2).unwrap().with_conf(&RendezvousConf::parse(text, DYNAMIC_KEYS).unwrap())
+        };
+        assert_eq!(with("node_order=0").unwrap().node_order, Some(0));
+        assert_eq!(with("").unwrap().node_order, None);
+        let err = with("node_order=-1").unwrap_err().to_string();
+        assert!(err.contains("node_order must be 0 or more"), "{err}");
+        assert!(with("node_order=first").is_err());
     }
 }

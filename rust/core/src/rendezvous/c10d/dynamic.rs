@@ -92,6 +92,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     pub fn new(store: S, settings: RendezvousSettings, store_prefix: String) -> Result<Self> {
         settings.validate()?;
         let mut node = NodeDesc::this_process(settings.local_addr.as_deref());
+        node.order = settings.node_order;
         let presence = Presence::start();
         node.presence = presence.as_ref().map(Presence::port);
         Ok(DynamicRendezvous {
@@ -881,7 +882,7 @@ mod tests {
 
     #[test]
     fn only_events_about_this_round_or_later_matter() {
-        let node = NodeDesc { addr: "a".into(), pid: 1, local_id: 0, presence: None };
+        let node = NodeDesc { order: None, addr: "a".into(), pid: 1, local_id: 0, presence: None };
         assert_eq!(relevance(&Event::Opened { v: 1, round: 3 }, 3), None);
         assert_eq!(
             relevance(&Event::Opened { v: 1, round: 4 }, 3),

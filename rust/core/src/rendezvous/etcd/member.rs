@@ -327,7 +327,7 @@ mod tests {
     #[test]
     fn a_member_that_vanishes_is_lost_and_one_that_went_on_restarted() {
         let keys = EtcdKeys::new("/p/".into());
-        let node = NodeDesc { addr: "b".into(), pid: 7, local_id: 0, presence: None };
+        let node = NodeDesc { order: None, addr: "b".into(), pid: 7, local_id: 0, presence: None };
         let lost = read_events(&keys, 4, "me", 100, &[delete(keys.member(4, "b"), 20, Some(node.clone()))]);
         assert_eq!(lost, vec![Seen::Lost { created: 20, node: Some(node) }]);
         let moved = [delete(keys.member(4, "c"), 21, None), put(keys.member(5, "c"), b"{}")];
