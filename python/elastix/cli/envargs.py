@@ -31,6 +31,13 @@ def source_of(namespace: argparse.Namespace, dest: str) -> str:
     return getattr(namespace, SOURCES, {}).get(dest, "default")
 
 
+def set_from(namespace: argparse.Namespace, dest: str, value: Any, source: str) -> None:
+    """Sets a flag's value from somewhere other than the command line or its variables (a
+    scheduler's environment), and says where: it counts as given from then on."""
+    setattr(namespace, dest, value)
+    _mark(namespace, dest, source)
+
+
 class _EnvMixin:
     def env_names(self) -> List[str]:
         name = self.dest.upper()  # type: ignore[attr-defined]

@@ -14,6 +14,7 @@ from ..agent import config as agent_config
 from ..agent.logs_specs import masks_per_rank, parse_ranks_filter, translate_torch_prefix
 from ..agent.nproc import resolve_nproc
 from ..agent.numa import agent_binding
+from . import scheduler_flags
 from .envargs import source_of
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -30,6 +31,9 @@ OMP_BANNER = (
 def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = agent_config.warn) -> Dict[str, Any]:
     """The AgentConfig dict for parsed ``elastix run`` flags; ValueError on bad input."""
     _refuse_unimplemented(args)
+    derived = scheduler_flags.derive(args, os.environ, warn)
+    if derived:
+        LOGGER.info("%s", derived)
     given = lambda dest: source_of(args, dest) != "default"  # noqa: E731
     on_cli = lambda dest: source_of(args, dest) == "cli"  # noqa: E731
 

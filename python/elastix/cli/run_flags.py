@@ -27,6 +27,11 @@ environment:
   TORCH_ELASTIC_SHUTDOWN_TIMEOUT, TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT,
   TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE.
 
+schedulers:
+  Under srun (one task per node) the rendezvous flags not given come from Slurm's environment
+  (nodes, endpoint, run ID, port, node order, SIGUSR1/SIGUSR2 handled); in a Kubernetes Indexed
+  Job group ranks follow JOB_COMPLETION_INDEX. One INFO line says what was derived.
+
 differences from torchrun:
   --max-restarts is one budget for the whole job, not per node; a failed worker is restarted
   without polling (--monitor-interval is accepted but nothing waits on it); unknown
