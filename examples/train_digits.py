@@ -21,6 +21,11 @@ with ``--resume``; without it the run stops before training (exit status 2) and 
 alone, so an earlier run is neither continued nor overwritten by accident. torchrun's default
 run ID ``none`` names no job: give such a job an ``--rdzv-id``, or ``--resume``.
 
+Preemption: SIGUSR1 or SIGUSR2 (what Slurm sends before a job's time limit with
+``--signal=USR1@120``, forwarded by ``elastix run`` too) ends the run at the next step that
+every rank reaches: rank 0 writes a checkpoint there and the workers exit, to resume when the
+job is requeued (see examples/slurm/train_digits.sbatch).
+
 Data: scikit-learn's bundled digits (1797 images, no download) when scikit-learn is
 installed (``pip install 'elastix[examples]'``), else a built-in generator of 8x8 digit
 images (glyphs with random shifts, thickness and noise), so the example runs anywhere.
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -265,6 +271,11 @@ def main(argv=None) -> int:
             flush=True,
         )
 
+    preempted = []  # the signals that asked this rank to stop
+    for number in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, lambda signum, _frame: preempted.append(signum))
+    stop = np.zeros(1)
+
     grad = np.zeros_like(params)
     stats = np.zeros(2)  # loss sum, samples
     for step in range(start, total):
@@ -290,8 +301,20 @@ def main(argv=None) -> int:
                     flush=True,
                 )
             stats[:] = 0
-        if args.checkpoint and rank == 0 and ((step + 1) % args.checkpoint_every == 0 or step + 1 == total):
+        # every rank stops at the same step: one asked to stop tells the others
+        stop[0] = 1.0 if preempted else 0.0
+        if ec is not None:
+            ec.all_reduce(stop, ec.ReduceOp.MAX)
+        due = (step + 1) % args.checkpoint_every == 0 or step + 1 == total
+        if args.checkpoint and rank == 0 and (due or stop[0]):
             save(args.checkpoint, step + 1, params, velocity, world, config)
+        if stop[0]:
+            if rank == 0:
+                where = f"checkpoint written to {args.checkpoint}" if args.checkpoint else "no --checkpoint to write"
+                print(f"preempted at step {step + 1} of {total}: {where}", flush=True)
+            if ec is not None:
+                ec.destroy_process_group()
+            return 0
         if args.step_delay:
             time.sleep(args.step_delay)
 
