@@ -2,7 +2,7 @@
 //! in a temporary directory, killed and removed when dropped. Needs `etcd` on PATH (Debian's
 //! etcd-server, which `.ci/run` installs).
 
-use std::net::TcpListener;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -12,6 +12,8 @@ use crate::client::{EtcdClient, EtcdOptions};
 pub struct LocalEtcd {
     child: Child,
     data: PathBuf,
+    /// Its ports, held for its life (etcd binds with SO_REUSEADDR: a restart finds them free).
+    _ports: [socket2::Socket; 2],
     endpoint: String,
 }
 
@@ -23,8 +25,11 @@ impl LocalEtcd {
             eprintln!("etcd is not installed (Debian: etcd-server): skipping");
             return None;
         }
-        let port = || TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let (client, peer) = (port(), port());
+        // held (bound, not listening, SO_REUSEADDR) until etcd listens on them: a port probed
+        // and let go could be taken meanwhile, or probed twice, by an etcd of another test
+        let holders = [held_port(), held_port()];
+        let port = |holder: &socket2::Socket| holder.local_addr().unwrap().as_socket().unwrap().port();
+        let (client, peer) = (port(&holders[0]), port(&holders[1]));
         let data = std::env::temp_dir().join(format!("elastix-etcd-test-{}-{client}", std::process::id()));
         let child = Command::new("etcd")
             .args(["--name", "solo", "--data-dir"])
@@ -38,7 +43,7 @@ impl LocalEtcd {
             .stderr(Stdio::null())
             .spawn()
             .expect("start etcd");
-        Some(LocalEtcd { child, data, endpoint: format!("127.0.0.1:{client}") })
+        Some(LocalEtcd { child, data, endpoint: format!("127.0.0.1:{client}"), _ports: holders })
     }
 
     pub fn endpoint(&self) -> &str {
@@ -59,4 +64,13 @@ impl Drop for LocalEtcd {
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.data);
     }
+}
+
+/// A port of 127.0.0.1 the kernel picked, bound with SO_REUSEADDR and not listening: no one
+/// else can take it, and etcd (Go sets SO_REUSEADDR) can listen on it.
+fn held_port() -> socket2::Socket {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("a socket");
+    socket.set_reuse_address(true).expect("SO_REUSEADDR");
+    socket.bind(&SocketAddr::from((Ipv4Addr::LOCALHOST, 0)).into()).expect("a free port of 127.0.0.1");
+    socket
 }
