@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, BytesMut};
-use tokio::io::{AsyncWriteExt, Interest};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -120,7 +120,9 @@ impl Connection {
                 _ = &mut stop => return Ok(()),
                 Some(()) = self.session.woken.recv() => self.session.write_buf.put_u8(STOP_WAITING),
                 timeout = idle => return Err(CloseReason::Idle(timeout)),
-                read = read_arrived(&self.stream, &mut self.read_buf) => {
+                // tokio clears the readiness itself after a read that left room unused: the
+                // socket is drained, and no read that would return EAGAIN follows
+                read = self.stream.read_buf(&mut self.read_buf) => {
                     let read = read?;
                     if read == 0 {
                         return match self.read_buf.len() {
@@ -202,31 +204,6 @@ impl Connection {
             self.needed = 1;
         }
         Ok(())
-    }
-}
-
-/// Reads what has arrived (0: the peer closed). A read that leaves room unused has drained
-/// the socket, so it clears the readiness itself: otherwise the next read would be a syscall
-/// that only returns EAGAIN, one in three of a request's. A wake-up that came in meanwhile is
-/// kept (tokio clears only the readiness this read saw). Cancel safe.
-async fn read_arrived(stream: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
-    loop {
-        stream.readable().await?;
-        let mut drained = None;
-        let result = stream.try_io(Interest::READABLE, || {
-            let room = buf.capacity() - buf.len();
-            let read = stream.try_read_buf(buf)?;
-            if read > 0 && read < room {
-                drained = Some(read);
-                return Err(io::ErrorKind::WouldBlock.into());
-            }
-            Ok(read)
-        });
-        match (result, drained) {
-            (_, Some(read)) => return Ok(read),
-            (Err(err), None) if err.kind() == io::ErrorKind::WouldBlock => continue,
-            (result, None) => return result,
-        }
     }
 }
 
