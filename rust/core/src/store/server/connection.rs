@@ -162,7 +162,7 @@ impl Connection {
 
     /// Makes room for the next read; returns how much it offers.
     fn reserve_for_next_read(&mut self) -> usize {
-        if self.read_buf.is_empty() && self.read_buf.capacity() > 4 * self.read_size.max(MIN_READ) {
+        if self.read_buf.is_empty() && self.read_buf.capacity() > 4 * self.read_size {
             self.read_buf = BytesMut::new(); // release a large request's buffer
         }
         let want = self.needed.saturating_sub(self.read_buf.len()).max(self.read_size);
