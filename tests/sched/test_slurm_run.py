@@ -2,12 +2,15 @@
 with its own slurmd): `srun -N 2 elastix run --nproc-per-node 2 worker.py` with no rendezvous
 flag forms one job of 4 ranks across the hosts, whose workers all-reduce; and a preemption
 signal sent with `scancel --signal=USR1` reaches every worker, which checkpoints, and the job
-ends with the status of an interrupted one (128 + 10), not of a failure (1)."""
+ends with the status of an interrupted one (128 + 10), not of a failure (1); the example batch
+script then requeues itself and the requeued job resumes from the checkpoint; an elastic job
+re-forms without a host that died."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -171,4 +174,33 @@ def test_an_elastic_job_re_forms_without_a_host_that_died(slurm, marker, tmp_pat
             step.wait()
         slurm.cancel_all(timeout=60)
         slurm.wait_idle(timeout=60)
+    assert_nothing_left(marker)
+
+
+def test_the_batch_script_requeues_a_preempted_job_which_resumes(slurm, marker, tmp_path):
+    # examples/slurm/train_digits.sbatch as written (its steps slowed down), submitted with sbatch
+    script = Path(REPO, "examples", "slurm", "train_digits.sbatch").read_text()
+    slowed = tmp_path / "job.sbatch"
+    slowed.write_text(script.replace("--checkpoint-every 20", "--checkpoint-every 20 --step-delay 0.02"))
+    env = {"ELASTIX_TEST_MARKER": marker, "HOME": str(tmp_path)}
+    submitted = slurm.run("sbatch", "--output", str(tmp_path / "job.out"), str(slowed), env=env, cwd=REPO)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.split()[-1]
+    out = tmp_path / "job.out"
+    text = lambda: out.read_text() if out.exists() else ""  # noqa: E731
+    try:
+        wait_for(lambda: "epoch 1:" in text(), 60, "the first epoch")
+        assert slurm.run("scancel", "--signal=USR1", job).returncode == 0
+        # requeued: Slurm holds it back for a while (BeginTime); the test starts it now
+        wait_for(lambda: "(BeginTime)" in slurm.run("squeue", "-h", "-j", job).stdout, 60, "the job requeued")
+        assert slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now").returncode == 0
+        wait_for(lambda: not slurm.jobs(), 120, "the requeued job to finish")
+    finally:
+        slurm.cancel_all()
+    said = text()
+    stopped_at = said.split("preempted at step ")[1].split()[0]
+    assert f"preempted: requeueing job {job}" in said, said
+    checkpoint = tmp_path / f"digits-{job}.npz"
+    assert f"resuming from {checkpoint} at step {stopped_at} (written by this job, run ID slurm-{job}.0" in said, said
+    assert "final test accuracy" in said, said
     assert_nothing_left(marker)
