@@ -51,6 +51,11 @@ def test_flags_given_win_and_min_max_stays_elastic():
     assert said == "under Slurm job 4242 step 0: nothing to derive"
 
 
+def test_preemption_signals_left_out_on_purpose_are_warned_about():
+    _, _, warnings = derived(["--signals-to-handle", "SIGTERM,usr1"], SLURM)
+    assert len(warnings) == 1 and "leaves out SIGUSR2" in warnings[0], warnings
+
+
 @pytest.mark.parametrize("endpoint", ["head", "head:0"])
 def test_an_endpoint_without_a_port_gets_the_jobs(endpoint):
     args, said, _ = derived(["--rdzv-endpoint", endpoint], SLURM)

@@ -55,9 +55,15 @@ def _from_slurm(args: argparse.Namespace, step: SlurmStep, warn: Callable[[str],
             derived("rdzv_endpoint", f"{host}:{step.port}", "the port from the job ID")
         if step.node_id is not None and _add_node_order(args, step.node_id, "SLURM_NODEID"):
             said.append(f"node order {step.node_id} (SLURM_NODEID), so group ranks follow it")
+    handled = [name.strip().upper() for name in args.signals_to_handle.split(",")]
+    unhandled = [name for name in SLURM_SIGNALS if name not in handled and name[3:] not in handled]
     if not _given(args, "signals_to_handle"):
-        wanted = [name for name in SLURM_SIGNALS if name not in args.signals_to_handle.split(",")]
-        derived("signals_to_handle", ",".join([args.signals_to_handle, *wanted]), "Slurm's preemption signals")
+        derived("signals_to_handle", ",".join([args.signals_to_handle, *unhandled]), "Slurm's preemption signals")
+    elif unhandled:
+        warn(
+            f"--signals-to-handle {args.signals_to_handle} leaves out {', '.join(unhandled)}: a Slurm preemption "
+            "warning (sbatch --signal) with one of them ends this agent at once, its workers unwarned"
+        )
     if step.num_tasks is not None and step.num_tasks != step.num_nodes:
         warn(
             f"Slurm step {step.run_id} runs {step.num_tasks} tasks on {step.num_nodes} node(s): elastix run is one "
