@@ -15,6 +15,7 @@ use clap::Parser;
 use elastix_core::auth::{PlainClients, Secret};
 use elastix_core::rendezvous::c10d::keys::run_prefix;
 use elastix_core::rendezvous::etcd::EtcdRendezvous;
+use elastix_core::rendezvous::records::now_ms;
 use elastix_core::rendezvous::store::{RendezvousStore, TcpRendezvousStore};
 use elastix_core::rendezvous::{DynamicRendezvous, RendezvousError, RendezvousInfo, RendezvousSettings};
 use elastix_core::store::{BackgroundServer, Client, ConnectOptions, ServerConfig};
@@ -151,7 +152,7 @@ impl Round {
 }
 
 fn unix_now() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_secs_f64()
+    now_ms() as f64 / 1000.0
 }
 
 fn settings(run_id: &str, nodes: u32) -> RendezvousSettings {

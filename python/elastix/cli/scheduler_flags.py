@@ -6,8 +6,9 @@ PET_* variables (the PyTorchJob operator's) always win."""
 from __future__ import annotations
 
 import argparse
-from typing import Callable, List, Mapping, Optional
+from typing import Callable, List, Mapping, Optional, Tuple
 
+from ..agent.signals import parse_signals
 from ..schedulers.kubernetes import INDEX_VARIABLE, completion_index
 from ..schedulers.slurm import SlurmStep
 from .envargs import set_from, source_of
@@ -50,13 +51,14 @@ def _from_slurm(args: argparse.Namespace, step: SlurmStep, warn: Callable[[str],
         if not _given(args, "rdzv_endpoint"):
             where = f"the first host of {step.nodelist_from}={step.nodelist}; the port from the job ID"
             derived("rdzv_endpoint", f"{step.first_host}:{step.port}", where)
-        elif "," not in endpoint and _port_of(endpoint) in (None, "0"):
-            host = endpoint.rsplit(":", 1)[0] if _port_of(endpoint) else endpoint
-            derived("rdzv_endpoint", f"{host}:{step.port}", "the port from the job ID")
+        elif "," not in endpoint:
+            host, port = _split_endpoint(endpoint)
+            if port in (None, "0"):
+                derived("rdzv_endpoint", f"{host}:{step.port}", "the port from the job ID")
         if step.node_id is not None and _add_node_order(args, step.node_id, "SLURM_NODEID"):
             said.append(f"node order {step.node_id} (SLURM_NODEID), so group ranks follow it")
-    handled = [name.strip().upper() for name in args.signals_to_handle.split(",")]
-    unhandled = [name for name in SLURM_SIGNALS if name not in handled and name[3:] not in handled]
+    handled = parse_signals(args.signals_to_handle)
+    unhandled = [name for name in SLURM_SIGNALS if name not in handled]
     if not _given(args, "signals_to_handle"):
         derived("signals_to_handle", ",".join([args.signals_to_handle, *unhandled]), "Slurm's preemption signals")
     elif unhandled:
@@ -92,6 +94,7 @@ def _add_node_order(args: argparse.Namespace, order: int, source: str) -> bool:
     return True
 
 
-def _port_of(endpoint: str) -> Optional[str]:
+def _split_endpoint(endpoint: str) -> Tuple[str, Optional[str]]:
+    """(host, port or None): `host`, `host:port`, `[v6]:port`."""
     host, sep, port = endpoint.rpartition(":")
-    return port if sep and host and "]" not in port else None
+    return (host, port) if sep and host and "]" not in port else (endpoint, None)

@@ -108,13 +108,11 @@ impl C10dRendezvous {
                     servers.push(server);
                 }
                 // another agent on this machine got there first: use its store
+                // (the error names the port's holder where it can be told)
                 Err(err) if explicit.is_none() && err.kind() == io::ErrorKind::AddrInUse => {
-                    let holder = crate::store::server::port_holder::describe_holder(site.1)
-                        .map(|holder| format!(" (by {holder})"))
-                        .unwrap_or_default();
                     tracing::info!(
-                        "port {} is taken on this machine{holder}: using the rendezvous store served there, not \
-                         hosting one",
+                        "port {} is taken on this machine: using the rendezvous store served there, not hosting one \
+                         ({err})",
                         site.1
                     );
                 }
