@@ -135,7 +135,9 @@ class SlurmCluster:
             "SlurmdUser": "root",
             "AuthType": "auth/munge",
             "CredType": "cred/munge",
-            "AuthInfo": f"socket={self.munge_socket}",
+            # a requeued job waits cred_expire + 1 s before it may start again (slurmd rejects
+            # the job's revoked credential until then): 6 s here, where Slurm's default is 121 s
+            "AuthInfo": f"socket={self.munge_socket},cred_expire=5",
             "StateSaveLocation": self._path("state"),
             "SlurmdSpoolDir": self._path("spool", "%n"),
             "SlurmctldPidFile": self._path("slurmctld.pid"),
@@ -162,6 +164,9 @@ class SlurmCluster:
             "SlurmdTimeout": "10",
             "KillWait": "2",
             "InactiveLimit": "0",
+            # pending jobs whose start time comes (a requeued one) are looked at every second
+            # rather than every minute
+            "SchedulerParameters": "sched_interval=1",
             **overrides,
         }
         lines = [f"{key}={value}" for key, value in settings.items()]
