@@ -27,6 +27,7 @@ def test_a_run_with_one_failure_and_one_restart_logs_its_events_in_order(tmp_pat
     assert (stopped["round"], stopped["why"], events[7]["why"]) == (0, "failed", "succeeded")
     assert events[1]["round"] == 0 and events[6]["round"] == 1
     assert (failed["global_rank"], failed["exitcode"], failed["hung"]) == (0, 1, None)
+    assert failed["headline"].startswith("rank 0 (host ") and ") exited with 1" in failed["headline"]
     assert (restart["restart_count"], restart["max_restarts"], restart["reason"]) == (1, 1, "worker failure")
     assert (finished["state"], finished["exit_code"]) == ("SUCCEEDED", 0)
     assert events[5]["restart_count"] == 1

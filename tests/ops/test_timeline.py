@@ -42,9 +42,10 @@ def node0(run_id="job7", at=0.0):
         e("round_formed", 0.0, round=0, group_rank=0, group_world_size=2, restart_count=0),
         e("workers_started", 0.1, round=0, global_ranks=[0, 1], pids=[1000, 1001]),
         e("worker_hung", 5.0, global_rank=1, local_rank=1, worker_pid=1001, exitcode=-9, signal="SIGKILL",
-          hung=HUNG, root_cause=True, message="stacks when it was found hung:\n  File \"x.py\", line 3 in f"),
+          hung=HUNG, root_cause=True, headline=f"rank 1 (host node0) was hung ({HUNG})",
+          message="stacks when it was found hung:\n  File \"x.py\", line 3 in f"),
         e("worker_failed", 5.0, global_rank=0, local_rank=0, worker_pid=1000, exitcode=-9, signal="SIGKILL",
-          hung=None, root_cause=False, message=None),
+          hung=None, root_cause=False, headline="rank 0 (host node0) was killed by SIGKILL", message=None),
         e("workers_stopped", 5.01, round=0, why="failed"),
         e("restart", 5.02, restart_count=1, max_restarts=3, reason="worker failure"),
         e("member_lost", 5.5, group_rank=1, node="node1_200_0", reason="node1 stopped heartbeating"),
@@ -98,7 +99,7 @@ def test_two_nodes_with_a_hang_a_restart_and_a_lost_member(logs):
     ]  # fmt: skip
     # the root cause: the hang its agent marked, not the rank killed with it; the page rings it
     hang, killed = first["marks"][1], first["marks"][2]
-    assert run["root_cause"]["headline"] == f"rank 1 (local rank 1) on node0 hung: {HUNG}"
+    assert run["root_cause"]["headline"] == f"rank 1 (host node0) was hung ({HUNG})"
     assert run["root_cause"]["text"].startswith("stacks when it was found hung:")
     assert hang.get("run_root") and not killed.get("run_root")
     assert killed["title"] == "rank 0 failed: exit code -9 (SIGKILL)"
@@ -113,7 +114,8 @@ def test_two_nodes_with_a_hang_a_restart_and_a_lost_member(logs):
 def test_a_failed_job_names_the_root_cause_of_its_last_round(tmp_path):
     def failed(seconds, rank, root):
         return event("worker_failed", seconds, "n", 1, global_rank=rank, local_rank=rank, exitcode=1,
-                     signal=None, hung=None, root_cause=root, message=f"Traceback\nValueError: rank {rank} broke")  # fmt: skip
+                     signal=None, hung=None, root_cause=root, message=f"Traceback\nValueError: rank {rank} broke",
+                     headline=f"rank {rank} (host n) exited with 1: ValueError: rank {rank} broke")  # fmt: skip
 
     lines = [
         event("workers_started", 0, "n", 1, round=0, global_ranks=[0, 1], pids=[5, 6]), failed(1, 0, True),
@@ -126,7 +128,7 @@ def test_a_failed_job_names_the_root_cause_of_its_last_round(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     [run], _ = model(str(path))
     assert run["outcome"] == "FAILED"
-    assert run["root_cause"]["headline"] == "rank 1 (local rank 1) on n failed: exit code 1: ValueError: rank 1 broke"
+    assert run["root_cause"]["headline"] == "rank 1 (host n) exited with 1: ValueError: rank 1 broke"
     # without failure events (the failing node's log missing), the agents' own line
     path.write_text(lines[-1] + "\n")
     [run], _ = model(str(path))
@@ -156,7 +158,7 @@ def test_odd_lines_are_skipped_with_a_warning_and_odd_fields_shown_as_they_are(t
     assert warnings == [f"{path}:{n}: skipped: not an event with a name and a time" for n in (1, 2, 3)]
     [bar, failure, end] = run["lanes"][0]["marks"]
     assert (bar["label"], bar["why"], failure["round"]) == ("round r", "not logged", None)
-    assert failure["headline"] == "rank [0] (local rank None) on n failed: exit code one: 7"
+    assert failure["headline"] == "rank [0] failed: exit code one"  # no headline logged: the mark's title
     assert (end["state"], run["outcome"]) == ("?", "?")
 
 
@@ -253,7 +255,7 @@ def test_a_real_job_that_failed_once_is_drawn_with_its_root_cause(real_job):
     for lane in run["lanes"]:
         assert [m["round"] for m in lane["marks"] if m["kind"] == "round"] == [0, 1], lane
     cause = run["root_cause"]
-    assert cause["headline"].startswith("rank 1 (local rank 0) on 127.0.0.") and "exit code 1" in cause["headline"]
+    assert cause["headline"].startswith("rank 1 (host 127.0.0.") and "exited with 1" in cause["headline"]
     assert cause["headline"].endswith(": RuntimeError: loss exploded at step 3") and "Traceback" in cause["text"]
 
 
@@ -309,7 +311,7 @@ def test_the_page_of_a_real_job_in_a_browser(real_job, browser):
     assert "rank 1 failed" in detail and "loss exploded at step 3" in detail, detail
     summary = page.locator(".summary").inner_text()
     assert "SUCCEEDED" in summary and "tl-job" in summary, summary
-    assert "rank 1 (local rank 0)" in summary and "RuntimeError: loss exploded at step 3" in summary, summary
+    assert "rank 1 (host 127.0.0." in summary and "RuntimeError: loss exploded at step 3" in summary, summary
     assert errors == []
 
 

@@ -41,7 +41,7 @@ LABELS = {
 # the order details are shown in: identity first, the long texts last (unknown fields before them)
 ORDER = ["round", "state", "global_rank", "local_rank", "group_rank", "group_world_size", "global_ranks", "pids",
          "worker_pid", "exitcode", "exit_code", "signal", "why", "reason", "node", "restart_count", "max_restarts",
-         "root_cause", "hung", "message"]  # fmt: skip
+         "root_cause", "headline", "hung", "message"]  # fmt: skip
 
 
 class TimelineError(Exception):
@@ -175,7 +175,7 @@ def lane(host: str, pid: Any, run_id: str, events: List[Event], run_end: float) 
             _close(bar, event.at, fields.get("why"))
             bar = None
         else:
-            marks.append(point(event, host, last_round))
+            marks.append(point(event, last_round))
     if bar is not None:
         _close(bar, run_end, None)
     groups = f"group {_plural('rank', group_ranks)} {_ranges(group_ranks)}" if group_ranks else ""
@@ -213,7 +213,7 @@ def _close(bar: Mark, at: float, why: Optional[str]) -> None:
     bar["details"].insert(1, ["stopped", f"{why or 'no stop logged'} after {(at - bar['at']) / 1000:.3f}s"])
 
 
-def point(event: Event, host: str, last_round: Any) -> Mark:
+def point(event: Event, last_round: Any) -> Mark:
     fields, name = event.fields, event.fields["event"]
     kind = POINT_KINDS.get(name, "other")
     mark = {
@@ -226,7 +226,9 @@ def point(event: Event, host: str, last_round: Any) -> Mark:
     }
     if kind in ("failure", "hang"):
         mark.update(round=last_round, root=fields.get("root_cause") is True, rank=fields.get("global_rank"))
-        mark.update(headline=failure_headline(fields, host), message=fields.get("message"))
+        # the agent's own line (Failure::headline); the mark's title where a log lacks it
+        headline = fields.get("headline")
+        mark.update(headline=headline if isinstance(headline, str) else mark["title"], message=fields.get("message"))
     elif kind == "end":
         mark.update(state=str(fields.get("state") or "?"), cause=fields.get("root_cause"))
     elif kind == "restart":
@@ -255,16 +257,6 @@ def details(fields: Dict[str, Any]) -> List[List[str]]:
     own = [(k, v) for k, v in fields.items() if k not in COMMON and v is not None]
     own.sort(key=lambda item: ORDER.index(item[0]) if item[0] in ORDER else len(ORDER) - 2.5)
     return [[LABELS.get(k, k.replace("_", " ")), _text(v)] for k, v in own]
-
-
-def failure_headline(f: Dict[str, Any], host: str) -> str:
-    """One line: which rank, where, and why (the hang's reason, else the message's last line)."""
-    where = f"rank {f.get('global_rank')} (local rank {f.get('local_rank')}) on {host}"
-    if f.get("hung"):
-        return f"{where} hung: {f['hung']}"
-    signal = f" ({f['signal']})" if f.get("signal") else ""
-    lines = [line.strip() for line in str(f.get("message") or "").splitlines() if line.strip()]
-    return f"{where} failed: exit code {f.get('exitcode')}{signal}" + (f": {lines[-1]}" if lines else "")
 
 
 def root_cause(failures: List[Mark], finished: List[Mark]) -> Optional[Dict[str, Any]]:

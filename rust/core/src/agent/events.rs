@@ -72,14 +72,15 @@ impl EventLog {
     }
 
     /// `worker_hung` or `worker_failed`, one per failure; `root_cause` marks the one the others
-    /// follow from ([`failure::root_cause`]), `message` is an excerpt of what it left.
+    /// follow from ([`failure::root_cause`]), `headline` is its one line as logs and `elastix
+    /// timeline` show it, `message` an excerpt of what it left.
     pub async fn workers_failed(&self, failures: &[Failure]) {
         let root = failure::root_cause(failures);
         for (index, failure) in failures.iter().enumerate() {
             let name = if failure.hung.is_some() { "worker_hung" } else { "worker_failed" };
             let fields = json!({"global_rank": failure.global_rank, "local_rank": failure.local_rank,
                                 "worker_pid": failure.pid, "exitcode": failure.exitcode, "signal": failure.signal,
-                                "hung": failure.hung, "root_cause": root == Some(index),
+                                "hung": failure.hung, "root_cause": root == Some(index), "headline": failure.headline(),
                                 "message": failure::excerpt(&failure.message, MESSAGE_EXCERPT)});
             self.emit(name, fields).await;
         }
