@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from agents import FAST_RDZV, assert_nothing_left, finish, wait_for
+from agents import FAST_RDZV, assert_nothing_left, elastix_run, finish, wait_for
 
 LOGS_INCOMPLETE = 3
 
@@ -207,8 +207,6 @@ def test_run_results_carry_the_output_fields():
 
 
 def test_duplicate_filters_copy_teed_lines_with_their_prefix(tmp_path, marker):
-    from agents import elastix_run
-
     script = tmp_path / "fruit.py"
     script.write_text(
         "import os, sys\n"
@@ -231,3 +229,21 @@ def test_duplicate_filters_copy_teed_lines_with_their_prefix(tmp_path, marker):
     assert (attempt / "filtered_stderr.log").read_text() == ""
     assert "no rank tees stderr" in err
     assert "[default0]:pear" in out
+
+
+def test_a_temporary_log_directory_goes_after_a_clean_run_and_stays_after_failures(tmp_path, marker, monkeypatch):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # where the agent makes its temporary log directory
+    ok, fail_once = tmp_path / "ok.py", tmp_path / "fail_once.py"
+    ok.write_text("print('fine')\n")
+    fail_once.write_text("import os, sys\nsys.exit(1 if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' else 0)\n")
+    code, _out, err = finish(elastix_run("--standalone", ok, out_dir=tmp_path, marker=marker))
+    assert code == 0 and list(temp.iterdir()) == [], err
+    code, _out, err = finish(
+        elastix_run("--standalone", "--max-restarts", 1, fail_once, out_dir=tmp_path, marker=marker)
+    )
+    [kept] = list(temp.iterdir())
+    assert code == 0 and "succeeded after 1 restart(s); the logs of every attempt" in err and str(kept) in err, err
+    assert sorted(p.name for p in kept.iterdir()) == ["attempt_0", "attempt_1"]
+    assert_nothing_left(marker)

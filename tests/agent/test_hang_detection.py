@@ -5,6 +5,7 @@ killed, and the job restarts it like a failed worker."""
 import json
 import os
 import re
+import shutil
 import sys
 import textwrap
 
@@ -88,6 +89,16 @@ def test_a_hung_worker_is_restarted_like_a_failed_one(tmp_path, marker, worker):
     assert code == 0, err
     assert (tmp_path / "start_1").exists(), "the restarted attempt ran"
     assert re.search(r"worker rank 0 \(local rank 0, pid \d+\) is hung: no heartbeat for", err), err
+    # its stacks come with the warning, though no summary follows a job that goes on, and stay
+    # in the attempt's log directory: a temporary one outlives the job's success, which says so
+    kept = re.search(r"killing it\. Its stacks \(kept in (\S+)\):\n(.*)", err, re.S)
+    assert kept and "in stuck_in_data_loader" in kept.group(2), err
+    run_dir = re.search(r"succeeded after 1 restart\(s\); the logs of every attempt .* are kept in (\S+)", err)
+    assert run_dir and kept.group(1).startswith(run_dir.group(1) + "/attempt_0/"), err
+    try:
+        assert "in stuck_in_data_loader" in open(kept.group(1)).read()
+    finally:
+        shutil.rmtree(run_dir.group(1))
     assert_nothing_left(marker)
 
 

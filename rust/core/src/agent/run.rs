@@ -193,6 +193,9 @@ struct Report {
     logs_kept: bool,
     /// Whether a log file could not be written completely.
     logs_incomplete: bool,
+    /// Whether any of this node's workers failed or hung in this run (its logs and stacks are
+    /// then kept, though the job succeeds after a restart).
+    workers_failed: bool,
     /// The members this node saw lost, most recent last (a few at most).
     lost: Vec<String>,
 }
@@ -460,8 +463,7 @@ impl Agent {
                         None => {
                             // every node is through: the job is done
                             let _ = self.rdzv.set_closed_with(SUCCEEDED).await;
-                            self.logs.remove_if_temporary();
-                            report.log_dir = None;
+                            self.after_success(report);
                             return Ok(End::Succeeded);
                         }
                         Some(Event::Signal(signal, _)) => return Ok(End::Interrupted(signal)),
@@ -638,6 +640,22 @@ impl Agent {
         Ok(Start::Running(group))
     }
 
+    /// A temporary log directory goes after a clean success; after failed attempts it stays,
+    /// with the stacks of workers found hung, and the agent says where.
+    fn after_success(&self, report: &mut Report) {
+        match (&report.log_dir, self.logs.is_temporary()) {
+            (Some(dir), true) if report.workers_failed => tracing::info!(
+                "the job succeeded after {} restart(s); the logs of every attempt (with the stacks of workers \
+                 found hung) are kept in {dir}",
+                report.restart_count
+            ),
+            _ => {
+                self.logs.remove_if_temporary();
+                report.log_dir = None;
+            }
+        }
+    }
+
     /// Spends a restart if this is the round's first failure report; past the budget, closes
     /// the job as failed. `Some` ends the agent.
     async fn after_failure(&mut self, failures: Vec<Failure>, report: &mut Report) -> Result<Option<End>> {
@@ -661,6 +679,7 @@ impl Agent {
         let name = entrypoint_name(&self.config);
         let text = summary(&name, &failures);
         report.failures = failures;
+        report.workers_failed = true;
         if restarts > i64::from(self.config.max_restarts) {
             print_summary(&text);
             let _ = self.rdzv.set_closed_with(&format!("{FAILED}{text}")).await;
