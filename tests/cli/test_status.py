@@ -100,7 +100,7 @@ def test_a_failure_is_shown_with_its_root_cause_and_the_budget(tmp_path, marker,
         now = wait_for(failure_shown, what="the failure in the status")
         assert now["restarts"] == {"used": 1, "allowed": 2}
         failure = now["last_failure"]
-        assert (failure["rank"], failure["exitcode"], failure["signal"]) == (0, 1, None), failure
+        assert (failure["rank"], failure["exitcode"], failure["signal"], failure["hung"]) == (0, 1, None, None)
         human = status("--rdzv-endpoint", endpoint, "--rdzv-id", run_id).stdout
         assert "last failure: round" in human and "exit code 1" in human and "restarts: 1 of 2 used" in human, human
         (tmp_path / "stop").touch()
@@ -225,6 +225,38 @@ def test_a_standalone_job_prints_its_run_id_and_a_status_command_that_works(tmp_
     finally:
         (tmp_path / "stop").touch()
         assert a.finish() == 0, a.output()
+    assert_nothing_left(marker)
+
+
+HANGS_ONCE = """
+import os, threading, time
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    threading.Event().wait()  # a plain program, blocked: the agent finds it hung
+while not os.path.exists(os.path.join(os.environ["OUT_DIR"], "stop")):
+    time.sleep(0.05)
+"""
+
+
+def test_a_hung_worker_is_shown_as_hung(tmp_path, marker, rdzv_port):
+    endpoint, run_id = f"127.0.0.1:{rdzv_port}", "status-hung"
+    script = tmp_path / "hangs_once.py"
+    script.write_text(HANGS_ONCE)
+    args = node_args(1, endpoint, "127.0.0.2", CONF, script, run_id=run_id, max_restarts=1)
+    node = agent(tmp_path, marker, "a", "run", "--worker-timeout", "1", "--log-dir", tmp_path / "logs", *args)
+    try:
+
+        def failure_shown():
+            now, _ = report(endpoint, run_id)
+            return now["last_failure"] if now and now.get("last_failure") and now["state"] == "running" else None
+
+        failure = wait_for(failure_shown, what="the hang in the status")
+        assert failure["signal"] == "SIGKILL" and "its main thread has not moved" in failure["hung"], failure
+        human = status("--rdzv-endpoint", endpoint, "--rdzv-id", run_id).stdout
+        assert "(local rank 0) on 127.0.0.2, hung: its main thread has not moved" in human, human
+        (tmp_path / "stop").touch()
+        assert node.finish() == 0, node.output()
+    finally:
+        node.kill()
     assert_nothing_left(marker)
 
 

@@ -106,7 +106,12 @@ def render(status: Dict[str, Any]) -> str:
             lines.append(f"    round {lost['round']}: group rank {lost['group_rank']}, {who}")
     failure = status["last_failure"]
     if failure:
-        how = f"signal {failure['signal']}" if failure["signal"] else f"exit code {failure['exitcode']}"
+        if failure.get("hung"):
+            how = f"hung: {failure['hung']}"
+        elif failure["signal"]:
+            how = f"signal {failure['signal']}"
+        else:
+            how = f"exit code {failure['exitcode']}"
         lines.append(
             f"  last failure: round {failure['round']}, {failure['age_s']:.0f}s ago: rank {failure['rank']} "
             f"(local rank {failure['local_rank']}) on {failure['host']}, {how}"

@@ -103,6 +103,7 @@ async fn status_shows_the_members_their_ranks_and_the_end() {
         local_rank: 1,
         exitcode: -9,
         signal: Some("SIGKILL".into()),
+        hung: Some("no heartbeat for 2.00s".into()),
         message: "killed".into(),
         restarts_used: 1,
         max_restarts: 3,
@@ -113,6 +114,7 @@ async fn status_shows_the_members_their_ranks_and_the_end() {
     assert_eq!((status.health, status.state), (Health::Failed, State::Failed));
     let last = status.last_failure.expect("the failure is published");
     assert_eq!((last.rank, last.signal.as_deref()), (3, Some("SIGKILL")));
+    assert_eq!(last.hung.as_deref(), Some("no heartbeat for 2.00s"));
     let json = serde_json::to_value(job_status(&query(server.port(), run_id)).await.unwrap()).unwrap();
     assert_eq!(json["v"], 1);
     assert_eq!(json["health"], "failed");

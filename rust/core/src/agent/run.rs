@@ -745,6 +745,7 @@ impl Agent {
             local_rank: first.local_rank,
             exitcode: first.exitcode,
             signal: first.signal.clone(),
+            hung: first.hung.clone(),
             message: super::failure::excerpt(&first.message, FailureRecord::MAX_MESSAGE),
             restarts_used,
             max_restarts: self.config.max_restarts,

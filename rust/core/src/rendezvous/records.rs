@@ -144,6 +144,9 @@ pub struct FailureRecord {
     pub local_rank: u32,
     pub exitcode: i32,
     pub signal: Option<String>,
+    /// Why its agent found it hung (it was then killed); records of earlier versions lack it.
+    #[serde(default)]
+    pub hung: Option<String>,
     /// The worker's error message or the tail of its stderr, cut to [`FailureRecord::MAX_MESSAGE`].
     pub message: String,
     /// Restarts used after this failure, and the budget.

@@ -143,6 +143,8 @@ pub struct LastFailure {
     pub local_rank: u32,
     pub exitcode: i32,
     pub signal: Option<String>,
+    /// Why it was found hung, for a hung worker.
+    pub hung: Option<String>,
     pub message: String,
     /// Seconds since it happened.
     pub age_s: f64,
@@ -200,6 +202,7 @@ impl LastFailure {
             local_rank: failure.local_rank,
             exitcode: failure.exitcode,
             signal: failure.signal,
+            hung: failure.hung,
             message: failure.message,
             age_s: seconds_between(failure.at_ms, now_ms),
         }
