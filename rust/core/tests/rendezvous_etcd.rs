@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use elastix_core::rendezvous::etcd::EtcdRendezvous;
 use elastix_core::rendezvous::{MembershipChange, RendezvousError, RendezvousInfo, RendezvousSettings};
+use elastix_etcd::pb::etcdserverpb::RangeRequest;
 use elastix_etcd::testing::LocalEtcd;
 use elastix_etcd::EtcdClient;
 use tokio::task::JoinHandle;
@@ -152,4 +153,39 @@ async fn a_late_node_makes_the_round_re_form_with_it_and_failures_count_once_per
 
 async fn formed_or_error(task: Joining) -> Result<RendezvousInfo, RendezvousError> {
     tokio::time::timeout(Duration::from_secs(30), task).await.expect("in time").unwrap().1
+}
+
+/// Round 0's member keys of run `run_id`, up to `within` until there are `count` of them.
+async fn wait_members(etcd: &Etcd, run_id: &str, count: i64, within: Duration) {
+    let key = format!("/elastix/rdzv/{run_id}/r/{:012}/m/", 0).into_bytes();
+    let mut range_end = key.clone();
+    *range_end.last_mut().unwrap() += 1;
+    let request = RangeRequest { key, range_end, count_only: true, ..Default::default() };
+    let deadline = Instant::now() + within;
+    loop {
+        let found = etcd.client().range(request.clone()).await.unwrap().count;
+        if found == count {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{found} member key(s) of round 0, not {count}, after {within:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn arrivals_that_left_do_not_count_toward_min_nodes() {
+    // arrivals before the min_nodes-th are not counted live; from it on they are, so a node
+    // that left meanwhile does not start a last call for a round that cannot form
+    let Some(etcd) = Etcd::start() else { return };
+    let (a, b) = (join(etcd.node("left", 3, 4)), join(etcd.node("left", 3, 4)));
+    wait_members(&etcd, "left", 2, Duration::from_secs(10)).await;
+    b.abort(); // its agent is gone: its lease expires, and its key with it
+    wait_members(&etcd, "left", 1, Duration::from_secs(10)).await;
+    let c = join(etcd.node("left", 3, 4));
+    wait_members(&etcd, "left", 2, Duration::from_secs(10)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await; // three last calls' worth
+    assert!(!a.is_finished() && !c.is_finished(), "a round of 2 live nodes (3 arrivals) does not form");
+    let d = join(etcd.node("left", 3, 4));
+    let infos = [formed(a).await.1, formed(c).await.1, formed(d).await.1];
+    assert!(infos.iter().all(|info| info.round == 0 && info.world_size == 3), "{infos:?}");
 }

@@ -240,7 +240,12 @@ impl EtcdRendezvous {
         let request = TxnRequest {
             compare: vec![ops::absent(&keys.meta()), ops::empty(&keys.all())],
             success: vec![ops::put(&keys.meta(), &encode(&ours), 0)],
-            failure: vec![ops::get(&keys.meta()), ops::count(&keys.all(), 0), ops::get(&keys.round())],
+            // the run's keys are counted (all read) only for the error of a prefix not ours
+            failure: vec![
+                ops::get(&keys.meta()),
+                ops::only_if(ops::absent(&keys.meta()), ops::count(&keys.all(), 0)),
+                ops::get(&keys.round()),
+            ],
         };
         let response = self.client.txn(request).await.map_err(|err| self.error(err))?;
         if !response.succeeded {
@@ -249,7 +254,7 @@ impl EtcdRendezvous {
                     "etcd at {} holds {} key(s) under {:?} that are not an elastix rendezvous; choose another \
                      --rdzv-id or --rdzv-conf key_prefix",
                     self.client.endpoints(),
-                    ops::counted(&response, 1),
+                    ops::counted_if(&response, 1).unwrap_or_default(),
                     keys.prefix()
                 )));
             };

@@ -2,7 +2,8 @@
 //!
 //! 1. Enter: one transaction, if round r is neither sealed nor the job closed, writes the
 //!    node's member key under its lease (leaving its key of an earlier round), counts one more
-//!    arrival (`j/<r>`), and counts round r's members and round r-1's.
+//!    arrival (`j/<r>`), and counts round r-1's members and, from the min_nodes-th arrival on,
+//!    round r's (a count reads the whole range: one per arrival would make a round O(N²)).
 //! 2. Seal: once the round is full (max_nodes, or the last of round r-1's members re-formed),
 //!    or once a last call that started at min_nodes ran out, a node seals it with one
 //!    transaction. The seal also requires that round r-1 has no members left: a running round
@@ -91,7 +92,8 @@ pub(super) struct Joined {
     revision: i64,
     /// This node's key's creation revision (the entry's, unless a retried entry found it).
     created: i64,
-    /// Live members of round r with this node, and arrivals ever (this node's number).
+    /// Live members of round r with this node (arrivals before the min_nodes-th: `index`, an
+    /// upper bound that decides the same), and arrivals ever (this node's number).
     arrival: u64,
     index: u64,
     /// Members of round r-1 left after this node's entry, and whether it was one of them.
@@ -154,8 +156,15 @@ impl Ctx<'_> {
         }
         success.push(put);
         success.push(ops::put_counted(&keys.joined(r)));
-        success.push(ops::count(&keys.members(r), 0));
-        success.push(ops::count(&keys.members(r.saturating_sub(1)), 0));
+        // counting reads every key of a round: done by every node, forming a round of N would
+        // cost etcd O(N²). Live members are never more than arrivals, and fewer than min_nodes
+        // decide nothing, so only the arrivals from the min_nodes-th on count them
+        let min = u64::from(self.settings.min_nodes);
+        let from_min = ops::written_at_least(&keys.joined(r), min.saturating_sub(1));
+        success.push(ops::only_if(from_min, ops::count(&keys.members(r), 0)));
+        if r > 0 {
+            success.push(ops::count(&keys.members(r - 1), 0));
+        }
         let request = TxnRequest {
             compare: vec![ops::absent(&keys.seal(r)), ops::absent(&keys.closed())],
             success,
@@ -172,6 +181,7 @@ impl Ctx<'_> {
             return Ok(Entry::Taken { latest: latest.map(|r| r.max(0) as u64) });
         }
         let revision = ops::revision(&response);
+        let index = ops::written_times(&response, base + 1);
         let created = match response.responses.get(base).and_then(|op| op.response.as_ref()) {
             Some(Response::ResponsePut(put)) => {
                 put.prev_kv.as_ref().map_or(revision, |previous| previous.create_revision)
@@ -182,8 +192,8 @@ impl Ctx<'_> {
             round: r,
             revision,
             created,
-            index: ops::written_times(&response, base + 1),
-            arrival: ops::counted(&response, base + 2),
+            index,
+            arrival: ops::counted_if(&response, base + 2).unwrap_or(index),
             previous_live: if r > 0 { ops::counted(&response, base + 3) } else { 0 },
             moved,
             entered_at: Instant::now(),

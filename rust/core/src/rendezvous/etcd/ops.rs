@@ -6,7 +6,7 @@ use elastix_etcd::pb::etcdserverpb::range_request::{SortOrder, SortTarget};
 use elastix_etcd::pb::etcdserverpb::request_op::Request;
 use elastix_etcd::pb::etcdserverpb::response_op::Response;
 use elastix_etcd::pb::etcdserverpb::{
-    Compare, DeleteRangeRequest, PutRequest, RangeRequest, RequestOp, ResponseOp, TxnResponse,
+    Compare, DeleteRangeRequest, PutRequest, RangeRequest, RequestOp, ResponseOp, TxnRequest, TxnResponse,
 };
 use elastix_etcd::pb::mvccpb::KeyValue;
 use elastix_etcd::{EtcdClient, EtcdError};
@@ -62,6 +62,24 @@ pub(super) fn count(range: &Range, revision: i64) -> RequestOp {
         ..Default::default()
     };
     RequestOp { request: Some(Request::RequestRange(request)) }
+}
+
+/// `key` has been written at least `times` times (its version).
+pub(super) fn written_at_least(key: &[u8], times: u64) -> Compare {
+    Compare {
+        result: CompareResult::Greater as i32,
+        target: CompareTarget::Version as i32,
+        key: key.to_vec(),
+        target_union: Some(TargetUnion::Version(times as i64 - 1)),
+        ..Default::default()
+    }
+}
+
+/// `op`, nested in the transaction, run only if `compare` holds (etcd evaluates a nested
+/// comparison before any of the transaction's writes, as the outer ones).
+pub(super) fn only_if(compare: Compare, op: RequestOp) -> RequestOp {
+    let nested = TxnRequest { compare: vec![compare], success: vec![op], failure: vec![] };
+    RequestOp { request: Some(Request::RequestTxn(nested)) }
 }
 
 /// The keys (no values) of `range` at `revision` created before `before`.
@@ -129,6 +147,14 @@ pub(super) fn value(response: &TxnResponse, index: usize) -> Option<Vec<u8>> {
 /// The count a counting range operation (answer `index`) gave.
 pub(super) fn counted(response: &TxnResponse, index: usize) -> u64 {
     range_of(response.responses.get(index)).map_or(0, |range| range.count.max(0) as u64)
+}
+
+/// The count of an [`only_if`] counting operation (answer `index`); `None` if it did not run.
+pub(super) fn counted_if(response: &TxnResponse, index: usize) -> Option<u64> {
+    match response.responses.get(index).and_then(|op| op.response.as_ref()) {
+        Some(Response::ResponseTxn(nested)) if nested.succeeded => Some(counted(nested, 0)),
+        _ => None,
+    }
 }
 
 /// The version a key reached with a [`put_counted`] (answer `index`).
