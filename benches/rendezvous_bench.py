@@ -104,14 +104,14 @@ def elastix_round(nodes: int) -> float:
     return elastix_bench(nodes)["seconds"]
 
 
-def etcd_main(node_counts: list[int]) -> None:
+def etcd_main(node_counts: list[int], members: int) -> None:
     import tempfile
 
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from etcd_cluster import EtcdCluster
 
     with tempfile.TemporaryDirectory() as data:
-        cluster = EtcdCluster(data)
+        cluster = EtcdCluster(data, members=members)
         try:
             print(
                 f"{'nodes':>6} | {'c10d s':>8} | {'etcd s, own clients':>20} | {'etcd s, shared client':>22} | requests/node"
@@ -179,9 +179,10 @@ def main() -> None:
     parser.add_argument("--torch-max-nodes", type=int, default=128, help="skip torch above this (it is slow)")
     parser.add_argument("--torch-libuv", action="store_true", help="torch's store on its libuv server")
     parser.add_argument("--backend", choices=["c10d", "etcd"], default="c10d")
+    parser.add_argument("--etcd-members", type=int, default=3, help="members of the etcd cluster (--backend etcd)")
     args = parser.parse_args()
     if args.backend == "etcd":
-        etcd_main(args.nodes)
+        etcd_main(args.nodes, args.etcd_members)
         return
     try:
         import torch  # noqa: F401
