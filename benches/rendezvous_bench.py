@@ -19,6 +19,7 @@ an etcd started with --enable-v2; it is not run here.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -62,6 +63,9 @@ print(max(finished), flush=True)
 # are 10,000 descriptors, half this machine's open-file limit for one process. An etcd client
 # of its own holds a connection to each of the 3 members.
 NODES_PER_PROCESS = {"c10d": 5000, "etcd": 2500}
+# each round its own run ID: one etcd cluster serves several rounds of the same size, and a
+# round entering another's run would wait for that run's nodes to be lost
+ROUNDS = itertools.count()
 
 
 def elastix_bench(nodes: int, *extra: str) -> dict:
@@ -85,8 +89,8 @@ def elastix_bench(nodes: int, *extra: str) -> dict:
         per_process = NODES_PER_PROCESS[backend]
         counts = [per_process] * (nodes // per_process) + [nodes % per_process]
         start_at = time.time() + 1.0 + nodes / 2000  # every handler is made before the start
-        common = ["--nodes", str(nodes), "--run-id", f"bench-{nodes}-{os.getpid()}", "--start-at", str(start_at)]
-        common += list(extra)
+        run_id = f"bench-{nodes}-{os.getpid()}-{next(ROUNDS)}"
+        common = ["--nodes", str(nodes), "--run-id", run_id, "--start-at", str(start_at), *extra]
         procs = [children.start([BENCH, *common, "--here", str(here)]) for here in counts if here]
         results = []
         for proc in procs:
