@@ -659,6 +659,7 @@ impl Agent {
     /// Spends a restart if this is the round's first failure report; past the budget, closes
     /// the job as failed. `Some` ends the agent.
     async fn after_failure(&mut self, failures: Vec<Failure>, report: &mut Report) -> Result<Option<End>> {
+        report.workers_failed = true;
         let restarts = match self.rdzv.report_failure().await {
             Ok(restarts) => restarts,
             // the store went away as well: a lost store is a lost node (its host); re-joining
@@ -679,7 +680,6 @@ impl Agent {
         let name = entrypoint_name(&self.config);
         let text = summary(&name, &failures);
         report.failures = failures;
-        report.workers_failed = true;
         if restarts > i64::from(self.config.max_restarts) {
             print_summary(&text);
             let _ = self.rdzv.set_closed_with(&format!("{FAILED}{text}")).await;
