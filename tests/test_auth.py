@@ -59,15 +59,17 @@ def secured(tmp_path):
     127.0.0.1 (its port): the rendezvous store the test's agents meet at."""
     path, text = secret_file(tmp_path / "secret")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIX_AUTH")}
-    store = subprocess.Popen(
-        ["elastix-store", "--host", "127.0.0.1", "--port", "0", "--auth-token-file", path],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
+    # its log lines (stderr) apart: they may come before the address line (stdout)
+    with open(tmp_path / "store.log", "w") as log:
+        store = subprocess.Popen(
+            ["elastix-store", "--host", "127.0.0.1", "--port", "0", "--auth-token-file", path],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+        )
     first = store.stdout.readline()
-    assert "listening on" in first, first
+    assert "listening on" in first, first + (tmp_path / "store.log").read_text()
     port = int(first.strip().rsplit(":", 1)[1])
     yield path, text, port
     store.terminate()
