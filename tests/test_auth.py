@@ -68,12 +68,13 @@ def secured(tmp_path):
             text=True,
             env=env,
         )
-    first = store.stdout.readline()
-    assert "listening on" in first, first + (tmp_path / "store.log").read_text()
-    port = int(first.strip().rsplit(":", 1)[1])
-    yield path, text, port
-    store.terminate()
-    store.wait(timeout=30)
+    try:
+        first = store.stdout.readline()
+        assert "listening on" in first, first + (tmp_path / "store.log").read_text()
+        yield path, text, int(first.strip().rsplit(":", 1)[1])
+    finally:
+        store.terminate()
+        store.wait(timeout=30)
 
 
 def plain_client_served(host, port, python=()):
