@@ -31,6 +31,11 @@ def source_of(namespace: argparse.Namespace, dest: str) -> str:
     return getattr(namespace, SOURCES, {}).get(dest, "default")
 
 
+def is_given(namespace: argparse.Namespace, dest: str) -> bool:
+    """Whether a flag's value was given (command line, variable or scheduler), not defaulted."""
+    return source_of(namespace, dest) != "default"
+
+
 def set_from(namespace: argparse.Namespace, dest: str, value: Any, source: str) -> None:
     """Sets a flag's value from somewhere other than the command line or its variables (a
     scheduler's environment), and says where: it counts as given from then on."""

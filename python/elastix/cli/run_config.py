@@ -15,7 +15,7 @@ from ..agent.logs_specs import masks_per_rank, parse_ranks_filter, translate_tor
 from ..agent.nproc import resolve_nproc
 from ..agent.numa import agent_binding
 from . import scheduler_flags
-from .envargs import source_of
+from .envargs import is_given, source_of
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -34,7 +34,7 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = age
     derived = scheduler_flags.derive(args, os.environ, warn)
     if derived:
         LOGGER.info("%s", derived)
-    given = lambda dest: source_of(args, dest) != "default"  # noqa: E731
+    given = lambda dest: is_given(args, dest)  # noqa: E731
     on_cli = lambda dest: source_of(args, dest) == "cli"  # noqa: E731
 
     min_nodes, max_nodes = agent_config.parse_nnodes(args.nnodes)

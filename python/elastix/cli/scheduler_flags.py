@@ -11,7 +11,7 @@ from typing import Callable, List, Mapping, Optional, Tuple
 from ..agent.signals import parse_signals
 from ..schedulers.kubernetes import INDEX_VARIABLE, completion_index
 from ..schedulers.slurm import SlurmStep
-from .envargs import set_from, source_of
+from .envargs import is_given, set_from
 
 #: What Slurm sends some time before a job's end (`sbatch --signal=USR1@120`), added to the
 #: signals an agent handles and forwards to its workers (SIGHUP is handled by default anyway).
@@ -40,15 +40,15 @@ def _from_slurm(args: argparse.Namespace, step: SlurmStep, warn: Callable[[str],
         set_from(args, dest, value, source)
         said.append(f"--{dest.replace('_', '-')} {value} ({source})")
 
-    if not _given(args, "nnodes"):
+    if not is_given(args, "nnodes"):
         derived("nnodes", str(step.num_nodes), step.num_nodes_from)
-    if not _given(args, "rdzv_id"):
+    if not is_given(args, "rdzv_id"):
         derived("rdzv_id", step.run_id, "SLURM_JOB_ID" + (", SLURM_STEP_ID" if step.step_id else ""))
-    if not _given(args, "rdzv_backend") and not _given(args, "node_rank"):
+    if not is_given(args, "rdzv_backend") and not is_given(args, "node_rank"):
         set_from(args, "rdzv_backend", "c10d", "Slurm")
     if args.rdzv_backend == "c10d":
         endpoint = args.rdzv_endpoint
-        if not _given(args, "rdzv_endpoint"):
+        if not is_given(args, "rdzv_endpoint"):
             where = f"the first host of {step.nodelist_from}={step.nodelist}; the port from the job ID"
             derived("rdzv_endpoint", f"{step.first_host}:{step.port}", where)
         elif "," not in endpoint:
@@ -59,7 +59,7 @@ def _from_slurm(args: argparse.Namespace, step: SlurmStep, warn: Callable[[str],
             said.append(f"node order {step.node_id} (SLURM_NODEID), so group ranks follow it")
     handled = parse_signals(args.signals_to_handle)
     unhandled = [name for name in SLURM_SIGNALS if name not in handled]
-    if not _given(args, "signals_to_handle"):
+    if not is_given(args, "signals_to_handle"):
         derived("signals_to_handle", ",".join([args.signals_to_handle, *unhandled]), "Slurm's preemption signals")
     elif unhandled:
         warn(
@@ -74,15 +74,11 @@ def _from_slurm(args: argparse.Namespace, step: SlurmStep, warn: Callable[[str],
     return f"under Slurm job {step.job_id} step {step.step_id}: " + "; ".join(said or ["nothing to derive"])
 
 
-def _given(args: argparse.Namespace, dest: str) -> bool:
-    return source_of(args, dest) != "default"
-
-
 def _meets_on_c10d(args: argparse.Namespace) -> bool:
     """The c10d rendezvous, named or chosen by an endpoint without --node-rank."""
-    if _given(args, "rdzv_backend"):
+    if is_given(args, "rdzv_backend"):
         return bool(args.rdzv_backend == "c10d")
-    return bool(args.rdzv_endpoint) and not _given(args, "node_rank")
+    return bool(args.rdzv_endpoint) and not is_given(args, "node_rank")
 
 
 def _add_node_order(args: argparse.Namespace, order: int, source: str) -> bool:
