@@ -138,13 +138,13 @@ def run_program(tmp_path, marker, source, *flags):
 def test_a_plain_worker_blocked_forever_is_hung_with_its_stack(tmp_path, marker):
     code, _out, err = run_program(tmp_path, marker, BLOCKED, "--worker-timeout", "2")
     assert code == 1, err
-    reason = r"its main thread has not moved and it used no CPU for (\d+\.\d+)s \(--worker-timeout 2\.00s\)"
+    reason = r"its main thread has not run and its processes used no CPU for (\d+\.\d+)s \(--worker-timeout 2\.00s\)"
     found = re.search(r"hung      : " + reason, err)
     assert found, err
     print(f"a blocked plain worker declared hung after {found.group(1)} s (--worker-timeout 2)")
     assert float(found.group(1)) < 2 + 1, err  # as the agent measured it: within a second of the timeout
     # its stack, shown with the warning (and where it is kept) and in the summary
-    assert re.search(r"is hung: its main thread has not moved.*killing it\. Its stacks \(kept in \S+\):", err), err
+    assert re.search(r"is hung: its main thread has not run.*killing it\. Its stacks \(kept in \S+\):", err), err
     assert err.count("in wait_for_a_peer_that_never_comes") >= 2, err
     assert_nothing_left(marker)
 
@@ -154,7 +154,7 @@ def test_a_plain_worker_restarted_from_a_warm_standby_is_watched_too(tmp_path, m
     assert code == 1, err
     # both attempts found hung: the second one (started from the standby the agent keeps warm
     # for a restart) goes through the site hook after its activation, as a cold start does
-    assert len(re.findall(r"is hung: its main thread has not moved", err)) == 2, err
+    assert len(re.findall(r"is hung: its main thread has not run", err)) == 2, err
     assert_nothing_left(marker)
 
 

@@ -1,8 +1,8 @@
 """Hang detection for Python workers with no change to their code: the directory of elastix's
 worker site hook (python/elastix/worker/site) goes first on their ``PYTHONPATH``, so that every
-Python worker arms stack dumps and, with ``--worker-timeout``, reports when its main thread last
-moved (see rust/core/src/agent/heartbeats.rs). The hook then runs the program's own
-``sitecustomize``, if any. (Warm standbys wait for their activation in the same hook.)"""
+Python worker claims its heartbeat slot (the agent then watches its main thread through the
+kernel: rust/core/src/agent/activity.rs) and arms stack dumps. The hook then runs the program's
+own ``sitecustomize``, if any. (Warm standbys wait for their activation in the same hook.)"""
 
 import os
 from typing import Dict, Mapping

@@ -295,9 +295,9 @@ GROUPS = [
                 default=None,
                 metavar="DURATION",
                 help="a worker that sends no elastix.heartbeat() for this long is hung, and so is a Python worker "
-                "that never sends one whose main thread has not moved and that used no CPU for this long: its "
-                "stacks are dumped and it is restarted like a failed one (default: off; expect_progress and "
-                "elastix.timer.expires apply regardless)",
+                "that never sends one whose main thread has not run at all (it waits for good: in recv(), on a "
+                "lock) while its processes used no CPU for this long: its stacks are dumped and it is restarted "
+                "like a failed one (default: off; expect_progress and elastix.timer.expires apply regardless)",
             ),
             Flag(
                 "--exit-barrier-timeout",

@@ -50,12 +50,15 @@ def _table(rows: List[List[str]]) -> List[str]:
     return ["    " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
 
 
+# what a worker's main thread and processes were doing, as its agent saw them through the kernel
+DOING = {"running": "running", "waiting": "waiting", "blocked_busy": "blocked, process busy"}
 WORKERS_SHOWN = 32  # beyond this many, the ones seen longest ago (--json lists every one)
 
 
 def _workers(members: List[Dict[str, Any]]) -> List[str]:
     """Each worker's progress, as its agent last published it: heartbeats, the step the last
-    one named, and when it was last seen making progress (a beat or a move of its main thread)."""
+    one named, when it was last seen making progress (a beat, or a run of its main thread), and
+    what its main thread and processes were doing."""
     workers = [(m["group_rank"], w) for m in members for w in m.get("workers") or []]
     if not workers:
         return []
@@ -65,10 +68,11 @@ def _workers(members: List[Dict[str, Any]]) -> List[str]:
         shown = sorted(workers, key=lambda mw: never if mw[1]["seen_age_s"] is None else mw[1]["seen_age_s"])
         shown = shown[-WORKERS_SHOWN:]
         more = f" (the {WORKERS_SHOWN} seen longest ago of {len(workers)}; --json lists all)"
-    rows = [["RANK", "GROUP RANK", "BEATS", "STEP", "LAST SEEN"]]
+    rows = [["RANK", "GROUP RANK", "BEATS", "STEP", "LAST SEEN", "MAIN THREAD"]]
     for group_rank, w in sorted(shown, key=lambda mw: mw[1]["rank"]):
         step = "-" if w["step"] is None else str(w["step"])
-        rows.append([str(w["rank"]), str(group_rank), str(w["beats"]), step, _age(w["seen_age_s"])])
+        doing = DOING.get(w.get("doing") or "", "-")
+        rows.append([str(w["rank"]), str(group_rank), str(w["beats"]), step, _age(w["seen_age_s"]), doing])
     return [f"  workers{more}:", *_table(rows)]
 
 

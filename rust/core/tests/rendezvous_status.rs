@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use elastix_core::rendezvous::c10d::keys::run_prefix;
 use elastix_core::rendezvous::job_status;
-use elastix_core::rendezvous::records::{now_ms, AgentFacts, FailureRecord, WorkerProgress, FORMAT_VERSION};
+use elastix_core::rendezvous::records::{now_ms, AgentFacts, Doing, FailureRecord, WorkerProgress, FORMAT_VERSION};
 use elastix_core::rendezvous::status::{Health, State, StatusQuery};
 use elastix_core::rendezvous::store::TcpRendezvousStore;
 use elastix_core::rendezvous::{ConfInput, DynamicRendezvous, RendezvousSettings};
@@ -84,14 +84,15 @@ async fn status_shows_the_members_their_ranks_and_the_end() {
     // the agent's own task republishes a member's status with its workers' progress
     let writer = second.status_writer().expect("a member of a round has one");
     let workers = vec![
-        WorkerProgress { rank: 2, beats: 5, step: Some(4), seen_ms: Some(now_ms()) },
-        WorkerProgress { rank: 3, beats: 0, step: None, seen_ms: None },
+        WorkerProgress { rank: 2, beats: 5, step: Some(4), seen_ms: Some(now_ms()), doing: Some(Doing::BlockedBusy) },
+        WorkerProgress { rank: 3, beats: 0, step: None, seen_ms: None, doing: None },
     ];
     writer(AgentFacts { workers, ..facts(2) }).await.unwrap();
     let status = job_status(&query(server.port(), run_id)).await.unwrap().unwrap();
     let shown = &status.members[1].workers;
     assert_eq!(shown.iter().map(|w| (w.rank, w.beats, w.step)).collect::<Vec<_>>(), [(2, 5, Some(4)), (3, 0, None)]);
     assert!(shown[0].seen_age_s.is_some_and(|age| age < 5.0) && shown[1].seen_age_s.is_none(), "{shown:?}");
+    assert_eq!((shown[0].doing, shown[1].doing), (Some(Doing::BlockedBusy), None));
     assert!(status.members[0].workers.is_empty(), "the other member published none");
 
     let failure = FailureRecord {

@@ -9,13 +9,12 @@ first on the worker's ``PYTHONPATH``. Standard library only: nothing of elastix 
    import elastix are watched too). In the worker itself (not in children it starts with spawn
    or forkserver, which inherit the variables: the slot names the pid that claimed it), with a
    heartbeat slot (``ELASTIX_HEARTBEAT_FILE``, ``ELASTIX_HEARTBEAT_SLOT``; see
-   rust/core/src/agent/heartbeats.rs): ``faulthandler`` is armed on a real-time signal, writing
-   every thread's stack to ``ELASTIX_STACKS_FILE`` (the slot says which signal; the agent sends
-   it before it kills a hung worker, and for ``elastix dump``); with
-   ``ELASTIX_PROGRESS_INTERVAL_MS`` (set with ``--worker-timeout``), a daemon thread looks at the
-   main thread's current frame and line that often and writes in the slot when they last
-   changed (plain words in shared memory: no system call). The agent counts a worker hung when
-   they have not changed and the worker used no CPU for the timeout.
+   rust/core/src/agent/heartbeats.rs): the slot is claimed with this process's pid, which the
+   agent then watches through the kernel (whether its main thread runs at all, and its CPU
+   use: rust/core/src/agent/activity.rs), and ``faulthandler`` is armed on a real-time signal,
+   writing every thread's stack to ``ELASTIX_STACKS_FILE`` (the slot says which signal; the
+   agent sends it before it kills a hung worker, and for ``elastix dump``). Nothing runs in
+   the worker afterwards: no thread, no timer.
 3. Then it leaves no trace (off ``sys.path`` and ``sys.modules``) and runs the ``sitecustomize``
    a plain start would have run, and start-up goes on.
 """
@@ -24,7 +23,7 @@ import os
 import sys
 
 _WORDS = 32  # a slot's 64-bit words, as the agent reads them
-_DUMP_SIGNAL, _MOVED, _OWNER = 3, 4, 5
+_DUMP_SIGNAL, _OWNER = 3, 5
 
 
 def _wait_for_the_worker_environment(fd: int) -> None:
@@ -76,30 +75,6 @@ def _arm_stack_dumps(words, base):
     words[base + _DUMP_SIGNAL] = number
 
 
-def _watch_the_main_thread(words, base, interval):
-    import threading
-    import time
-
-    main = threading.main_thread().ident
-    current_frames, monotonic_ns, sleep = sys._current_frames, time.monotonic_ns, time.sleep
-
-    def watch():
-        last = None
-        while True:
-            frame = current_frames().get(main)
-            if frame is None:
-                return  # the main thread is gone: the interpreter is exiting
-            where = (id(frame.f_code), frame.f_lineno)
-            del frame
-            if where != last:
-                last = where
-                words[base + _MOVED] = monotonic_ns()
-            sleep(interval)
-
-    words[base + _MOVED] = monotonic_ns()
-    threading.Thread(target=watch, name="elastix-progress", daemon=True).start()
-
-
 def _step_aside():
     here = os.path.dirname(os.path.realpath(__file__))
     sys.path[:] = [entry for entry in sys.path if not (entry and os.path.realpath(entry) == here)]
@@ -118,9 +93,6 @@ def _start():
     if claimed is None:
         return
     _arm_stack_dumps(*claimed)
-    interval = os.environ.get("ELASTIX_PROGRESS_INTERVAL_MS")
-    if interval:
-        _watch_the_main_thread(*claimed, max(int(interval), 1) / 1000)
 
 
 _fd = os.environ.get("ELASTIX_STANDBY_FD")

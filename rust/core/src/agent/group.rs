@@ -15,8 +15,8 @@ use nix::unistd::Pid;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
+use super::activity::Activity;
 use super::config::{AgentConfig, STD_ERR, STD_OUT};
-use super::cpu::{self, CpuActivity};
 use super::dumps::{Asked, DumpRequests, FlightExchange, WorkerStacks};
 use super::env::{worker_args, worker_env, WorkerPlace};
 use super::error::{AgentError, Result};
@@ -54,8 +54,9 @@ struct Worker {
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
     /// Where it dumps its stacks when asked.
     stacks_file: PathBuf,
-    /// Its recent CPU use: a worker in a long C call is busy, not hung.
-    cpu: CpuActivity,
+    /// What the kernel showed of its main process: whether its main thread runs, and its CPU
+    /// use (a worker in a long C call is busy, not hung).
+    activity: Activity,
     /// Dropped after the group is killed: the watchdog forgets the group only then.
     watch: Watch,
 }
@@ -172,13 +173,15 @@ impl WorkerGroup {
         self.progress = Some(notes);
     }
 
-    /// The workers' progress, from their slots, for whoever publishes it.
-    fn note_progress(&self) {
+    /// The workers' progress, from their slots and what the kernel showed, for whoever
+    /// publishes it.
+    fn note_progress(&self, now: u64) {
         let (Some(notes), Some(page)) = (&self.progress, &self.heartbeats) else { return };
-        let workers = self.workers.iter().enumerate();
-        notes.send_replace(
-            workers.map(|(index, w)| progress::progress_of(w.place.global_rank, &page.slot(index))).collect(),
-        );
+        let blocked_after = self.worker_timeout.unwrap_or(progress::BLOCKED_AFTER);
+        let workers = self.workers.iter().enumerate().map(|(index, w)| {
+            progress::progress_of(w.place.global_rank, &page.slot(index), &w.activity, now, blocked_after)
+        });
+        notes.send_replace(workers.collect());
     }
 
     pub fn global_ranks(&self) -> Vec<u32> {
@@ -215,8 +218,9 @@ impl WorkerGroup {
                     }
                 }
                 _ = ticks.tick(), if self.heartbeats.is_some() => {
-                    self.note_progress();
-                    let hung = self.hung();
+                    let now = heartbeats::now_ns();
+                    let hung = self.hung(now);
+                    self.note_progress(now);
                     if !hung.is_empty() {
                         return Waited::Hung(HungWorkers(hung));
                     }
@@ -262,20 +266,20 @@ impl WorkerGroup {
         stacks::dump(worker.pid, signal, &worker.stacks_file).await
     }
 
-    /// The running workers whose heartbeat or timer lapsed, or that stalled, with their slots.
-    fn hung(&mut self) -> Vec<(usize, Lapse, Slot)> {
+    /// The running workers whose heartbeat or timer lapsed, or whose main thread has not run
+    /// while their processes used no CPU, with their slots, as of `now`.
+    fn hung(&mut self, now: u64) -> Vec<(usize, Lapse, Slot)> {
         let Some(page) = &self.heartbeats else { return Vec::new() };
-        let now = heartbeats::now_ns();
         let mut hung = Vec::new();
         for (index, worker) in self.workers.iter_mut().enumerate().filter(|(_, w)| w.exit.is_none()) {
             let slot = page.slot(index);
             crate::metrics::agent::get().worker_heartbeat_at(index as u32, heartbeats::instant(slot.last_beat));
-            if self.worker_timeout.is_some() && slot.moved != 0 {
-                if let Some(ticks) = cpu::cpu_ticks(worker.pid) {
-                    worker.cpu.observe(now, ticks);
-                }
-            }
-            if let Some(lapse) = slot.lapse(now, self.worker_timeout, worker.cpu.busy_at()) {
+            // the process that claimed the slot (the Python worker, under any wrapper) is watched
+            let watched = u32::try_from(slot.owner).ok().filter(|owner| *owner != 0).map(|owner| {
+                worker.activity.look(now, owner);
+                &worker.activity
+            });
+            if let Some(lapse) = slot.lapse(now, self.worker_timeout, watched) {
                 hung.push((index, lapse, slot));
             }
         }
@@ -519,10 +523,6 @@ fn spawn(
         env.insert(heartbeats::FILE_VAR.to_owned(), page.to_string_lossy().into_owned());
         env.insert(heartbeats::SLOT_VAR.to_owned(), local_rank.to_string());
         env.insert(heartbeats::STACKS_VAR.to_owned(), stacks_file.to_string_lossy().into_owned());
-        if let Some(timeout) = config.worker_timeout() {
-            let every = heartbeats::progress_interval(timeout).as_millis();
-            env.insert(heartbeats::PROGRESS_VAR.to_owned(), every.to_string());
-        }
     }
     let output = launch.outputs[local_rank as usize];
     let activated = standby.and_then(|standby| {
@@ -592,7 +592,7 @@ fn spawn(
         reaped.release_if_empty();
         let _ = exits.send((index, status, SystemTime::now()));
     });
-    Ok(Worker { place, pid, exit: None, pumps, stderr_tail, stacks_file, cpu: CpuActivity::default(), watch })
+    Ok(Worker { place, pid, exit: None, pumps, stderr_tail, stacks_file, activity: Activity::default(), watch })
 }
 
 /// Waits up to [`DRAIN_WAIT`] for output pumps to reach EOF; returns those still running.

@@ -4,22 +4,22 @@
 //!
 //! A worker's slot is [`SLOT_WORDS`] words: the time of its last heartbeat, the progress
 //! window it is in (`expect_progress`), the deadline of its earliest timer, the signal on
-//! which it dumps its threads' stacks (0 until armed), when its main thread last moved and
-//! the pid of the process that owns the slot, then its collective flight recorder: how many
-//! collectives it entered, and the last [`FLIGHTS`] of them ([`Flight`], written by
-//! elastix.collectives as each starts and ends); the rest is spare. Times are
-//! `CLOCK_MONOTONIC` nanoseconds, the clock Python's `time.monotonic_ns()` reads; 0 means none.
+//! which it dumps its threads' stacks (0 until armed), a spare word, and the pid of the
+//! process that owns the slot, then its collective flight recorder: how many collectives it
+//! entered, and the last [`FLIGHTS`] of them ([`Flight`], written by elastix.collectives as
+//! each starts and ends); the rest is spare. Times are `CLOCK_MONOTONIC` nanoseconds, the
+//! clock Python's `time.monotonic_ns()` reads; 0 means none.
 //!
-//! Every Python worker fills the last two with no change to its code: elastix's site hook
-//! (python/elastix/worker/site) claims the slot for the worker's own pid (children
-//! started with spawn or forkserver, which inherit the variables, leave it alone) and a
-//! thread of it writes when the main thread's current frame and line last changed.
+//! Every Python worker claims its slot with no change to its code: elastix's site hook
+//! (python/elastix/worker/site) writes the worker's own pid as the owner (children started
+//! with spawn or forkserver, which inherit the variables, leave it alone) and arms the stack
+//! dumps. The agent then watches the owner through the kernel ([`super::activity`]).
 //!
 //! A worker is hung when its timer expired, when it is in a progress window and its last
 //! heartbeat is older than that, or, with `--worker-timeout T`: when its last heartbeat (once
 //! it sent one) is older than T, or, for a worker that never sent one, when its main thread
-//! has not moved and it used no CPU ([`super::cpu`]) for T. Explicit heartbeats and windows
-//! take precedence over the automatic progress.
+//! has not run at all and its processes used no CPU for T. Explicit heartbeats and windows
+//! take precedence over the automatic watch.
 
 use std::fs::File;
 use std::io;
@@ -30,13 +30,15 @@ use std::time::Duration;
 use memmap2::{MmapOptions, MmapRaw};
 use nix::time::{clock_gettime, ClockId};
 
+use super::activity::Activity;
+
 /// Words in one worker's slot (256 bytes: whole cache lines, so workers never share one).
 pub const SLOT_WORDS: usize = 32;
 const LAST_BEAT: usize = 0;
 const WINDOW: usize = 1;
 const DEADLINE: usize = 2;
 const DUMP_SIGNAL: usize = 3;
-const MOVED: usize = 4;
+// word 4 is spare (an older site hook wrote its frame sampler's moves there)
 const OWNER: usize = 5;
 /// Heartbeats sent, and the last step one named plus one (0: none named).
 const BEATS: usize = 6;
@@ -67,15 +69,6 @@ pub const FILE_VAR: &str = "ELASTIX_HEARTBEAT_FILE";
 pub const SLOT_VAR: &str = "ELASTIX_HEARTBEAT_SLOT";
 /// Where a worker's stack dumps go (see [`super::stacks`]).
 pub const STACKS_VAR: &str = "ELASTIX_STACKS_FILE";
-/// How often (milliseconds) the site hook looks at the main thread; set with `--worker-timeout`.
-pub const PROGRESS_VAR: &str = "ELASTIX_PROGRESS_INTERVAL_MS";
-
-/// How often the site hook should look for a worker timeout: often enough to see a move
-/// within a small part of it, rarely enough to cost nothing.
-pub fn progress_interval(worker_timeout: Duration) -> Duration {
-    (worker_timeout / 10).clamp(Duration::from_millis(20), Duration::from_secs(1))
-}
-
 /// The wall-clock time of a moment on the workers' clock (`None` for 0: never).
 pub fn wall_time(ns: u64) -> Option<std::time::SystemTime> {
     (ns != 0).then(|| std::time::SystemTime::now() - Duration::from_nanos(now_ns().saturating_sub(ns)))
@@ -99,14 +92,14 @@ pub struct Slot {
     pub window: u64,
     pub deadline: u64,
     pub dump_signal: u64,
-    /// When the main thread's frame or line last changed (0: nobody watches it).
-    pub moved: u64,
     /// The pid of the process that claimed the slot (0: none yet).
     pub owner: u64,
     /// Heartbeats sent so far.
     pub beats: u64,
     /// The training step the last heartbeat named, if any did.
     pub step: Option<u64>,
+    /// When it entered the elastix collective it is inside, if it is inside one (0: none).
+    pub collective_since: u64,
 }
 
 impl Heartbeats {
@@ -144,8 +137,14 @@ pub enum Lapse {
         timeout: Duration,
         since: Duration,
     },
-    /// No heartbeat ever, and neither a move of the main thread nor CPU use for the timeout.
-    Stalled {
+    /// No heartbeat ever, and neither a run of the main thread nor CPU use for the timeout.
+    Blocked {
+        timeout: Duration,
+        since: Duration,
+    },
+    /// No heartbeat ever, and inside one elastix collective without CPU use for the timeout
+    /// (the collectives wake now and then to look for an abort: that is no progress).
+    InCollective {
         timeout: Duration,
         since: Duration,
     },
@@ -165,9 +164,15 @@ impl std::fmt::Display for Lapse {
             Lapse::NoHeartbeat { timeout, since } => {
                 write!(f, "no heartbeat for {} (--worker-timeout {})", secs(since), secs(timeout))
             }
-            Lapse::Stalled { timeout, since } => write!(
+            Lapse::Blocked { timeout, since } => write!(
                 f,
-                "its main thread has not moved and it used no CPU for {} (--worker-timeout {})",
+                "its main thread has not run and its processes used no CPU for {} (--worker-timeout {})",
+                secs(since),
+                secs(timeout)
+            ),
+            Lapse::InCollective { timeout, since } => write!(
+                f,
+                "it has waited in a collective and its processes used no CPU for {} (--worker-timeout {})",
                 secs(since),
                 secs(timeout)
             ),
@@ -177,9 +182,9 @@ impl std::fmt::Display for Lapse {
 }
 
 impl Slot {
-    /// Whether this slot, read at `now`, makes its worker hung; `busy_at`: the last moment
-    /// its process was seen using CPU (0: never).
-    pub fn lapse(&self, now: u64, worker_timeout: Option<Duration>, busy_at: u64) -> Option<Lapse> {
+    /// Whether this slot, read at `now`, makes its worker hung; `watched`: what the kernel
+    /// showed of its owner ([`Activity`]; `None`: nobody claimed the slot, so nothing is known).
+    pub fn lapse(&self, now: u64, worker_timeout: Option<Duration>, watched: Option<&Activity>) -> Option<Lapse> {
         let since_beat = Duration::from_nanos(now.saturating_sub(self.last_beat));
         if self.deadline != 0 && now > self.deadline {
             return Some(Lapse::TimerExpired { late: Duration::from_nanos(now - self.deadline) });
@@ -192,11 +197,15 @@ impl Slot {
         if self.last_beat != 0 {
             return (since_beat > timeout).then_some(Lapse::NoHeartbeat { timeout, since: since_beat });
         }
-        if self.window != 0 || self.moved == 0 {
+        let Some(watched) = watched.filter(|watched| self.window == 0 && watched.main_ran_at() != 0) else {
             return None; // in a window that has not seen a beat yet, or nobody watches it
+        };
+        if self.collective_since != 0 {
+            let since = Duration::from_nanos(now.saturating_sub(self.collective_since.max(watched.busy_at())));
+            return (since > timeout).then_some(Lapse::InCollective { timeout, since });
         }
-        let since = Duration::from_nanos(now.saturating_sub(self.moved.max(busy_at)));
-        (since > timeout).then_some(Lapse::Stalled { timeout, since })
+        let since = Duration::from_nanos(now.saturating_sub(watched.main_ran_at().max(watched.busy_at())));
+        (since > timeout).then_some(Lapse::Blocked { timeout, since })
     }
 }
 
@@ -258,10 +267,10 @@ impl Heartbeats {
             window: self.word(slot, WINDOW),
             deadline: self.word(slot, DEADLINE),
             dump_signal: self.word(slot, DUMP_SIGNAL),
-            moved: self.word(slot, MOVED),
             owner: self.word(slot, OWNER),
             beats: self.word(slot, BEATS),
             step: self.word(slot, STEP).checked_sub(1),
+            collective_since: self.flights(slot).last().filter(|flight| flight.finished == 0).map_or(0, |f| f.entered),
         }
     }
 }
@@ -309,30 +318,44 @@ mod tests {
         let now = 100 * S;
         let five = Some(Duration::from_secs(5));
         let quiet = Slot::default();
-        assert_eq!(quiet.lapse(now, Some(Duration::from_secs(1)), 0), None, "nothing watched: never hung");
+        assert_eq!(quiet.lapse(now, Some(Duration::from_secs(1)), None), None, "nothing watched: never hung");
         let beat = Slot { last_beat: 90 * S, ..Slot::default() };
-        assert_eq!(beat.lapse(now, None, 0), None, "no --worker-timeout");
+        assert_eq!(beat.lapse(now, None, None), None, "no --worker-timeout");
         assert_eq!(
-            beat.lapse(now, five, 0),
+            beat.lapse(now, five, None),
             Some(Lapse::NoHeartbeat { timeout: Duration::from_secs(5), since: Duration::from_secs(10) })
         );
-        assert_eq!(beat.lapse(now, Some(Duration::from_secs(20)), 0), None);
+        assert_eq!(beat.lapse(now, Some(Duration::from_secs(20)), None), None);
         let window = Slot { last_beat: 90 * S, window: 5 * S, ..Slot::default() };
-        assert!(matches!(window.lapse(now, None, 0), Some(Lapse::NoProgress { .. })));
+        assert!(matches!(window.lapse(now, None, None), Some(Lapse::NoProgress { .. })));
         let timer = Slot { last_beat: 99 * S, deadline: 98 * S, ..Slot::default() };
-        assert_eq!(timer.lapse(now, None, 0), Some(Lapse::TimerExpired { late: Duration::from_secs(2) }));
-        assert_eq!(Slot { deadline: 101 * S, ..Slot::default() }.lapse(now, None, 0), None);
-        // automatic progress: the main thread, else the CPU, must have moved within the timeout
-        let still = Slot { moved: 90 * S, ..Slot::default() };
+        assert_eq!(timer.lapse(now, None, None), Some(Lapse::TimerExpired { late: Duration::from_secs(2) }));
+        assert_eq!(Slot { deadline: 101 * S, ..Slot::default() }.lapse(now, None, None), None);
+        // automatic watch: the main thread must have run, else the processes used CPU, within the timeout
+        let owned = Slot { owner: 42, ..Slot::default() };
+        let blocked = Activity::seen(90 * S, 0);
         assert_eq!(
-            still.lapse(now, five, 0),
-            Some(Lapse::Stalled { timeout: Duration::from_secs(5), since: Duration::from_secs(10) })
+            owned.lapse(now, five, Some(&blocked)),
+            Some(Lapse::Blocked { timeout: Duration::from_secs(5), since: Duration::from_secs(10) })
         );
-        assert_eq!(still.lapse(now, five, 97 * S), None, "busy in a C call");
-        assert_eq!(Slot { moved: 97 * S, ..Slot::default() }.lapse(now, five, 0), None);
-        assert_eq!(still.lapse(now, None, 0), None, "no --worker-timeout");
-        // explicit heartbeats take precedence: a recent beat keeps a still main thread alive
-        assert_eq!(Slot { moved: 90 * S, last_beat: 98 * S, ..Slot::default() }.lapse(now, five, 0), None);
+        assert_eq!(owned.lapse(now, five, Some(&Activity::seen(90 * S, 97 * S))), None, "busy in a C call");
+        assert_eq!(owned.lapse(now, five, Some(&Activity::seen(97 * S, 0))), None, "it ran");
+        assert_eq!(owned.lapse(now, None, Some(&blocked)), None, "no --worker-timeout");
+        assert_eq!(owned.lapse(now, five, Some(&Activity::default())), None, "not watched yet");
+        // explicit heartbeats and windows take precedence: a recent beat keeps a blocked main thread alive
+        let beating = Slot { last_beat: 98 * S, ..owned };
+        assert_eq!(beating.lapse(now, five, Some(&blocked)), None);
+        let in_window = Slot { window: 60 * S, ..owned };
+        assert_eq!(in_window.lapse(now, five, Some(&blocked)), None, "a window without a beat yet");
+        // inside a collective, the main thread's wakes (an abort check) are no progress
+        let waiting = Slot { collective_since: 92 * S, ..owned };
+        let woken = Activity::seen(99 * S, 0);
+        assert_eq!(
+            waiting.lapse(now, five, Some(&woken)),
+            Some(Lapse::InCollective { timeout: Duration::from_secs(5), since: Duration::from_secs(8) })
+        );
+        assert_eq!(waiting.lapse(now, five, Some(&Activity::seen(99 * S, 98 * S))), None, "moving bytes");
+        assert_eq!(Slot { collective_since: 97 * S, ..owned }.lapse(now, five, Some(&woken)), None);
     }
 
     #[test]
@@ -377,10 +400,10 @@ mod tests {
                 window: 12,
                 deadline: 13,
                 dump_signal: 14,
-                moved: 15,
                 owner: 0,
                 beats: 9,
-                step: Some(41)
+                step: Some(41),
+                collective_since: 0,
             }
         );
         assert_eq!((page.slot(0).beats, page.slot(0).step), (0, None), "no step named");

@@ -5,15 +5,15 @@
 //!   their output goes; [`pump`]: relaying it; [`crate::console`] and [`logfiles`]: the
 //!   threads that write it, so the agent never blocks on a stalled reader or a full disk;
 //!   [`failure`]: what a failure left behind, the root-cause rule and the summary;
-//!   [`heartbeats`], [`cpu`] and [`stacks`]: hung workers and their stack dumps; [`flight`]:
+//!   [`heartbeats`], [`activity`] and [`stacks`]: hung workers and their stack dumps; [`flight`]:
 //!   which rank holds the others up in a collective; [`dumps`]: stack dumps on demand, and
 //!   flight records across nodes; [`progress`]: the workers' progress for `elastix status`.
 //! * [`events`]: the event log of every state change.
 //! * [`config`], [`env`], [`ranks`]: what workers are started with; [`process`]: how a child
 //!   is started; [`standby`]: warm interpreters that make restarts fast; [`signals`], [`result`].
 
+pub mod activity;
 pub mod config;
-pub mod cpu;
 pub mod dumps;
 pub mod env;
 pub mod error;

@@ -8,6 +8,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use super::activity::Activity;
 use super::heartbeats::{self, Slot};
 use crate::rendezvous::backend::StatusWriter;
 use crate::rendezvous::records::{AgentFacts, WorkerProgress};
@@ -17,6 +18,9 @@ use crate::rendezvous::records::{AgentFacts, WorkerProgress};
 const PUBLISH_EVERY: Duration = Duration::from_secs(5);
 /// Bound on one write: a store that does not answer is tried again next time.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Without `--worker-timeout`, how long a main thread that does not run while its processes
+/// are busy takes to show as blocked.
+pub const BLOCKED_AFTER: Duration = Duration::from_secs(10);
 
 /// The task that publishes one attempt's progress; stopped when dropped.
 pub struct ProgressPublisher {
@@ -49,11 +53,14 @@ impl Drop for ProgressPublisher {
     }
 }
 
-/// What global rank `rank`'s slot says of its progress.
-pub fn progress_of(rank: u32, slot: &Slot) -> WorkerProgress {
-    let seen = heartbeats::wall_time(slot.last_beat.max(slot.moved));
+/// What global rank `rank`'s slot, and what the kernel showed of it (`activity`), say of its
+/// progress at `now`; a main thread that has not run for `blocked_after` while the processes
+/// are busy shows as blocked.
+pub fn progress_of(rank: u32, slot: &Slot, activity: &Activity, now: u64, blocked_after: Duration) -> WorkerProgress {
+    let seen = heartbeats::wall_time(slot.last_beat.max(activity.main_ran_at()));
     let seen_ms = seen.and_then(|at| at.duration_since(UNIX_EPOCH).ok()).map(|since| since.as_millis() as u64);
-    WorkerProgress { rank, beats: slot.beats, step: slot.step, seen_ms }
+    let doing = activity.doing(now, blocked_after);
+    WorkerProgress { rank, beats: slot.beats, step: slot.step, seen_ms, doing }
 }
 
 #[cfg(test)]
@@ -61,19 +68,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_worker_is_seen_at_its_last_beat_or_move_whichever_is_later() {
+    fn a_worker_is_seen_at_its_last_beat_or_run_whichever_is_later() {
         let now = heartbeats::now_ns();
-        let slot = Slot {
-            last_beat: now - 3_000_000_000,
-            moved: now - 1_000_000_000,
-            beats: 7,
-            step: Some(41),
-            ..Slot::default()
-        };
-        let progress = progress_of(5, &slot);
+        let slot = Slot { last_beat: now - 3_000_000_000, beats: 7, step: Some(41), ..Slot::default() };
+        let mut activity = Activity::default();
+        activity.observe(
+            now - 1_000_000_000,
+            crate::agent::activity::Reading { main_runs: Some((1, 1)), tree_ticks: None },
+        );
+        let progress = progress_of(5, &slot, &activity, now, BLOCKED_AFTER);
         let age_ms = crate::rendezvous::records::now_ms() - progress.seen_ms.unwrap();
         assert!((900..1500).contains(&age_ms), "{age_ms}");
         assert_eq!((progress.rank, progress.beats, progress.step), (5, 7, Some(41)));
-        assert_eq!(progress_of(0, &Slot::default()).seen_ms, None, "never seen");
+        assert_eq!(progress.doing, Some(crate::agent::activity::Doing::Waiting), "its main thread waits a second");
+        let never = progress_of(0, &Slot::default(), &Activity::default(), now, BLOCKED_AFTER);
+        assert_eq!((never.seen_ms, never.doing), (None, None), "never seen");
     }
 }

@@ -109,9 +109,27 @@ pub struct WorkerProgress {
     pub beats: u64,
     /// The training step its last heartbeat named, if any did.
     pub step: Option<u64>,
-    /// When it was last seen making progress: its last heartbeat or its main thread's last
-    /// move, ms since the epoch on the agent's clock (`None`: never).
+    /// When it was last seen making progress: its last heartbeat or the last time its main
+    /// thread ran, ms since the epoch on the agent's clock (`None`: never).
     pub seen_ms: Option<u64>,
+    /// What its main thread and processes were doing (`None`: not watched: not a Python
+    /// worker, or an older agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub doing: Option<Doing>,
+}
+
+/// How a worker's main thread and CPU use looked to its agent (`agent::activity`), for
+/// `elastix status`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Doing {
+    /// Its main thread ran within the last second.
+    Running,
+    /// Its main thread has not run for a while, and its processes use no CPU.
+    Waiting,
+    /// Its main thread has not run for a while, but its processes keep the CPU busy (another
+    /// thread or a child works): not hung on this evidence, whatever the main thread waits for.
+    BlockedBusy,
 }
 
 /// A member's [`AgentFacts`], with what the rendezvous adds: for `elastix status`.

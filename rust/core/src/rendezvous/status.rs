@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use super::conf::ConfInput;
 use super::node::NodeDesc;
-use super::records::{now_ms, seconds_between, FailureRecord, NodeStatus, WorkerProgress};
+use super::records::{now_ms, seconds_between, Doing, FailureRecord, NodeStatus, WorkerProgress};
 
 /// What `elastix status` asks for.
 #[derive(Clone, Debug)]
@@ -123,9 +123,11 @@ pub struct WorkerStatus {
     pub rank: u32,
     pub beats: u64,
     pub step: Option<u64>,
-    /// Seconds since it was last seen making progress (a heartbeat or a move of its main
+    /// Seconds since it was last seen making progress (a heartbeat or a run of its main
     /// thread; the agent's clock against this machine's); `None`: never.
     pub seen_age_s: Option<f64>,
+    /// What its main thread and processes were doing (`None`: not watched).
+    pub doing: Option<Doing>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -188,6 +190,7 @@ impl From<&WorkerProgress> for WorkerStatus {
             beats: progress.beats,
             step: progress.step,
             seen_age_s: progress.seen_ms.map(|seen| seconds_between(seen, now_ms())),
+            doing: progress.doing,
         }
     }
 }
