@@ -3,7 +3,14 @@ switch. Host i has the address `Hosts.addr(i)` on its own veth; `cut(i)` takes i
 (a partition: packets are dropped, nothing is refused) and `heal(i)` brings it back; `kill(i)`
 kills every process on it. This machine itself is `Hosts.gateway` on the switch.
 
-Needs root and `ip` (iproute2); `Hosts.available()` says why not where they are missing."""
+Partitions as firewalls make them (iptables in a host's namespace): `firewall(i, others, how)`
+cuts host i off from `others` by dropping their packets, or by rejecting them with TCP resets
+or ICMP port-unreachable (the answers let through: the far side sees "connection refused", as
+from a dead agent); `no_new_connections(i, to)` is a one-way cut (i cannot open a connection
+to `to`, which can still open one to i); `open_firewall(i)` heals.
+
+Needs root and `ip` (iproute2), and `iptables` for the firewalls; `Hosts.available()` and
+`Hosts.firewalls_available()` say why not where they are missing."""
 
 from __future__ import annotations
 
@@ -76,6 +83,37 @@ class Hosts:
 
     def heal(self, i: int) -> None:
         _ip("link", "set", self._veths[i], "up")
+
+    @staticmethod
+    def firewalls_available() -> str | None:
+        """None where firewalls can be set in the hosts here, else why not."""
+        return None if shutil.which("iptables") else "the iptables command is not installed"
+
+    def _iptables(self, i: int, *rule: str) -> None:
+        subprocess.run(
+            ["ip", "netns", "exec", self.names[i], "iptables", *rule], check=True, capture_output=True, timeout=20
+        )
+
+    def firewall(self, i: int, others, how: str = "drop") -> None:
+        """Host i's firewall cuts it off from hosts `others`, both ways: `how` is "drop"
+        (silence), "tcp-reset" or "icmp" (every TCP packet rejected, the answer let through)."""
+        answer = {"tcp-reset": "tcp-reset", "icmp": "icmp-port-unreachable"}
+        verdict = ["-j", "DROP"] if how == "drop" else ["-j", "REJECT", "--reject-with", answer[how]]
+        # a reset is an answer: rejecting it would silence the cut
+        match = [] if how == "drop" else ["-p", "tcp", "!", "--tcp-flags", "RST", "RST"]
+        for j in others:
+            self._iptables(i, "-A", "INPUT", "-s", self.addr(j), *match, *verdict)
+            self._iptables(i, "-A", "OUTPUT", "-d", self.addr(j), *match, *verdict)
+
+    def no_new_connections(self, i: int, to: int) -> None:
+        """A one-way cut: host i cannot open a connection to host `to` (refused at once); `to`
+        can still open one to i, and connections already open go on."""
+        self._iptables(
+            i, "-A", "OUTPUT", "-d", self.addr(to), "-p", "tcp", "--syn", "-j", "REJECT", "--reject-with", "tcp-reset"
+        )
+
+    def open_firewall(self, i: int) -> None:
+        self._iptables(i, "-F")
 
     def kill(self, i: int) -> list[int]:
         """Kills host i as a power loss would its software: SIGKILL to every process in its

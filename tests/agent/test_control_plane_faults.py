@@ -99,8 +99,9 @@ def test_a_store_that_never_comes_back_is_waited_for_aloud_then_named_in_the_err
 
 
 def test_losing_the_node_that_hosts_the_store_moves_it_to_the_next_listed_node(tmp_path, marker, request):
-    # each site's port held on its own address for the test (the agents bind with SO_REUSEADDR)
-    holders = [held_port(f"127.0.0.{i + 1}") for i in range(4)]
+    # each site's port held on its own address for the test (the agents bind with SO_REUSEADDR);
+    # three sites, one per node: the two left after the first one's loss are a majority
+    holders = [held_port(f"127.0.0.{i + 1}") for i in range(3)]
     request.addfinalizer(lambda: [holder.close() for holder in holders])
     endpoint = ",".join(f"127.0.0.{i + 1}:{holder.getsockname()[1]}" for i, holder in enumerate(holders))
     # rank 1 fails once: the job-wide restart count (1) must survive the move
@@ -121,7 +122,7 @@ def test_losing_the_node_that_hosts_the_store_moves_it_to_the_next_listed_node(t
     assert any("127.0.0.2" in a.output() and "now at" in a.output() for a in agents.values()), [
         a.output() for a in agents.values()
     ]
-    # a node started later tries the list in order and finds the job at its new site
+    # a node started later (serving no site) tries the list in order and finds the job at its new site
     agents[4] = agent(tmp_path, marker, "n4", *args(4))
     wait_round(tmp_path, 3, after=two, what="the late node joining the moved job")
     print(f"host loss: running again on 2 nodes {recovery:.2f}s after the SIGKILL")

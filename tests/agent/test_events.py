@@ -20,17 +20,21 @@ def test_a_run_with_one_failure_and_one_restart_logs_its_events_in_order(tmp_pat
     assert code == 0, err
     events = [json.loads(line) for line in log.read_text().splitlines()]
     assert [e["event"] for e in events] == [
-        "round_formed", "workers_started", "worker_failed", "workers_stopped", "restart",
+        "round_formed", "workers_started", "worker_failed", "workers_stopped", "failure_reported", "restart",
         "round_formed", "workers_started", "workers_stopped", "job_finished",
     ]  # fmt: skip
-    failed, stopped, restart, finished = events[2], events[3], events[4], events[8]
-    assert (stopped["round"], stopped["why"], events[7]["why"]) == (0, "failed", "succeeded")
-    assert events[1]["round"] == 0 and events[6]["round"] == 1
+    failed, stopped, charged, restart, finished = events[2], events[3], events[4], events[5], events[9]
+    assert (stopped["round"], stopped["why"], events[8]["why"]) == (0, "failed", "succeeded")
+    assert events[1]["round"] == 0 and events[7]["round"] == 1
+    # the charge is an event of its own, written before the restart (or the end) it leads to
+    assert (charged["restart_count"], charged["max_restarts"]) == (1, 1)
+    # a round is told apart by its workers' store as well as its number
+    assert events[0]["master"].startswith("127.0.0.1:") and events[6]["master"].startswith("127.0.0.1:")
     assert (failed["global_rank"], failed["exitcode"], failed["hung"]) == (0, 1, None)
     assert failed["headline"].startswith("rank 0 (host ") and ") exited with 1" in failed["headline"]
     assert (restart["restart_count"], restart["max_restarts"], restart["reason"]) == (1, 1, "worker failure")
     assert (finished["state"], finished["exit_code"]) == ("SUCCEEDED", 0)
-    assert events[5]["restart_count"] == 1
+    assert events[6]["restart_count"] == 1
     assert all(e["run_id"] == events[0]["run_id"] and e["pid"] == proc.pid for e in events)
     # jsonl: the same events on stderr, as they happen
     on_stderr = [json.loads(line) for line in err.splitlines() if line.startswith('{"event"')]

@@ -1,13 +1,17 @@
 """The fault matrix: a fault (what breaks) in a phase (when) on a backend (where the rendezvous
 lives), run end to end with real agents and training workers on three network-namespace hosts,
-and judged by invariants read from what the run leaves behind:
+and judged by invariants read from the agents' event logs (tests/faults/invariants.py, where
+each is defined and tried on doctored logs) and from what the run leaves behind:
 
-1. at most one round trains at any instant: from the loss window + 2 s after the fault, the
-   workers' steps (tests/workers/train_loop.py logs each one) come from one round at a time;
-2. every node still running ends, within a bound, with exit 0, or with an error that says why;
-3. a restart is charged (a `restart` event whose count went up, in the agents' event logs) only
-   for a worker's own failure;
-4. nothing is left running.
+1. at most one round (its number and its workers' store) trains at any instant, from the loss
+   window + 2 s after the fault;
+2. every node still running ends, within a bound, with exit 0, or with an error that names the
+   fault;
+3. a restart is charged (a `failure_reported`, `restart` or `round_formed` event whose count
+   went up) only for a worker's own failure;
+4. a node, host or worker lost while training is trained past within RECOVERY_BOUND, well
+   under torch's 30 s last call;
+5. nothing is left running.
 
 A cell ends `survived` (every invariant holds, the surviving nodes exit 0), `clean error`
 (every invariant holds; a node exited non-zero saying why), or `invariant broken` (what broke).
@@ -17,7 +21,6 @@ every one and prints the table.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from agents import marked_processes, starts, wait_for
+from invariants import judge, read_log
 from training import steps, train_node
 
 FAULTS = {
@@ -58,6 +62,10 @@ ETCD_CONF = "lease_ttl=2s,heartbeat_timeout=1s,join_timeout=30s"
 # how long every node still running has to end once the job is told to stop
 END_BOUND = 90.0
 LINGER = 12.0  # the exit-barrier phase: the victim's node keeps its workers this long
+# from a fault in training to the first step of the round formed after it, for the faults that
+# lose a member (a regression to torch's 30 s last call fails it)
+RECOVERY_BOUND = LOSS_WINDOW + 10.0
+RECOVERS = ("worker-kill", "agent-kill", "host-kill")
 
 
 def applicable(fault: str, phase: str, backend: str) -> bool:
@@ -209,28 +217,11 @@ class Cell:
     def _at_exit_barrier(self, i: int) -> bool:
         return any(e["event"] == "workers_stopped" and e.get("why") == "succeeded" for e in self._events(i))
 
-    def _restarts_charged(self) -> int:
-        return max(
-            (e.get("restart_count", 0) for i in self.agents for e in self._events(i) if e["event"] == "restart"),
-            default=0,
-        )
-
-    def _why(self, i: int) -> Optional[str]:
-        """The line in which host i's agent, having failed, says why (None: it did not say)."""
-        last = (self.agents[i].output().strip().splitlines() or [""])[-1]
-        return last if "error" in last or "failed" in last or "FAILED" in last else None
+    def _last_line(self, i: int) -> str:
+        return (self.agents[i].output().strip().splitlines() or [""])[-1]
 
     def _events(self, i: int) -> List[dict]:
-        path = self.workdir / f"events_h{i}.jsonl"
-        if not path.exists():
-            return []
-        events = []
-        for line in path.read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                pass  # a line being written
-        return events
+        return read_log(self.workdir / f"events_h{i}.jsonl")
 
     # -- the fault --------------------------------------------------------------------------
 
@@ -308,32 +299,22 @@ class Cell:
 
     def _judge(self) -> None:
         v = self.verdict
-        # 1. one round trains at a time, from the loss window + 2 s after the fault
+        logs = {f"h{i}": self._events(i) for i in self.agents}
         settle = self.fault_at + LOSS_WINDOW + 2.0
-        spans = _training_spans(self.workdir, settle)
-        for a, (a_start, a_end) in spans.items():
-            for b, (b_start, b_end) in spans.items():
-                if a < b and a_start < b_end and b_start < a_end:
-                    v.broken(
-                        f"rounds {a} and {b} trained at the same time (t+{max(a_start, b_start) - self.fault_at:.1f}s)"
-                    )
-        # 2. every node still running ended with 0, or non-zero saying why
+        allowed = 1 if self.fault == "worker-kill" else 0
+        died = {f"h{i}": self.fault_at for i in self.killed}
+        last_lines = {f"h{i}": self._last_line(i) for i in self.agents}
+        for problem in judge(logs, self.fault, settle, allowed, v.exits, last_lines, died):
+            v.broken(problem)
         for name, code in v.exits.items():
             if code not in (0, None):
-                why = self._why(int(name[1:]))
-                if why is not None:
-                    if v.outcome == "survived":
-                        v.outcome = "clean error"
-                    v.problems.append(f"{name} exited {code}: {why[-200:]}")
-                else:
-                    last = (self.agents[int(name[1:])].output().strip().splitlines() or [""])[-1]
-                    v.broken(f"{name} exited {code} without saying why: {last[-200:]}")
-        # 3. a restart charged only for a worker's own failure
-        charged = self._restarts_charged()
-        allowed = 1 if self.fault == "worker-kill" else 0
-        if charged > allowed:
-            v.broken(f"{charged} restart(s) charged for {FAULTS[self.fault]} (allowed: {allowed})")
-        # 4. nothing left running
+                if v.outcome == "survived":
+                    v.outcome = "clean error"  # non-zero, and (judged above) naming the fault
+                v.problems.append(f"{name} exited {code}: {last_lines[name][-200:]}")
+        if self.fault in RECOVERS and self.phase == "training":
+            if v.recovery_s is None or v.recovery_s > RECOVERY_BOUND:
+                v.broken(f"not training again within {RECOVERY_BOUND:.0f}s of the fault (recovery: {v.recovery_s})")
+        # nothing left running
         deadline = time.monotonic() + 10
         while marked_processes(self.marker) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -357,20 +338,6 @@ class Cell:
             self.store.wait()
         if self.etcd is not None:
             self.etcd.close()
-
-
-def _training_spans(workdir: Path, since: float) -> Dict[int, Tuple[float, float]]:
-    """When each round trained after `since`: (first step, last step), over its ranks. A step is
-    an all_reduce over the whole round, so a round trains only while all of its ranks do."""
-    spans: Dict[int, Tuple[float, float]] = {}
-    for path in workdir.glob("steps_*_*.txt"):
-        round_ = int(path.name[len("steps_") :].split("_")[0])
-        times = [float(line.split()[0]) for line in path.read_text().splitlines() if line.strip()]
-        times = [at for at in times if at > since]
-        if times:
-            start, end = spans.get(round_, (times[0], times[-1]))
-            spans[round_] = (min(start, times[0]), max(end, times[-1]))
-    return spans
 
 
 def run_cell(fault: str, phase: str, backend: str, workdir: Path, hosts, marker: str) -> Verdict:

@@ -61,9 +61,12 @@ impl EventLog {
         }
     }
 
+    /// `master` (the round's workers' store) tells two rounds of the same number apart: two
+    /// sides of a partition that each formed a "round 5" serve two workers' stores.
     pub async fn round_formed(&self, info: &RendezvousInfo, restart_count: i64) {
+        let master = format!("{}:{}", info.master_addr, info.master_port);
         let fields = json!({"round": info.round, "group_rank": info.rank, "group_world_size": info.world_size,
-                            "restart_count": restart_count});
+                            "master": master, "restart_count": restart_count});
         self.emit("round_formed", fields).await;
     }
 
@@ -103,6 +106,13 @@ impl EventLog {
     /// "signal"): with `workers_started`, when each round trained on this node.
     pub async fn workers_stopped(&self, round: u64, why: &str) {
         self.emit("workers_stopped", json!({"round": round, "why": why})).await;
+    }
+
+    /// This node reported its workers' failure as their own: `restart_count` is the job-wide
+    /// count after the report (one failure of a round, on however many nodes, spends one),
+    /// written whether the job then restarts or fails.
+    pub async fn failure_reported(&self, restart_count: i64, max_restarts: u32) {
+        self.emit("failure_reported", json!({"restart_count": restart_count, "max_restarts": max_restarts})).await;
     }
 
     pub async fn restart(&self, restart_count: i64, max_restarts: u32, reason: &str) {

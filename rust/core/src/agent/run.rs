@@ -675,6 +675,7 @@ impl Agent {
             Err(err) => return Err(err.into()),
         };
         report.restart_count = restarts;
+        self.events.failure_reported(restarts, self.config.max_restarts).await;
         metrics::agent::get().job_restarts(restarts, self.config.max_restarts);
         self.publish_failure(&failures, report.restart_count).await;
         let name = entrypoint_name(&self.config);

@@ -1,12 +1,14 @@
 //! Whether a member's agent is still there, asked the moment it matters.
 //!
 //! A node's death reaches its peers' workers first (their collective breaks) and its heartbeats
-//! only a loss window later, so an agent whose workers failed asks the other members directly
-//! before it counts the failure as their own: every agent listens on a port of its own that
-//! accepts and closes (published in its member record), and a probe connects to it. A refused
-//! connection is final (the machine answers, the agent is gone: a crash, a kill, a host whose
-//! processes all died); no answer at all is only a suspicion (a dead machine, a cut link, or a
-//! flood of strangers filling the backlog), which the heartbeats or the lease then settle.
+//! only a loss window later, so an agent whose workers failed asks the other members before it
+//! counts the failure as their own. First through the store (or etcd): a member whose agent
+//! runs and reaches it answers at once, and is there. A member that does not answer is then
+//! probed here: every agent listens on a port of its own that accepts and closes (published in
+//! its member record). A refusal with no answer is a gone agent (a crash, a kill, a host whose
+//! processes all died); a refusal alone is not, for a firewall that rejects answers the same
+//! way; no answer at all is only a suspicion (a stopped agent, a dead machine, a cut link),
+//! which the heartbeats or the lease then settle.
 
 use std::io;
 use std::net::SocketAddr;
@@ -21,6 +23,10 @@ use crate::store::server::listener;
 /// How long a probe waits for the connection: a live agent's kernel answers in well under a
 /// millisecond on a LAN, and a longer wait only delays the unsure verdict.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a census waits for the members it asked through the store (or etcd) to answer: a
+/// live agent that reaches it answers in a few round trips. Only a member that did not answer
+/// is probed here at all.
+pub const ASK_PATIENCE: Duration = Duration::from_secs(1);
 
 /// This agent's presence listener; stops when dropped.
 pub struct Presence {
@@ -29,11 +35,13 @@ pub struct Presence {
 }
 
 impl Presence {
-    /// Listens on every address, on a port the kernel picks; `None` outside a tokio runtime
-    /// (then nobody can probe this node, and its peers rely on its heartbeats).
-    pub fn start() -> Option<Presence> {
+    /// Listens on a port the kernel picks: on loopback alone for a node whose address is a
+    /// loopback one (a job of this machine alone), else on every address. `None` outside a
+    /// tokio runtime (then nobody can probe this node, and its peers rely on its heartbeats).
+    pub fn start(addr: &str) -> Option<Presence> {
         tokio::runtime::Handle::try_current().ok()?;
-        let listening = listener::bind(None, 0).and_then(|std| {
+        let host = listener::is_loopback_name(addr).then_some(addr);
+        let listening = listener::bind(host, 0).and_then(|std| {
             std.set_nonblocking(true)?;
             TcpListener::from_std(std)
         });
@@ -147,7 +155,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_live_agent_is_present_and_a_closed_port_is_gone() {
-        let presence = Presence::start().expect("inside a runtime");
+        let presence = Presence::start("127.0.0.1").expect("inside a runtime");
         assert_eq!(probe("127.0.0.1", presence.port(), PROBE_TIMEOUT).await, Probe::Present);
         let port = presence.port();
         drop(presence);
@@ -175,8 +183,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_census_sorts_members_into_gone_and_unsure() {
-        let alive = Presence::start().unwrap();
-        let dead = Presence::start().unwrap();
+        let alive = Presence::start("127.0.0.1").unwrap();
+        let dead = Presence::start("127.0.0.1").unwrap();
         let dead_port = dead.port();
         drop(dead);
         tokio::task::yield_now().await;

@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use super::contact::Contact;
 use super::events;
 use super::keys::Keys;
-use super::liveness::{member_key, report_lost, spawn_heartbeats, spawn_monitor, RoundContext};
+use super::liveness::{answered, ask, member_key, report_lost, spawn_heartbeats, spawn_monitor, RoundContext};
 use super::locate::{self, Choice, Known, Probe};
 use super::round::{JoinOutcome, RoundJoin};
 use super::trust;
@@ -30,7 +30,7 @@ use crate::rendezvous::backend::StatusWriter;
 use crate::rendezvous::change::{MembershipChange, RendezvousInfo};
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::node::NodeDesc;
-use crate::rendezvous::presence::{self, Census, Presence, PROBE_TIMEOUT};
+use crate::rendezvous::presence::{self, Census, Presence, ASK_PATIENCE, PROBE_TIMEOUT};
 use crate::rendezvous::records::{
     decode, encode, AgentFacts, Arrival, Event, FailureRecord, Master, Meta, NodeStatus, FORMAT_VERSION,
 };
@@ -54,6 +54,8 @@ struct Membership {
     notify: Arc<watch::Sender<Option<MembershipChange>>>,
     /// The workers' store, when this node is rank 0.
     _master: Option<StoreServer>,
+    /// The event log's count when this node joined: what comes after may concern the round.
+    events_seen: i64,
 }
 
 impl Drop for Membership {
@@ -93,7 +95,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         settings.validate()?;
         let mut node = NodeDesc::this_process(settings.local_addr.as_deref());
         node.order = settings.node_order;
-        let presence = Presence::start();
+        let presence = Presence::start(&node.addr);
         node.presence = presence.as_ref().map(Presence::port);
         Ok(DynamicRendezvous {
             store,
@@ -523,7 +525,16 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             tasks.push(locate::spawn_site_watcher(self.store.clone(), known, interval, window, changes));
         }
         let notify = context.changes.clone();
-        self.current = Some(Membership { round, rank, world_size, tasks, changes, notify, _master: master_server });
+        self.current = Some(Membership {
+            round,
+            rank,
+            world_size,
+            tasks,
+            changes,
+            notify,
+            _master: master_server,
+            events_seen: seen,
+        });
         let (store_host, store_port) = match self.store.serves_rounds() {
             true => self.store.address(self.store.active_site()),
             false => (master.addr.clone(), master.port),
@@ -565,21 +576,30 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         };
         let asked: Vec<u32> =
             (0..world_size).filter(|other| *other != rank && only.map_or(true, |only| only.contains(other))).collect();
-        let members = self
+        // every member asked at once, then their answers awaited up to one deadline
+        let silent = self
             .with_conn(async |conn| {
-                let mut found = Vec::new();
+                let mut before = Vec::with_capacity(asked.len());
                 for &other in &asked {
-                    if let Some(bytes) = conn.try_get(&member_key(round, other)).await? {
-                        if let Ok(Arrival { node: Some(node), .. }) = decode::<Arrival>(&bytes, "member") {
-                            found.push((other, node));
+                    before.push((other, ask(conn, round, other).await?));
+                }
+                let deadline = Instant::now() + ASK_PATIENCE;
+                let mut silent = Vec::new();
+                for (other, before) in before {
+                    let within = deadline.saturating_duration_since(Instant::now());
+                    if !answered(conn, round, other, before, within).await? {
+                        if let Some(bytes) = conn.try_get(&member_key(round, other)).await? {
+                            if let Ok(Arrival { node: Some(node), .. }) = decode::<Arrival>(&bytes, "member") {
+                                silent.push((other, node));
+                            }
                         }
                     }
                 }
-                Ok(found)
+                Ok(silent)
             })
             .await;
-        let members = match members {
-            Ok(members) => members,
+        let silent = match silent {
+            Ok(silent) => silent,
             Err(err) => {
                 // the store went with the failure: that ends the round (and with several
                 // sites, its host is one of the members not coming back)
@@ -598,9 +618,24 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
                 return Err(err);
             }
         };
-        let census = presence::census(members, PROBE_TIMEOUT).await;
+        if silent.is_empty() {
+            return Ok(Census::default());
+        }
+        // members that did not answer: is their agent gone (its machine refuses), or only
+        // silent (stopped, cut off from the store, a dead machine)?
+        let mut census = presence::census(silent, PROBE_TIMEOUT).await;
+        if !census.gone.is_empty() && !holds_a_majority(&self.store.clone()).await {
+            // a refusal seen from the minority side of a partition is no verdict
+            let unsure = census.gone.drain(..).map(|(rank, node)| {
+                (rank, format!("{} refused, but this node reaches no majority of the sites", node.addr))
+            });
+            census.unsure.extend(unsure);
+        }
         for (lost, node) in &census.gone {
-            let why = format!("its agent at {} is gone (its presence port refused the probe)", node.addr);
+            let why = format!(
+                "its agent at {} is gone (it did not answer through the store, and its presence port refused the probe)",
+                node.addr
+            );
             let node = Some(node.clone());
             self.with_conn(async |conn| report_lost(conn, round, *lost, node, &why).await).await?;
         }
@@ -609,9 +644,11 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
 
     /// What ended this node's round without its watcher having said so yet: a newer round
     /// (the others re-formed without it: this agent was stopped, or cut off, while they did),
-    /// or the store losing the state the round lived in (it restarted empty).
+    /// the store losing the state the round lived in (it restarted empty), or an event about
+    /// the round already in the log (a member reported lost, late nodes: another member's
+    /// agent stopped its workers for it, which is how this node's workers came to fail).
     pub async fn round_ended(&mut self) -> Result<Option<MembershipChange>> {
-        let Some(round) = self.current.as_ref().map(|m| m.round) else { return Ok(None) };
+        let Some((round, seen)) = self.current.as_ref().map(|m| (m.round, m.events_seen)) else { return Ok(None) };
         let known = self.known;
         let look = async |conn: &mut S::Conn| {
             let meta = locate::read_meta(conn).await?;
@@ -619,7 +656,18 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
                 return Ok(Some(MembershipChange::StoreReset));
             }
             let current = current_round(conn).await?;
-            Ok((current > round).then_some(MembershipChange::RoundSuperseded { round: current }))
+            if current > round {
+                return Ok(Some(MembershipChange::RoundSuperseded { round: current }));
+            }
+            // events are few per round; a producer writes an event's key just after counting
+            // it, so one that is not there yet is skipped
+            for n in seen + 1..=events::count(conn).await? {
+                let Some(bytes) = conn.try_get(&Keys::event(n)).await? else { continue };
+                if let Some(change) = decode::<Event>(&bytes, "event").ok().and_then(|event| relevance(&event, round)) {
+                    return Ok(Some(change));
+                }
+            }
+            Ok(None)
         };
         match self.with_conn(look).await {
             // the main connection may have gone stale while idle (the store restarted): these
@@ -788,6 +836,12 @@ impl LastRound {
             site_host_lost: u32::from(site_lost && sites > 1 && membership.world_size > 1),
         }
     }
+}
+
+/// Whether this node reaches a majority of the store's sites now (always, with one site: it
+/// just reached the store).
+async fn holds_a_majority<S: RendezvousStore>(store: &S) -> bool {
+    store.sites() == 1 || locate::has_majority(&locate::probe_all(store).await)
 }
 
 fn list_or_none(items: &[String]) -> String {

@@ -98,6 +98,17 @@ impl Keys {
         format!("r{r}/hb/{rank}")
     }
 
+    /// Asks to member `rank` of round `r` (a counter): another member that suspects it gone
+    /// counts one up and writes [`Keys::ask`]; the member answers with a heartbeat at once.
+    pub fn asks(r: u64, rank: u32) -> String {
+        format!("r{r}/ask/{rank}")
+    }
+
+    /// Ask number `n` to member `rank` of round `r` (the key the member waits for).
+    pub fn ask(r: u64, rank: u32, n: u64) -> String {
+        format!("r{r}/ask/{rank}/{n}")
+    }
+
     /// Where a member announces itself (for loss reports and status tools).
     pub fn member(r: u64, rank: u32) -> String {
         format!("r{r}/member/{rank}")

@@ -3,6 +3,10 @@
 //! that neighbour's next beat (pushed by the store, no polling) and reports it lost when
 //! `keep_alive_max_attempt` intervals pass without one. O(1) store operations per node per
 //! interval, whatever the job size; one dead node is reported once, by its ring predecessor.
+//!
+//! Between beats a member waits for an ask ([`Keys::ask`]) rather than sleeping: a member that
+//! suspects it gone (its collectives broke) asks through the store, and a live member that
+//! reaches the store beats at once ([`ask`]). Only a member that does not answer can be lost.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,6 +45,8 @@ pub(crate) fn spawn_heartbeats<S: RendezvousStore>(context: RoundContext<S>, ran
         let outage_limit = settings.store_outage_limit();
         let mut conn: Option<S::Conn> = None;
         let mut reported = false;
+        // asks answered so far: the next one to wait for is one more
+        let mut answered = 0u64;
         loop {
             match beat(store, &mut conn, settings, *round, rank).await {
                 Ok(()) => {
@@ -72,8 +78,8 @@ pub(crate) fn spawn_heartbeats<S: RendezvousStore>(context: RoundContext<S>, ran
                 }
             }
             let asleep = Instant::now();
-            sleep(settings.keep_alive_interval).await;
-            let late = asleep.elapsed().saturating_sub(settings.keep_alive_interval);
+            answered = next_ask(&mut conn, settings, *round, rank, answered).await;
+            let late = asleep.elapsed().saturating_sub(settings.keep_alive_interval + settings.heartbeat_timeout);
             if late >= lost_after {
                 // the whole agent was stopped (SIGSTOP, a frozen machine): the others may have
                 // counted it lost meanwhile, which the event log will say
@@ -109,6 +115,65 @@ async fn beat<S: RendezvousStore>(
             settings.heartbeat_timeout
         ))),
     }
+}
+
+/// Waits up to `keep_alive_interval` for ask `answered + 1` to member `rank`, on the beats'
+/// connection; returns how many asks have been made so far (answered by the beat that follows).
+/// Without a usable connection it sleeps the interval.
+async fn next_ask<C: StoreConn>(
+    conn: &mut Option<C>,
+    settings: &RendezvousSettings,
+    round: u64,
+    rank: u32,
+    answered: u64,
+) -> u64 {
+    let interval = settings.keep_alive_interval;
+    let Some(live) = conn.as_mut() else {
+        sleep(interval).await;
+        return answered;
+    };
+    let asked = async {
+        let next = [Keys::ask(round, rank, answered + 1)];
+        if live.wait(&next, Some(interval)).await? {
+            return Ok::<_, RendezvousError>(live.tally(&Keys::asks(round, rank)).await?.max(0) as u64);
+        }
+        Ok(answered)
+    };
+    // a store that stalls holds the cancel of the wait: bounded, and the connection dropped
+    match timeout(interval + settings.heartbeat_timeout, asked).await {
+        Ok(Ok(asked)) => asked.max(answered),
+        Ok(Err(_)) | Err(_) => {
+            *conn = None;
+            answered
+        }
+    }
+}
+
+/// Asks member `rank` of `round` whether it is still there, through the store: a member whose
+/// agent runs and reaches the store answers with a heartbeat at once. Returns its beat count
+/// before the ask, for [`answered`].
+pub(crate) async fn ask<C: StoreConn>(conn: &mut C, round: u64, rank: u32) -> Result<i64> {
+    let before = conn.tally(&Keys::beats(round, rank)).await?;
+    let n = conn.count_up(&Keys::asks(round, rank)).await?;
+    conn.set(&Keys::ask(round, rank, n.max(0) as u64), b"").await?;
+    Ok(before)
+}
+
+/// Whether member `rank` beat after `before` (its count when it was asked), waiting up to
+/// `within` for it.
+pub(crate) async fn answered<C: StoreConn>(
+    conn: &mut C,
+    round: u64,
+    rank: u32,
+    before: i64,
+    within: Duration,
+) -> Result<bool> {
+    let next = [Keys::heartbeat(round, rank, before.max(0) as u64 + 1)];
+    if !within.is_zero() && conn.wait(&next, Some(within)).await? {
+        return Ok(true);
+    }
+    // a beat whose key later beats already deleted still counted
+    Ok(conn.tally(&Keys::beats(round, rank)).await? > before)
 }
 
 /// Watches the next rank of the ring and publishes [`Event::Lost`] once if its beats stop

@@ -6,11 +6,11 @@
 //! the same site. Every node applies the same rules on its own, so no node is special:
 //!
 //! * only a node that reaches a majority of the sites may run the job (join a copy, or move
-//!   it): more than half of the sites that are not known to be down, a site being down when
-//!   its host refuses the connection (nothing listens there, for anyone). So with one site the
-//!   store's side runs; with two, both must answer unless one is down; with three or more, any
-//!   two of three and so on. Of two sides of a partition at most one has a majority; a site
-//!   that is silent (a dead machine, or a cut link: the two look alike) is never counted out;
+//!   it): more than half of all the listed sites, or exactly half of them with the first one
+//!   among them (so with two sites, the first one's side). A site this node cannot reach counts
+//!   against it whatever the network answered: a refused connection is what a dead agent gives,
+//!   but also a firewall that rejects or a host half set up, so it never shrinks the electorate.
+//!   Of two sides of a partition at most one has a majority, however the cut answers;
 //! * the job is at the reachable site holding the best copy: the highest generation, the
 //!   earliest site among equals; copies older than what this node already knew are stale and
 //!   ignored;
@@ -52,8 +52,9 @@ pub(crate) struct Known {
 pub(crate) enum Probe {
     /// It answered: the state it holds of this run, if any.
     Answer(Option<Meta>),
-    /// Its host refused the connection: its store is down (for every node alike).
-    Down(String),
+    /// Its host refused the connection (a dead agent, or a firewall that rejects: it may
+    /// serve others all the same).
+    Refused(String),
     /// No answer in time (a dead or stopped machine, a cut link): it may serve others.
     Silent(String),
 }
@@ -71,11 +72,13 @@ impl Probe {
     }
 }
 
-/// Whether these probes reach a majority of the sites that are not down.
+/// Whether these probes (one per listed site, in order) reach a majority of the sites: more
+/// than half of them, or exactly half with the first site among them. Two disjoint sets of
+/// sites never both qualify.
 pub(crate) fn has_majority(probes: &[Probe]) -> bool {
-    let electorate = probes.iter().filter(|probe| !matches!(probe, Probe::Down(_))).count();
     let reached = probes.iter().filter(|probe| probe.answers()).count();
-    reached > 0 && 2 * reached > electorate
+    let first = probes.first().is_some_and(Probe::answers);
+    reached > 0 && (2 * reached > probes.len() || (2 * reached == probes.len() && first))
 }
 
 /// Whether the copy (`generation`, at `site`) ranks before the copy `than`: the same order on
@@ -100,7 +103,9 @@ pub(crate) enum Choice {
 pub(crate) fn choose(probes: &[Probe], known: Option<Known>) -> Choice {
     // (nothing answering at all is waited for below, as for a single store)
     if probes.len() > 1 && probes.iter().any(Probe::answers) && !has_majority(probes) {
-        return Choice::Minority;
+        // a node that knows of no job yet, and finds none, waits for the sites to come up
+        let nothing = known.is_none() && probes.iter().all(|probe| probe.meta().is_none());
+        return if nothing { Choice::Wait } else { Choice::Minority };
     }
     let floor = known.map_or(0, |known| known.generation);
     let best = probes
@@ -140,13 +145,12 @@ pub(crate) async fn read_meta<C: StoreConn>(conn: &mut C) -> Result<Option<Meta>
 }
 
 /// What `site` holds, asked over a new connection that may take [`PROBE_PATIENCE`]. A
-/// refused connection is told apart from silence first: a site can be down for everyone only
-/// when its host says so.
+/// refused connection is told apart from silence, for messages only: neither is reached.
 pub(crate) async fn probe<S: RendezvousStore>(store: &S, site: usize) -> Probe {
     let (host, port) = store.address(site);
     match presence::probe(&host, port, PROBE_PATIENCE).await {
         presence::Probe::Present => {}
-        presence::Probe::Gone => return Probe::Down("its host refused the connection".into()),
+        presence::Probe::Gone => return Probe::Refused("its host refused the connection".into()),
         presence::Probe::Unsure(why) => return Probe::Silent(why),
     }
     let probing = async {
@@ -221,7 +225,7 @@ pub(crate) fn split_sites<S: RendezvousStore>(store: &S, probes: &[Probe]) -> (V
     for (site, probe) in probes.iter().enumerate() {
         match probe {
             Probe::Answer(_) => reached.push(store.describe_site(site)),
-            Probe::Down(why) | Probe::Silent(why) => silent.push(format!("{} ({why})", store.describe_site(site))),
+            Probe::Refused(why) | Probe::Silent(why) => silent.push(format!("{} ({why})", store.describe_site(site))),
         }
     }
     (reached, silent)
@@ -239,8 +243,8 @@ mod tests {
         Probe::Answer(None)
     }
 
-    fn down() -> Probe {
-        Probe::Down("refused".into())
+    fn refused() -> Probe {
+        Probe::Refused("refused".into())
     }
 
     fn silent() -> Probe {
@@ -254,14 +258,17 @@ mod tests {
     #[test]
     fn a_new_job_starts_at_the_first_site_and_waits_for_it() {
         assert_eq!(choose(&[empty(), empty()], None), Choice::Create { site: 0, generation: 0 });
-        assert_eq!(choose(&[down(), empty()], None), Choice::Wait);
-        assert_eq!(choose(&[down()], None), Choice::Wait);
+        assert_eq!(choose(&[empty(), empty(), refused()], None), Choice::Create { site: 0, generation: 0 });
+        assert_eq!(choose(&[refused(), empty()], None), Choice::Wait, "the other sites are not up yet");
+        assert_eq!(choose(&[refused(), meta(0, 7)], None), Choice::Minority, "a job, but no majority to join it");
+        assert_eq!(choose(&[refused(), empty(), empty()], None), Choice::Wait);
+        assert_eq!(choose(&[refused()], None), Choice::Wait);
     }
 
     #[test]
     fn joiners_find_the_newest_copy() {
         assert_eq!(choose(&[empty(), meta(0, 7)], None), Choice::Join(1));
-        assert_eq!(choose(&[meta(0, 7), meta(1, 8), down()], None), Choice::Join(1));
+        assert_eq!(choose(&[meta(0, 7), meta(1, 8), refused()], None), Choice::Join(1));
         assert_eq!(choose(&[meta(2, 7), meta(2, 8)], None), Choice::Join(0));
     }
 
@@ -281,29 +288,57 @@ mod tests {
 
     #[test]
     fn a_lost_site_moves_the_state_to_the_next_one_that_answers() {
-        assert_eq!(choose(&[down(), empty(), empty()], known(0, 0, 7)), Choice::Create { site: 1, generation: 1 });
-        assert_eq!(choose(&[down(), down(), empty()], known(0, 0, 7)), Choice::Create { site: 2, generation: 1 });
-        assert_eq!(choose(&[empty(), down(), down()], known(1, 3, 7)), Choice::Create { site: 0, generation: 4 });
-        assert_eq!(choose(&[down(), down()], known(0, 0, 7)), Choice::Wait);
+        assert_eq!(choose(&[refused(), empty(), empty()], known(0, 0, 7)), Choice::Create { site: 1, generation: 1 });
+        assert_eq!(choose(&[silent(), empty(), empty()], known(0, 0, 7)), Choice::Create { site: 1, generation: 1 });
+        let five = [refused(), refused(), empty(), empty(), empty()];
+        assert_eq!(choose(&five, known(0, 0, 7)), Choice::Create { site: 2, generation: 1 });
+        assert_eq!(choose(&[empty(), refused(), empty()], known(1, 3, 7)), Choice::Create { site: 2, generation: 4 });
+        assert_eq!(choose(&[empty(), refused()], known(1, 3, 7)), Choice::Create { site: 0, generation: 4 });
         // stale copies (older generations) left at a site that came back are ignored
-        assert_eq!(choose(&[meta(0, 5), down(), empty()], known(1, 1, 7)), Choice::Create { site: 2, generation: 2 });
+        assert_eq!(
+            choose(&[meta(0, 5), refused(), empty()], known(1, 1, 7)),
+            Choice::Create { site: 2, generation: 2 }
+        );
     }
 
     #[test]
-    fn only_a_majority_of_the_sites_that_are_not_down_may_run_the_job() {
-        // three sites: one side of any partition has two of them
-        assert_eq!(choose(&[meta(0, 7), silent(), silent()], known(0, 0, 7)), Choice::Minority);
-        assert_eq!(choose(&[silent(), empty(), empty()], known(0, 0, 7)), Choice::Create { site: 1, generation: 1 });
-        // a site that is down (refused) counts for no side
-        assert_eq!(choose(&[down(), silent(), empty()], known(0, 0, 7)), Choice::Minority);
-        assert_eq!(choose(&[down(), down(), empty()], known(0, 0, 7)), Choice::Create { site: 2, generation: 1 });
-        // two sites: both, unless one is down; a silent one (dead, or cut off) stops the job
-        assert_eq!(choose(&[silent(), empty()], known(0, 0, 7)), Choice::Minority);
-        assert_eq!(choose(&[meta(0, 7), silent()], known(0, 0, 7)), Choice::Minority);
-        assert_eq!(choose(&[down(), empty()], known(0, 0, 7)), Choice::Create { site: 1, generation: 1 });
+    fn only_a_majority_of_all_the_sites_may_run_the_job_whatever_the_others_answered() {
+        // three sites: one side of any partition has two of them; refused or silent alike
+        for cut in [silent(), refused()] {
+            assert_eq!(choose(&[meta(0, 7), cut.clone(), cut.clone()], known(0, 0, 7)), Choice::Minority);
+            assert_eq!(
+                choose(&[cut.clone(), empty(), empty()], known(0, 0, 7)),
+                Choice::Create { site: 1, generation: 1 }
+            );
+            assert_eq!(choose(&[refused(), cut.clone(), empty()], known(0, 0, 7)), Choice::Minority);
+            // two sites: the first one's side (a tie broken the same way everywhere)
+            assert_eq!(choose(&[cut.clone(), empty()], known(0, 0, 7)), Choice::Minority);
+            assert_eq!(choose(&[meta(0, 7), cut.clone()], known(0, 0, 7)), Choice::Join(0));
+            // five sites: three of them
+            let two = [meta(0, 7), empty(), cut.clone(), cut.clone(), cut.clone()];
+            assert_eq!(choose(&two, known(0, 0, 7)), Choice::Minority);
+            let three = [cut.clone(), cut.clone(), empty(), empty(), empty()];
+            assert_eq!(choose(&three, known(0, 0, 7)), Choice::Create { site: 2, generation: 1 });
+        }
+        // four sites: two with the first, not two without it
+        assert!(has_majority(&[empty(), empty(), silent(), refused()]));
+        assert!(!has_majority(&[refused(), silent(), empty(), empty()]));
         // one site: the store's side (this node reaches it, or waits for it)
         assert_eq!(choose(&[meta(0, 7)], known(0, 0, 7)), Choice::Join(0));
         assert_eq!(choose(&[silent()], known(0, 0, 7)), Choice::Wait);
+    }
+
+    #[test]
+    fn two_sides_of_any_cut_never_both_hold_a_majority() {
+        // every way of splitting up to six sites between two sides
+        for n in 1..=6usize {
+            for mask in 0..(1u32 << n) {
+                let side = |mine: bool| -> Vec<Probe> {
+                    (0..n).map(|site| if ((mask >> site) & 1 == 1) == mine { empty() } else { refused() }).collect()
+                };
+                assert!(!(has_majority(&side(true)) && has_majority(&side(false))), "{n} sites, split {mask:b}");
+            }
+        }
     }
 
     #[test]
@@ -313,6 +348,6 @@ mod tests {
         assert!(better(2, 0, here), "the same generation at an earlier site: two copies meet there");
         assert!(!better(2, 1, here) && !better(2, 2, here) && !better(1, 0, here));
         assert!(has_majority(&[meta(0, 1), empty(), silent()]));
-        assert!(!has_majority(&[down(), down(), down()]), "nothing reached is no majority");
+        assert!(!has_majority(&[refused(), refused(), refused()]), "nothing reached is no majority");
     }
 }

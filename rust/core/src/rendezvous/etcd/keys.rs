@@ -4,6 +4,7 @@
 //! * `P failures/<r>`: round r failed; the number of these keys is the job-wide restart count;
 //! * `P j/<r>`: written by every arrival in round r, so its version counts them;
 //! * `P r/<r>/m/<lease>`: a member of round r, written under the agent's lease (gone with it);
+//! * `P r/<r>/q/<lease>`: an ask to that member (`?nonce`), and its answer (`!nonce`);
 //! * `P r/<r>/s/{seal,size,master,closed}`: what became of round r;
 //! * `P status/<r>/<rank>`, `P last_failure`: what the agents publish for `elastix status`.
 //!
@@ -22,6 +23,7 @@ pub(super) struct Range {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) enum KeyKind {
     Member { round: u64, id: String },
+    Ask { round: u64, id: String },
     Seal { round: u64 },
     Size { round: u64 },
     Master { round: u64 },
@@ -106,6 +108,12 @@ impl EtcdKeys {
         self.key(&format!("r/{r:012}/m/{id}"))
     }
 
+    /// Where another member asks member `id` of round `r` whether it is still there, and
+    /// where it answers: in the round's watch, so the member sees the ask.
+    pub fn ask(&self, r: u64, id: &str) -> Vec<u8> {
+        self.key(&format!("r/{r:012}/q/{id}"))
+    }
+
     pub fn outcome(&self, r: u64) -> Range {
         self.under(&format!("r/{r:012}/s/"))
     }
@@ -145,6 +153,7 @@ impl EtcdKeys {
         let Ok(round) = round.parse() else { return KeyKind::Other };
         match (section, name) {
             ("m", id) => KeyKind::Member { round, id: id.to_owned() },
+            ("q", id) => KeyKind::Ask { round, id: id.to_owned() },
             ("s", "seal") => KeyKind::Seal { round },
             ("s", "size") => KeyKind::Size { round },
             ("s", "master") => KeyKind::Master { round },

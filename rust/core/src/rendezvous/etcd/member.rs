@@ -20,7 +20,6 @@ use super::keys::{EtcdKeys, KeyKind};
 use super::ops;
 use crate::rendezvous::change::MembershipChange;
 use crate::rendezvous::node::NodeDesc;
-use crate::rendezvous::presence::{self, PROBE_TIMEOUT};
 use crate::rendezvous::records::{decode, Arrival};
 
 /// What one batch of writes in a round's watch means.
@@ -38,6 +37,11 @@ pub(super) enum Seen {
     Moved,
     /// A node that was not a member entered the next round.
     Arrived,
+    /// Another member asks this one whether it is still there: it answers at `key`.
+    Asked {
+        key: Vec<u8>,
+        nonce: Vec<u8>,
+    },
 }
 
 /// Reads a batch of events of round `r`'s watch. `last_member` is the creation revision of the
@@ -59,11 +63,21 @@ pub(super) fn read_events(keys: &EtcdKeys, r: u64, me: &str, last_member: i64, e
     for event in events {
         let Some(kv) = &event.kv else { continue };
         if is_put(event) {
-            if let KeyKind::Closed { round } = keys.kind(&kv.key) {
-                if round == r {
+            match keys.kind(&kv.key) {
+                KeyKind::Closed { round } if round == r => {
                     seen.push(Seen::Closed(String::from_utf8_lossy(&kv.value).into_owned()));
+                    continue;
                 }
-            } else if member_of(event, r + 1).is_some_and(|id| !left.contains(&id)) {
+                KeyKind::Ask { round, id } if round == r && id == me => {
+                    if let Some(nonce) = kv.value.strip_prefix(b"?") {
+                        seen.push(Seen::Asked { key: kv.key.clone(), nonce: nonce.to_vec() });
+                    }
+                    continue;
+                }
+                KeyKind::Closed { .. } | KeyKind::Ask { .. } => continue,
+                _ => {}
+            }
+            if member_of(event, r + 1).is_some_and(|id| !left.contains(&id)) {
                 seen.push(Seen::Arrived);
             }
             continue;
@@ -162,30 +176,20 @@ pub(super) fn spawn(round: RoundWatch) -> JoinHandle<()> {
                     }
                 },
                 () = sleep_until_some(lapses_at) => {
+                    // cut off from a cluster others may reach: they count this node lost. Every
+                    // endpoint refusing is no proof that etcd is down for everyone (a firewall
+                    // that rejects looks the same), so this node stops its workers all the same
                     lapses_at = None;
-                    if etcd_down_everywhere(&round.client).await {
-                        // nobody can renew a lease or form a round: no other side can run the
-                        // job, so the workers go on until etcd returns (or the join timeout)
-                        tracing::warn!(
-                            round = r,
-                            "every etcd endpoint ({}) refuses connections: etcd is down for every node; the workers keep \
-                             running until it returns",
-                            round.client.endpoints()
-                        );
-                        lapses_at = Some(Instant::now() + round.lease_ttl); // look again
-                    } else {
-                        // cut off from a cluster others may reach: they count this node lost
-                        let change = MembershipChange::StoreUnreachable {
-                            store: format!("etcd {}", round.client.endpoints()),
-                            silent_for: round.lease_ttl,
-                            error: format!(
-                                "this node's lease can no longer be live: no renewal got through for its TTL ({:?})",
-                                round.lease_ttl
-                            ),
-                        };
-                        let _ = round.changes.send(Some(change));
-                        lease_state = None;
-                    }
+                    let change = MembershipChange::StoreUnreachable {
+                        store: format!("etcd {}", round.client.endpoints()),
+                        silent_for: round.lease_ttl,
+                        error: format!(
+                            "this node's lease can no longer be live: no renewal got through for its TTL ({:?})",
+                            round.lease_ttl
+                        ),
+                    };
+                    let _ = round.changes.send(Some(change));
+                    lease_state = None;
                 },
             }
         }
@@ -211,29 +215,6 @@ async fn sleep_until_some(at: Option<Instant>) {
     }
 }
 
-/// Whether every etcd endpoint refuses connections: its members are down (for every node
-/// alike), as opposed to silent (a cut link: others may reach them).
-async fn etcd_down_everywhere(client: &EtcdClient) -> bool {
-    let endpoints: Vec<(String, u16)> = client
-        .endpoints()
-        .split(',')
-        .filter_map(|endpoint| {
-            let endpoint = endpoint.trim().trim_start_matches("https://").trim_start_matches("http://");
-            let (host, port) = endpoint.rsplit_once(':')?;
-            Some((host.trim_matches(['[', ']']).to_owned(), port.parse().ok()?))
-        })
-        .collect();
-    let mut probes = tokio::task::JoinSet::new();
-    for (host, port) in endpoints.clone() {
-        probes.spawn(async move { presence::probe(&host, port, PROBE_TIMEOUT).await });
-    }
-    let mut down = 0;
-    while let Some(probe) = probes.join_next().await {
-        down += usize::from(matches!(probe, Ok(presence::Probe::Gone)));
-    }
-    !endpoints.is_empty() && down == endpoints.len()
-}
-
 impl RoundWatch {
     async fn change(&self, seen: Seen) -> Option<MembershipChange> {
         match seen {
@@ -244,6 +225,14 @@ impl RoundWatch {
             Seen::SelfLost => self.lease_change(&LeaseState::Expired),
             Seen::Moved => Some(MembershipChange::RoundSuperseded { round: self.round + 1 }),
             Seen::Arrived => (self.world_size < self.max_nodes).then_some(MembershipChange::NodesWaiting),
+            Seen::Asked { key, nonce } => {
+                // alive and reaching etcd: the answer is the proof
+                let answer = [b"!".as_slice(), &nonce].concat();
+                if let Err(err) = self.client.put(&key, &answer).await {
+                    tracing::debug!(round = self.round, "could not answer another member's ask: {err}");
+                }
+                None
+            }
             Seen::Lost { created, node } => {
                 let rank = self.rank_of(created).await;
                 Some(MembershipChange::NodeLost { rank, node })
