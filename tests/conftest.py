@@ -1,7 +1,6 @@
 import contextlib
 import glob
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -12,7 +11,9 @@ from datetime import timedelta
 import pytest
 
 import elastix
+import requirements
 import torch_gate
+from requirements import need_etcd
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,6 +28,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     torch_gate.report(terminalreporter, config)
+    requirements.report(terminalreporter)
 
 
 @pytest.fixture
@@ -133,8 +135,7 @@ def network_deadline():
 @pytest.fixture
 def etcd(tmp_path):
     """A real etcd cluster of three members (tests/etcd_cluster.py), closed after the test."""
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd is not installed (Debian package etcd-server; .ci/run installs it)")
+    need_etcd()
     from etcd_cluster import EtcdCluster
 
     data = tmp_path / "etcd"
@@ -160,8 +161,7 @@ def rendezvous(request, tmp_path, hosts):
     if request.param == "c10d":
         yield "c10d", f"{hosts.addr(0)}:29400"
         return
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd is not installed (Debian package etcd-server; .ci/run installs it)")
+    need_etcd()
     from etcd_cluster import EtcdCluster
 
     data = tmp_path / "etcd"

@@ -359,11 +359,9 @@ class SlurmCluster:
 def slurm_for_tests(scratch, nodes: int = 2, **kwargs) -> Iterator[SlurmCluster]:
     """A cluster of `nodes` hosts for a fixture's body: the test is skipped, saying why, where
     one cannot run here (`available()`), and the cluster is closed after it."""
-    import pytest
+    from requirements import need
 
-    why = available()
-    if why:
-        pytest.skip(why)
+    need("slurm", available())
     cluster = SlurmCluster(scratch, nodes, **kwargs)
     yield cluster
     cluster.close()

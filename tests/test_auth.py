@@ -8,7 +8,6 @@ environments or files."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import torch_gate
 from agents import WORKERS, agent, assert_nothing_left, finish_all, node_args, rounds_of, starts, wait_for, wait_round
 from conftest import reserved_port as reserve
 from netns import hosts_for_a_test
+from requirements import need_etcd
 
 WORKER = os.path.join(WORKERS, "store_member.py")
 FAST = "keep_alive_interval=250ms,keep_alive_max_attempt=8,last_call_timeout=500ms,join_timeout=30s"
@@ -292,8 +292,7 @@ def test_torch_workers_across_hosts_in_a_job_with_a_secret(tmp_path, marker, mon
     path, _ = secret_file(tmp_path / "secret")
     monkeypatch.setenv("ELASTIX_AUTH_TOKEN_FILE", path)
     if backend == "etcd":
-        if shutil.which("etcd") is None:
-            pytest.skip("etcd is not installed (Debian package etcd-server; .ci/run installs it)")
+        need_etcd()
         from etcd_cluster import EtcdCluster
 
         (tmp_path / "etcd").mkdir()

@@ -15,6 +15,7 @@ import pytest
 
 from agents import WORKERS, agent, assert_nothing_left, finish_all, node_args, rounds_of, starts, wait_for, wait_round
 from etcd_cluster import EtcdCluster, Tls
+from requirements import need_etcd
 
 # A node is lost after 2 s without a heartbeat; short last calls.
 FAST = (
@@ -204,8 +205,9 @@ def test_etcd_v2_is_refused_with_the_reason(tmp_path):
 
 @pytest.fixture
 def tls(tmp_path):
-    if shutil.which("etcd") is None or shutil.which("openssl") is None:
-        pytest.skip("needs etcd (Debian etcd-server) and openssl")
+    need_etcd()
+    if shutil.which("openssl") is None:
+        pytest.skip("needs openssl")
     (tmp_path / "tls").mkdir()
     (tmp_path / "etcd").mkdir()
     return Tls(str(tmp_path / "tls"))

@@ -3,12 +3,14 @@
 and tests check the process table for anything left behind."""
 
 import glob
+import ipaddress
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -25,7 +27,7 @@ from agents import (
     starts,
     wait_for,
 )
-from conftest import closed_port, reserved_port
+from conftest import closed_port, marked_processes, reserved_port
 
 
 def test_each_rank_gets_the_environment_contract(tmp_path, marker):
@@ -415,4 +417,67 @@ def test_a_standalone_job_leaves_no_connection_for_its_store_to_wait_for(tmp_pat
     code, _out, err = finish(elastix_run(*flags, script, out_dir=tmp_path, marker=marker))
     assert code == 0, err
     assert "still open after" not in err, err
+    assert_nothing_left(marker)
+
+
+def listening_addresses(pids):
+    """The local addresses of the TCP sockets in LISTEN state that processes `pids` hold (from
+    /proc/PID/fd and /proc/net/tcp, tcp6)."""
+    inodes = set()
+    for pid in pids:
+        for fd in glob.glob(f"/proc/{pid}/fd/*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                # each 32-bit word is in host (little-endian) order
+                address = b"".join(raw[i : i + 4][::-1] for i in range(0, width // 2, 4))
+                ip = ipaddress.ip_address(address)
+                found.append(str(ip.ipv4_mapped or ip) if isinstance(ip, ipaddress.IPv6Address) else str(ip))
+    return found
+
+
+def test_a_standalone_job_listens_on_loopback_only(tmp_path, marker):
+    """Every listener of a --standalone job (the agent's stores and presence port, the workers'
+    collectives and RPC) is reachable from this machine alone."""
+    script = tmp_path / "listens.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, time
+            import numpy as np
+            import elastix.collectives as ec
+            import elastix.rpc as rpc
+            ec.init_process_group()
+            rpc.init_rpc(f"w{ec.get_rank()}")
+            x = np.ones(1024)
+            ec.all_reduce(x)
+            open(os.path.join(os.environ["OUT_DIR"], f"ready_{ec.get_rank()}"), "w").close()
+            while not os.path.exists(os.path.join(os.environ["OUT_DIR"], "stop")):
+                time.sleep(0.05)
+            rpc.shutdown()
+            """
+        )
+    )
+    proc = elastix_run("--standalone", "--nproc-per-node", 2, script, out_dir=tmp_path, marker=marker)
+    try:
+        wait_for(lambda: len(glob.glob(str(tmp_path / "ready_*"))) == 2, what="the workers ready")
+        addresses = listening_addresses(marked_processes(marker))
+        assert addresses, "the job listens somewhere (its store at least)"
+        outside = [address for address in addresses if address not in ("127.0.0.1", "::1")]
+        assert outside == [], f"listeners on {outside} (all: {addresses})"
+    finally:
+        (tmp_path / "stop").touch()
+        code, _out, err = finish(proc)
+    assert code == 0, err
     assert_nothing_left(marker)

@@ -29,6 +29,8 @@ FAULT_WORDS = {
     "agent-stop": ("lost", "dropped", "stopped", "did not run", "no heartbeat"),
     "short-cut": ("minority", "cut off", "unreachable", "lost", "lease", "did not answer"),
     "long-cut": ("minority", "cut off", "unreachable", "lost", "lease", "did not answer"),
+    "store-host-stop": ("store", "lost", "did not run", "no heartbeat"),
+    "store-host-cut": ("store", "unreachable", "lost", "cut off"),
     "store-restart": ("store",),
     "etcd-leader-kill": ("etcd", "leader"),
 }

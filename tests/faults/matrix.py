@@ -40,6 +40,8 @@ FAULTS = {
     "agent-stop": "SIGSTOP of one agent for twice the loss window",
     "short-cut": "one host's link cut for half the loss window",
     "long-cut": "one host's link cut for three loss windows",
+    "store-host-stop": "SIGSTOP of the agent serving the rendezvous store for twice the loss window",
+    "store-host-cut": "the link of the host serving the rendezvous store cut for three loss windows",
     "store-restart": "the standalone store killed and started again, empty",
     "etcd-leader-kill": "the etcd leader killed",
 }
@@ -73,6 +75,8 @@ def applicable(fault: str, phase: str, backend: str) -> bool:
         return backend == "store"
     if fault == "etcd-leader-kill":
         return backend == "etcd"
+    if fault.startswith("store-host-"):
+        return backend == "c10d"  # the one store, served by host 0's agent
     if backend == "store":
         return False  # the standalone store's own cell is store-restart; the rest is as c10d
     return not (fault == "worker-kill" and phase == "rendezvous")  # no worker runs yet
@@ -111,8 +115,9 @@ class Cell:
         self.fault, self.phase, self.backend = fault, phase, backend
         self.workdir, self.hosts, self.marker = workdir, hosts, marker
         self.verdict = Verdict(fault, phase, backend)
-        # the host hit: the one that arrives second mid-rendezvous, else the last one
-        self.victim = 1 if phase == "rendezvous" else 2
+        # the host hit: the store's for the store host's faults, else the one that arrives
+        # second mid-rendezvous, else the last one
+        self.victim = 0 if fault.startswith("store-host-") else 1 if phase == "rendezvous" else 2
         self.agents: Dict[int, object] = {}
         self.killed: set = set()  # hosts whose agent the fault killed
         self.store: Optional[subprocess.Popen] = None
@@ -239,11 +244,11 @@ class Cell:
         elif self.fault == "host-kill":
             self.hosts.kill(victim)
             self.killed.add(victim)
-        elif self.fault == "agent-stop":
+        elif self.fault in ("agent-stop", "store-host-stop"):
             agent.proc.send_signal(signal.SIGSTOP)
             time.sleep(2 * LOSS_WINDOW)
             agent.proc.send_signal(signal.SIGCONT)
-        elif self.fault in ("short-cut", "long-cut"):
+        elif self.fault in ("short-cut", "long-cut", "store-host-cut"):
             self.hosts.cut(victim)
             time.sleep(LOSS_WINDOW / 2 if self.fault == "short-cut" else 3 * LOSS_WINDOW)
             self.hosts.heal(victim)

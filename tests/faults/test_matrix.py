@@ -3,11 +3,10 @@ and backends, each judged by the matrix's invariants. benches/fault_matrix.py ru
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from matrix import FAULTS, run_cell
+from requirements import need_etcd
 
 SAMPLE = [
     ("worker-kill", "training", "c10d"),
@@ -20,6 +19,8 @@ SAMPLE = [
     ("long-cut", "training", "sites"),
     ("long-cut", "exit-barrier", "etcd"),  # the cut node's lease expires; it serves the workers' store
     ("store-restart", "training", "store"),
+    ("store-host-stop", "training", "c10d"),  # no restart charged to the other nodes' workers
+    ("store-host-cut", "training", "c10d"),
     ("etcd-leader-kill", "training", "etcd"),
 ]
 assert {fault for fault, _, _ in SAMPLE} == set(FAULTS), "one cell per fault"
@@ -27,8 +28,8 @@ assert {fault for fault, _, _ in SAMPLE} == set(FAULTS), "one cell per fault"
 
 @pytest.mark.parametrize("fault,phase,backend", SAMPLE, ids=["/".join(cell) for cell in SAMPLE])
 def test_a_cell_of_the_fault_matrix(tmp_path, marker, hosts, fault, phase, backend):
-    if backend == "etcd" and shutil.which("etcd") is None:
-        pytest.skip("etcd is not installed (Debian package etcd-server; .ci/run installs it)")
+    if backend == "etcd":
+        need_etcd()
     verdict = run_cell(fault, phase, backend, tmp_path, hosts, marker)
     print(verdict.describe())
     if verdict.outcome != "survived":

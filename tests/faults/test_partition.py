@@ -15,6 +15,7 @@ import pytest
 
 from agents import assert_nothing_left, finish_all, starts, wait_for, wait_round
 from invariants import read_log, rounds_at_once
+from requirements import need
 from training import steps, train_node
 
 # a node counts as lost after 2 s without a beat (the loss window); short last calls
@@ -79,8 +80,8 @@ def one_side_trains(tmp_path, agents, count, minority, cut, heal, what):
 def test_a_cut_off_site_host_stops_training_whatever_the_cut_answers(tmp_path, marker, hosts, how):
     from netns import Hosts
 
-    if how != "drop" and Hosts.firewalls_available():
-        pytest.skip(Hosts.firewalls_available())
+    if how != "drop":
+        need("firewalls", Hosts.firewalls_available())
     agents = site_nodes(tmp_path, marker, hosts, 3, "partition")
     # the host of the first site, which holds the state, alone on one side
     if how == "drop":
@@ -95,8 +96,7 @@ def test_a_cut_off_site_host_stops_training_whatever_the_cut_answers(tmp_path, m
 def test_with_five_sites_two_cut_off_by_resets_stop_and_three_train_on(tmp_path, marker, five_hosts):
     from netns import Hosts
 
-    if Hosts.firewalls_available():
-        pytest.skip(Hosts.firewalls_available())
+    need("firewalls", Hosts.firewalls_available())
     hosts = five_hosts
     agents = site_nodes(tmp_path, marker, hosts, 5, "partition5")
 
@@ -116,8 +116,7 @@ def test_with_five_sites_two_cut_off_by_resets_stop_and_three_train_on(tmp_path,
 def test_a_one_way_cut_and_a_flapping_link_never_let_two_sides_train(tmp_path, marker, hosts):
     from netns import Hosts
 
-    if Hosts.firewalls_available():
-        pytest.skip(Hosts.firewalls_available())
+    need("firewalls", Hosts.firewalls_available())
     agents = site_nodes(tmp_path, marker, hosts, 3, "oneway")
     three = wait_round(tmp_path, 3)
     wait_for(lambda: steps(tmp_path), what="the three nodes training")

@@ -264,12 +264,18 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 @pytest.fixture(scope="module")
 def browser():
+    from requirements import need
+
     if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip("needs Debian's chromium: apt-get install chromium (.ci/run installs it)")
+        need("chromium", "needs Debian's chromium: apt-get install chromium (.ci/run installs it)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.skip("needs playwright: pip install -e '.[test]' (the system chromium is used; nothing is downloaded)")
+        need(
+            "chromium",
+            "needs playwright: pip install -e '.[test]' (the system chromium is used; nothing is downloaded)",
+        )
+    need("chromium", None)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         yield browser
