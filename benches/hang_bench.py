@@ -8,12 +8,17 @@ finds a worker hung.
 * detection: a worker beats, then stops; with `--worker-timeout T`, the agent reports how
   long the worker had been silent when it found it hung; minus T, that is the detection
   latency (median and max over runs). The same for a plain program that never imports
-  elastix and blocks (the site hook watches its main thread; the agent its CPU).
+  elastix and blocks (the agent reads its main thread's runs and its CPU from /proc).
 * automatic progress: a plain program's tight Python loop (`--loop` iterations, best of 5
-  passes) and its process's CPU time, without `--worker-timeout` (no watching thread) and with
-  `--worker-timeout 1` (the site hook's thread looks at the main thread every 100 ms).
+  passes) and its process's CPU time, without `--worker-timeout` and with `--worker-timeout 1`
+  (nothing runs in the worker for it: the agent reads /proc every 100 ms).
+* false alarms (`--soak SECONDS`, 600 for the README's figure): three healthy plain workers
+  under `--worker-timeout 2` for that long, each waiting a lot in its own way: short sleeps of
+  up to 1.5 s, I/O (fsync'd writes, a socket fed by another thread, up to 1.5 s a wait), and
+  compute (NumPy, with a C call of 3 s that burns CPU now and then). Every worker found hung is
+  a false alarm (the job restarts it and goes on); the figure is their count.
 
-    python benches/hang_bench.py [--calls 1000000] [--runs 5] [--timeout 1] [--loop 20000000]
+    python benches/hang_bench.py [--calls 1000000] [--runs 5] [--timeout 1] [--loop 20000000] [--soak 600]
 """
 
 from __future__ import annotations
@@ -73,9 +78,58 @@ LOOP_WORKER = textwrap.dedent(
 )
 
 
-def elastix_run(script: str, *args: str, flags=()) -> subprocess.CompletedProcess:
+SOAK_WORKER = textwrap.dedent(
+    """
+    import hashlib, os, random, socket, sys, threading, time
+    import numpy as np
+    end = time.monotonic() + float(sys.argv[1])
+    kind = int(os.environ["LOCAL_RANK"]) % 3
+    rng = random.Random(kind)
+    if kind == 1:
+        a, b = socket.socketpair()
+        def feed():
+            while True:
+                time.sleep(rng.uniform(0.0, 1.5))
+                b.send(b"x")
+        threading.Thread(target=feed, daemon=True).start()
+        path = os.path.join(os.environ["OUT_DIR"], f"io_{os.getpid()}")
+    step = 0
+    while time.monotonic() < end:
+        if kind == 0:  # sleep-heavy
+            time.sleep(rng.uniform(0.01, 1.5))
+        elif kind == 1:  # I/O-heavy
+            a.recv(1)
+            with open(path, "wb") as f:
+                f.write(os.urandom(1 << 20))
+                f.flush()
+                os.fsync(f.fileno())
+        else:  # compute-heavy, now and then one long C call
+            x = np.random.rand(256, 256)
+            for _ in range(20):
+                x = x @ x
+                x /= np.abs(x).max()
+            if step % 50 == 49:
+                hashlib.pbkdf2_hmac("sha256", b"x", b"salt", 1_500_000)
+        step += 1
+    print(f"SOAKED {kind} {step}", flush=True)
+    """
+)
+
+
+def elastix_run(script: str, *args: str, flags=(), timeout: float = 300) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "elastix", "run", "--standalone", *flags, script, *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "OUT_DIR": os.path.dirname(script)}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def false_alarms(seconds: float, workdir: str) -> "tuple[int, str]":
+    """Workers found hung among three healthy ones over `seconds` (each one found restarts)."""
+    script = os.path.join(workdir, "soak.py")
+    with open(script, "w") as f:
+        f.write(SOAK_WORKER)
+    flags = ["--nproc-per-node", "3", "--worker-timeout", "2", "--max-restarts", "1000"]
+    done = elastix_run(script, str(seconds), flags=flags, timeout=seconds * 3 + 120)
+    return len(re.findall(r"is hung: ", done.stderr)), done.stdout
 
 
 def elastix_costs(calls: int, workdir: str) -> "tuple[float, float]":
@@ -149,6 +203,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=1.0)
     parser.add_argument("--loop", type=int, default=20_000_000)
+    parser.add_argument("--soak", type=float, default=0.0, help="seconds of healthy workers to count false alarms")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="elastix-hang-bench-") as workdir:
         beat, timer = elastix_costs(args.calls, workdir)
@@ -157,6 +212,7 @@ def main() -> None:
         latencies = detection(args.runs, args.timeout, workdir)
         plain = detection(args.runs, args.timeout, workdir, PLAIN_HUNG_WORKER)
         loops = loop_costs(args.loop, args.runs, workdir)
+        soak = false_alarms(args.soak, workdir) if args.soak else None
     print(f"{'':<32}{'elastix':>12}{'torch':>12}{'ratio':>8}")
     print(f"{'heartbeat() per call':<32}{beat:>10.0f}ns{'(none)':>12}")
     if theirs is None:
@@ -173,8 +229,15 @@ def main() -> None:
     )
     (off, off_cpu), (on, on_cpu) = loops["no --worker-timeout"], loops["--worker-timeout 1"]
     print(f"tight loop of {args.loop} iterations, best of 5 passes (median of {args.runs} runs):")
-    print(f"  without the watching thread {off:.3f} s, with it {on:.3f} s: {on / off:.3f}x")
+    print(f"  without --worker-timeout {off:.3f} s, with it {on:.3f} s: {on / off:.3f}x")
     print(f"  the process's CPU share: {off_cpu:.3f} without, {on_cpu:.3f} with")
+    if soak is not None:
+        alarms, out = soak
+        steps = " ".join(line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("SOAKED"))
+        print(
+            f"false alarms over {args.soak:g} s of sleep-, I/O- and compute-heavy healthy workers under "
+            f"--worker-timeout 2: {alarms} (kind and steps done: {steps})"
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ port scan would find them), less loopback-only ones.
 
     python tests/flood.py --scan NS1,NS2 --per-port 1200 --until STOPFILE --deadline 300 --stats out.json
     python tests/flood.py 127.0.0.1:29400 --source 127.0.0.2 --per-port 2000 --until STOPFILE
+    python tests/flood.py --scan NS1 --say 00 --rate 600 --until STOPFILE   # one byte, then silence
+
+With ``--say HEX`` every connection sends those bytes once it is open, then stalls: one byte
+below 0x80 looks like the start of a plain torch client's request.
 
 Every loop is bounded: it ends when the stop file appears or the deadline passes. What it did
 (connections opened, closed by the servers, failed; the targets found) is in ``--stats``,
@@ -59,10 +63,12 @@ def listening_ports(namespace: str) -> Set[Target]:
 
 
 class Flood:
-    def __init__(self, per_port: int, rate: float, sources: List[str]) -> None:
+    def __init__(self, per_port: int, rate: float, sources: List[str], say: bytes = b"") -> None:
         self.per_port = per_port
         self.rate = rate
         self.sources = sources or [""]
+        self.say = say
+        self.pending: Set[socket.socket] = set()  # connecting, with something to say
         self.sel = selectors.DefaultSelector()
         self.open: Dict[Target, Set[socket.socket]] = {}
         self.stats = {"opened": 0, "closed_by_server": 0, "failed": 0, "targets": []}
@@ -86,10 +92,15 @@ class Flood:
             self.stats["failed"] += 1
             return
         self.open.setdefault(target, set()).add(sock)
-        self.sel.register(sock, selectors.EVENT_READ, target)
+        if self.say:
+            self.pending.add(sock)
+            self.sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, target)
+        else:
+            self.sel.register(sock, selectors.EVENT_READ, target)
         self.stats["opened"] += 1
 
     def _drop(self, sock: socket.socket, target: Target) -> None:
+        self.pending.discard(sock)
         self.sel.unregister(sock)
         self.open[target].discard(sock)
         sock.close()
@@ -122,8 +133,17 @@ class Flood:
                     self._connect(target)
                     missing -= 1
                     budget -= 1
-            for key, _ in self.sel.select(0.02):
+            for key, events in self.sel.select(0.02):
                 sock, target = key.fileobj, key.data
+                if events & selectors.EVENT_WRITE and sock in self.pending:
+                    self.pending.discard(sock)  # type: ignore[arg-type]
+                    try:
+                        sock.send(self.say)  # type: ignore[union-attr]
+                        self.sel.modify(sock, selectors.EVENT_READ, target)
+                    except OSError:
+                        self.stats["closed_by_server"] += 1
+                        self._drop(sock, target)  # type: ignore[arg-type]
+                    continue
                 try:
                     data = sock.recv(4096)  # type: ignore[union-attr]
                 except BlockingIOError:
@@ -148,6 +168,7 @@ def main() -> None:
     parser.add_argument("--until", required=True, help="stop once this file exists")
     parser.add_argument("--deadline", type=float, default=300.0, help="stop after this many seconds anyway")
     parser.add_argument("--stats", help="write the counts here (JSON) at the end")
+    parser.add_argument("--say", default="", help="bytes (hex) each connection sends once open, then stalls")
     args = parser.parse_args()
     given = {(host, int(port)) for host, _, port in (t.rpartition(":") for t in args.targets)}
     namespaces = [ns for ns in args.scan.split(",") if ns]
@@ -158,7 +179,7 @@ def main() -> None:
             found |= listening_ports(namespace)
         return found
 
-    flood = Flood(args.per_port, args.rate, args.source)
+    flood = Flood(args.per_port, args.rate, args.source, bytes.fromhex(args.say))
     try:
         flood.run(targets_of, args.until, args.deadline, args.stats or "")
     finally:

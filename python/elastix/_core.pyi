@@ -174,6 +174,7 @@ class _Collectives:
     Segment: type[Segment]
     Waiter: type[Waiter]
     def reduce(self, dtype: int, op: int, srcs: Sequence[object], dsts: Sequence[object], divisor: int = 1) -> None: ...
+    def memfd_attachable(self) -> bool: ...
 
 collectives: _Collectives
 

@@ -308,20 +308,69 @@ def test_acceptor_keeps_waiting_and_its_timeout_names_the_strangers(comms, caplo
 
 
 # each case: (the rank attacked, what the stranger sends, what the refusal says); rank 1 is
-# connected to rank 2 already, ranks 0-1 and 0-2 are not
+# connected to rank 2 already, ranks 0-1 and 0-2 are not. A stranger's claims are never judged
+# (it would learn which rank listens where): all it can do ends with a wrong or missing proof.
 ATTACKS = {
     "truncated hello": (2, hello(0, 2)[:20], f"after 20 of {HELLO_BYTES} handshake bytes"),
     "truncated proof": (2, hello(0, 2) + b"x" * 10, "after 10 of 32 handshake bytes"),
     "garbage": (2, secrets.token_bytes(4096), "sent no elastix collectives handshake"),
     "oversized": (2, hello(0, 2) + secrets.token_bytes(1 << 20), "proof is wrong"),
-    "rank out of range": (2, hello(7, 2), "no rank 7 in this group of 3"),
-    "huge rank": (2, hello(2**64 - 1, 2), "no rank 18446744073709551615 in this group"),
-    "higher rank connecting": (1, hello(2, 1), "rank 2 does not connect to rank 1"),
-    "rank connecting to itself": (2, hello(2, 2), "rank 2 does not connect to rank 2"),
-    "rank claimed twice": (2, hello(1, 2), "rank 1 is connected already"),
-    "meant for another rank": (2, hello(0, 1), "it means to reach group rank 1"),
+    "rank out of range": (2, hello(7, 2) + bytes(32), "proof is wrong"),
+    "meant for another rank": (2, hello(0, 1) + bytes(32), "proof is wrong"),
     "silent": (2, b"", "did not complete the handshake"),
 }
+# claims no member would make, made with the group's key (a member with a bug, or a peer that
+# holds the key): (the rank attacked, (claim, to), what the refusal says)
+MEMBER_CLAIMS = {
+    "rank out of range": (2, (7, 2), "no rank 7 in this group of 3"),
+    "huge rank": (2, (2**64 - 1, 2), "no rank 18446744073709551615 in this group"),
+    "higher rank connecting": (1, (2, 1), "rank 2 does not connect to rank 1"),
+    "rank connecting to itself": (2, (2, 2), "rank 2 does not connect to rank 2"),
+    "rank claimed twice": (2, (1, 2), "rank 1 is connected already"),
+    "meant for another rank": (2, (0, 1), "it means to reach group rank 1"),
+}
+
+
+def attacked(victim, stranger, case, why):
+    """The victim closed the stranger's connection, refused it for `why`, and nothing else."""
+    assert closed_by_peer(stranger), case
+    where = "%s:%d" % stranger.getsockname()
+    stranger.close()
+    [refusal] = victim.refused
+    assert refusal.address == where and why in str(refusal), str(refusal)
+
+
+@pytest.mark.parametrize("case", list(MEMBER_CLAIMS))
+def test_claims_no_member_makes_are_refused_once_the_key_is_proven(comms, case):
+    target, (claim, to), why = MEMBER_CLAIMS[case]
+    c0, c1, c2 = comms(3)
+    exchange(c1, c2, b"before")
+    victim = [c0, c1, c2][target]
+    peer = dial(victim)
+    connector = _core.PairConnector(victim._key, tcp_comm.PURPOSE, PAIR.pack(claim, to))
+    peer.sendall(connector.hello)
+    send_quietly(peer, connector.on_challenge(read_exact(peer, CHALLENGE_BYTES)))
+    attacked(victim, peer, case, why)
+    exchange(c1, c2, b"after")
+    exchange(c0, c1, b"zero to one")
+
+
+def test_a_stranger_learns_no_rank_from_the_listener(comms):
+    """Whatever rank a stranger claims or means to reach, the listener answers alike: a
+    challenge, then a refusal of its proof."""
+    _c0, c1 = comms(2)
+    answers = set()
+    for claim, to in [(0, 1), (0, 5), (9, 1), (1, 0)]:
+        stranger = dial(c1)
+        connector = _core.PairConnector(stranger_key(), tcp_comm.PURPOSE, PAIR.pack(claim, to))
+        stranger.sendall(connector.hello)
+        challenge = read_exact(stranger, CHALLENGE_BYTES)
+        stranger.sendall(connector.on_challenge(challenge))
+        verdict = read_exact(stranger, tcp_comm.VERDICT_BYTES)
+        answers.add((challenge[0], verdict))
+        assert closed_by_peer(stranger)
+        stranger.close()
+    assert answers == {(1, bytes(tcp_comm.VERDICT_BYTES))}, answers
 
 
 @pytest.mark.parametrize("case", list(ATTACKS))
@@ -419,12 +468,12 @@ def test_replayed_handshake_is_refused(comms, env, tmp_path):
             assert refusal.address == where and refusal.rank == 0 and "proof is wrong" in str(refusal)
         finally:
             again.close()
-        # replayed to the original listener it is a second rank 0: refused too
+        # replayed to the original listener: its proof does not cover the fresh nonce either
         replayer = socket.create_connection(real, timeout=WAIT)
         send_quietly(replayer, captured)
         assert closed_by_peer(replayer)
         replayer.close()
-        assert "rank 0 is connected already" in str(c1.refused[-1])
+        assert "proof is wrong" in str(c1.refused[-1])
         exchange(c0, c1, b"the genuine connection is unharmed")
     finally:
         relay.close()

@@ -93,3 +93,46 @@ def test_killed_workers_leave_no_shared_memory_behind(method):
     finally:
         workers.wait()
     assert ours() - before == set()
+
+
+SHM_JOB = """
+import os
+import numpy as np
+import elastix.collectives as ec
+from elastix.collectives import shm_segment
+ec.init_process_group()
+x = np.ones(1 << 16, np.float32)
+for _ in range(20):
+    x[:] = 1
+    ec.all_reduce(x)
+print(f"rank {ec.get_rank()} sum {x[0]:g} shm {shm_segment._method()}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("secret", [True, False], ids=["with a secret", "without"])
+def test_a_job_trains_on_shared_memory_with_and_without_a_secret(tmp_path, marker, monkeypatch, secret):
+    """A worker that loaded the job secret is undumpable, so an ordinary user's peers cannot open
+    its memfds through /proc: its segments are files in /dev/shm instead (readable by the user
+    alone, unlinked once attached). CI runs this as a non-root user too (.ci/nonroot-tests),
+    where the memfd way fails; root may open any process's descriptors."""
+    from agents import assert_nothing_left, elastix_run, finish
+
+    script = tmp_path / "shm_job.py"
+    script.write_text(SHM_JOB)
+    for name in ("ELASTIX_SHM", "ELASTIX_AUTH_TOKEN_FILE", "ELASTIX_AUTH_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    if secret:
+        secrets_dir = tmp_path / "secrets"
+        secrets_dir.mkdir(mode=0o700)
+        path = secrets_dir / "job.secret"
+        subprocess.run([sys.executable, "-m", "elastix", "secret", str(path)], check=True, capture_output=True)
+        monkeypatch.setenv("ELASTIX_AUTH_TOKEN_FILE", str(path))
+    proc = elastix_run("--standalone", "--nproc-per-node", 2, script, out_dir=tmp_path, marker=marker)
+    code, out, err = finish(proc)
+    assert code == 0, err
+    method = "file" if secret else "memfd"
+    assert sorted(line for line in out.splitlines() if " sum " in line) == [
+        f"rank 0 sum 2 shm {method}",
+        f"rank 1 sum 2 shm {method}",
+    ], out
+    assert_nothing_left(marker)

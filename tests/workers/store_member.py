@@ -1,14 +1,19 @@
 """A worker that uses its job's store: reports its start (round, rank, pid, the workers' store
 address) to $OUT_DIR, writes a key to the workers' store with an elastix client (which proves
-the job secret when the agent gave it one), then works until $OUT_DIR/stop exists."""
+the job secret when the agent gave it one), then works until $OUT_DIR/stop exists. It first
+copies the environment it started with to $OUT_DIR/environ_<pid>: once it loads the secret it
+is undumpable, and only root may read its /proc/<pid>/environ then."""
 
 import json
 import os
 import time
 
-import elastix
-
 out = os.environ["OUT_DIR"]
+with open("/proc/self/environ", "rb") as f, open(os.path.join(out, f"environ_{os.getpid()}"), "wb") as copy:
+    copy.write(f.read())
+
+import elastix  # noqa: E402  (after the copy: the secret makes this process undumpable)
+
 rank = int(os.environ["RANK"])
 store = elastix.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=30)
 store.set(f"member/{rank}", "here")

@@ -6,16 +6,20 @@ and its bytes through the buffer protocol (``np.frombuffer(segment, ...)``, ``me
 ``close()`` ends the waits in progress and returns once they have left; the memory is unmapped
 when the last NumPy view of it is gone too, so no order of calls can reach unmapped memory.
 
-Default (``ELASTIX_SHM=memfd``): the creator makes an anonymous ``memfd`` (sealed against
-shrinking) and the others open it through ``/proc/<creator pid>/fd/<fd>``. There is no name
-anywhere, so nothing can be left behind: the memory is freed when the last process that maps
-it exits, however it exits.
+Default (``ELASTIX_SHM=auto``): a memfd where the other ranks can open it, else a file.
 
-Fallback (``ELASTIX_SHM=file``, or where memfd is unavailable): a file in /dev/shm with a unique
-name, space reserved up front (a full /dev/shm is an error now, not a SIGBUS later), unlinked
-as soon as every rank has attached; from then on it is as nameless as a memfd. A creator that
-crashes before the unlink leaves a file named after its pid, which the next creator on the
-host removes (``sweep_stale``).
+``ELASTIX_SHM=memfd``: the creator makes an anonymous ``memfd`` (sealed against shrinking) and
+the others open it through ``/proc/<creator pid>/fd/<fd>``. There is no name anywhere, so
+nothing can be left behind: the memory is freed when the last process that maps it exits,
+however it exits. Only a privileged process can open an undumpable one's descriptors that way,
+and a worker that loaded the job secret makes itself undumpable: for an ordinary user, such a
+job's segments are files.
+
+``ELASTIX_SHM=file`` (and where memfd is unavailable or cannot be attached): a file in /dev/shm
+with a unique name, readable by its owner only, space reserved up front (a full /dev/shm is an
+error now, not a SIGBUS later), unlinked as soon as every rank has attached; from then on it is
+as nameless as a memfd. A creator that crashes before the unlink leaves a file named after its
+pid, which the next creator on the host removes (``sweep_stale``).
 """
 
 from __future__ import annotations
@@ -39,9 +43,12 @@ PAGE = 4096
 
 
 def _method() -> str:
-    method = os.environ.get("ELASTIX_SHM", "memfd").lower()
-    if method not in ("memfd", "file"):
-        raise ValueError(f"ELASTIX_SHM must be 'memfd' or 'file', not {method!r}")
+    method = os.environ.get("ELASTIX_SHM", "auto").lower()
+    if method not in ("auto", "memfd", "file"):
+        raise ValueError(f"ELASTIX_SHM must be 'auto', 'memfd' or 'file', not {method!r}")
+    if method == "auto":
+        # an undumpable process's memfds open for privileged peers only
+        method = "memfd" if _mod.memfd_attachable() else "file"
     if method == "memfd" and not hasattr(os, "memfd_create"):
         return "file"
     return method

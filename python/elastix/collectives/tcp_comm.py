@@ -99,7 +99,7 @@ def _address(addr) -> str:
 class _Handshake:
     """A connection on the accept side that has not proven itself yet."""
 
-    __slots__ = ("acceptor", "addr", "buf", "claimed", "deadline", "sock", "ticket")
+    __slots__ = ("acceptor", "addr", "buf", "claimed", "deadline", "sock", "ticket", "to")
 
     def __init__(self, sock: socket.socket, addr: str, deadline: float, acceptor: _core.PairAcceptor) -> None:
         self.sock = sock
@@ -107,7 +107,8 @@ class _Handshake:
         self.deadline = deadline
         self.acceptor = acceptor
         self.buf = bytearray()
-        self.claimed: Optional[int] = None  # set once the hello is in
+        self.claimed: Optional[int] = None  # set once the hello is in: who it claims to be,
+        self.to: Optional[int] = None  # and whom it means to reach
         self.ticket = -1  # its place in the lobby
 
 
@@ -355,12 +356,9 @@ class TcpComm:
             self._refuse(sel, pending, hs, f"sent no elastix collectives handshake ({err})")
             return
         hs.buf.clear()
-        who, to = PAIR.unpack(binding)
-        hs.claimed = who
-        problem = self._claim_problem(who) if to == self.me else f"it means to reach group rank {to}"
-        if problem is not None:
-            self._refuse(sel, pending, hs, problem)
-            return
+        # the claim is judged once the key is proven: a stranger learns nothing from which
+        # claims are refused (which rank listens here, for one)
+        hs.claimed, hs.to = PAIR.unpack(binding)
         self._send(sel, pending, hs, challenge)
 
     def _verify(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake], hs: _Handshake) -> None:
@@ -373,7 +371,7 @@ class TcpComm:
                 self._refuse(sel, pending, hs, f"{wrong} (it does not hold this group's key)")
             return
         with self._cond:
-            problem = self._claim_problem(who)
+            problem = self._claim_problem(who) if hs.to == self.me else f"it means to reach group rank {hs.to}"
             if problem is not None:
                 self._refuse(sel, pending, hs, problem)
                 return

@@ -1,6 +1,7 @@
 //! Warnings about what a peer did (a refused connection, one closed on an error), said at most
 //! once a minute per address: a flood of connections must not flood the log as well, while an
-//! operator still sees every address that knocked, with a running count.
+//! operator still sees every address that knocked, with a running count. [`Throttled`] does
+//! the same for events with no address (an accept that failed: out of descriptors).
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -55,9 +56,47 @@ impl AddressLog {
     }
 }
 
+/// One kind of event said at WARN at most once per [`SAY_EVERY`], whatever else happens in
+/// between (a success does not reset it): a burst of them that lasts floods no log.
+#[derive(Default)]
+pub struct Throttled {
+    /// When it was last said, and how many happened since.
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl Throttled {
+    pub fn new() -> Throttled {
+        Throttled::default()
+    }
+
+    /// Counts one event. `Some(how many were not said since the last time)` when it is to be
+    /// said at WARN now; `None`: say it at DEBUG only.
+    pub fn note(&self) -> Option<u64> {
+        let now = Instant::now();
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let (last, unsaid) = &mut *state;
+        if last.is_some_and(|last| now.duration_since(last) < SAY_EVERY) {
+            *unsaid += 1;
+            return None;
+        }
+        *last = Some(now);
+        Some(std::mem::take(unsaid))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lasting_burst_is_said_once_a_minute_with_what_went_unsaid() {
+        let throttled = Throttled::new();
+        assert_eq!(throttled.note(), Some(0));
+        assert!((0..3000).all(|_| throttled.note().is_none()), "50 a second for a minute: one line");
+        tokio::time::advance(SAY_EVERY).await;
+        assert_eq!(throttled.note(), Some(3000));
+        assert_eq!(throttled.note(), None);
+    }
 
     #[tokio::test(start_paused = true)]
     async fn says_each_address_once_a_minute_and_counts_all() {

@@ -90,10 +90,18 @@ fn reduce(
     result.map_err(|err| PyValueError::new_err(err.to_string()))
 }
 
+/// Whether this process's memfds can be opened by its peers (`/proc/<pid>/fd/<n>`): not once
+/// it is undumpable, as a process that loaded the job secret is.
+#[pyfunction]
+fn memfd_attachable() -> bool {
+    core::shm::memfd_attachable()
+}
+
 /// Adds the `collectives` submodule to `parent`.
 pub fn register(parent: &Bound<'_, PyModule>) -> PyResult<()> {
     let module = PyModule::new(parent.py(), "collectives")?;
     module.add_function(wrap_pyfunction!(reduce, &module)?)?;
+    module.add_function(wrap_pyfunction!(memfd_attachable, &module)?)?;
     module.add_class::<PySegment>()?;
     module.add_class::<Waiter>()?;
     parent.add_submodule(&module)

@@ -34,6 +34,20 @@ impl Default for DoorLimits {
     }
 }
 
+impl DoorLimits {
+    /// The limits for a process that may hold `open_files` descriptors: a quarter of them for
+    /// strangers at most (the default's 512 at most, 16 at least), 32 per source at most.
+    pub fn for_open_files(open_files: u64) -> DoorLimits {
+        let total = usize::try_from(open_files / 4).unwrap_or(usize::MAX).clamp(16, DoorLimits::default().total);
+        DoorLimits { per_source: DoorLimits::default().per_source.min(total), total }
+    }
+}
+
+/// The process's soft open-file limit (a generous guess where it cannot be read).
+fn open_file_limit() -> u64 {
+    nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE).map_or(65536, |(soft, _)| soft)
+}
+
 /// Who is waiting: each entry holds the caller's token (what it needs to shed it).
 pub struct Lobby<T> {
     limits: DoorLimits,
@@ -122,6 +136,18 @@ impl Door {
         Door { lobby: Mutex::new(Lobby::new(limits)), deadline }
     }
 
+    /// The process's one door for every listener that authenticates (its stores, RPC): a
+    /// flood spread over several listeners shares one bound, a quarter of the open-file limit
+    /// at most, so the rest stays for what keeps the job alive (its stores' members, its
+    /// workers' pipes, a new round's store). Sized when first used: agents raise their soft
+    /// limit before they serve anything.
+    pub fn shared() -> Arc<Door> {
+        static SHARED: std::sync::OnceLock<Arc<Door>> = std::sync::OnceLock::new();
+        SHARED
+            .get_or_init(|| Arc::new(Door::new(DoorLimits::for_open_files(open_file_limit()), HANDSHAKE_DEADLINE)))
+            .clone()
+    }
+
     fn lobby(&self) -> std::sync::MutexGuard<'_, Lobby<Arc<Notify>>> {
         self.lobby.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -196,6 +222,14 @@ mod tests {
         lobby.arrive(ip(1), "v4");
         let mapped = IpAddr::V6(std::net::Ipv4Addr::new(10, 0, 0, 1).to_ipv6_mapped());
         assert_eq!(lobby.arrive(mapped, "mapped").1, vec!["v4"]);
+    }
+
+    #[test]
+    fn the_door_keeps_most_descriptors_for_the_job() {
+        assert_eq!(DoorLimits::for_open_files(1024), DoorLimits { per_source: 32, total: 256 });
+        assert_eq!(DoorLimits::for_open_files(1 << 20), DoorLimits::default());
+        assert_eq!(DoorLimits::for_open_files(20), DoorLimits { per_source: 16, total: 16 });
+        assert!(Arc::ptr_eq(&Door::shared(), &Door::shared()), "one door per process");
     }
 
     #[tokio::test(start_paused = true)]

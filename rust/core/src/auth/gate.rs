@@ -3,17 +3,17 @@
 //! client, which has no authentication) is admitted only where the server's [`PlainClients`]
 //! policy allows. Until it has done either, a connection waits at the [`Door`]: bounded per
 //! source and in all, shed when newer ones need the room, closed after
-//! [`HANDSHAKE_DEADLINE`]. A refused, shed or slow connection is closed, counted, and logged
+//! [`super::door::HANDSHAKE_DEADLINE`]. A refused, shed or slow connection is closed, counted, and logged
 //! once per address per minute.
 
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::door::{Door, DoorLimits, HANDSHAKE_DEADLINE};
+use super::door::Door;
 use super::key::Key;
 use super::pair::{self, HandshakeError, STORE};
 use super::secret::Secret;
@@ -47,7 +47,7 @@ pub enum Admitted {
 pub struct Gate {
     key: Key,
     plain: PlainClients,
-    door: Door,
+    door: Arc<Door>,
     /// Addresses that authenticated.
     trusted: Mutex<HashSet<IpAddr>>,
     /// Refusals, counted and said once a minute per address.
@@ -59,7 +59,7 @@ impl Gate {
         Gate {
             key: Key::job(&secret),
             plain,
-            door: Door::new(DoorLimits::default(), HANDSHAKE_DEADLINE),
+            door: Door::shared(),
             trusted: Mutex::default(),
             refused: AddressLog::new(),
         }
@@ -82,24 +82,30 @@ impl Gate {
         self.door.shed_oldest()
     }
 
-    /// How to serve the client at `peer`, or `None` (close the connection).
+    /// How to serve the client at `peer`, or `None` (close the connection). Everything before
+    /// that, the refusal of a plain client included, happens at the door: a connection that
+    /// has not proven itself is bounded until it is closed, whatever it sent.
     pub async fn admit(&self, stream: &mut TcpStream, peer: SocketAddr) -> Option<Admitted> {
-        let verdict = self
-            .door
-            .hold(peer.ip(), self.screen(stream, peer))
-            .await
-            .unwrap_or_else(|turned| Err((turned.to_string(), false)));
-        let (reason, plain) = match verdict {
-            Ok(admitted) => return Some(admitted),
-            Err(refusal) => refusal,
+        let screened = async {
+            let verdict = self.screen(stream, peer).await;
+            if let Err((reason, plain)) = &verdict {
+                // counted before the client hears of it
+                self.refuse(peer, reason);
+                if *plain {
+                    // an elastix client without the secret learns why (a torch client sees
+                    // a PING fail)
+                    tell_secret_required(stream).await;
+                }
+            }
+            verdict.ok()
         };
-        // counted before the client hears of it
-        self.refuse(peer, &reason);
-        if plain {
-            // an elastix client without the secret learns why (a torch client sees a PING fail)
-            let _ = tokio::time::timeout(HANDSHAKE_DEADLINE, tell_secret_required(stream)).await;
+        match self.door.hold(peer.ip(), screened).await {
+            Ok(admitted) => admitted,
+            Err(turned) => {
+                self.refuse(peer, &turned.to_string());
+                None
+            }
         }
-        None
     }
 
     /// `Ok`: serve the client; `Err`: why not, and whether it is a plain client.

@@ -270,7 +270,8 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
 }
 
 /// The whole acceptor's side: the connector's binding once it proved the key. `check` sees the
-/// binding before anything is sent back, and may refuse it (`Err(why)`).
+/// binding only then, and may refuse it (`Err(why)`: the connection is closed): a stranger
+/// learns nothing from which bindings are refused (which rank listens here, for one).
 pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     key: &Key,
@@ -281,12 +282,12 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     let mut hello = vec![0u8; purpose.hello_len()];
     stream.read_exact(&mut hello).await?;
     let (binding, challenge) = acceptor.on_hello(&hello)?;
-    check(&binding).map_err(HandshakeError::Unwanted)?;
     stream.write_all(&challenge).await?;
     let mut proof = [0u8; PROOF_LEN];
     stream.read_exact(&mut proof).await?;
     match acceptor.on_proof(&proof) {
         Ok(verdict) => {
+            check(&binding).map_err(HandshakeError::Unwanted)?;
             stream.write_all(&verdict).await?;
             Ok(binding)
         }
@@ -396,16 +397,30 @@ mod tests {
         let (_, challenge) = acceptor.on_hello(&forged).unwrap();
         let proof = connector.on_challenge(&challenge).unwrap();
         assert!(acceptor.on_proof(&proof).is_err());
+        // a binding is judged once the key is proven, never before: a stranger that only says
+        // hello is challenged whatever it claims, and learns nothing from the claim
+        let refuse_seven = |binding: &[u8]| if binding[0] == 7 { Err("no rank 7".to_owned()) } else { Ok(()) };
         let (mut a, mut b) = duplex(1024);
-        let (_, accepted) = tokio::join!(
-            async {
-                let (_, hello) = Connector::new(&k, &RPC, &[7; 8]);
+        let (challenged, accepted) = tokio::join!(
+            async move {
+                let (_, hello) = Connector::new(&key("stranger"), &RPC, &[7; 8]);
                 a.write_all(&hello).await.unwrap();
-                drop(a);
+                let mut challenge = [0u8; CHALLENGE_LEN];
+                a.read_exact(&mut challenge).await.map(|_| challenge[0])
+                // and it goes away: `a` is dropped here
             },
-            accept(&mut b, &k, &RPC, |binding| Err(format!("no rank {}", binding[0])))
+            accept(&mut b, &k, &RPC, refuse_seven)
         );
+        assert_eq!(challenged.unwrap(), GO_ON);
+        assert!(matches!(accepted, Err(HandshakeError::Closed)), "it never proved anything");
+        let (mut a, b) = duplex(1024);
+        // (the acceptor's side closes the connection when it refuses: `b` goes with its block)
+        let (connected, accepted) = tokio::join!(connect(&mut a, &k, &RPC, &[7; 8]), async {
+            let mut b = b;
+            accept(&mut b, &k, &RPC, refuse_seven).await
+        });
         assert!(matches!(accepted, Err(HandshakeError::Unwanted(why)) if why == "no rank 7"));
+        assert!(connected.is_err(), "a member with a claim no member makes is closed on");
         let mut connector = Connector::new(&k, &STORE, &[]).0;
         assert!(matches!(connector.on_challenge(&no_secret_challenge()), Err(HandshakeError::NoSecret)));
     }

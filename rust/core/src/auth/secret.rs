@@ -56,10 +56,11 @@ pub const MIN_LEN: usize = 16;
 
 impl Secret {
     /// Reads the secret from `path`, checking the file as ssh checks keys: not a symbolic link,
-    /// a regular file owned by this user (or root) that nobody else may read or write, in a
-    /// directory that not everyone may write to (where anyone could have put it). The file is
-    /// opened once and the opened file is what is checked and read. Trailing whitespace is
-    /// dropped, and the secret must be strong enough ([`check_strength`]).
+    /// a regular file owned by this user (or root) that nobody else may read or write, and
+    /// every directory above it ([`check_directories`]) owned by this user or root and
+    /// writable by nobody else. The file is opened once and the opened file is what is checked
+    /// and read. Trailing whitespace is dropped, and the secret must be strong enough
+    /// ([`check_strength`]).
     pub fn from_file(path: &Path) -> Result<Secret, SecretError> {
         let shown = path.display();
         let fail = |why: String| SecretError(format!("job secret file {shown}: {why}"));
@@ -90,7 +91,7 @@ impl Secret {
                  of keys"
             )));
         }
-        check_directory(path).map_err(fail)?;
+        check_directories(path, me).map_err(fail)?;
         let mut bytes = Vec::new();
         std::io::Read::read_to_end(&mut &file, &mut bytes).map_err(|err| fail(err.to_string()))?;
         Secret::new(bytes, Source::File(path.to_owned())).map_err(|SecretError(why)| fail(why))
@@ -162,21 +163,50 @@ impl Secret {
     }
 }
 
-/// A secret's file must not be in a directory everyone may write to: anyone could have put it
-/// there, or may replace it.
-fn check_directory(path: &Path) -> Result<(), String> {
+/// Every directory above a secret's file, symbolic links resolved, as ssh checks a key's: owned
+/// by this user (`me`) or root, and writable by nobody else (a sticky directory such as /tmp
+/// above the file's own excepted, where nobody may replace what is not theirs). Anyone who may
+/// write to one of them could have put the file there, or may swap it or a directory on the
+/// way for their own.
+fn check_directories(path: &Path, me: libc::uid_t) -> Result<(), String> {
     let dir = match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir,
         _ => Path::new("."),
     };
-    match std::fs::metadata(dir) {
-        Ok(metadata) if metadata.permissions().mode() & 0o002 != 0 => Err(format!(
-            "it is in {}, a directory everyone may write to (anyone could have put it there or may replace it); \
-             keep it in a directory of your own",
-            dir.display()
-        )),
-        _ => Ok(()),
+    let real =
+        std::fs::canonicalize(dir).map_err(|err| format!("cannot resolve its directory {}: {err}", dir.display()))?;
+    // SAFETY: getegid(2) takes nothing and cannot fail.
+    let my_group = unsafe { libc::getegid() };
+    for each in real.ancestors() {
+        let metadata = std::fs::metadata(each).map_err(|err| format!("cannot check {}: {err}", each.display()))?;
+        let shown = if each == real && real != dir {
+            format!("{} ({})", each.display(), dir.display())
+        } else {
+            each.display().to_string()
+        };
+        if metadata.uid() != me && metadata.uid() != 0 {
+            return Err(format!(
+                "it is under {shown}, a directory that belongs to user {} (this process runs as user {me}): they could \
+                 swap it; keep it in a directory of your own",
+                metadata.uid()
+            ));
+        }
+        let mode = metadata.permissions().mode();
+        // above the file's own directory, a sticky one (such as /tmp) lets nobody replace
+        // what is not theirs; the file's own directory must be writable by nobody else at all
+        let sticky = mode & 0o1000 != 0 && each != real;
+        // a group of its own (user private groups) is this user alone
+        let by_group = mode & 0o020 != 0 && metadata.gid() != my_group;
+        if !sticky && (mode & 0o002 != 0 || by_group) {
+            return Err(format!(
+                "it is under {shown}, a directory {} may write to (mode {:03o}): anyone who can could have put it \
+                 there or may replace it; keep it in a directory only you may write to",
+                if mode & 0o002 != 0 { "everyone" } else { "its group" },
+                mode & 0o777
+            ));
+        }
     }
+    Ok(())
 }
 
 fn trimmed(mut bytes: Vec<u8>) -> Vec<u8> {
@@ -210,8 +240,25 @@ pub fn check_strength(bytes: &[u8]) -> Result<(), SecretError> {
             if repeats { "one piece repeated" } else { "fewer than 8 different characters" }
         )));
     }
+    // words, keyboard walks, sequences, dates: zxcvbn's estimate of the guesses needed, over
+    // the first bytes (a long random secret is strong on its first ones already)
+    if let Ok(text) = std::str::from_utf8(&bytes[..bytes.len().min(ESTIMATED_BYTES)]) {
+        let guesses = zxcvbn::zxcvbn(text, &[]).guesses_log10();
+        if guesses < MIN_GUESSES_LOG10 {
+            return Err(SecretError(format!(
+                "the job secret is easy to guess (about 10^{guesses:.0} guesses find it: words, sequences or \
+                 keyboard patterns); use random bytes: {ADVICE}"
+            )));
+        }
+    }
     Ok(())
 }
+
+/// The fewest guesses (log10) a secret must take, as zxcvbn estimates them: at a million
+/// online guesses a second, 10^12 take eleven days.
+const MIN_GUESSES_LOG10: f64 = 12.0;
+/// Bytes of a secret whose guesses are estimated (the estimate grows with the length).
+const ESTIMATED_BYTES: usize = 128;
 
 /// Makes this process undumpable: no core file, and no other process of this user may attach
 /// a debugger or read its memory or environment, once it holds the job secret.
@@ -228,7 +275,9 @@ fn forbid_dumps() {
 pub fn write_new(path: &Path) -> Result<(), SecretError> {
     let shown = path.display();
     // refused before anything is written there
-    check_directory(path).map_err(|why| SecretError(format!("job secret file {shown}: {why}")))?;
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    check_directories(path, me).map_err(|why| SecretError(format!("job secret file {shown}: {why}")))?;
     let mut bytes = [0u8; 32];
     rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut bytes);
     let text: String = bytes.iter().map(|byte| format!("{byte:02x}")).chain(["\n".to_owned()]).collect();
@@ -382,8 +431,53 @@ mod tests {
     }
 
     #[test]
+    fn every_directory_above_the_file_is_checked_with_links_resolved() {
+        let dir = private_dir("above");
+        // a private directory inside one that others may write to (not sticky): anyone could swap it
+        let open = dir.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let inner = open.join("inner");
+        std::fs::DirBuilder::new().mode(0o700).create(&inner).unwrap();
+        let err = refusal(&file(&inner, "secret", STRONG, 0o600));
+        assert!(err.contains("everyone may write to") && err.contains("/open"), "{err}");
+        // reached through a symbolic link: the real directories are the ones checked
+        let link = dir.join("link");
+        std::os::unix::fs::symlink(&inner, &link).unwrap();
+        let err = refusal(&link.join("secret"));
+        assert!(err.contains("everyone may write to") && err.contains("/open"), "{err}");
+        // a directory of another user's, above the file
+        let theirs = dir.join("theirs");
+        std::fs::DirBuilder::new().mode(0o755).create(&theirs).unwrap();
+        let mine = theirs.join("mine");
+        std::fs::DirBuilder::new().mode(0o700).create(&mine).unwrap();
+        let secret = file(&mine, "secret", STRONG, 0o600);
+        std::os::unix::fs::chown(&theirs, Some(12345), None).unwrap();
+        let err = refusal(&secret);
+        assert!(err.contains("belongs to user 12345"), "{err}");
+        // a sticky directory above the file's own (as /tmp is) is fine
+        let sticky = dir.join("sticky");
+        std::fs::create_dir(&sticky).unwrap();
+        std::fs::set_permissions(&sticky, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let private = sticky.join("private");
+        std::fs::DirBuilder::new().mode(0o700).create(&private).unwrap();
+        Secret::from_file(&file(&private, "secret", STRONG, 0o600)).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn weak_secrets_are_refused_with_the_way_to_a_strong_one() {
-        for weak in [&b"summer2024"[..], b"aaaaaaaaaaaaaaaaaaaa", b"summer2024summer2024", b"abababababababababab"] {
+        let weak: [&[u8]; 7] = [
+            b"summer2024",
+            b"aaaaaaaaaaaaaaaaaaaa",
+            b"summer2024summer2024",
+            b"abababababababababab",
+            // long enough and varied, but words, sequences and keyboard walks
+            b"password12345678",
+            b"qwertyuiopasdfgh",
+            b"0123456789abcdef0123",
+        ];
+        for weak in weak {
             let err = check_strength(weak).unwrap_err().to_string();
             assert!(err.contains("elastix secret"), "{err}");
         }

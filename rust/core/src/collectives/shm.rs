@@ -28,6 +28,15 @@ pub const PAGE: usize = 4096;
 /// file (its creator crashed before dropping the name) can be recognised and removed.
 pub const FILE_PREFIX: &str = "elastix-cc-";
 
+/// Whether other processes of this user can open this process's memfds through
+/// `/proc/<pid>/fd/<n>`: not once it is undumpable (it loaded the job secret), unless they are
+/// privileged (root is). Such a process shares its segments as files instead.
+pub fn memfd_attachable() -> bool {
+    // SAFETY: prctl(PR_GET_DUMPABLE) takes plain integers and touches no memory of ours.
+    let dumpable = unsafe { nix::libc::prctl(nix::libc::PR_GET_DUMPABLE, 0, 0, 0, 0) };
+    dumpable == 1
+}
+
 /// Where a new segment's memory comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Backing {

@@ -1,13 +1,13 @@
 //! The metrics endpoint: `GET /metrics` over HTTP/1.x, one response per connection. Small on
 //! purpose (no web framework): a scraper sends one request and reads one reply. Every
-//! connection is bounded in time and size, few are served at once, a few per address at most,
-//! and one that says nothing is closed within [`HEAD_DEADLINE`], so silent or slow clients can
-//! neither hold the process's runtime nor black out the scrapes.
+//! connection is bounded in time and size; until its request is in it waits at a door (a few
+//! per address, a few dozen in all, the oldest shed for a newer one, closed within
+//! [`HEAD_DEADLINE`]), so silent or slow clients can neither hold the process's runtime nor
+//! black out the scrapes, and failed accepts are said once a minute at most.
 
-use std::collections::HashMap;
 use std::io;
-use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -16,6 +16,8 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
 use super::{render, Exposes, CONTENT_TYPE, ENABLED};
+use crate::address_log::Throttled;
+use crate::auth::{Door, DoorLimits};
 
 /// Longest request head read; a scraper's is a few hundred bytes.
 const MAX_HEAD: usize = 8 * 1024;
@@ -23,9 +25,9 @@ const MAX_HEAD: usize = 8 * 1024;
 const CLIENT_DEADLINE: Duration = Duration::from_secs(10);
 /// Time a client gets to send its request head: a scraper sends it at once.
 const HEAD_DEADLINE: Duration = Duration::from_secs(2);
-/// Scrapes served at once; more connections are closed at once.
+/// Connections waiting for their request head at once, and scrapes served at once.
 const MAX_CLIENTS: usize = 32;
-/// Connections served at once from one address; more from it are closed at once.
+/// Connections waiting for their request head at once from one address.
 const MAX_PER_ADDRESS: usize = 2;
 
 /// The endpoint, served on the current tokio runtime until dropped.
@@ -66,61 +68,46 @@ impl Drop for MetricsServer {
     }
 }
 
-/// Connections being served, by address.
-#[derive(Clone, Default)]
-struct PerAddress(Arc<Mutex<HashMap<IpAddr, usize>>>);
-
-/// One connection counted in [`PerAddress`] until dropped.
-struct Counted(PerAddress, IpAddr);
-
-impl PerAddress {
-    fn admit(&self, ip: IpAddr) -> Option<Counted> {
-        let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let count = map.entry(ip).or_default();
-        if *count >= MAX_PER_ADDRESS {
-            return None;
-        }
-        *count += 1;
-        Some(Counted(self.clone(), ip))
-    }
-}
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        let mut map = self.0 .0.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(count) = map.get_mut(&self.1) {
-            *count -= 1;
-            if *count == 0 {
-                map.remove(&self.1);
-            }
-        }
-    }
-}
-
 async fn accept_loop(listener: TcpListener, exposes: Exposes) {
-    let permits = Arc::new(Semaphore::new(MAX_CLIENTS));
-    let per_address = PerAddress::default();
+    // A connection waits at this door until its request head is in: two per address and 32 in
+    // all at most, the oldest shed to make room for a newer one. A scraper sends its head at
+    // once, so it is always among the newest: silent connections, from one address or many,
+    // can slow a scrape by a connection's worth, never black them out.
+    let door = Arc::new(Door::new(DoorLimits { per_source: MAX_PER_ADDRESS, total: MAX_CLIENTS }, HEAD_DEADLINE));
+    let serving = Arc::new(Semaphore::new(MAX_CLIENTS));
+    let accept_failures = Throttled::new();
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(err) => {
-                // out of descriptors, usually: wait a little rather than spin
-                tracing::debug!("metrics endpoint: accept failed: {err}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                // out of descriptors, usually: a silent connection goes first, else wait a little
+                let shed = matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) && door.shed_oldest();
+                match accept_failures.note() {
+                    Some(unsaid) => tracing::warn!(
+                        "metrics endpoint: accept failed: {err} ({unsaid} more failed since this was last said; said \
+                         at most once a minute)"
+                    ),
+                    None => tracing::debug!("metrics endpoint: accept failed again: {err}"),
+                }
+                if !shed {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
                 continue;
             }
         };
-        let Some(counted) = per_address.admit(peer.ip().to_canonical()) else {
-            tracing::debug!(%peer, "metrics endpoint: too many connections from one address; closing");
-            continue;
-        };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            tracing::debug!(%peer, "metrics endpoint: too many scrapes at once; closing");
-            continue;
-        };
+        let (door, serving) = (door.clone(), serving.clone());
         tokio::spawn(async move {
-            let _held = (permit, counted);
-            match tokio::time::timeout(CLIENT_DEADLINE, respond(stream, exposes)).await {
+            let mut stream = stream;
+            let head = match door.hold(peer.ip().to_canonical(), read_head(&mut stream)).await {
+                Ok(Ok(head)) => head,
+                Ok(Err(err)) => return tracing::debug!(%peer, "metrics endpoint: {err}"),
+                Err(turned) => return tracing::debug!(%peer, "metrics endpoint: {turned}"),
+            };
+            let served = async {
+                let _permit = serving.acquire_owned().await;
+                respond(stream, &head, exposes).await
+            };
+            match tokio::time::timeout(CLIENT_DEADLINE, served).await {
                 Ok(Err(err)) => tracing::debug!(%peer, "metrics endpoint: {err}"),
                 Err(_) => tracing::debug!(%peer, "metrics endpoint: client too slow; closed"),
                 Ok(Ok(())) => {}
@@ -129,11 +116,8 @@ async fn accept_loop(listener: TcpListener, exposes: Exposes) {
     }
 }
 
-async fn respond(mut stream: TcpStream, exposes: Exposes) -> io::Result<()> {
-    let head = tokio::time::timeout(HEAD_DEADLINE, read_head(&mut stream))
-        .await
-        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no request within the head deadline"))??;
-    let (status, content_type, body) = match parse_request_line(&head) {
+async fn respond(mut stream: TcpStream, head: &[u8], exposes: Exposes) -> io::Result<()> {
+    let (status, content_type, body) = match parse_request_line(head) {
         Some(("GET" | "HEAD", "/metrics")) => ("200 OK", CONTENT_TYPE, render(exposes)),
         Some(("GET" | "HEAD", _)) => ("404 Not Found", "text/plain", "try /metrics\n".to_owned()),
         Some(_) => ("405 Method Not Allowed", "text/plain", "only GET\n".to_owned()),
@@ -214,5 +198,28 @@ mod tests {
         let err = MetricsServer::start(Some("127.0.0.1"), server.port(), Exposes::Store).err().unwrap();
         assert_eq!(err.kind(), io::ErrorKind::AddrInUse);
         assert!(err.to_string().contains(&format!("cannot serve metrics on 127.0.0.1:{}", server.port())), "{err}");
+    }
+
+    #[tokio::test]
+    async fn silent_connections_from_many_addresses_do_not_black_out_the_scrapes() {
+        let server = MetricsServer::start(Some("127.0.0.1"), 0, Exposes::Store).unwrap();
+        let addr = server.local_addr();
+        // 16 addresses, 4 silent connections each: more than the door holds, per address and in all
+        let mut silent = Vec::new();
+        for source in 2..18u8 {
+            for _ in 0..4 {
+                let socket = tokio::net::TcpSocket::new_v4().unwrap();
+                socket.bind(SocketAddr::from(([127, 0, 0, source], 0))).unwrap();
+                silent.push(socket.connect(addr).await.unwrap());
+            }
+        }
+        for scrape in 0..30 {
+            let reply = get(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await;
+            assert!(reply.starts_with("HTTP/1.1 200 OK\r\n"), "scrape {scrape}: {reply:?}");
+            // the flood goes on: one more silent connection from each address between scrapes
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(SocketAddr::from(([127, 0, 0, 2 + (scrape % 16) as u8], 0))).unwrap();
+            silent.push(socket.connect(addr).await.unwrap());
+        }
     }
 }

@@ -216,7 +216,13 @@ impl Endpoint {
                         tokio::task::yield_now().await;
                         continue;
                     }
-                    tracing::warn!("rpc: accept failed: {err}");
+                    match self.accept_failures.note() {
+                        Some(unsaid) => tracing::warn!(
+                            "rpc: accept failed: {err} ({unsaid} more failed since this was last said; said at most \
+                             once a minute)"
+                        ),
+                        None => tracing::debug!("rpc: accept failed again: {err}"),
+                    }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }

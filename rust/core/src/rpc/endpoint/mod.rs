@@ -29,8 +29,8 @@ use super::frame::Frame;
 use super::ids::{Gid, WorkerId};
 use super::queue::{BlockingQueue, Empty};
 use super::refs::{Slot, Table};
-use crate::address_log::AddressLog;
-use crate::auth::{Door, DoorLimits, Key, HANDSHAKE_DEADLINE};
+use crate::address_log::{AddressLog, Throttled};
+use crate::auth::{Door, Key};
 
 pub use calls::{CallError, Request};
 pub use rrefs::ValueError;
@@ -124,7 +124,7 @@ pub struct Endpoint {
     world: u32,
     key: Key,
     /// Connections that have not proven the key yet.
-    door: Door,
+    door: std::sync::Arc<Door>,
     control_delay: Option<(Duration, Duration)>,
     runtime: Handle,
     local_addr: SocketAddr,
@@ -139,6 +139,8 @@ pub struct Endpoint {
     tasks: Mutex<Vec<AbortHandle>>,
     /// Connections that failed the handshake: counted, said once a minute per address.
     refused: AddressLog,
+    /// Accepts that failed (out of descriptors), said once a minute at most.
+    accept_failures: Throttled,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -154,7 +156,7 @@ impl Endpoint {
             me: config.me,
             world: config.world,
             key: config.key,
-            door: Door::new(DoorLimits::default(), HANDSHAKE_DEADLINE),
+            door: Door::shared(),
             control_delay: config.control_delay,
             runtime: Handle::current(),
             local_addr: listener.local_addr()?,
@@ -168,6 +170,7 @@ impl Endpoint {
             closed: AtomicBool::new(false),
             tasks: Mutex::new(Vec::new()),
             refused: AddressLog::new(),
+            accept_failures: Throttled::new(),
         });
         let accepting = tokio::spawn(endpoint.clone().accept_loop(listener));
         endpoint.track(accepting.abort_handle());

@@ -28,7 +28,7 @@ use self::shutdown::Shutdown;
 use super::counter::parse_counter;
 use super::db::Db;
 use super::limits::Limits;
-use crate::address_log::AddressLog;
+use crate::address_log::{AddressLog, Throttled};
 use crate::auth::{Admitted, Gate, PlainClients, Secret};
 
 /// How to run a server.
@@ -277,7 +277,7 @@ async fn accept_loop(
     task_done: mpsc::Sender<()>,
 ) {
     let _acceptor = acceptor;
-    let mut failing = false;
+    let accept_failures = Throttled::new();
     loop {
         let next = tokio::select! {
             _ = shutdown.recv() => return,
@@ -286,10 +286,7 @@ async fn accept_loop(
         let (stream, peer) = match next {
             None => return, // the thread ended
             Some(Ok((stream, peer))) => match TcpStream::from_std(stream) {
-                Ok(stream) => {
-                    failing = false;
-                    (stream, peer)
-                }
+                Ok(stream) => (stream, peer),
                 Err(err) => {
                     tracing::debug!(%peer, "could not register an accepted connection: {err}");
                     continue;
@@ -298,16 +295,22 @@ async fn accept_loop(
             Some(Err(err)) => {
                 // Out of descriptors: connections still waiting to authenticate go first (a
                 // flood of strangers must not keep a member out); the thread backs off from
-                // other errors, and existing clients are served meanwhile; said once per burst.
+                // other errors, and existing clients are served meanwhile; said once a minute
+                // at most, however the burst goes.
                 let out_of_descriptors = matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
-                if out_of_descriptors && shared.gate.as_ref().is_some_and(Gate::shed_oldest) {
-                    tracing::debug!("accept failed: {err}; shed the oldest connection waiting to authenticate");
-                } else if !failing {
-                    tracing::error!("accept failed: {err}; retrying with backoff, existing clients are still served");
-                } else {
-                    tracing::debug!("accept failed again: {err}");
+                let shed = out_of_descriptors && shared.gate.as_ref().is_some_and(Gate::shed_oldest);
+                match accept_failures.note() {
+                    Some(unsaid) => tracing::warn!(
+                        "accept failed: {err}{}; existing clients are still served ({unsaid} more failed since this \
+                         was last said; said at most once a minute)",
+                        if shed {
+                            "; shed the oldest connection waiting to authenticate"
+                        } else {
+                            "; retrying with backoff"
+                        }
+                    ),
+                    None => tracing::debug!("accept failed again: {err}"),
                 }
-                failing = true;
                 continue;
             }
         };
