@@ -33,7 +33,7 @@ import elastix
 from elastix import _auth, _core
 from elastix._auth import FILE_ENV, TOKEN_ENV, load_secret
 from elastix.collectives import tcp_comm
-from elastix.collectives.errors import AuthenticationError, CollectiveTimeoutError
+from elastix.collectives.errors import AuthenticationError, CollectiveError, CollectiveTimeoutError
 from elastix.collectives.tcp_comm import CHALLENGE_BYTES, HELLO_BYTES, PAIR, PROOF_BYTES, TcpComm
 
 SECRET = "correct horse battery staple"
@@ -633,3 +633,46 @@ def test_connectors_never_wait_for_the_acceptor_to_reach_an_accept(tmp_path, env
     extra = {"ELASTIX_ROUND": ""}
     results = harness.run(eager_sends, 3, hosts=["a", "b", "c"], timeout=90, env=extra)
     assert results == [{}, {"2": [2.0] * 3, "0": [0.0] * 3}, {"0": [0.0] * 3}]
+
+
+class Hijacker(Relay):
+    """A relay that passes the handshake through both ways, then keeps what the member sends
+    and sends ``own`` (a message of its own) to the listener instead."""
+
+    def __init__(self, target: Tuple[str, int], own: bytes) -> None:
+        self.own = own
+        super().__init__(target)
+
+    def _run(self) -> None:
+        client, _ = self.server.accept()
+        upstream = socket.create_connection(self.target, timeout=WAIT)
+        self.socks += [client, upstream]
+        upstream.sendall(read_exact(client, HELLO_BYTES))
+        client.sendall(read_exact(upstream, CHALLENGE_BYTES))
+        upstream.sendall(read_exact(client, PROOF_BYTES))
+        client.sendall(read_exact(upstream, tcp_comm.VERDICT_BYTES))
+        self.sent += client.recv(1 << 16)  # the member's first message, kept from the listener
+        send_quietly(upstream, self.own)
+
+
+@pytest.mark.parametrize("mode", ["authenticated", "encrypted"])
+def test_a_relay_that_passed_the_handshake_through_cannot_send_its_own_messages(comms, env, tmp_path, mode):
+    env.setenv(FILE_ENV, write_secret(tmp_path))
+    env.setenv("ELASTIX_SESSION", mode)
+    c0, c1 = comms(2, timeout=5.0, name=f"hijack-{mode}")
+    # its own header (a sum over 8 bytes) and data, in the clear, where the member's would be
+    desc = [1, 0, 0, 0, 8, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    forged = tcp_comm.HEADER.pack(tcp_comm.MAGIC, 0, *desc) + b"\x01" * 8
+    hijacker = Hijacker(listener(c1), forged)
+    try:
+        c0.store.set("tcp/addr/1", hijacker.address)
+        secret_data = b"the member's gradient bytes"
+        c0.send(1, [c0.header(desc), secret_data])
+        with pytest.raises(CollectiveError, match="altered after its handshake"):
+            c1.check_header(0, desc, "all_reduce")
+        # what the member sent is sealed: readable on the way only when not encrypted
+        seen = bytes(hijacker.sent)
+        assert (secret_data in seen) == (mode == "authenticated"), seen
+        assert tcp_comm.HEADER.pack(tcp_comm.MAGIC, 0, *desc) not in seen or mode == "authenticated"
+    finally:
+        hijacker.close()

@@ -69,6 +69,13 @@ KEY_LABEL = b"elastix collectives v1\0"
 HANDSHAKE_LIMIT = _core.HANDSHAKE_DEADLINE  # seconds a connection may take to prove itself
 HEADER = struct.Struct("<QQ14q")
 INLINE_BYTES = 64 << 10  # sends up to this size fit in socket buffers: sent from the caller
+SEALED_HEADER = HEADER.size + _core.SESSION_OVERHEAD
+RECORD_HEAD = struct.Struct("<I")  # a sealed record's payload length
+
+
+class _Header(bytes):
+    """A message header: sealed in the peer's session when it is sent (it travels with the
+    data views, in order), so that nothing but the peer can make one."""
 
 
 class Ticket:
@@ -136,6 +143,8 @@ class TcpComm:
         port = self.listener.getsockname()[1]
         self._conn_store = store.clone()  # connections may be made from the send thread
         self.conns: Dict[int, socket.socket] = {}
+        # each connection's session, which seals its headers (and, encrypted, all it carries)
+        self._sessions: Dict[int, _core.SessionChannel] = {}
         # authenticated connections not yet taken by _accept, and the latest refused ones,
         # filled by the accept thread; _cond guards both
         self._stash: Dict[int, socket.socket] = {}
@@ -221,6 +230,7 @@ class TcpComm:
         try:
             sock.sendall(connector.on_challenge(_recv_exact(sock, CHALLENGE_BYTES)))
             connector.on_verdict(_recv_exact(sock, VERDICT_BYTES))
+            self._sessions[peer] = connector.session()
         except _core.AuthRefused as err:
             # the store sent us to something that is not our peer: no retry can fix that
             message = (
@@ -381,6 +391,7 @@ class TcpComm:
             del pending[hs.sock]
             self._lobby.leave(hs.ticket)
             hs.sock.setblocking(True)
+            self._sessions[who] = hs.acceptor.session()
             self._stash[who] = hs.sock
             self._cond.notify_all()
 
@@ -426,7 +437,7 @@ class TcpComm:
             item = self._queue.get()
             if item is None:
                 return
-            peer, views, ticket, last = item
+            peer, views, ticket, last = item  # sealed already, in the order they were given
             if ticket.error is None:
                 try:
                     sock = self.conns[peer]
@@ -441,6 +452,7 @@ class TcpComm:
         """Sends ``views`` (bytes-like) to ``peer``: inline when small and no ticket is given,
         else through the sender thread (``ticket`` completes when ``last`` is sent)."""
         sock = self.conn(peer)
+        views = self._seal(peer, views)
         if ticket is None:
             try:
                 for view in views:
@@ -452,6 +464,16 @@ class TcpComm:
             self._thread = threading.Thread(target=self._sender, name="elastix-tcp-sender", daemon=True)
             self._thread.start()
         self._queue.put((peer, views, ticket, last))
+
+    def _seal(self, peer: int, views: Sequence) -> Sequence:
+        """What goes on the wire for ``views`` to ``peer``: headers sealed in the peer's
+        session, data as it is (an encrypted session seals the data too)."""
+        session = self._sessions[peer]
+        if session.encrypted:
+            return [session.seal(memoryview(view).cast("B")) for view in views]
+        if not any(isinstance(view, _Header) for view in views):
+            return views
+        return [session.seal(view) if isinstance(view, _Header) else view for view in views]
 
     def wait(self, ticket: Ticket, peer_hint: Optional[int] = None) -> None:
         deadline = self._deadline()
@@ -490,17 +512,50 @@ class TcpComm:
 
     def recv_into(self, peer: int, view) -> None:
         mv = memoryview(view).cast("B") if not isinstance(view, memoryview) else view
-        if len(mv):
-            self._recv_into_sock(self.conn(peer), mv, peer)
+        if not len(mv):
+            return
+        sock = self.conn(peer)
+        if not self._sessions[peer].encrypted:
+            self._recv_into_sock(sock, mv, peer)
+            return
+        # the sender sealed the same bytes in one go: as many records, full ones but the last
+        records = -(-len(mv) // _core.SESSION_MAX_RECORD)
+        sealed = bytearray(len(mv) + records * _core.SESSION_OVERHEAD)
+        self._recv_into_sock(sock, memoryview(sealed), peer)
+        try:
+            payload = self._sessions[peer].open(sealed)
+        except ValueError as err:
+            self._garbled(peer, str(err))
+        if len(payload) != len(mv):
+            self._garbled(peer, f"{len(payload)} bytes where {len(mv)} were due")
+        mv[:] = payload
+
+    def _open_record(self, sock: socket.socket, peer: int, size: Optional[int] = None) -> bytes:
+        """The payload of the next sealed record from ``peer`` (of ``size`` bytes, if given):
+        a record that does not verify ends the group, naming the connection."""
+        head = self._recv_exact(sock, RECORD_HEAD.size, peer)
+        (length,) = RECORD_HEAD.unpack(head)
+        if length > _core.SESSION_MAX_RECORD or (size is not None and length != size):
+            self._garbled(peer, f"a record of {length} bytes")
+        rest = self._recv_exact(sock, length + _core.SESSION_OVERHEAD - RECORD_HEAD.size, peer)
+        try:
+            return self._sessions[peer].open(head + rest)
+        except ValueError as err:
+            self._garbled(peer, str(err))
+
+    def _garbled(self, peer: int, what: str) -> NoReturn:
+        message = f"rank {self.ranks[peer]}'s connection carried {what}: it was altered after its handshake"
+        self.abort(f"garbled stream: {message}")
+        raise CollectiveError(message)
 
     # -- headers ------------------------------------------------------------------------------
 
     @staticmethod
     def header(desc: List[int]) -> bytes:
-        return HEADER.pack(MAGIC, 0, *desc)
+        return _Header(HEADER.pack(MAGIC, 0, *desc))
 
     def check_header(self, peer: int, desc: List[int], what: str) -> None:
-        raw = self._recv_exact(self.conn(peer), HEADER.size, peer)
+        raw = self._open_record(self.conn(peer), peer, HEADER.size)
         fields = HEADER.unpack(raw)
         if fields[0] != MAGIC:
             self.abort("garbled stream")

@@ -100,14 +100,15 @@ async fn fuzzed_handshakes_close_only_their_own_connection() {
     let mut good = Client::connect(&options(&server, Some(secret("the job's")))).await.unwrap();
     let port = server.port();
     let magic: &[u8] = b"\xe1elxauth";
-    let oversized = [magic, &[2u8], &vec![0x5a; 1 << 20]].concat();
+    let oversized = [magic, &[3u8, 1], &vec![0x5a; 1 << 20]].concat();
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("truncated magic", magic[..3].to_vec()),
-        ("truncated nonce", [magic, &[2u8], &[7u8; 10]].concat()),
+        ("truncated nonce", [magic, &[3u8, 1], &[7u8; 10]].concat()),
         ("garbage after the first byte", b"\xe1GET / HTTP/1.1\r\n\r\n".to_vec()),
-        ("an unknown version", [magic, &[9u8], &[7u8; 32]].concat()),
+        ("an unknown version", [magic, &[9u8, 1], &[7u8; 32]].concat()),
+        ("an unknown session mode", [magic, &[3u8, 9], &[7u8; 32]].concat()),
         ("oversized: a megabyte where the proof goes", oversized),
-        ("a replayed proof", [magic, &[2u8], &[7u8; 32], &[3u8; 32]].concat()),
+        ("a replayed proof", [magic, &[3u8, 1], &[7u8; 32], &[3u8; 32]].concat()),
     ];
     for (what, bytes) in &cases {
         let closed = tokio::task::spawn_blocking({
@@ -131,9 +132,9 @@ async fn fuzzed_handshakes_close_only_their_own_connection() {
     assert_eq!(&good.get(b"after", None).await.unwrap()[..], cases.last().unwrap().0.as_bytes());
 }
 
-/// A hello as a stranger sends it: the store's magic, version 2, a nonce.
+/// A hello as a stranger sends it: the store's magic, version 3, the authenticated mode, a nonce.
 fn stranger_hello() -> Vec<u8> {
-    [&b"\xe1elxauth"[..], &[2u8], &[7u8; 32]].concat()
+    [&b"\xe1elxauth"[..], &[3u8, 1], &[7u8; 32]].concat()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -144,7 +145,7 @@ async fn a_stranger_gets_nothing_derived_from_the_secret() {
         let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
         stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         stream.write_all(&stranger_hello()).unwrap();
-        let mut challenge = [0u8; 33];
+        let mut challenge = [0u8; 34];
         stream.read_exact(&mut challenge).unwrap();
         // nothing more comes before this side proves the secret
         stream.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
@@ -231,4 +232,60 @@ async fn a_client_tries_again_when_the_server_closes_during_authentication() {
     };
     let mut client = Client::connect(&options).await.unwrap();
     client.set(b"k", b"v").await.unwrap();
+}
+
+/// A relay a member dials (a spoofed name, an on-path host): it passes the handshake through
+/// both ways, then drops the member and sends requests of its own on the proven connection.
+/// The server answers none of them: after the handshake every byte must come sealed in the
+/// session only the member and the server hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_passed_the_handshake_through_cannot_send_its_own_requests() {
+    use elastix_core::auth::pair::{CHALLENGE_LEN, PROOF_LEN, STORE, VERDICT_LEN};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let server = server(PlainClients::Refuse);
+    let mut good = Client::connect(&options(&server, Some(secret("the job's")))).await.unwrap();
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_port = relay.local_addr().unwrap().port();
+    let server_port = server.port();
+    let relaying = tokio::spawn(async move {
+        let (mut member, _) = relay.accept().await.unwrap();
+        let mut upstream = tokio::net::TcpStream::connect(("127.0.0.1", server_port)).await.unwrap();
+        let pass = |len: usize| vec![0u8; len];
+        let mut hello = pass(STORE.hello_len());
+        member.read_exact(&mut hello).await.unwrap();
+        upstream.write_all(&hello).await.unwrap();
+        let mut challenge = pass(CHALLENGE_LEN);
+        upstream.read_exact(&mut challenge).await.unwrap();
+        member.write_all(&challenge).await.unwrap();
+        let mut proof = pass(PROOF_LEN);
+        member.read_exact(&mut proof).await.unwrap();
+        upstream.write_all(&proof).await.unwrap();
+        let mut verdict = pass(VERDICT_LEN);
+        upstream.read_exact(&mut verdict).await.unwrap();
+        assert_eq!(verdict[0], 1, "the server took the member's proof");
+        drop(member);
+        // its own requests, in the clear (VALIDATE, then SET "stolen"), and as a sealed record
+        // it cannot make: a record head and junk where the tag goes
+        let mut own = vec![0x00, 0xce, 0xf7, 0x85, 0x3c];
+        own.extend([0x01, 6, 0, 0, 0, 0, 0, 0, 0]);
+        own.extend(b"stolen");
+        own.extend([1, 0, 0, 0, 0, 0, 0, 0, b'x']);
+        upstream.write_all(&own).await.unwrap();
+        let mut answer = Vec::new();
+        let _ = upstream.read_to_end(&mut answer).await;
+        answer
+    });
+    // the member dials the relay: its connection fails (the relay dropped it), as it should
+    let member = Client::connect(&ConnectOptions {
+        secret: Some(secret("the job's")),
+        ..ConnectOptions::new("127.0.0.1", relay_port, Some(Duration::from_secs(3)))
+    })
+    .await;
+    assert!(member.is_err());
+    let answer = relaying.await.unwrap();
+    assert!(answer.is_empty(), "the server closed the relay's connection without a word: {answer:?}");
+    assert!(!good.check(&[b"stolen"]).await.unwrap(), "the relay's SET was never served");
+    good.set(b"k", b"v").await.unwrap();
+    assert_eq!(good.session_mode(), Some(elastix_core::auth::session::Mode::Authenticated));
 }

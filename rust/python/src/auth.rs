@@ -1,12 +1,16 @@
 //! Peer authentication for Python: the job secret (loaded and checked by the core's one loader),
 //! the keys derived from it, the pair handshake's two sides without I/O (the collectives' TCP
-//! listener drives them from its own event loop) and the lobby of unproven connections.
+//! listener drives them from its own event loop), the session each handshake leaves, and the
+//! lobby of unproven connections.
 
 use std::net::IpAddr;
 use std::sync::Mutex;
 
+use bytes::BytesMut;
 use elastix_core::auth::pair::{self, Acceptor, Connector, Purpose, CHALLENGE_LEN, PROOF_LEN, VERDICT_LEN};
+use elastix_core::auth::session::{Mode, OpenError, Opener, Sealer, Session, OVERHEAD};
 use elastix_core::auth::{DoorLimits, HandshakeError, Key, Lobby, Secret};
+use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyConnectionResetError, PyPermissionError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -108,7 +112,7 @@ impl PairConnector {
                 binding.len()
             )));
         }
-        let (inner, hello) = Connector::new(&key.0, purpose, binding);
+        let (inner, hello) = Connector::new(&key.0, purpose, binding, Mode::wanted());
         Ok(PairConnector { inner, hello })
     }
 
@@ -125,6 +129,11 @@ impl PairConnector {
     fn on_verdict(&self, verdict: &[u8]) -> PyResult<()> {
         self.inner.on_verdict(&exact(verdict, "verdict")?).map_err(handshake_error)
     }
+
+    /// The session the connection goes on in, once the challenge is answered.
+    fn session(&self) -> PyResult<SessionChannel> {
+        self.inner.session().map(SessionChannel::new).ok_or_else(|| PyValueError::new_err("no challenge answered yet"))
+    }
 }
 
 /// The accepting side: `on_hello` gives the claimed binding (for the caller to check) and the
@@ -136,7 +145,7 @@ pub struct PairAcceptor(Acceptor);
 impl PairAcceptor {
     #[new]
     fn new(key: &PeerKey, purpose_name: &str) -> PyResult<Self> {
-        Ok(PairAcceptor(Acceptor::new(&key.0, purpose(purpose_name)?)))
+        Ok(PairAcceptor(Acceptor::new(&key.0, purpose(purpose_name)?, Mode::wanted())))
     }
 
     fn on_hello<'py>(&mut self, py: Python<'py>, hello: &[u8]) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
@@ -144,11 +153,86 @@ impl PairAcceptor {
         Ok((PyBytes::new(py, &binding), PyBytes::new(py, &challenge)))
     }
 
-    fn on_proof<'py>(&self, py: Python<'py>, proof: &[u8]) -> PyResult<(Bound<'py, PyBytes>, Option<String>)> {
+    /// The session the connection goes on in, once the connector proved the key.
+    fn session(&self) -> PyResult<SessionChannel> {
+        self.0.session().map(SessionChannel::new).ok_or_else(|| PyValueError::new_err("the key is not proven yet"))
+    }
+
+    fn on_proof<'py>(&mut self, py: Python<'py>, proof: &[u8]) -> PyResult<(Bound<'py, PyBytes>, Option<String>)> {
         Ok(match self.0.on_proof(&exact(proof, "proof")?) {
             Ok(verdict) => (PyBytes::new(py, &verdict), None),
             Err((refusal, why)) => (PyBytes::new(py, &refusal), Some(why.to_string())),
         })
+    }
+}
+
+/// A connection's session after its handshake: `seal` makes what is sent into records, `open`
+/// takes one whole record back (ValueError: it does not verify, and the connection is done).
+#[pyclass(module = "elastix._core", frozen)]
+pub struct SessionChannel {
+    encrypted: bool,
+    sealer: Mutex<Sealer>,
+    opener: Mutex<Opener>,
+}
+
+/// Payloads this large are sealed or opened without the GIL.
+const DETACH_BYTES: usize = 64 * 1024;
+
+impl SessionChannel {
+    fn new(session: Session) -> SessionChannel {
+        let encrypted = session.mode == Mode::Encrypted;
+        let (sealer, opener) = session.split();
+        SessionChannel { encrypted, sealer: Mutex::new(sealer), opener: Mutex::new(opener) }
+    }
+}
+
+fn locked<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[pymethods]
+impl SessionChannel {
+    /// Whether the records are encrypted (else in the clear, authenticated).
+    #[getter]
+    fn encrypted(&self) -> bool {
+        self.encrypted
+    }
+
+    /// `data` (any buffer of bytes) as sealed records (one per 64 KiB), in order.
+    fn seal<'py>(&self, py: Python<'py>, data: PyBuffer<u8>) -> PyResult<Bound<'py, PyBytes>> {
+        // copied while the GIL is held: nobody changes it while it is sealed without the GIL
+        let data = data.to_vec(py)?;
+        let mut out = BytesMut::with_capacity(data.len() + OVERHEAD);
+        let mut seal = || locked(&self.sealer).seal(&data, &mut out);
+        if data.len() >= DETACH_BYTES {
+            py.detach(seal);
+        } else {
+            seal();
+        }
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// The payloads of `records` (any buffer of bytes), which must be whole records only, one
+    /// after another.
+    fn open<'py>(&self, py: Python<'py>, records: PyBuffer<u8>) -> PyResult<Bound<'py, PyBytes>> {
+        let mut raw = BytesMut::from(&records.to_vec(py)?[..]);
+        let mut out = BytesMut::with_capacity(raw.len());
+        let large = raw.len() >= DETACH_BYTES;
+        let mut open = || {
+            let mut opener = locked(&self.opener);
+            while !raw.is_empty() {
+                if !opener.open(&mut raw, &mut out)? {
+                    return Ok(false);
+                }
+            }
+            Ok(true)
+        };
+        let opened: Result<bool, OpenError> = if large { py.detach(open) } else { open() };
+        match opened {
+            Ok(true) => Ok(PyBytes::new(py, &out)),
+            Ok(false) => Err(PyValueError::new_err("not whole sealed records: one is cut short")),
+            Err(err) => Err(PyValueError::new_err(err.to_string())),
+        }
     }
 }
 
@@ -202,6 +286,9 @@ pub fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<PeerKey>()?;
     module.add_class::<PairConnector>()?;
     module.add_class::<PairAcceptor>()?;
+    module.add_class::<SessionChannel>()?;
+    module.add("SESSION_OVERHEAD", OVERHEAD)?;
+    module.add("SESSION_MAX_RECORD", elastix_core::auth::session::MAX_RECORD)?;
     module.add_class::<ConnectionLobby>()?;
     module.add_function(wrap_pyfunction!(load_job_secret, module)?)?;
     module.add_function(wrap_pyfunction!(write_job_secret, module)?)?;

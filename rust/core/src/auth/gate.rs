@@ -17,6 +17,7 @@ use super::door::Door;
 use super::key::Key;
 use super::pair::{self, HandshakeError, STORE};
 use super::secret::Secret;
+use super::session::{Mode, Session};
 use crate::address_log::AddressLog;
 
 /// What a server answers to a plain client's PING when it requires the secret: no process
@@ -36,10 +37,11 @@ pub enum PlainClients {
 }
 
 /// How a client got in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Admitted {
-    /// It proved the secret: a member of the job, never refused for capacity.
-    Member,
+    /// It proved the secret: a member of the job, never refused for capacity, whose
+    /// connection goes on in this session.
+    Member(Box<Session>),
     /// A plain client the policy allows.
     Plain,
 }
@@ -117,15 +119,16 @@ impl Gate {
             Err(err) => return Err((err.to_string(), false)),
         }
         if first[0] == STORE.magic[0] {
-            pair::accept(stream, &self.key, &STORE, |_| Ok(())).await.map_err(|err| {
-                let reason = match err {
-                    HandshakeError::WrongProof => "it does not hold this job's secret".to_owned(),
-                    other => other.to_string(),
-                };
-                (reason, false)
-            })?;
+            let (_, session) =
+                pair::accept(stream, &self.key, &STORE, Mode::wanted(), |_| Ok(())).await.map_err(|err| {
+                    let reason = match err {
+                        HandshakeError::WrongProof => "it does not hold this job's secret".to_owned(),
+                        other => other.to_string(),
+                    };
+                    (reason, false)
+                })?;
             self.trust(peer.ip());
-            return Ok(Admitted::Member);
+            return Ok(Admitted::Member(Box::new(session)));
         }
         if self.admits_plain(peer.ip()) {
             return Ok(Admitted::Plain);

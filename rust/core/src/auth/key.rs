@@ -55,6 +55,11 @@ impl Key {
     pub(super) fn mac(&self, parts: &[&[u8]]) -> [u8; 32] {
         hmac(&self.bytes, parts)
     }
+
+    /// The key itself, for the session keys derived from it ([`super::session`]).
+    pub(super) fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
 }
 
 #[cfg(test)]

@@ -7,6 +7,8 @@
 //! * [`key`]: the keys derived from it: the job's (store connections) and a group's (one
 //!   round's RPC or collectives connections).
 //! * [`pair`]: the handshake every such connection starts with; the connector proves first.
+//! * [`session`]: what protects the connection afterwards: every byte in sealed records, under
+//!   keys derived from the handshake (authenticated by default, encrypted on request).
 //! * [`door`]: connections not yet proven: bounded per source and in all, shed oldest first,
 //!   closed after a short deadline.
 //! * [`gate`]: what a store server holding a secret admits: clients that prove it, and plain
@@ -17,6 +19,7 @@ pub mod gate;
 pub mod key;
 pub mod pair;
 pub mod secret;
+pub mod session;
 
 pub use door::{Door, DoorLimits, Lobby, HANDSHAKE_DEADLINE};
 pub use gate::{Admitted, Gate, PlainClients, SECRET_REQUIRED};

@@ -22,6 +22,7 @@ pub mod request;
 pub mod server;
 pub mod state;
 pub mod tcp_store;
+pub mod transport;
 pub mod waiters;
 
 pub use blocking::BlockingStore;

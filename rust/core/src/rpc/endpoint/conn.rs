@@ -14,6 +14,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::outbox::Outbox;
 use super::{lock, Endpoint, Peer};
 use crate::auth::pair::{self, HandshakeError, RPC};
+use crate::auth::session::{Mode, SealedRead, Session};
 use crate::rpc::frame::{Frame, FrameError, Kind};
 use crate::rpc::ids::WorkerId;
 
@@ -86,8 +87,8 @@ impl Endpoint {
         let attempt = || async {
             let mut stream = TcpStream::connect(slot.info.addr.as_str()).await?;
             stream.set_nodelay(true)?;
-            pair::connect(&mut stream, &self.key, &RPC, &binding).await?;
-            Ok::<_, HandshakeError>(stream)
+            let session = pair::connect(&mut stream, &self.key, &RPC, &binding, Mode::wanted()).await?;
+            Ok::<_, HandshakeError>((stream, session))
         };
         let trying = async {
             let mut pause = Duration::from_millis(10);
@@ -118,9 +119,9 @@ impl Endpoint {
             }
         };
         match result {
-            Ok(stream) => {
+            Ok((stream, session)) => {
                 let serial = SERIAL.fetch_add(1, Ordering::Relaxed);
-                let tx = self.spawn_conn(stream, Side::Ours { peer: to, serial });
+                let tx = self.spawn_conn(stream, session, Side::Ours { peer: to, serial });
                 for frame in queued {
                     let _ = tx.send(frame);
                 }
@@ -146,9 +147,12 @@ impl Endpoint {
         }
     }
 
-    fn spawn_conn(self: &Arc<Self>, stream: TcpStream, side: Side) -> ConnTx {
+    /// Runs a proven connection: both ways in its session.
+    fn spawn_conn(self: &Arc<Self>, stream: TcpStream, session: Session, side: Side) -> ConnTx {
         let (reader, writer) = stream.into_split();
-        let tx = Outbox::new(writer);
+        let (sealer, opener) = session.split();
+        let reader = SealedRead::new(reader, opener);
+        let tx = Outbox::new(writer, sealer);
         let writing = self.runtime.spawn(tx.clone().run());
         self.track(writing.abort_handle());
         let endpoint = self.clone();
@@ -241,10 +245,10 @@ impl Endpoint {
                         () => Ok(()),
                     }
                 };
-                let proved = pair::accept(&mut stream, &endpoint.key, &RPC, check);
+                let proved = pair::accept(&mut stream, &endpoint.key, &RPC, Mode::wanted(), check);
                 match endpoint.door.hold(addr.ip(), proved).await {
-                    Ok(Ok(binding)) => {
-                        endpoint.spawn_conn(stream, Side::Theirs { peer: ranks(&binding).0 });
+                    Ok(Ok((binding, session))) => {
+                        endpoint.spawn_conn(stream, session, Side::Theirs { peer: ranks(&binding).0 });
                     }
                     Ok(Err(err)) => {
                         endpoint.say_refused(addr, &err.to_string());

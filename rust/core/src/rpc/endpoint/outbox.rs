@@ -1,23 +1,26 @@
-//! The sending side of a connection. A frame is written by the thread that sends it, at once
-//! (a non-blocking vectored write: no task wakes up, no queue hop), unless earlier frames are
-//! still waiting; what the socket does not take is left to the connection's writer task,
-//! which waits until the socket is writable. One lock keeps frames whole and in order.
+//! The sending side of a connection. A frame is sealed into the connection's session
+//! ([`crate::auth::session`]) and written by the thread that sends it, at once (a non-blocking
+//! vectored write: no task wakes up, no queue hop), unless earlier frames are still waiting;
+//! what the socket does not take is left to the connection's writer task, which waits until
+//! the socket is writable. One lock keeps frames whole, sealed and written in order.
 
 use std::collections::VecDeque;
 use std::io::{ErrorKind, IoSlice};
 use std::sync::{Arc, Mutex};
 
-use bytes::{Buf, Bytes};
+use bytes::{Buf, Bytes, BytesMut};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::Notify;
 
 use super::lock;
+use crate::auth::session::Sealer;
 use crate::rpc::frame::Frame;
 
 /// Parts handed to one write call.
 const MAX_SLICES: usize = 64;
 
 struct Queue {
+    sealer: Sealer,
     parts: VecDeque<Bytes>,
     /// The connection failed or was closed: nothing more is taken.
     closed: bool,
@@ -30,10 +33,10 @@ pub(super) struct Outbox {
 }
 
 impl Outbox {
-    pub fn new(half: OwnedWriteHalf) -> Arc<Outbox> {
+    pub fn new(half: OwnedWriteHalf, sealer: Sealer) -> Arc<Outbox> {
         Arc::new(Outbox {
             half,
-            queue: Mutex::new(Queue { parts: VecDeque::new(), closed: false }),
+            queue: Mutex::new(Queue { sealer, parts: VecDeque::new(), closed: false }),
             more: Notify::new(),
         })
     }
@@ -45,9 +48,11 @@ impl Outbox {
             return Err(frame);
         }
         let idle = queue.parts.is_empty();
-        queue.parts.push_back(Bytes::from(frame.head()));
-        queue.parts.push_back(frame.payload);
-        queue.parts.extend(frame.buffers);
+        let mut sealed = BytesMut::new();
+        for part in [&Bytes::from(frame.head()), &frame.payload].into_iter().chain(&frame.buffers) {
+            queue.sealer.seal(part, &mut sealed);
+        }
+        queue.parts.push_back(sealed.freeze());
         if idle {
             self.write_some(&mut queue);
             if !queue.parts.is_empty() {

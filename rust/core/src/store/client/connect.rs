@@ -7,16 +7,17 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::BytesMut;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{lookup_host, TcpStream};
 use tokio::time::Instant;
 
 use super::backoff::Backoff;
 use crate::auth::pair::{self, HandshakeError, Proven, STORE};
+use crate::auth::session::Mode;
 use crate::auth::{Key, Secret, SECRET_REQUIRED, TOKEN_FILE_VAR};
 use crate::store::error::{Result, StoreError};
 use crate::store::protocol::VALIDATION_MAGIC;
 use crate::store::request::Request;
+use crate::store::transport::Transport;
 
 /// Where and how long to try.
 #[derive(Clone, Debug)]
@@ -57,7 +58,7 @@ const SAY_AGAIN_EVERY: Duration = Duration::from_secs(10);
 /// attempts until the deadline. Never silent for long: the first failure past [`QUIET_START`]
 /// is a WARN naming the address, the error and the deadline, repeated every
 /// [`SAY_AGAIN_EVERY`] while it lasts, and a later success an INFO.
-pub(super) async fn connect(options: &ConnectOptions) -> Result<(TcpStream, SocketAddr)> {
+pub(super) async fn connect(options: &ConnectOptions) -> Result<(Transport, SocketAddr)> {
     let start = Instant::now();
     let deadline = options.timeout.map(|timeout| start + timeout);
     let mut backoff = options.backoff.clone();
@@ -139,7 +140,7 @@ async fn attempt(
     options: &ConnectOptions,
     deadline: Option<Instant>,
     tried: &mut Vec<String>,
-) -> Result<(TcpStream, SocketAddr), AttemptFailure> {
+) -> Result<(Transport, SocketAddr), AttemptFailure> {
     let addrs =
         within(deadline, lookup_host((options.host.as_str(), options.port))).await.map_err(|err| AttemptFailure {
             message: format!("cannot resolve {:?}: {err}", options.host),
@@ -188,7 +189,8 @@ enum Failed {
 /// Proves the job secret to the server; its verdict (and its own proof) is read with the first
 /// reply.
 async fn authenticate(stream: &mut TcpStream, secret: &Secret, deadline: Option<Instant>) -> Result<Proven, Failed> {
-    let exchange = async { Ok::<_, io::Error>(pair::prove(stream, &Key::job(secret), &STORE, &[]).await) };
+    let exchange =
+        async { Ok::<_, io::Error>(pair::prove(stream, &Key::job(secret), &STORE, &[], Mode::wanted()).await) };
     refusal(within(deadline, exchange).await.map_err(Failed::Io)?)
 }
 
@@ -217,26 +219,42 @@ fn refusal<T>(outcome: Result<T, HandshakeError>) -> Result<T, Failed> {
 /// VALIDATE, then PING with our pid as nonce, which the server must echo. Written as two
 /// separate sends, as torch's client does (torch's libuv server has trouble with both in one
 /// segment); the reply is bounded by the connect deadline. `proven`: the server's verdict on
-/// this client's proof comes first.
+/// this client's proof comes first (a refused client's requests would meet a closed
+/// connection, whose reset may swallow the verdict), and the connection goes on in the
+/// session its handshake made.
 async fn validate(
     mut stream: TcpStream,
     proven: Option<Proven>,
     deadline: Option<Instant>,
-) -> Result<TcpStream, Failed> {
+) -> Result<Transport, Failed> {
+    let mut stream = match proven {
+        Some(proven) => {
+            let session = proven.session();
+            let verdict = async { Ok::<_, io::Error>(proven.verdict(&mut stream).await) };
+            refusal(within(deadline, verdict).await.map_err(Failed::Io)?)?;
+            Transport::sealed(stream, session)
+        }
+        None => Transport::Plain(stream),
+    };
     let nonce = std::process::id();
     for request in [Request::Validate { magic: VALIDATION_MAGIC }, Request::Ping { nonce }] {
         let mut bytes = BytesMut::with_capacity(5);
         request.encode(&mut bytes);
         within(deadline, stream.write_all(&bytes)).await.map_err(Failed::Io)?;
     }
-    if let Some(proven) = proven {
-        let verdict = async { Ok::<_, io::Error>(proven.verdict(&mut stream).await) };
-        refusal(within(deadline, verdict).await.map_err(Failed::Io)?)?;
-    }
-    let mut echo = [0u8; 4];
-    within(deadline, stream.read_exact(&mut echo))
+    let mut echo = BytesMut::with_capacity(4);
+    let read = async {
+        while echo.len() < 4 {
+            if stream.read_buf(&mut echo).await? == 0 {
+                return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
+            }
+        }
+        Ok(())
+    };
+    within(deadline, read)
         .await
         .map_err(|err| Failed::Io(io::Error::new(err.kind(), format!("no PING reply: {err}"))))?;
+    let echo: [u8; 4] = echo[..4].try_into().expect("4 bytes read");
     let echoed = u32::from_le_bytes(echo);
     if echoed == SECRET_REQUIRED {
         return Err(Failed::Refused(format!(

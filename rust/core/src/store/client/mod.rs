@@ -18,8 +18,6 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 pub use self::backoff::Backoff;
 pub use self::connect::ConnectOptions;
@@ -27,6 +25,7 @@ use super::error::{Result, StoreError};
 use super::linger::OwnClient;
 use super::protocol::{CHECK_NOT_READY, CHECK_READY, STOP_WAITING, WAIT_CANCELED};
 use super::request::Request;
+use super::transport::Transport;
 
 /// Replies longer than this are taken as a broken server rather than allocated.
 const MAX_REPLY_LEN: u64 = 1 << 30;
@@ -57,7 +56,7 @@ enum WaitEnd {
 }
 
 pub struct Client {
-    stream: TcpStream,
+    stream: Transport,
     peer: String,
     remote: SocketAddr,
     encode_buf: BytesMut,
@@ -73,7 +72,7 @@ impl Client {
     /// Connects (with retries until `options.timeout`) and completes the handshake.
     pub async fn connect(options: &ConnectOptions) -> Result<Client> {
         let (stream, remote) = connect::connect(options).await?;
-        let own = OwnClient::register(stream.local_addr().ok());
+        let own = OwnClient::register(stream.tcp().local_addr().ok());
         Ok(Client {
             stream,
             peer: format!("{}:{}", options.host, options.port),
@@ -93,12 +92,17 @@ impl Client {
     }
 
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.stream.local_addr()
+        self.stream.tcp().local_addr()
     }
 
     /// Whether TCP keepalive is on for this connection (it is on every store socket).
     pub fn keepalive(&self) -> io::Result<bool> {
-        socket2::SockRef::from(&self.stream).keepalive()
+        socket2::SockRef::from(self.stream.tcp()).keepalive()
+    }
+
+    /// The session mode of a connection that proved the job secret (`None`: a plain one).
+    pub fn session_mode(&self) -> Option<crate::auth::session::Mode> {
+        self.stream.mode()
     }
 
     /// Bound on waiting for the reply of a non-blocking request (`None`: no bound).
@@ -428,7 +432,7 @@ impl Client {
 
 /// Reads from `stream` until `buf` holds `n` bytes. Cancel-safe: bytes read before a
 /// cancellation stay in `buf`.
-async fn fill_buffer(stream: &mut TcpStream, buf: &mut BytesMut, n: usize) -> io::Result<()> {
+async fn fill_buffer(stream: &mut Transport, buf: &mut BytesMut, n: usize) -> io::Result<()> {
     if buf.capacity() < n {
         buf.reserve(n - buf.len());
     }

@@ -8,8 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, BytesMut};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::shutdown::Shutdown;
@@ -17,6 +15,7 @@ use super::Shared;
 use crate::store::db::ExecError;
 use crate::store::protocol::{STOP_WAITING, VALIDATION_MAGIC};
 use crate::store::request::{Decoded, FrameError, Request};
+use crate::store::transport::Transport;
 use crate::store::waiters::{WaiterId, Waker};
 
 /// Bounds of the adaptive read size. Most requests are tens of bytes and a storm leaves
@@ -49,7 +48,7 @@ pub enum CloseReason {
 }
 
 pub(super) struct Connection {
-    stream: TcpStream,
+    stream: Transport,
     peer: SocketAddr,
     read_buf: BytesMut,
     /// How much room the next read is offered (between MIN_READ and MAX_READ).
@@ -70,7 +69,7 @@ struct Session {
 }
 
 impl Connection {
-    pub(super) fn new(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) -> Self {
+    pub(super) fn new(stream: Transport, peer: SocketAddr, shared: Arc<Shared>) -> Self {
         let (waker, woken) = unbounded_channel();
         Connection {
             stream,
@@ -139,7 +138,8 @@ impl Connection {
                 continue;
             }
             // Replies almost always fit the socket buffer: write at once, and wait for
-            // room (still watching for shutdown) only when it is full.
+            // room (still watching for shutdown) only when it is full (a sealed stream always
+            // writes whole records this way).
             match self.stream.try_write(replies) {
                 Ok(written) => replies.advance(written),
                 Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}

@@ -30,6 +30,7 @@ use super::db::Db;
 use super::limits::Limits;
 use crate::address_log::{AddressLog, Throttled};
 use crate::auth::{Admitted, Gate, PlainClients, Secret};
+use crate::store::transport::Transport;
 
 /// How to run a server.
 #[derive(Clone, Debug)]
@@ -322,7 +323,7 @@ async fn accept_loop(
             };
             let (shared, shutdown, task_done) = (shared.clone(), shutdown.clone(), task_done.clone());
             tokio::spawn(async move {
-                Connection::new(stream, peer, shared).run(shutdown).await;
+                Connection::new(Transport::Plain(stream), peer, shared).run(shutdown).await;
                 drop((admitted, task_done));
             });
             continue;
@@ -336,13 +337,16 @@ async fn accept_loop(
                 admitted = gate.admit(&mut stream, peer) => admitted,
                 _ = shutdown.recv() => None,
             };
-            let admitted = match admitted {
-                Some(Admitted::Member) => Some(shared.admission.admit_member(peer)),
-                Some(Admitted::Plain) => shared.admission.admit(peer),
-                None => None,
+            let (admitted, transport) = match admitted {
+                // a member's connection goes on in the session its handshake made
+                Some(Admitted::Member(session)) => {
+                    (Some(shared.admission.admit_member(peer)), Transport::sealed(stream, *session))
+                }
+                Some(Admitted::Plain) => (shared.admission.admit(peer), Transport::Plain(stream)),
+                None => (None, Transport::Plain(stream)),
             };
             if let Some(admitted) = admitted {
-                Connection::new(stream, peer, shared).run(shutdown).await;
+                Connection::new(transport, peer, shared).run(shutdown).await;
                 drop(admitted);
             }
             drop(task_done);
