@@ -6,7 +6,8 @@ strangers without the secret flood the store, against no flood.
 An `elastix-store` with a job secret listens on 127.0.0.1. The flood (tests/flood.py) keeps up
 to 3000 silent connections open to it and reopens each one the store closes, at most `--rate`
 new connections a second: from one address (127.0.0.2), then from 16 (127.0.0.2-17, which
-together fill the store's 512 places for connections waiting to authenticate). Members are
+together fill the store's places for connections waiting to authenticate), silent, and from
+one address sending one byte below 0x80 each (as a plain torch client starts) then silence. Members are
 `elastix-rdzv-bench --endpoint ... --secret`: `--connects` timed one after another (TCP connect,
 the pair handshake, VALIDATE, PING), and one round of `--nodes` simulated nodes joining at once.
 torch's TCPStore has no authentication, so there is no peer to compare with: the ratio is
@@ -64,21 +65,22 @@ def main() -> None:
     )
     endpoint = ["--endpoint", f"127.0.0.1:{port}", "--secret"]
     modes = {
-        "no flood": [],
-        "flood, 1 address": ["127.0.0.2"],
-        "flood, 16 addresses": [f"127.0.0.{i}" for i in range(2, 18)],
+        "no flood": ([], []),
+        "silent, 1 address": (["127.0.0.2"], []),
+        "silent, 16 addresses": ([f"127.0.0.{i}" for i in range(2, 18)], []),
+        "one byte, 1 address": (["127.0.0.2"], ["--say", "00"]),
     }
     results: dict[str, dict[str, list]] = {mode: {"median": [], "p90": [], "round": [], "flood": []} for mode in modes}
     try:
         time.sleep(1)  # the store listens
         for run in range(args.runs):
-            for mode, sources in modes.items():
+            for index, (mode, (sources, shape)) in enumerate(modes.items()):
                 flood = None
-                stop = os.path.join(work, f"stop-{run}-{len(sources)}")
-                stats = os.path.join(work, f"stats-{run}-{len(sources)}.json")
+                stop = os.path.join(work, f"stop-{run}-{index}")
+                stats = os.path.join(work, f"stats-{run}-{index}.json")
                 if sources:
                     source_args = [arg for source in sources for arg in ("--source", source)]
-                    limits = ["--per-port", "3000", "--rate", str(args.rate), "--deadline", "600"]
+                    limits = ["--per-port", "3000", "--rate", str(args.rate), "--deadline", "600", *shape]
                     ends = ["--until", stop, "--stats", stats]
                     flood = subprocess.Popen([sys.executable, FLOOD, f"127.0.0.1:{port}", *source_args, *limits, *ends])
                     time.sleep(3)  # the flood at its steady state
@@ -96,7 +98,7 @@ def main() -> None:
         store.terminate()
         store.wait(30)
     base = {key: statistics.median(results["no flood"][key]) for key in ("median", "p90", "round")}
-    print(f"{'':>34} | " + " | ".join(f"{mode:>20}" for mode in modes))
+    print(f"{'':>34} | " + " | ".join(f"{mode:>21}" for mode in modes))
     rows = (("connect + auth, median (us)", "median", "{:.0f}"), ("connect + auth, p90 (us)", "p90", "{:.0f}"))
     rows += ((f"rendezvous round, {args.nodes} nodes (s)", "round", "{:.3f}"),)
     for label, key, fmt in rows:
@@ -104,7 +106,7 @@ def main() -> None:
         for mode in modes:
             value = statistics.median(results[mode][key])
             cells.append(f"{fmt.format(value)} ({value / base[key]:.2f}x)")
-        print(f"{label:>34} | " + " | ".join(f"{cell:>20}" for cell in cells))
+        print(f"{label:>34} | " + " | ".join(f"{cell:>21}" for cell in cells))
     for mode in modes:
         for stats in results[mode]["flood"][:1]:
             print(

@@ -7,7 +7,8 @@ in the same scenarios (torchrun's workers: gloo all_reduce; where torch can be r
   a 3 s loss window (keep_alive_interval=1s, keep_alive_max_attempt=3). torchrun gets
   --max-restarts 3 (it recovers only by restarting).
 * store-host loss: host 0 (agent, workers, the store) SIGKILLed mid-all_reduce. elastix:
-  `--rdzv-endpoint` lists host 0 and host 1; torchrun takes one endpoint (host 0).
+  `--rdzv-endpoint` lists every host (three sites: the two left are a majority; with two, the
+  first one's side alone may run the job); torchrun takes one endpoint (host 0).
 * partition: host 2's link cut for 10 s with the 3 s loss window; time until the two others
   train without it, and from the heal until all three train again.
 
@@ -163,7 +164,7 @@ def node_loss(side: Side, conf: str) -> Optional[float]:
 
 def store_host_loss(side: Side, conf: str) -> Optional[float]:
     addr = side.hosts.addr
-    endpoint = f"{addr(0)}:29400,{addr(1)}:29400" if side.name == "elastix" else f"{addr(0)}:29400"
+    endpoint = ",".join(f"{addr(i)}:29400" for i in range(3)) if side.name == "elastix" else f"{addr(0)}:29400"
     for i in range(3):
         side.start(i, "2:3", endpoint, conf, 3)
     if side.trains(3) is None:

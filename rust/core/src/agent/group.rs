@@ -98,7 +98,13 @@ pub struct WorkerGroup {
     worker_timeout: Option<Duration>,
     /// Where each watch tick notes the workers' progress, if it is published.
     progress: Option<watch::Sender<Vec<WorkerProgress>>>,
+    /// Watch ticks so far: without `--worker-timeout` the kernel is asked every
+    /// [`LOOK_EVERY_WITHOUT_TIMEOUT`]th only (for `elastix status`, read by people).
+    ticks: u64,
 }
+
+/// See [`WorkerGroup::ticks`].
+const LOOK_EVERY_WITHOUT_TIMEOUT: u64 = 10;
 
 /// What a group needs to start.
 pub struct Launch<'a> {
@@ -151,6 +157,7 @@ impl WorkerGroup {
             heartbeats,
             worker_timeout,
             progress: None,
+            ticks: 0,
         };
         let duplicates = duplicate_files(launch)?;
         for local_rank in 0..launch.config.local_world_size {
@@ -270,13 +277,17 @@ impl WorkerGroup {
     /// while their processes used no CPU, with their slots, as of `now`.
     fn hung(&mut self, now: u64) -> Vec<(usize, Lapse, Slot)> {
         let Some(page) = &self.heartbeats else { return Vec::new() };
+        self.ticks += 1;
+        let look = self.worker_timeout.is_some() || self.ticks % LOOK_EVERY_WITHOUT_TIMEOUT == 1;
         let mut hung = Vec::new();
         for (index, worker) in self.workers.iter_mut().enumerate().filter(|(_, w)| w.exit.is_none()) {
             let slot = page.slot(index);
             crate::metrics::agent::get().worker_heartbeat_at(index as u32, heartbeats::instant(slot.last_beat));
             // the process that claimed the slot (the Python worker, under any wrapper) is watched
             let watched = u32::try_from(slot.owner).ok().filter(|owner| *owner != 0).map(|owner| {
-                worker.activity.look(now, owner);
+                if look {
+                    worker.activity.look(now, owner);
+                }
                 &worker.activity
             });
             if let Some(lapse) = slot.lapse(now, self.worker_timeout, watched) {

@@ -437,35 +437,6 @@ impl<R: AsyncRead + Unpin> AsyncRead for SealedRead<R> {
     }
 }
 
-/// The writing half of a split stream, sealed.
-pub struct SealedWrite<W> {
-    inner: W,
-    writer: SealedWriter,
-}
-
-impl<W> SealedWrite<W> {
-    pub fn new(inner: W, sealer: Sealer) -> SealedWrite<W> {
-        SealedWrite { inner, writer: SealedWriter::new(sealer) }
-    }
-}
-
-impl<W: AsyncWrite + Unpin> AsyncWrite for SealedWrite<W> {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        this.writer.poll_write(Pin::new(&mut this.inner), cx, buf)
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        this.writer.poll_flush(Pin::new(&mut this.inner), cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        this.writer.poll_shutdown(Pin::new(&mut this.inner), cx)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use tokio::io::{duplex, AsyncReadExt, AsyncWriteExt};

@@ -47,6 +47,20 @@ pub(crate) fn spawn_heartbeats<S: RendezvousStore>(context: RoundContext<S>, ran
         let mut reported = false;
         // asks answered so far: the next one to wait for is one more
         let mut answered = 0u64;
+        // a failed beat, or a wait for asks the store left unanswered: the store is out of
+        // reach for as long as no request went through
+        let mut failed = |err: String, conn: &mut Option<S::Conn>| {
+            *conn = None; // a timed-out request leaves the connection unusable
+            let (silent_for, first) = contact.failed(Instant::now());
+            if first {
+                tracing::warn!(round, rank, "heartbeat to the rendezvous store at {} failed: {err}; retrying", store.describe());
+            }
+            if silent_for >= outage_limit && !reported {
+                reported = true;
+                let store = store.describe();
+                let _ = changes.send(Some(MembershipChange::StoreUnreachable { store, silent_for, error: err }));
+            }
+        };
         loop {
             match beat(store, &mut conn, settings, *round, rank).await {
                 Ok(()) => {
@@ -59,27 +73,14 @@ pub(crate) fn spawn_heartbeats<S: RendezvousStore>(context: RoundContext<S>, ran
                         );
                     }
                 }
-                Err(err) => {
-                    conn = None; // a timed-out request leaves the connection unusable
-                    let (silent_for, first) = contact.failed(Instant::now());
-                    if first {
-                        tracing::warn!(
-                            round,
-                            rank,
-                            "heartbeat to the rendezvous store at {} failed: {err}; retrying",
-                            store.describe()
-                        );
-                    }
-                    if silent_for >= outage_limit && !reported {
-                        reported = true;
-                        let (store, error) = (store.describe(), err.to_string());
-                        let _ = changes.send(Some(MembershipChange::StoreUnreachable { store, silent_for, error }));
-                    }
-                }
+                Err(err) => failed(err.to_string(), &mut conn),
             }
             let asleep = Instant::now();
-            answered = next_ask(&mut conn, settings, *round, rank, answered).await;
-            let late = asleep.elapsed().saturating_sub(settings.keep_alive_interval + settings.heartbeat_timeout);
+            match next_ask(&mut conn, settings, *round, rank, answered).await {
+                Ok(asked) => answered = asked,
+                Err(err) => failed(err, &mut conn),
+            }
+            let late = asleep.elapsed().saturating_sub(settings.keep_alive_interval + ASK_SLACK);
             if late >= lost_after {
                 // the whole agent was stopped (SIGSTOP, a frozen machine): the others may have
                 // counted it lost meanwhile, which the event log will say
@@ -117,20 +118,24 @@ async fn beat<S: RendezvousStore>(
     }
 }
 
+/// How much longer than the interval a wait for asks may take (its cancel is one round trip):
+/// a store that does not answer that is out of reach.
+const ASK_SLACK: Duration = Duration::from_secs(1);
+
 /// Waits up to `keep_alive_interval` for ask `answered + 1` to member `rank`, on the beats'
 /// connection; returns how many asks have been made so far (answered by the beat that follows).
-/// Without a usable connection it sleeps the interval.
+/// Without a usable connection it sleeps the interval. `Err`: the store did not answer.
 async fn next_ask<C: StoreConn>(
     conn: &mut Option<C>,
     settings: &RendezvousSettings,
     round: u64,
     rank: u32,
     answered: u64,
-) -> u64 {
+) -> std::result::Result<u64, String> {
     let interval = settings.keep_alive_interval;
     let Some(live) = conn.as_mut() else {
         sleep(interval).await;
-        return answered;
+        return Ok(answered);
     };
     let asked = async {
         let next = [Keys::ask(round, rank, answered + 1)];
@@ -140,12 +145,10 @@ async fn next_ask<C: StoreConn>(
         Ok(answered)
     };
     // a store that stalls holds the cancel of the wait: bounded, and the connection dropped
-    match timeout(interval + settings.heartbeat_timeout, asked).await {
-        Ok(Ok(asked)) => asked.max(answered),
-        Ok(Err(_)) | Err(_) => {
-            *conn = None;
-            answered
-        }
+    match timeout(interval + ASK_SLACK, asked).await {
+        Ok(Ok(asked)) => Ok(asked.max(answered)),
+        Ok(Err(err)) => Err(err.to_string()),
+        Err(_) => Err(format!("no answer to a wait of {interval:?} within {:?} more", ASK_SLACK)),
     }
 }
 
