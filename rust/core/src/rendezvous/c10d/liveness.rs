@@ -53,7 +53,12 @@ pub(crate) fn spawn_heartbeats<S: RendezvousStore>(context: RoundContext<S>, ran
             *conn = None; // a timed-out request leaves the connection unusable
             let (silent_for, first) = contact.failed(Instant::now());
             if first {
-                tracing::warn!(round, rank, "heartbeat to the rendezvous store at {} failed: {err}; retrying", store.describe());
+                tracing::warn!(
+                    round,
+                    rank,
+                    "heartbeat to the rendezvous store at {} failed: {err}; retrying",
+                    store.describe()
+                );
             }
             if silent_for >= outage_limit && !reported {
                 reported = true;
