@@ -176,3 +176,48 @@ def test_launch_config_can_turn_standbys_off():
     assert agent_config(config, sys.executable, ["-u", "-m", "mod"])["standby"]
     config.standby_workers = False
     assert agent_config(config, sys.executable, ["-u", "-m", "mod"])["standby"] is None
+
+
+def comm(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+WAITS = """
+import os, time
+while not os.path.exists(os.path.join(os.environ["OUT_DIR"], "stop")):
+    time.sleep(0.05)
+"""
+
+
+def test_a_standby_is_named_as_one_and_its_loss_is_said(tmp_path, marker):
+    """`ps -e`, `top` and `pgrep` show a waiting standby as elastix-standby, not as a second copy
+    of the worker; one that ends while it waits (killed here) is said and replaced."""
+    from agents import assert_nothing_left, elastix_run, finish, wait_for
+    from conftest import marked_processes
+
+    script = tmp_path / "waits.py"
+    script.write_text(WAITS)
+    proc = elastix_run("--standalone", "--max-restarts", 1, script, out_dir=tmp_path, marker=marker)
+    try:
+        standbys = wait_for(
+            lambda: [pid for pid in marked_processes(marker) if comm(pid) == "elastix-standby"],
+            what="the standby waiting, under its own name",
+        )
+        assert len(standbys) == 1, standbys
+        worker = [pid for pid in marked_processes(marker) if comm(pid) not in ("elastix-standby", None)]
+        assert any(comm(pid).startswith("python") for pid in worker), {pid: comm(pid) for pid in worker}
+        os.kill(standbys[0], 9)
+        wait_for(
+            lambda: [pid for pid in marked_processes(marker) if comm(pid) == "elastix-standby" and pid != standbys[0]],
+            what="another standby in its place",
+        )
+    finally:
+        (tmp_path / "stop").touch()
+        code, _out, err = finish(proc)
+    assert code == 0, err
+    assert f"the standby interpreter of local rank 0 (pid {standbys[0]}) ended while it waited" in err, err
+    assert_nothing_left(marker)

@@ -287,11 +287,14 @@ def own_env(config):
     return env
 
 
-def test_omp_num_threads(script, monkeypatch):
+def test_omp_num_threads(script, monkeypatch, caplog):
     warnings = []
+    caplog.set_level("INFO", logger="elastix")
     config = parse(["--nproc-per-node", "2", script], warnings)
     assert own_env(config) == {"OMP_NUM_THREADS": "1"}
-    assert any("OMP_NUM_THREADS" in w for w in warnings)
+    # said once, in one plain line, not as a warning (elastix set it, as torchrun does)
+    said = [r.getMessage() for r in caplog.records if "OMP_NUM_THREADS" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0] and not warnings, (said, warnings)
     assert "OMP_NUM_THREADS" not in os.environ  # only the workers get it
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     warnings.clear()
@@ -407,8 +410,8 @@ def test_usage_errors_read_as_a_person_wrote_them(script, capsys, argv, message)
     (positions, Rust types), no unrelated warning before it."""
     code, out = exit_of([*argv, script], capsys)
     assert code == 2, out.err
-    last = out.err.strip().splitlines()[-1]
-    assert last.startswith("elastix run: error: ") and message in last, out.err
+    said = [line for line in out.err.strip().splitlines() if line.startswith("elastix run: error: ")]
+    assert len(said) == 1 and message in said[0], out.err
     for artefact in ("line 1", "column", "u32", "u16", "f64", "expected value", "WARNING"):
         assert artefact not in out.err, out.err
 
@@ -720,3 +723,18 @@ def test_a_forgotten_or_misspelt_command_gets_a_suggestion(capsys, argv, hint):
     assert info.value.code == 2 and err.startswith(f"elastix: error: {argv[0]!r} is not a command: ") and hint in err, (
         err
     )
+
+
+def test_a_usage_error_is_one_line_and_where_the_flags_are(script):
+    done = subprocess.run(
+        [sys.executable, "-m", "elastix", "run", "--standalone", "--nnodes", "3", "--nproc-per-node", "2", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("elastix run: error: --standalone runs a single node"), lines
+    assert lines[1] == "elastix run: see `elastix run --help` for every flag", lines
+    # nothing before it: no banner, no note about OMP_NUM_THREADS for a job that never starts
+    assert "OMP_NUM_THREADS" not in done.stderr and "usage:" not in done.stderr

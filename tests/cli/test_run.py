@@ -481,3 +481,54 @@ def test_a_standalone_job_listens_on_loopback_only(tmp_path, marker):
         code, _out, err = finish(proc)
     assert code == 0, err
     assert_nothing_left(marker)
+
+
+def test_an_endpoint_that_is_not_a_store_is_an_error_within_seconds(tmp_path, marker):
+    """A web server on the endpoint's port (one that answers bytes it cannot parse at once, as
+    nginx does): the agent says what answered there and stops, rather than retrying until the
+    join timeout."""
+    import socketserver
+    import threading
+
+    class BadRequest(socketserver.BaseRequestHandler):
+        def handle(self):
+            self.request.recv(64)
+            self.request.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), BadRequest)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        script = tmp_path / "never.py"
+        script.write_text("raise SystemExit('never started')\n")
+        flags = ("--nnodes", 2, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}")
+        proc = elastix_run(*flags, "--rdzv-conf", "join_timeout=600", script, out_dir=tmp_path, marker=marker)
+        code, _out, err = finish(proc, timeout=120)
+    finally:
+        server.shutdown()
+    assert code != 0 and "never started" not in err, err
+    assert f"127.0.0.1:{port} is not a TCPStore server" in err and "HTTP (a web server)" in err, err
+    assert_nothing_left(marker)
+
+
+@pytest.mark.parametrize(
+    "backend, endpoint, needle",
+    [
+        # (192.0.2.1, a documentation address, is never contacted: the error comes first)
+        ("c10d", "192.0.2.1:0", "port 0 names no server to reach"),
+        ("etcd", "127.0.0.1:0", "port 0 names no etcd member"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_before_anything_waits(tmp_path, marker, backend, endpoint, needle):
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('never started')\n")
+    flags = ("--nnodes", 2, "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--local-addr", "127.0.0.2")
+    code, _out, err = finish(elastix_run(*flags, script, out_dir=tmp_path, marker=marker), timeout=60)
+    assert code != 0 and needle in err, err
+    code, _out, err = finish(
+        elastix_run("--standalone", "--rdzv-conf", "read_timeout=0.001ms", script, out_dir=tmp_path, marker=marker),
+        timeout=60,
+    )
+    assert code == 2 and "shorter than a store round trip" in err, err
+    assert_nothing_left(marker)

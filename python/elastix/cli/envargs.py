@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, NoReturn, Sequence, Tuple
 
 SOURCES = "_sources"  # namespace attribute: dest -> "cli", an env variable name, or "default"
 
@@ -93,9 +93,13 @@ def parse_env_bool(name: str, raw: str) -> bool:
 
 
 class EnvArgumentParser(argparse.ArgumentParser):
-    """ArgumentParser that applies the environment fallbacks after parsing, and does not call
+    """ArgumentParser that applies the environment fallbacks after parsing, does not call
     ``--nproc`` ambiguous just because ``--nproc-per-node`` and ``--nproc_per_node`` both match
-    it (they are one option; Python 3.11's argparse refuses such abbreviations)."""
+    it (they are one option; Python 3.11's argparse refuses such abbreviations), and says a
+    usage error in one line, with where the flags are, rather than after a page of usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n{self.prog}: see `{self.prog} --help` for every flag\n")
 
     def parse_known_args(self, args=None, namespace=None):
         namespace, extras = super().parse_known_args(args, namespace)

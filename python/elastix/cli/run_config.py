@@ -19,12 +19,10 @@ from .envargs import is_given, source_of
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
-OMP_BANNER = (
-    "\n*****************************************\n"
-    "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid "
-    "your system being overloaded, please further tune the variable for optimal performance in "
-    "your application as needed.\n"
-    "*****************************************"
+# torchrun's advice, in one line, said once the configuration holds (never before a usage error)
+OMP_NOTE = (
+    "setting OMP_NUM_THREADS=1 for every worker (it was unset, and --nproc-per-node > 1) so that "
+    "they do not overload the machine; set it yourself to tune it"
 )
 
 
@@ -81,10 +79,9 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = age
 
     env: Dict[str, str] = {}
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
-        warn(OMP_BANNER)
         env["OMP_NUM_THREADS"] = "1"
 
-    return agent_config.build(
+    config = agent_config.build(
         run_id=run_id,
         role=args.role,
         local_world_size=nproc,
@@ -124,6 +121,9 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = age
         numa_binding=agent_binding(args.numa_binding, nproc, what="--numa-binding", warn=warn),
         warn=warn,
     )
+    if env:
+        LOGGER.info("%s", OMP_NOTE)
+    return config
 
 
 STANDALONE_ENDPOINT = "localhost:0"

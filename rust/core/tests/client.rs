@@ -266,3 +266,26 @@ async fn a_thousand_concurrent_clients() {
     }
     assert_eq!(master.num_keys().await.unwrap(), 1202);
 }
+
+#[tokio::test]
+async fn something_that_is_not_a_store_is_an_error_at_once_not_a_retry_until_the_deadline() {
+    // a web server: whatever it is sent, it answers with an HTTP status line and closes
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let serving = tokio::spawn(async move {
+        loop {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut request = [0u8; 64];
+                let _ = stream.read(&mut request).await;
+                let _ = stream.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n").await;
+            });
+        }
+    });
+    let err = Client::connect(&options(port)).await.err().expect("an HTTP server is no store");
+    // final: not a connect timeout after retrying until the deadline
+    assert!(matches!(err, StoreError::NotAStore { .. }), "{err}");
+    let said = err.to_string();
+    assert!(said.contains(&format!("127.0.0.1:{port} is not a TCPStore server")) && said.contains("HTTP"), "{said}");
+    serving.abort();
+}

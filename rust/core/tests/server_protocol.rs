@@ -460,3 +460,38 @@ fn random_garbage_from_many_clients_leaves_the_server_serving() {
     assert_eq!(get(&server, b"/keep"), b"safe");
     assert_eq!(get(&server, b"/t1"), b"");
 }
+
+#[test]
+fn a_client_that_leaves_between_requests_is_no_error_however_it_leaves() {
+    let server = server();
+    let mut left = 0;
+    for reset in [false, true] {
+        let mut stream = TcpStream::connect(("127.0.0.1", server.port())).unwrap();
+        stream.write_all(&bytes_of(&[Request::Validate { magic: MAGIC }, Request::Ping { nonce: 7 }])).unwrap();
+        let mut echo = [0u8; 4];
+        stream.read_exact(&mut echo).unwrap();
+        if reset {
+            // a process that exits with bytes unread (or sets a zero linger) resets its
+            // connections: the server sees "connection reset by peer"
+            socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO)).unwrap();
+        }
+        drop(stream);
+        left += 1;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while server.server().connections() > 0 {
+            assert!(Instant::now() < deadline, "the server kept the connection");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    assert_eq!((left, server.server().closed_on_errors()), (2, 0), "neither is an error to warn about");
+    // one cut off in the middle of a request is
+    let mut stream = TcpStream::connect(("127.0.0.1", server.port())).unwrap();
+    stream.write_all(&bytes_of(&[Request::Validate { magic: MAGIC }])).unwrap();
+    stream.write_all(&[0x01, 9, 0]).unwrap();
+    drop(stream);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.server().closed_on_errors() == 0 {
+        assert!(Instant::now() < deadline, "a truncated request was not counted");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}

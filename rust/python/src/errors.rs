@@ -15,7 +15,7 @@ pub fn to_py(err: StoreError, pending: &PendingSignal) -> PyErr {
             "StoreTimeoutError"
         }
         StoreError::ConnectTimeout { .. } | StoreError::ReplyTimeout { .. } => "NetworkTimeoutError",
-        StoreError::ConnectionLost { .. } | StoreError::Listen(_) => "DistNetworkError",
+        StoreError::ConnectionLost { .. } | StoreError::NotAStore { .. } | StoreError::Listen(_) => "DistNetworkError",
         StoreError::Protocol { .. } | StoreError::InvalidArgument(_) | StoreError::File { .. } => "DistStoreError",
         StoreError::QueueEmpty => "QueueEmptyError",
         StoreError::Auth { .. } => "AuthenticationError",

@@ -4,7 +4,9 @@ first on the worker's ``PYTHONPATH``. Standard library only: nothing of elastix 
 1. A warm standby (``ELASTIX_STANDBY_FD`` set; see elastix/agent/standby.py) waits here for its
    activation on that descriptor: the worker's whole environment, ``KEY=VALUE`` entries each
    ended by a NUL byte. Nothing at all means the agent no longer needs this standby, which then
-   exits.
+   exits. While it waits, its name (``/proc/self/comm``: what ``ps -e``, ``top`` and ``pgrep``
+   show) is ``elastix-standby``, so that it is not taken for a worker; the worker gets its own
+   name back.
 2. Hang detection, so that it needs no change to the program (plain torch scripts that never
    import elastix are watched too). In the worker itself (not in children it starts with spawn
    or forkserver, which inherit the variables: the slot names the pid that claimed it), with a
@@ -26,7 +28,24 @@ _WORDS = 32  # a slot's 64-bit words, as the agent reads them
 _DUMP_SIGNAL, _OWNER = 3, 5
 
 
+_STANDBY_NAME = b"elastix-standby"  # at most 15 bytes: the kernel's limit for a name
+
+
+def _rename(name: bytes) -> None:
+    try:
+        with open("/proc/self/comm", "wb") as comm:
+            comm.write(name)
+    except OSError:
+        pass  # a name is for people: nothing depends on it
+
+
 def _wait_for_the_worker_environment(fd: int) -> None:
+    try:
+        with open("/proc/self/comm", "rb") as comm:
+            own = comm.read().rstrip(b"\n")
+    except OSError:
+        own = b""
+    _rename(_STANDBY_NAME)
     chunks = []
     while True:
         chunk = os.read(fd, 1 << 16)
@@ -36,6 +55,8 @@ def _wait_for_the_worker_environment(fd: int) -> None:
     os.close(fd)
     if not chunks:
         os._exit(0)
+    if own:
+        _rename(own)
     os.environb.clear()
     for entry in b"".join(chunks).split(b"\0"):
         if entry:

@@ -200,9 +200,10 @@ impl WorkerGroup {
     }
 
     /// Waits until a worker fails or hangs, or every worker has succeeded; answers stack dump
-    /// requests meanwhile. Workers that fail within `together` of a first failure are
-    /// reported with it (zero: those that already did).
-    pub async fn wait(&mut self, dumps: &mut DumpRequests, together: Duration) -> Waited {
+    /// requests meanwhile, and looks after the next attempt's `standbys` once a second.
+    /// Workers that fail within `together` of a first failure are reported with it (zero:
+    /// those that already did).
+    pub async fn wait(&mut self, dumps: &mut DumpRequests, standbys: &mut StandbyPool, together: Duration) -> Waited {
         let mut ticks = tokio::time::interval(WATCH_EVERY);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
@@ -225,6 +226,9 @@ impl WorkerGroup {
                     }
                 }
                 _ = ticks.tick(), if self.heartbeats.is_some() => {
+                    if self.ticks % LOOK_EVERY_WITHOUT_TIMEOUT == 0 {
+                        standbys.check();
+                    }
                     let now = heartbeats::now_ns();
                     let hung = self.hung(now);
                     self.note_progress(now);

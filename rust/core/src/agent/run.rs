@@ -439,7 +439,7 @@ impl Agent {
             let last_chance = report.restart_count >= i64::from(self.config.max_restarts);
             let together = if last_chance { FAILED_TOGETHER } else { Duration::ZERO };
             let event = tokio::select! {
-                waited = group.wait(&mut dumps, together) => match waited {
+                waited = group.wait(&mut dumps, &mut self.standbys, together) => match waited {
                     Waited::Done(outcome) => Event::Workers(outcome),
                     // describing and stopping hung workers (their stacks, who holds them up,
                     // across nodes too) is not cut short by a change another node's failure

@@ -95,6 +95,11 @@ impl Standby {
         self.pid
     }
 
+    /// How it ended, if it ended while it waited (it is reaped then).
+    fn ended(&mut self) -> Option<std::process::ExitStatus> {
+        self.process.as_mut()?.child.try_wait().ok().flatten()
+    }
+
     /// Hands the standby its worker's environment (the agent's, plus `env`); it is that worker
     /// from now on. Refused unless `args` are the standby's own.
     pub fn activate(mut self, args: &[String], env: &BTreeMap<String, String>) -> std::io::Result<Supervised> {
@@ -129,6 +134,10 @@ impl Drop for Standby {
     }
 }
 
+/// Standbys that may end while waiting (killed, out of memory) before the pool stops
+/// replacing them: past this, restarts start cold.
+const LOSSES_REPLACED: u32 = 3;
+
 /// One standby slot per local rank.
 pub struct StandbyPool {
     program: String,
@@ -140,6 +149,8 @@ pub struct StandbyPool {
     outputs: Vec<Output>,
     /// Each local rank's CPUs (`--numa-binding`), which its standby has from the start.
     bindings: Vec<Option<CpuSet>>,
+    /// Standbys that ended while they waited, so far.
+    lost: u32,
 }
 
 impl StandbyPool {
@@ -153,7 +164,8 @@ impl StandbyPool {
         });
         let slots = outputs.iter().map(|_| None).collect();
         let bindings = (0..outputs.len()).map(|local_rank| config.cpu_set(local_rank)).collect();
-        StandbyPool { program: config.entrypoint.clone(), args: config.args.clone(), env, slots, outputs, bindings }
+        let (program, args) = (config.entrypoint.clone(), config.args.clone());
+        StandbyPool { program, args, env, slots, outputs, bindings, lost: 0 }
     }
 
     /// Starts a standby in every empty slot. A standby that cannot start turns standbys off
@@ -176,6 +188,31 @@ impl StandbyPool {
                     return;
                 }
             }
+        }
+    }
+
+    /// Says which standbys ended while they waited (nothing else would: they are not workers),
+    /// and starts others in their place, [`LOSSES_REPLACED`] times at most.
+    pub fn check(&mut self) {
+        let mut lost = false;
+        for (local_rank, slot) in self.slots.iter_mut().enumerate() {
+            let Some(status) = slot.as_mut().and_then(Standby::ended) else { continue };
+            let pid = slot.take().map_or(0, |standby| standby.pid);
+            self.lost += 1;
+            lost = true;
+            let next = if self.lost >= LOSSES_REPLACED {
+                "no more standbys are started: restarts start cold"
+            } else {
+                "starting another"
+            };
+            tracing::warn!(
+                "the standby interpreter of local rank {local_rank} (pid {pid}) ended while it waited ({status}); {next}"
+            );
+        }
+        if self.lost >= LOSSES_REPLACED {
+            self.env = None;
+        } else if lost {
+            self.refill();
         }
     }
 
@@ -269,6 +306,27 @@ mod tests {
         config.args = vec!["-c".into(), "sleep 30 <&3 # ${local_rank}".into()];
         config.standby = standby;
         StandbyPool::new(&config, vec![Output::Piped; 2])
+    }
+
+    #[tokio::test]
+    async fn a_standby_that_ends_while_it_waits_is_replaced_a_few_times_then_no_more() {
+        let mut pool = pool("/bin/sh", Some(BTreeMap::new()));
+        pool.refill();
+        for round in 1..=LOSSES_REPLACED {
+            let pid = pool.slots[0].as_ref().unwrap().pid();
+            nix::sys::signal::kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
+            for _ in 0..200 {
+                pool.check();
+                if pool.slots[0].as_ref().map(Standby::pid) != Some(pid) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert_eq!(pool.lost, round);
+            let replaced = pool.slots[0].is_some();
+            assert_eq!(replaced, round < LOSSES_REPLACED, "round {round}");
+        }
+        assert!(pool.env.is_none() && pool.slots[1].is_some(), "off for new ones; the others stay");
     }
 
     #[tokio::test]

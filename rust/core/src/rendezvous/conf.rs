@@ -130,6 +130,10 @@ pub struct RendezvousConf {
     values: BTreeMap<String, String>,
 }
 
+/// The shortest duration a setting may take: every one bounds or paces store requests, and a
+/// round trip (a scheduler's hiccup included) takes longer than this can be counted on.
+pub const MIN_DURATION: Duration = Duration::from_millis(10);
+
 impl RendezvousConf {
     /// Checks either form of the configuration against the keys a backend accepts.
     pub fn from_input(input: &ConfInput, allowed: &[(&str, &str)]) -> Result<Self> {
@@ -201,6 +205,12 @@ impl RendezvousConf {
                     .map_err(|why| RendezvousError::Config(format!("--rdzv-conf {key}={text}: {why}")))?;
                 if duration.is_zero() {
                     return Err(RendezvousError::Config(format!("--rdzv-conf {key}={text}: must be positive")));
+                }
+                if duration < MIN_DURATION {
+                    return Err(RendezvousError::Config(format!(
+                        "--rdzv-conf {key}={text}: shorter than a store round trip can be counted on to take; use \
+                         {MIN_DURATION:?} or more"
+                    )));
                 }
                 Ok(duration)
             }
@@ -329,6 +339,14 @@ mod tests {
         assert!(RendezvousConf::from_input(&unknown, DYNAMIC_KEYS).unwrap_err().to_string().contains("heartbeat"));
         let comma: ConfInput = serde_json::from_str(r#"{"store_type": "a,b=c"}"#).unwrap();
         assert_eq!(RendezvousConf::from_input(&comma, DYNAMIC_KEYS).unwrap().get("store_type"), Some("a,b=c"));
+    }
+
+    #[test]
+    fn a_duration_no_round_trip_fits_in_is_refused() {
+        let conf = RendezvousConf::parse("read_timeout=0.001ms,join_timeout=10ms", DYNAMIC_KEYS).unwrap();
+        let err = conf.duration("read_timeout", Duration::from_secs(60)).unwrap_err().to_string();
+        assert!(err.contains("read_timeout=0.001ms: shorter than a store round trip") && err.contains("10ms"), "{err}");
+        assert_eq!(conf.duration("join_timeout", Duration::ZERO).unwrap(), MIN_DURATION, "the floor itself is fine");
     }
 
     #[test]

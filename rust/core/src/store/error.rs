@@ -41,6 +41,11 @@ pub enum StoreError {
     #[error("the store at {peer} refused this client: {reason}")]
     Auth { peer: String, reason: String },
 
+    /// What answers at the address is not a TCPStore server (a web server, say): its answer
+    /// to the opening PING says so, and no retry can change it.
+    #[error("{peer} is not a TCPStore server: {detail}; is another service using that port?")]
+    NotAStore { peer: String, detail: String },
+
     /// The server answered something the protocol does not allow.
     #[error("protocol error from the store at {peer}: {detail}")]
     Protocol { peer: String, detail: String },

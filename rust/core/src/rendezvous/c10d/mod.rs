@@ -96,6 +96,13 @@ impl C10dRendezvous {
                 (None, _) => is_this_machine(&site.0).await,
             };
             if !hosting {
+                if site.1 == 0 {
+                    return Err(RendezvousError::Config(format!(
+                        "--rdzv-endpoint {}:0: port 0 names no server to reach; only the node that hosts the store \
+                         may let it pick a port (as --standalone does): give the store's port",
+                        site.0
+                    )));
+                }
                 continue;
             }
             // only agents connect to the rendezvous store, and with a secret they all prove it

@@ -98,6 +98,11 @@ fn client_options(conf: &RendezvousConf, endpoint: &str, patience: Duration) -> 
         }
     };
     let sites = parse_endpoints(endpoint, DEFAULT_ETCD_PORT)?;
+    if let Some((host, _)) = sites.iter().find(|(_, port)| *port == 0) {
+        return Err(RendezvousError::Config(format!(
+            "--rdzv-endpoint {host}:0: port 0 names no etcd member (etcd listens on 2379 by default)"
+        )));
+    }
     let endpoints = sites.iter().map(|(host, port)| format!("{host}:{port}")).collect();
     Ok(EtcdOptions { endpoints, tls, patience })
 }

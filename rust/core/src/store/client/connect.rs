@@ -84,6 +84,10 @@ pub(super) async fn connect(options: &ConnectOptions) -> Result<(Transport, Sock
             Err(AttemptFailure { refused: Some(reason), .. }) => {
                 return Err(StoreError::Auth { peer: format!("{}:{}", options.host, options.port), reason });
             }
+            // something answered, and it is no store: final as well
+            Err(AttemptFailure { not_a_store: Some(detail), .. }) => {
+                return Err(StoreError::NotAStore { peer: format!("{}:{}", options.host, options.port), detail });
+            }
             // An attempt cut short by the deadline says less than the failure before it.
             Err(failure) if failure.deadline_hit && !last_error.is_empty() => {}
             Err(failure) => last_error = failure.message,
@@ -133,6 +137,8 @@ struct AttemptFailure {
     deadline_hit: bool,
     /// The server and this client do not share the job secret: why.
     refused: Option<String>,
+    /// What answered is not a TCPStore server: what it said.
+    not_a_store: Option<String>,
 }
 
 /// One pass over every address the host resolves to. The error describes each failure.
@@ -146,6 +152,7 @@ async fn attempt(
             message: format!("cannot resolve {:?}: {err}", options.host),
             deadline_hit: err.kind() == io::ErrorKind::TimedOut,
             refused: None,
+            not_a_store: None,
         })?;
     let mut failures = Vec::new();
     let mut deadline_hit = false;
@@ -167,7 +174,12 @@ async fn attempt(
         match connected.await {
             Ok(stream) => return Ok((stream, addr)),
             Err(Failed::Refused(reason)) => {
-                return Err(AttemptFailure { message: reason.clone(), deadline_hit: false, refused: Some(reason) })
+                let message = reason.clone();
+                return Err(AttemptFailure { message, deadline_hit: false, refused: Some(reason), not_a_store: None });
+            }
+            Err(Failed::NotAStore(detail)) => {
+                let message = detail.clone();
+                return Err(AttemptFailure { message, deadline_hit: false, refused: None, not_a_store: Some(detail) });
             }
             Err(Failed::Io(err)) => {
                 deadline_hit |= err.kind() == io::ErrorKind::TimedOut;
@@ -176,7 +188,7 @@ async fn attempt(
         }
     }
     let message = if failures.is_empty() { "no addresses".into() } else { failures.join("; ") };
-    Err(AttemptFailure { message, deadline_hit, refused: None })
+    Err(AttemptFailure { message, deadline_hit, refused: None, not_a_store: None })
 }
 
 /// Why a connection to one address failed.
@@ -184,6 +196,8 @@ enum Failed {
     Io(io::Error),
     /// Over the job secret: final.
     Refused(String),
+    /// It answered, and is not a TCPStore server: final.
+    NotAStore(String),
 }
 
 /// Proves the job secret to the server; its verdict (and its own proof) is read with the first
@@ -263,10 +277,20 @@ async fn validate(
         )));
     }
     if echoed != nonce {
-        let detail = format!("ping failed: expected {nonce}, got {echoed}");
-        return Err(Failed::Io(io::Error::new(io::ErrorKind::InvalidData, detail)));
+        return Err(Failed::NotAStore(answered_like(&echo, nonce)));
     }
     Ok(stream)
+}
+
+/// What the four bytes a non-store answered to PING look like, for the error.
+fn answered_like(echo: &[u8; 4], nonce: u32) -> String {
+    let text = String::from_utf8_lossy(echo);
+    if echo.iter().all(|byte| byte.is_ascii_graphic()) {
+        let like = if text == "HTTP" { "HTTP (a web server)".to_owned() } else { format!("{text:?}") };
+        format!("it answered the opening PING like {like}")
+    } else {
+        format!("it answered {:#010x} to the opening PING, which must echo {nonce}", u32::from_le_bytes(*echo))
+    }
 }
 
 async fn within<T>(deadline: Option<Instant>, operation: impl Future<Output = io::Result<T>>) -> io::Result<T> {

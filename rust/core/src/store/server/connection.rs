@@ -122,7 +122,12 @@ impl Connection {
                 // tokio clears the readiness itself after a read that left room unused: the
                 // socket is drained, and no read that would return EAGAIN follows
                 read = self.stream.read_buf(&mut self.read_buf) => {
-                    let read = read?;
+                    let read = match read {
+                        // a peer that went away between requests (a process that exited with
+                        // bytes unread: its kernel resets) left as any other does
+                        Err(err) if gone(&err) && self.read_buf.is_empty() => return Ok(()),
+                        read => read?,
+                    };
                     if read == 0 {
                         return match self.read_buf.len() {
                             0 => Ok(()),
@@ -205,6 +210,11 @@ impl Connection {
         }
         Ok(())
     }
+}
+
+/// Whether `err` says the peer is gone (its connection reset or closed under a write).
+fn gone(err: &io::Error) -> bool {
+    matches!(err.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionAborted)
 }
 
 /// Resolves after `timeout` (never without one), with it.

@@ -217,6 +217,12 @@ impl StoreServer {
         Trusts(Arc::downgrade(&self.shared))
     }
 
+    /// Connections the server closed on an error (a bad request, a broken connection): not
+    /// the ones their clients left, however they left.
+    pub fn closed_on_errors(&self) -> u64 {
+        self.shared.closed_on_error.count()
+    }
+
     /// Connections refused so far because they did not prove the job secret.
     pub fn refused_unauthenticated(&self) -> u64 {
         self.shared.gate.as_ref().map_or(0, Gate::refused)
