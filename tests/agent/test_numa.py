@@ -330,8 +330,9 @@ def test_a_machine_that_cannot_say_fails_before_anything_starts(tmp_path, script
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("elastix run: error: --numa-binding socket: no NUMA node in"), proc.stderr
+    error, pointer = proc.stderr.strip().splitlines()[-2:]
+    assert error.startswith("elastix run: error: --numa-binding socket: no NUMA node in"), proc.stderr
+    assert pointer == "elastix run: see `elastix run --help` for every flag", proc.stderr
 
 
 def test_launch_config_takes_numa_options(tmp_path, monkeypatch):
