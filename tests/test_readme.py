@@ -1,5 +1,5 @@
-"""Every `elastix` command in README.md, run for real, so the documentation cannot drift from
-the code.
+"""Every `elastix` command in README.md and in the pages of docs/ it links to, run for real, so
+the documentation cannot drift from the code.
 
 A fenced block (plain, bash, sh or console) with a command that starts with `elastix` or
 `elastix-store` is a command block: each of its commands is run, in order, on this machine.
@@ -8,20 +8,26 @@ The README's placeholders stand for real things here: node and host names (`node
 (tests/etcd_cluster.py; where etcd is not installed, that block is skipped, saying so, as the
 other etcd tests are); ports for free ones reserved without probing; `train.py` for a small
 worker that records what it was given; `/tmp/...` and `~/...` for files in a directory of the
-test. A job of several nodes (`--nnodes N`, or `MIN:MAX`: MAX nodes, so no last call is
-waited for) runs as that many agents, each with its own ELASTIX_LOCAL_ADDR; nothing else is
-added to a README command. `elastix status` and `elastix dump` are asked about a job the test
+test; `PYTHON_EXEC=/some/env/bin/python` for a virtual environment the test makes, whose
+interpreter the workers must run on. A job of several nodes (`--nnodes N`, or `MIN:MAX`: MAX
+nodes, so no last call is waited for) runs as that many agents, each with its own
+ELASTIX_LOCAL_ADDR; nothing else is added to a README command. `elastix status` and `elastix dump` are asked about a job the test
 starts under the command's run ID and endpoint; a store is started, checked and stopped.
 
 A command this test cannot run fails it, saying how to mark it: nothing is skipped in silence.
 The commands not run are listed below in NOT_RUN, each with the reason; shell commands that
 prepare an elastix command are in SETUP and run as written.
+
+The README's quick start (clone, install, run) is checked for its form too: the install uses
+the `examples` extra and shows the build's progress, and the run is the main job this test runs.
+Links between README.md and docs/ must lead to a file and a heading.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -36,10 +42,19 @@ from agents import assert_nothing_left, wait_for
 from conftest import REPO, held_port
 
 README = os.path.join(REPO, "README.md")
+# the pages the README's reference material lives in: their commands are run as the README's
+DOCS = sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+PYPROJECT = os.path.join(REPO, "pyproject.toml")
 
 # Commands of the README's command blocks that are not run here, and why. Keep it tiny.
+IN_A_CHECKOUT = "this test runs in a checkout already"
+INSTALLS = "installs elastix; this test runs in the environment it was installed in"
 NOT_RUN = {
-    "pip install -e '.[test]'": "installs elastix; this test runs in the environment it was installed in",
+    "git clone https://github.com/elastix/elastix": IN_A_CHECKOUT,
+    "cd elastix": IN_A_CHECKOUT,
+    "python3 -m venv .venv": INSTALLS,
+    ". .venv/bin/activate": INSTALLS,
+    "pip install -v -e '.[examples]'": INSTALLS,
 }
 
 # Shell commands that prepare the elastix commands of their block: run with bash as written,
@@ -48,19 +63,21 @@ SETUP: set = set()
 
 HOW_TO_MARK = (
     "tests/test_readme.py runs `elastix run` (a numeric --nproc-per-node; train.py or "
-    "examples/train_digits.py as the program), `elastix status`, `elastix dump`, `elastix secret` and "
+    "examples/train_digits.py as the program; PYTHON_EXEC naming a virtual environment's "
+    "bin/python), `elastix status`, `elastix dump`, `elastix secret` and "
     "`elastix store` / "
     "`elastix-store`, with node0, node1, ... host or etcd1, ... as host names; make the command one of "
     "those, or add it to NOT_RUN in tests/test_readme.py with the reason it cannot run"
 )
 
-# The README's train.py: records its rank and what it was given; with README_HOLD it imports
-# elastix (which arms stack dumps) and waits for that file, bounded.
+# The README's train.py: records its rank, what it was given and the interpreter it runs on;
+# with README_HOLD it imports elastix (which arms stack dumps) and waits for that file, bounded.
 WORKER = """\
 import json, os, sys, time
 
 record = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "ELASTIX_ROUND")}
 record["argv"] = sys.argv[1:]
+record["executable"], record["prefix"] = sys.executable, sys.prefix
 path = os.path.join(os.environ["README_OUT"], "round{ELASTIX_ROUND}_rank{RANK}.json".format(**record))
 with open(path + ".tmp", "w") as f:
     json.dump(record, f)
@@ -80,19 +97,24 @@ if hold:
 
 @dataclasses.dataclass
 class Command:
-    line: int  # where it starts in README.md
+    path: str  # README.md or docs/PAGE.md
+    line: int  # where it starts there
     text: str  # continuation lines joined, without its comment
     comment: str
     output: list = dataclasses.field(default_factory=list)  # shown after a `$ ` prompt
 
     def where(self) -> str:
-        return f"README.md:{self.line}: `{self.text}`"
+        return f"{self.path}:{self.line}: `{self.text}`"
 
 
 @dataclasses.dataclass
 class Block:
+    path: str
     line: int
     commands: list
+
+    def id(self) -> str:
+        return f"line{self.line}" if self.path == "README.md" else f"{self.path}:line{self.line}"
 
 
 def split_comment(text: str):
@@ -108,7 +130,7 @@ def split_comment(text: str):
     return text.strip(), ""
 
 
-def parse_block(start: int, body: list) -> Block:
+def parse_block(path: str, start: int, body: list) -> Block:
     prompted = any(line.startswith("$ ") for _, line in body)
     commands, pending = [], None
     for number, line in body:
@@ -127,9 +149,9 @@ def parse_block(start: int, body: list) -> Block:
             pending = (pending[0], pending[1][:-1].rstrip())
             continue
         text, comment = split_comment(pending[1])
-        commands.append(Command(pending[0], re.sub(r"\s+", " ", text), comment))
+        commands.append(Command(path, pending[0], re.sub(r"\s+", " ", text), comment))
         pending = None
-    return Block(start, commands)
+    return Block(path, start, commands)
 
 
 def segments(command: Command):
@@ -154,9 +176,10 @@ def is_elastix(segment: str) -> bool:
     return bool(argv) and argv[0] in ("elastix", "elastix-store")
 
 
-def readme_blocks() -> list:
+def command_blocks(file: str) -> list:
+    path = os.path.relpath(file, REPO)
     blocks, start, lang, body = [], None, "", []
-    with open(README) as f:
+    with open(file) as f:
         lines = f.read().splitlines()
     for number, line in enumerate(lines, 1):
         if line.startswith("```"):
@@ -164,7 +187,7 @@ def readme_blocks() -> list:
                 start, lang, body = number, line[3:].strip(), []
                 continue
             if lang in ("", "bash", "sh", "shell", "console"):
-                block = parse_block(start, body)
+                block = parse_block(path, start, body)
                 if any(is_elastix(s) for c in block.commands for s in segments(c)):
                     blocks.append(block)
             start = None
@@ -173,7 +196,7 @@ def readme_blocks() -> list:
     return blocks
 
 
-BLOCKS = readme_blocks()
+BLOCKS = [block for file in (README, *DOCS) for block in command_blocks(file)]
 
 
 # -- the README's placeholders, made real ------------------------------------------------------
@@ -292,6 +315,23 @@ class Context:
             f.write(WORKER)
         self.count = 0
         self._etcd = None
+        self.envs = {}
+
+    def other_python(self, command, shown):
+        """The README's `PYTHON_EXEC=/some/env/bin/python`: a virtual environment of the test's,
+        made once per name, whose interpreter is not this one."""
+        m = re.fullmatch(r"(/.+)/bin/python[\d.]*", shown)
+        if not m:
+            fail(command, f"PYTHON_EXEC={shown} does not name a virtual environment's bin/python")
+        name = os.path.basename(m[1])
+        if name not in self.envs:
+            home = os.path.join(self.tmp, name)
+            made = subprocess.run(
+                [sys.executable, "-m", "venv", "--without-pip", home], capture_output=True, text=True, timeout=120
+            )
+            assert made.returncode == 0, (command.where(), made.stderr)
+            self.envs[name] = os.path.join(home, "bin", "python")
+        return self.envs[name]
 
     def etcd(self):
         if self._etcd is None:
@@ -305,7 +345,8 @@ class Context:
         return path
 
     def env(self, extra):
-        env = {**os.environ, "ELASTIX_TEST_MARKER": self.marker, **extra}
+        env = {k: v for k, v in os.environ.items() if k != "PYTHON_EXEC"}  # only a README command's
+        env = {**env, "ELASTIX_TEST_MARKER": self.marker, **extra}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(REPO, "python"), env.get("PYTHONPATH")) if p)
         return env
 
@@ -361,6 +402,11 @@ def run_job(ctx, command, env, argv, stack):
         assert {r["WORLD_SIZE"] for r in final} == {str(world)}, (command.where(), final)
         assert {r["GROUP_RANK"] for r in final} == {str(n) for n in range(nodes)}, (command.where(), final)
         assert all(r["argv"] == args.training_script_args for r in final), (command.where(), final)
+        # the workers ran on PYTHON_EXEC's interpreter, in its environment; else on elastix's own
+        python = env.get("PYTHON_EXEC", sys.executable)
+        prefix = os.path.dirname(os.path.dirname(python)) if "PYTHON_EXEC" in env else sys.prefix
+        assert {r["executable"] for r in final} == {python}, (command.where(), python, final)
+        assert {os.path.realpath(r["prefix"]) for r in final} == {os.path.realpath(prefix)}, (command.where(), final)
     else:
         shown = agents[0].out()
         assert "final test accuracy:" in shown, f"{command.where()}\n{agents[0].describe()}"
@@ -414,6 +460,8 @@ def run_elastix(ctx, command, segment, stack):
     env, argv = words(segment)
     places = Places(ctx, command, stack)
     env = {name: places.path(value) for name, value in env.items()}
+    if "PYTHON_EXEC" in env:
+        env["PYTHON_EXEC"] = ctx.other_python(command, env["PYTHON_EXEC"])
     argv = places.argv(argv)
     what = "store" if argv[0] == "elastix-store" else argv[1] if len(argv) > 1 else ""
     if what == "run":
@@ -454,7 +502,7 @@ def files(tmp_path_factory):
     return str(tmp_path_factory.mktemp("readme"))
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"line{b.line}" for b in BLOCKS])
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id() for b in BLOCKS])
 def test_the_command_block_runs_as_written(block, request, files, tmp_path, marker):
     ctx = Context(request, files, tmp_path, marker)
     with contextlib.ExitStack() as stack:
@@ -478,16 +526,120 @@ def test_the_lists_of_commands_not_run_are_all_in_the_readme():
     assert set(NOT_RUN) | SETUP <= shown, (set(NOT_RUN) | SETUP) - shown
 
 
-def test_the_table_of_contents_links_to_sections():
-    with open(README) as f:
-        text = f.read()
-    headings = re.findall(r"^#+ (.+)$", text, re.M)
-    anchors = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
-    links = re.findall(r"\]\(#([^)]+)\)", text)
-    assert links and not [link for link in links if link not in anchors]
+# -- the README's form: its quick start, its links --------------------------------------------
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def unfenced(text):
+    """The text without its fenced blocks, where `#` starts no heading."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+
+
+def prose(text):
+    """The text without its fenced blocks and inline code, where `](` starts no link."""
+    return re.sub(r"`[^`\n]*`", "", unfenced(text))
+
+
+def section(text, heading):
+    m = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert m, f"README.md has no '## {heading}' section"
+    return m[1]
+
+
+def first_block(text):
+    """The command lines of the first fenced block of text."""
+    m = re.search(r"^```[a-z]*\n(.*?)^```", text, re.M | re.S)
+    assert m, text[:200]
+    return [line.strip() for line in m[1].splitlines() if line.strip()]
+
+
+def extras():
+    """pyproject.toml's [project.optional-dependencies]: extra -> requirements."""
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11: the table's `name = [...]` lines
+        table = re.search(r"^\[project\.optional-dependencies\]\n(.*?)(?=^\[)", read(PYPROJECT), re.M | re.S)[1]
+        return {m[1]: re.findall(r'"([^"]+)"', m[2]) for m in re.finditer(r"^([\w-]+)\s*=\s*\[(.*)\]", table, re.M)}
+    with open(PYPROJECT, "rb") as f:
+        return tomllib.load(f)["project"]["optional-dependencies"]
+
+
+def test_the_quick_start_clones_installs_with_progress_and_runs_the_main_job():
+    """Three command lines: clone, install into a virtual environment with the examples extra
+    (pip shows the build backend's output, cargo's `Compiling ...` lines, only with -v: without
+    it, five silent minutes), and the main job, which test_the_command_block_runs_as_written
+    runs."""
+    text = read(README)
+    assert re.findall(r"^## (.+)$", unfenced(text), re.M)[0] == "Quick start", (
+        "the quick start is not the first section"
+    )
+    clone, install, run = first_block(section(text, "Quick start"))
+
+    def parts(line):
+        return [words(segment)[1] for segment in line.split(" && ")]
+
+    assert parts(clone) == [["git", "clone", "https://github.com/elastix/elastix"], ["cd", "elastix"]], clone
+    steps = parts(install)
+    assert steps[0][1:3] == ["-m", "venv"] and steps[1][:2] == [".", steps[0][3] + "/bin/activate"], install
+    pip = steps[-1]
+    assert pip[:2] == ["pip", "install"] and ("-v" in pip or "--verbose" in pip), install
+    [target] = [word for word in pip if word.startswith(".[")]
+    assert "-e" in pip and target == ".[examples]", install
+    assert "scikit-learn" in extras()["examples"], extras()
+    args = run.split()
+    assert args[:2] == ["elastix", "run"] and "--standalone" in args, run
+    assert args[args.index("--nproc-per-node") + 1] == "2" and "examples/train_digits.py" in args, run
+    ran = [c.text for b in BLOCKS if b.path == "README.md" for c in b.commands]
+    assert any(run in text for text in ran), (run, ran)
+
+
+def test_the_test_command_installs_the_test_extra():
+    """The other set-up command: the block under "## Test" that .ci/run runs verbatim."""
+    [command] = first_block(section(read(README), "Test"))
+    assert command.startswith("pip install -e '.[test]' && ") and "python -m pytest" in command, command
+    assert "pytest>=7" in extras()["test"], extras()
+
+
+def anchors(text):
+    return {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+ (.+)$", unfenced(text), re.M)
+    }
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda page: os.path.relpath(page, REPO))
+def test_links_lead_to_a_file_and_a_heading(page):
+    """The README's contents and its links into docs/, and docs/ pages' links back: a moved
+    section leaves no link behind that points nowhere."""
+    text = read(page)
+    links = re.findall(r"\]\(([^)\s]+)\)", prose(text))
+    broken = []
+    for link in links:
+        if re.match(r"^[a-z]+:", link):
+            continue  # a web address
+        target, _, anchor = link.partition("#")
+        path = os.path.normpath(os.path.join(os.path.dirname(page), target)) if target else page
+        if not os.path.exists(path):
+            broken.append(link)
+        elif anchor and (not path.endswith(".md") or anchor not in anchors(read(path))):
+            broken.append(link)
+    assert links and not broken, broken
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    linked = {os.path.normpath(link) for link in re.findall(r"\]\((docs/[^)#\s]+)", read(README))}
+    assert DOCS and {os.path.relpath(page, REPO) for page in DOCS} <= linked, linked
 
 
 def test_the_readme_has_command_blocks():
-    """The README's own main job and its first steps are among them."""
+    """The README's own main job and its first steps are among them, and a job whose workers
+    run on the interpreter of another environment (PYTHON_EXEC)."""
     first = [c.text for b in BLOCKS for c in b.commands]
     assert any("examples/train_digits.py" in text for text in first), first
+    assert any(
+        "PYTHON_EXEC" in words(s)[0] for b in BLOCKS for c in b.commands for s in segments(c) if is_elastix(s)
+    ), first
