@@ -37,6 +37,8 @@ type RdzvResult<T> = std::result::Result<T, RendezvousError>;
 
 /// Pause before connecting again after the store was lost.
 const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
+/// How long each of its connects tries before the pause.
+const RECONNECT_PATIENCE: Duration = Duration::from_secs(5);
 
 pub fn request_count_key(run_id: &str) -> String {
     format!("elastix/dump/{run_id}/requests")
@@ -241,8 +243,13 @@ impl Node {
         asked: &mpsc::Sender<Asked>,
         next: &mut Option<i64>,
     ) -> Result<(), crate::store::StoreError> {
-        let options =
-            TcpStoreOptions { secret: self.secret.clone(), ..TcpStoreOptions::new(self.store.0.clone(), self.store.1) };
+        // in the background, for the round's life: the agent reports a lost store itself
+        let options = TcpStoreOptions {
+            secret: self.secret.clone(),
+            timeout: Some(RECONNECT_PATIENCE),
+            quiet: true,
+            ..TcpStoreOptions::new(self.store.0.clone(), self.store.1)
+        };
         let mut store = TcpStore::open(options).await?;
         // requests made before this round are not for it
         let mut n = match *next {

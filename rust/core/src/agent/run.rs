@@ -370,7 +370,10 @@ impl Agent {
                     }
                     Err(err) => return Err(err.into()),
                 },
-                (signal, _) = self.signals.recv() => return Ok(End::Interrupted(signal)),
+                (signal, _) = self.signals.recv() => {
+                    tracing::info!("received {signal} while waiting for the rendezvous (no worker running); stopping");
+                    return Ok(End::Interrupted(signal));
+                }
             };
             if self.round_seen.is_none() {
                 // the first round: how to look at the job (a --standalone job's run ID is made up)
@@ -466,7 +469,12 @@ impl Agent {
                             self.after_success(report);
                             return Ok(End::Succeeded);
                         }
-                        Some(Event::Signal(signal, _)) => return Ok(End::Interrupted(signal)),
+                        Some(Event::Signal(signal, _)) => {
+                            tracing::info!(
+                                "received {signal} in the exit barrier (this node's workers are done); stopping"
+                            );
+                            return Ok(End::Interrupted(signal));
+                        }
                         Some(Event::Change(MembershipChange::Closed)) => {
                             // closed while this node's workers had finished: the usual cause is
                             // the job's success, and the store may already be gone with its host
@@ -482,7 +490,19 @@ impl Agent {
                 Event::Workers(GroupOutcome::Failed(failures)) => {
                     self.events.workers_failed(&failures).await;
                     // a member's death breaks its peers' collectives first: that is its loss
-                    if let Some(change) = self.member_loss(&mut changes).await {
+                    let loss = match self.member_loss(&mut changes).await {
+                        Ok(loss) => loss,
+                        Err(AgentError::Interrupted(signal)) => {
+                            tracing::info!(
+                                "received {signal} while asking whether a member is lost; stopping the workers"
+                            );
+                            group.stop(Signal::SIGTERM, grace).await;
+                            self.events.workers_stopped(info.round, "signal").await;
+                            return Ok(End::Interrupted(signal));
+                        }
+                        Err(err) => return Err(err),
+                    };
+                    if let Some(change) = loss {
                         tracing::info!("the workers failed with the loss of a member: no restart is charged");
                         if let Some(end) = self.on_change(change, &mut group, report).await? {
                             return Ok(end);
@@ -522,6 +542,11 @@ impl Agent {
         let next = if closed { "stopping the workers" } else { "restarting the workers" };
         let description = describe(&change);
         tracing::info!("{description}; {next}");
+        if let (MembershipChange::StoreUnreachable { store, .. }, Some(advice)) =
+            (&change, self.rdzv.store_lost_advice())
+        {
+            tracing::warn!("lost the rendezvous store at {store}: {advice}");
+        }
         if matches!(change, MembershipChange::NodeLost { .. }) {
             report.lost.push(format!("{description} in round {}", self.round));
             let excess = report.lost.len().saturating_sub(LOST_NAMED);
@@ -546,47 +571,48 @@ impl Agent {
     async fn member_loss(
         &mut self,
         changes: &mut Option<watch::Receiver<Option<MembershipChange>>>,
-    ) -> Option<MembershipChange> {
+    ) -> Result<Option<MembershipChange>> {
         // another member may have found the loss first
         if let Some(change) = changes.as_ref().and_then(|changes| changes.borrow().clone()) {
-            return Some(change);
+            return Ok(Some(change));
         }
-        // or the round ended without this node's watcher saying so yet (the others re-formed
-        // without it while its agent was stopped, or the store lost the state): its workers
-        // failed because their peers moved on
-        if let Ok(Some(change)) = self.rdzv.round_ended().await {
-            return Some(change);
-        }
-        let census = match self.rdzv.census(None).await {
-            Ok(census) => census,
+        // Asking goes through the store, which may be what was lost: bounded by the loss
+        // window, after which the heartbeats have settled it, and a signal ends it at once.
+        let window = self.rdzv.loss_window() + LOSS_VERDICT_SLACK;
+        let verdict = tokio::select! {
+            verdict = tokio::time::timeout(window, ask_members(&mut self.rdzv)) => match verdict {
+                Ok(verdict) => verdict,
+                // the heartbeats had the window to settle it
+                Err(_) => return Ok(changes.as_ref().and_then(|changes| changes.borrow().clone())),
+            },
+            change = next_change(changes) => return Ok(Some(change)),
+            (signal, _) = self.signals.recv() => return Err(AgentError::Interrupted(signal)),
+        };
+        let unsure = match verdict {
+            Verdict::Change(change) => return Ok(Some(change)),
+            Verdict::Own => return Ok(None),
             // the store went with the failure (its host is lost, or this node is cut off): the
             // rendezvous noted it as the round's change; re-joining finds the store, or its
             // next site, or says why not
-            Err(err) if err.is_store_unreachable() => {
+            Verdict::StoreUnreachable(error) => {
                 let noted = changes.as_ref().and_then(|changes| changes.borrow().clone());
-                let error = err.to_string();
                 let store = self.rdzv.describe_store();
-                return noted.or(Some(MembershipChange::StoreUnreachable { store, silent_for: Duration::ZERO, error }));
+                return Ok(noted.or(Some(MembershipChange::StoreUnreachable {
+                    store,
+                    silent_for: Duration::ZERO,
+                    error,
+                })));
             }
-            Err(err) => {
-                tracing::warn!("could not ask the other members whether they are still there ({err}); counting the failure as the workers' own");
-                return None;
-            }
+            Verdict::Unsure(unsure) => unsure,
         };
-        if let Some((rank, node)) = census.gone.into_iter().next() {
-            return Some(MembershipChange::NodeLost { rank: Some(rank), node: Some(node) });
-        }
-        if census.unsure.is_empty() {
-            return None;
-        }
-        let window = self.rdzv.loss_window() + LOSS_VERDICT_SLACK;
-        let unsure: Vec<String> =
-            census.unsure.iter().map(|(rank, why)| format!("group rank {rank} ({why})")).collect();
         tracing::info!(
             "the workers failed and {} did not answer; waiting up to {window:.1?} for the heartbeats to say whether it is lost",
             unsure.join(", ")
         );
-        tokio::time::timeout(window, next_change(changes)).await.ok()
+        tokio::select! {
+            change = tokio::time::timeout(window, next_change(changes)) => Ok(change.ok()),
+            (signal, _) = self.signals.recv() => Err(AgentError::Interrupted(signal)),
+        }
     }
 
     /// The run ID, and a command that shows the job's state from any machine that reaches its
@@ -793,6 +819,7 @@ impl Agent {
         let lost = std::sync::Mutex::new(Vec::<(u32, Option<NodeDesc>)>::new());
         let done = async {
             let mut warned = false;
+            let mut said_waiting = false;
             loop {
                 let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
                 let slice = remaining.min(BARRIER_LOOK_EVERY);
@@ -829,6 +856,16 @@ impl Agent {
                         }
                         let lost = lost.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                         missing.retain(|rank| lost.iter().all(|(gone, _)| gone != rank));
+                        if !said_waiting && !missing.is_empty() {
+                            said_waiting = true;
+                            let ranks: Vec<String> = missing.iter().map(u32::to_string).collect();
+                            tracing::info!(
+                                "exit barrier: this node's workers are done; waiting up to {}s more for those of group \
+                                 rank(s) {}",
+                                deadline.saturating_duration_since(tokio::time::Instant::now()).as_secs(),
+                                ranks.join(", ")
+                            );
+                        }
                         awaited = missing;
                     }
                     Err(err) if err.is_store_unreachable() && !remaining.is_zero() => {
@@ -894,6 +931,43 @@ impl Agent {
 }
 
 /// Whether a member at `host` (the store's host) was reported lost during the barrier.
+/// What asking the round's members found after the workers failed.
+enum Verdict {
+    /// The round ended, or a member is gone: the workers' failure is its consequence.
+    Change(MembershipChange),
+    /// Every member answered: the failure is the workers' own.
+    Own,
+    /// The store does not answer (the error).
+    StoreUnreachable(String),
+    /// These members did not answer.
+    Unsure(Vec<String>),
+}
+
+/// Asks the round whether it ended without this node's watcher saying so yet (the others
+/// re-formed without it while its agent was stopped, or the store lost the state), then asks
+/// every member directly ([`Rendezvous::census`]; the gone ones are reported lost to everyone).
+async fn ask_members(rdzv: &mut Rendezvous) -> Verdict {
+    match rdzv.round_ended().await {
+        Ok(Some(change)) => return Verdict::Change(change),
+        Err(err) if err.is_store_unreachable() => return Verdict::StoreUnreachable(err.to_string()),
+        _ => {}
+    }
+    match rdzv.census(None).await {
+        Ok(census) => match census.gone.into_iter().next() {
+            Some((rank, node)) => Verdict::Change(MembershipChange::NodeLost { rank: Some(rank), node: Some(node) }),
+            None if census.unsure.is_empty() => Verdict::Own,
+            None => {
+                Verdict::Unsure(census.unsure.iter().map(|(rank, why)| format!("group rank {rank} ({why})")).collect())
+            }
+        },
+        Err(err) if err.is_store_unreachable() => Verdict::StoreUnreachable(err.to_string()),
+        Err(err) => {
+            tracing::warn!("could not ask the other members whether they are still there ({err}); counting the failure as the workers' own");
+            Verdict::Own
+        }
+    }
+}
+
 fn store_host_was_reported_lost(lost: &std::sync::Mutex<Vec<(u32, Option<NodeDesc>)>>, host: &str) -> bool {
     let lost = lost.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let gone = lost.iter().find(|(_, node)| node.as_ref().is_some_and(|node| node.addr == host));
@@ -1019,6 +1093,9 @@ fn describe(change: &MembershipChange) -> String {
         MembershipChange::StoreReset => "the rendezvous store restarted without the job's state".to_owned(),
         // Said from this node's side only: it cannot tell a store that is down for everyone
         // from one out of its own reach (the last error often can: a refused connection).
+        MembershipChange::StoreUnreachable { store, silent_for, error } if silent_for.is_zero() => {
+            format!("the rendezvous store at {store} stopped answering as the workers failed ({error})")
+        }
         MembershipChange::StoreUnreachable { store, silent_for, error } => format!(
             "the rendezvous store at {store} has not answered this node for {:.1}s (last error: {error}); \
              a node out of contact this long counts as lost to any node the store still answers",

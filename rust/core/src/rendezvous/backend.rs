@@ -56,6 +56,12 @@ pub trait Backend: Send {
         None
     }
 
+    /// What a store that stopped answering means for this job, and what avoids it (`None`:
+    /// nothing to add to the error).
+    fn store_lost_advice(&self) -> Option<String> {
+        None
+    }
+
     /// How long a member may be silent (heartbeats, lease) before the others count it lost.
     fn loss_window(&self) -> Duration {
         Duration::ZERO

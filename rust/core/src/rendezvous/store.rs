@@ -30,7 +30,16 @@ pub trait RendezvousStore: Clone + Send + Sync + 'static {
     /// request at a time).
     fn connect(&self) -> impl Future<Output = Result<Self::Conn>> + Send;
 
-    /// A new connection to `site`, retried for at most `patience`.
+    /// [`Self::connect`] that gives up after `patience` at the latest: a wait with a deadline of
+    /// its own shows that deadline's countdown, not a fresh one per connection.
+    /// `quiet`: failures at DEBUG (a question whose caller reports the answer).
+    fn connect_within(&self, patience: Duration, quiet: bool) -> impl Future<Output = Result<Self::Conn>> + Send {
+        let _ = (patience, quiet);
+        self.connect()
+    }
+
+    /// A new connection to `site`, retried for at most `patience`, for a background task: its
+    /// failures are said at DEBUG (the task's owner reports the outage once).
     fn connect_site(&self, site: usize, patience: Duration) -> impl Future<Output = Result<Self::Conn>> + Send;
 
     /// A new connection to `site` if it answers at once: one attempt or two, within `patience`.
@@ -163,6 +172,8 @@ pub struct TcpRendezvousStore {
     read_timeout: Duration,
     /// The job secret every connection proves.
     secret: Option<Secret>,
+    /// What to do about a store that stays away, for the main connection's WARNs.
+    hint: Option<String>,
 }
 
 impl TcpRendezvousStore {
@@ -192,7 +203,14 @@ impl TcpRendezvousStore {
             prefix: prefix.into(),
             read_timeout,
             secret,
+            hint: None,
         }
+    }
+
+    /// Says `hint` with every WARN about a store that stays away (who serves it, what to do).
+    pub fn with_hint(mut self, hint: impl Into<String>) -> Self {
+        self.hint = Some(hint.into());
+        self
     }
 
     pub fn host(&self) -> &str {
@@ -207,12 +225,20 @@ impl TcpRendezvousStore {
         &self.prefix
     }
 
-    async fn open(&self, site: usize, patience: Option<Duration>, max_attempts: Option<u32>) -> Result<TcpConn> {
+    async fn open(
+        &self,
+        site: usize,
+        patience: Option<Duration>,
+        max_attempts: Option<u32>,
+        quiet: bool,
+    ) -> Result<TcpConn> {
         let (host, port) = self.sites[site].clone();
         let options = ConnectOptions {
             backoff: self.backoff.clone(),
             max_attempts,
             secret: self.secret.clone(),
+            quiet,
+            hint: self.hint.clone(),
             ..ConnectOptions::new(host, port, patience)
         };
         let mut client = Client::connect(&options).await?;
@@ -228,15 +254,21 @@ impl RendezvousStore for TcpRendezvousStore {
         // with several sites a refused connection means this site's store is down: the next
         // one is tried at once (a single store is waited for: it may start after its agents)
         let attempts = (self.sites.len() > 1).then_some(SITE_ATTEMPTS);
-        self.open(self.active_site(), self.patience, attempts).await
+        self.open(self.active_site(), self.patience, attempts, false).await
+    }
+
+    async fn connect_within(&self, patience: Duration, quiet: bool) -> Result<TcpConn> {
+        let attempts = (self.sites.len() > 1).then_some(SITE_ATTEMPTS);
+        let patience = self.patience.map_or(patience, |own| own.min(patience));
+        self.open(self.active_site(), Some(patience), attempts, quiet).await
     }
 
     async fn connect_site(&self, site: usize, patience: Duration) -> Result<TcpConn> {
-        self.open(site, Some(patience), None).await
+        self.open(site, Some(patience), None, true).await
     }
 
     async fn probe_site(&self, site: usize, patience: Duration) -> Result<TcpConn> {
-        self.open(site, Some(patience), Some(SITE_ATTEMPTS)).await
+        self.open(site, Some(patience), Some(SITE_ATTEMPTS), true).await
     }
 
     fn sites(&self) -> usize {

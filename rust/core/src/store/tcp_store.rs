@@ -44,6 +44,9 @@ pub struct TcpStoreOptions {
     /// then serves plain clients from loopback and from where a client authenticated).
     /// Default: none.
     pub secret: Option<Secret>,
+    /// Connect failures at DEBUG only, for a background task's connection whose outage is
+    /// reported elsewhere (see [`ConnectOptions::quiet`]). Default: false.
+    pub quiet: bool,
 }
 
 impl TcpStoreOptions {
@@ -60,6 +63,7 @@ impl TcpStoreOptions {
             client_if_port_taken: false,
             server: ServerConfig::default(),
             secret: None,
+            quiet: false,
         }
     }
 }
@@ -72,13 +76,16 @@ pub struct TcpStore {
     port: u16,
     timeout: Option<Duration>,
     secret: Option<Secret>,
+    quiet: bool,
 }
 
 impl TcpStore {
     pub async fn open(options: TcpStoreOptions) -> Result<TcpStore> {
         let server = if options.is_master { start_or_share_server(&options)? } else { None };
         let port = server.as_ref().map_or(options.port, |server| server.port());
-        let mut store = TcpStore::connect(&options.host, port, options.timeout, server, options.secret.clone()).await?;
+        let mut store =
+            TcpStore::connect(&options.host, port, options.timeout, server, options.secret.clone(), options.quiet)
+                .await?;
         if let (Some(world_size), true) = (options.world_size, options.wait_for_workers) {
             store.client.add(INIT_KEY, 1).await?;
             if let Some(server) = &store.server {
@@ -99,17 +106,19 @@ impl TcpStore {
         timeout: Option<Duration>,
         server: Option<Arc<BackgroundServer>>,
         secret: Option<Secret>,
+        quiet: bool,
     ) -> Result<TcpStore> {
-        let options = ConnectOptions { secret: secret.clone(), ..ConnectOptions::new(host, port, timeout) };
+        let options = ConnectOptions { secret: secret.clone(), quiet, ..ConnectOptions::new(host, port, timeout) };
         let mut client = Client::connect(&options).await?;
         client.set_reply_timeout(timeout);
-        Ok(TcpStore { client, server, host: host.to_owned(), port, timeout, secret })
+        Ok(TcpStore { client, server, host: host.to_owned(), port, timeout, secret, quiet })
     }
 
     /// A new connection to the same server with the same timeout; it does not count itself
     /// into `init/`. It keeps an in-process server alive as long as it lives.
     pub async fn duplicate(&self) -> Result<TcpStore> {
-        TcpStore::connect(&self.host, self.port, self.timeout, self.server.clone(), self.secret.clone()).await
+        let (server, secret) = (self.server.clone(), self.secret.clone());
+        TcpStore::connect(&self.host, self.port, self.timeout, server, secret, self.quiet).await
     }
 
     pub fn host(&self) -> &str {

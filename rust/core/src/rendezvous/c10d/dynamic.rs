@@ -87,6 +87,11 @@ pub struct DynamicRendezvous<S: RendezvousStore> {
     workers_store_port: Option<u16>,
     /// What the other members probe to ask whether this node's agent is still there.
     _presence: Option<Presence>,
+    /// How new connections are bounded now: by the deadline of the rendezvous under way (a
+    /// store that stays away shows one countdown, see [`Self::next_rendezvous`]), or by a
+    /// question's, quietly ([`Self::census`]). Without one, or once past, they give up after a
+    /// loss window.
+    connect_by: Option<ConnectBound>,
 }
 
 impl<S: RendezvousStore> DynamicRendezvous<S> {
@@ -107,6 +112,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             known: None,
             restarts_seen: 0,
             closed_reason: Arc::default(),
+            connect_by: None,
             store_prefix,
             workers_store_port: None,
             _presence: presence,
@@ -136,7 +142,13 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             self.conn = None;
         }
         if self.conn.is_none() {
-            self.conn = Some(self.store.connect().await?);
+            // within a rendezvous, up to its deadline; otherwise up to a loss window: a store
+            // away for longer has lost this node anyway, and the caller goes on to re-join
+            let (patience, quiet) = match self.connect_by.filter(|bound| bound.by > Instant::now()) {
+                Some(bound) => (bound.by - Instant::now(), bound.quiet),
+                None => (self.settings.node_lost_after(), false),
+            };
+            self.conn = Some(self.store.connect_within(patience, quiet).await?);
         }
         Ok(self.conn.as_mut().expect("connected above"))
     }
@@ -160,21 +172,55 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         if let Some(membership) = self.current.take() {
             self.last_round = Some(LastRound::of(&membership, self.store.sites()));
         }
+        self.connect_by = Some(ConnectBound { by: deadline, quiet: false });
+        let outcome = self.rendezvous_by(deadline).await;
+        self.connect_by = None;
+        outcome
+    }
+
+    /// [`Self::next_rendezvous`]'s loop. A store lost meanwhile is said once, with the
+    /// deadline and the remedy, and its return once; the retries in between are quiet.
+    async fn rendezvous_by(&mut self, deadline: Instant) -> Result<RendezvousInfo> {
+        let mut lost_since: Option<Instant> = None;
         loop {
             match self.try_round(deadline).await {
-                Ok(Some(info)) => return Ok(info),
+                Ok(Some(info)) => {
+                    if let Some(since) = lost_since {
+                        tracing::info!(
+                            "the rendezvous store at {} answers again (after {:.1?})",
+                            self.store.describe(),
+                            since.elapsed()
+                        );
+                    }
+                    return Ok(info);
+                }
                 Ok(None) => {}
                 Err(err) if err.is_store_unreachable() && Instant::now() < deadline => {
-                    tracing::warn!(
-                        "lost the rendezvous store at {}: {err}; looking for it again",
-                        self.store.describe()
-                    );
+                    if lost_since.is_none() {
+                        lost_since = Some(Instant::now());
+                        let advice = self.store_lost_advice(deadline.saturating_duration_since(Instant::now()));
+                        tracing::warn!("lost the rendezvous store at {} ({err}): {advice}", self.store.describe());
+                    } else {
+                        tracing::debug!("the rendezvous store at {} is still away: {err}", self.store.describe());
+                    }
                     self.conn = None;
-                    tokio::time::sleep(SITE_RETRY).await;
+                    tokio::time::sleep(SITE_RETRY.min(deadline.saturating_duration_since(Instant::now()))).await;
                 }
                 Err(err) => return Err(err),
             }
         }
+    }
+
+    /// What a store lost for `left` more of the join timeout means, and what to do about it.
+    pub fn store_lost_advice(&self, left: Duration) -> String {
+        let until = format!("this node looks for it for {}s more (join_timeout), then ends", left.as_secs());
+        if self.store.sites() > 1 {
+            return until;
+        }
+        format!(
+            "the agent that hosts it has ended or is cut off from this node; {until}. A job that must outlive any \
+             one node lists several sites (--rdzv-endpoint a:29400,b:29400,c:29400) or uses --rdzv-backend etcd"
+        )
     }
 
     /// One step: find the state, then join the current round (`Some`: this node is a member)
@@ -571,6 +617,15 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     /// would, a loss window later), so that every member re-forms without them now.
     /// `only`: the group ranks to ask (default: every other member).
     pub async fn census(&mut self, only: Option<&[u32]>) -> Result<Census> {
+        let outer = self.connect_by.replace(ConnectBound::question(&self.settings));
+        let census = self.ask_members(only).await;
+        self.connect_by = outer;
+        census
+    }
+
+    /// [`Self::census`], its new connections bounded as a question's: the workers' failure
+    /// that prompts it often came with the store's loss.
+    async fn ask_members(&mut self, only: Option<&[u32]>) -> Result<Census> {
         let Some((round, rank, world_size)) = self.current.as_ref().map(|m| (m.round, m.rank, m.world_size)) else {
             return Ok(Census::default());
         };
@@ -648,6 +703,14 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     /// the round already in the log (a member reported lost, late nodes: another member's
     /// agent stopped its workers for it, which is how this node's workers came to fail).
     pub async fn round_ended(&mut self) -> Result<Option<MembershipChange>> {
+        let outer = self.connect_by.replace(ConnectBound::question(&self.settings));
+        let ended = self.look_for_round_end().await;
+        self.connect_by = outer;
+        ended
+    }
+
+    /// [`Self::round_ended`], its new connections bounded as a question's.
+    async fn look_for_round_end(&mut self) -> Result<Option<MembershipChange>> {
         let Some((round, seen)) = self.current.as_ref().map(|m| (m.round, m.events_seen)) else { return Ok(None) };
         let known = self.known;
         let look = async |conn: &mut S::Conn| {
@@ -811,6 +874,22 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     pub fn disconnect(&mut self) {
         self.shutdown();
         self.conn = None;
+    }
+}
+
+/// A bound on the main connection's new connections (see `DynamicRendezvous::connect_by`).
+#[derive(Clone, Copy, Debug)]
+struct ConnectBound {
+    by: Instant,
+    /// Failures at DEBUG: the caller reports the outcome.
+    quiet: bool,
+}
+
+impl ConnectBound {
+    /// For a question asked as the workers fail (often with the store's loss): a keep-alive
+    /// interval, quietly.
+    fn question(settings: &RendezvousSettings) -> ConnectBound {
+        ConnectBound { by: Instant::now() + settings.keep_alive_interval, quiet: true }
     }
 }
 

@@ -89,6 +89,8 @@ impl C10dRendezvous {
         let C10dOptions { settings, read_timeout, mut sites, is_host: explicit } = options;
         let listed = sites.len() > 1;
         let mut servers = Vec::new();
+        // who serves a single store, for the warnings of a node that cannot reach it
+        let mut served_by = None;
         for site in sites.iter_mut() {
             let hosting = match (explicit, &params.local_addr) {
                 (Some(explicit), _) => explicit,
@@ -103,6 +105,8 @@ impl C10dRendezvous {
                         site.0
                     )));
                 }
+                let by = if explicit.is_some() { "a store" } else { "the agent" };
+                served_by = Some(format!("it is served by {by} on {} (not started yet, ended, or cut off)", site.0));
                 continue;
             }
             // only agents connect to the rendezvous store, and with a secret they all prove it
@@ -113,6 +117,17 @@ impl C10dRendezvous {
                 Ok(server) => {
                     site.1 = server.port();
                     servers.push(server);
+                    if !listed && params.max_nodes > 1 {
+                        let first =
+                            if explicit.is_none() { " (the first agent started on this machine does)" } else { "" };
+                        tracing::info!(
+                            "this agent hosts the rendezvous store at {}:{}{first}: the other nodes need it, and \
+                             wait for it to come back if this agent ends (list several --rdzv-endpoint sites, or use \
+                             etcd, so that no one node is needed)",
+                            site.0,
+                            site.1
+                        );
+                    }
                 }
                 // another agent on this machine got there first: use its store
                 // (the error names the port's holder where it can be told)
@@ -122,6 +137,9 @@ impl C10dRendezvous {
                          ({err})",
                         site.1
                     );
+                    let holder = crate::store::server::port_holder::holder(site.1)
+                        .map_or_else(String::new, |pid| format!(" (pid {pid})"));
+                    served_by = Some(format!("it is served by the agent started first on this machine{holder}"));
                 }
                 Err(err) => {
                     return Err(RendezvousError::Config(format!(
@@ -135,13 +153,16 @@ impl C10dRendezvous {
         // timeout; with several sites, one that does not answer soon is passed over.
         let patience = if sites.len() == 1 { settings.join_timeout } else { settings.heartbeat_timeout };
         let prefix = run_prefix(&params.run_id);
-        let store = TcpRendezvousStore::with_sites(
+        let mut store = TcpRendezvousStore::with_sites(
             sites,
             Some(patience),
             prefix.clone(),
             read_timeout,
             settings.secret.clone(),
         );
+        if let Some(served_by) = served_by.filter(|_| !listed) {
+            store = store.with_hint(served_by);
+        }
         let handler = DynamicRendezvous::new(store, settings, prefix)?;
         Ok(C10dRendezvous { handler, servers })
     }
@@ -183,6 +204,10 @@ impl Backend for C10dRendezvous {
 
     fn secret(&self) -> Option<&crate::auth::Secret> {
         self.handler.settings().secret.as_ref()
+    }
+
+    fn store_lost_advice(&self) -> Option<String> {
+        Some(self.handler.store_lost_advice(self.handler.settings().join_timeout))
     }
 
     fn loss_window(&self) -> Duration {

@@ -21,7 +21,8 @@ pub(crate) fn spawn_member_trust<S: RendezvousStore>(
     trusts: Trusts,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
-        let mut conn = match store.connect().await {
+        // in the background: a store that stays away is the agent's to report
+        let mut conn = match store.connect_site(store.active_site(), patience).await {
             Ok(conn) => conn,
             Err(err) => return tracing::warn!(round, "cannot read the round's members for the workers' store: {err}"),
         };

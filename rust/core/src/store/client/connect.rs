@@ -32,6 +32,12 @@ pub struct ConnectOptions {
     pub max_attempts: Option<u32>,
     /// The job secret to prove to the server before any request. Default: none.
     pub secret: Option<Secret>,
+    /// Say failures at DEBUG only: for a background task's connection, retried in a loop of
+    /// its own, whose outage the task's owner reports once (a user sees one countdown per
+    /// wait, not one per task). Default: false.
+    pub quiet: bool,
+    /// What to do about a store that stays away, added to the WARNs. Default: none.
+    pub hint: Option<String>,
 }
 
 impl ConnectOptions {
@@ -43,6 +49,8 @@ impl ConnectOptions {
             backoff: Backoff::default(),
             max_attempts: None,
             secret: None,
+            quiet: false,
+            hint: None,
         }
     }
 }
@@ -70,7 +78,7 @@ pub(super) async fn connect(options: &ConnectOptions) -> Result<(Transport, Sock
         attempts += 1;
         match attempt(options, deadline, &mut tried).await {
             Ok(connected) => {
-                if warned.is_some() {
+                if warned.is_some() && !options.quiet {
                     tracing::info!(
                         "connected to the store at {}:{} after {attempts} attempts ({:.1?})",
                         options.host,
@@ -104,20 +112,24 @@ pub(super) async fn connect(options: &ConnectOptions) -> Result<(Transport, Sock
                 last_error,
             });
         }
-        let say = match warned {
-            None => now.duration_since(start) >= QUIET_START,
-            Some(said) => now.duration_since(said) >= SAY_AGAIN_EVERY,
-        };
+        let say = !options.quiet
+            && match warned {
+                None => now.duration_since(start) >= QUIET_START,
+                Some(said) => now.duration_since(said) >= SAY_AGAIN_EVERY,
+            };
         if say {
             let until = remaining.map_or_else(|| "no deadline".to_owned(), |r| format!("giving up in {:.0?}", r));
             let (host, port) = (&options.host, options.port);
+            let hint = options.hint.as_deref().map_or_else(String::new, |hint| format!("; {hint}"));
             match warned {
                 None => {
-                    tracing::warn!("cannot connect to the store at {host}:{port} ({last_error}); retrying, {until}")
+                    tracing::warn!(
+                        "cannot connect to the store at {host}:{port} ({last_error}); retrying, {until}{hint}"
+                    )
                 }
                 Some(_) => tracing::warn!(
                     "still no store at {host}:{port} after {attempts} attempts over {:.0?} ({last_error}); retrying, \
-                     {until}",
+                     {until}{hint}",
                     now.duration_since(start)
                 ),
             }

@@ -7,6 +7,12 @@ use std::fs;
 /// "pid N (command line)" of a process holding `port` (listening, or bound and idle), if
 /// this process may see it.
 pub fn describe_holder(port: u16) -> Option<String> {
+    holder(port).map(|pid| format!("pid {pid} ({})", command_line(pid)))
+}
+
+/// The pid of a process holding `port` (listening, or bound and idle), if this process may
+/// see it.
+pub fn holder(port: u16) -> Option<u32> {
     let inodes: Vec<u64> = ["/proc/net/tcp", "/proc/net/tcp6"]
         .iter()
         .filter_map(|table| fs::read_to_string(table).ok())
@@ -23,7 +29,7 @@ pub fn describe_holder(port: u16) -> Option<String> {
             fs::read_link(fd.path()).is_ok_and(|target| wanted.iter().any(|w| target.as_os_str() == w.as_str()))
         });
         if holds {
-            return Some(format!("pid {pid} ({})", command_line(pid)));
+            return Some(pid);
         }
     }
     None
