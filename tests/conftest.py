@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
 from datetime import timedelta
 
@@ -20,6 +21,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def pytest_configure(config):
     torch_gate.configure(config)
+    # what the tests' agents note of their jobs' ends (rust/core/src/agent/finished.rs) stays
+    # with this session, not in the user's own state directory
+    os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="elastix-test-state-")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -295,12 +295,15 @@ def test_bad_input_is_a_clear_error_with_its_exit_code(rdzv_port):
     assert unknown.returncode == NOT_FOUND, unknown
     assert "no job with run ID 'no-such-job'" in unknown.stderr, unknown.stderr
 
+    # nothing listens (the job ended, or has not started), and no job here used the endpoint
     with closed_port() as sock:
         port = sock.getsockname()[1]
-        unreachable = status("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "x", "--timeout", "0.5")
-    assert unreachable.returncode == ERROR, unreachable
-    assert "cannot reach the rendezvous store" in unreachable.stderr and str(port) in unreachable.stderr
-    assert "Traceback" not in unreachable.stderr
+        nothing = status("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "x")
+    assert nothing.returncode == NOT_FOUND, nothing
+    assert nothing.stderr.strip() == (
+        f"elastix status: no job with run ID 'x' at 127.0.0.1:{port} (finished or not started): nothing listens "
+        "there, and no job that ended on this machine used it"
+    ), nothing.stderr
 
     with closed_port() as sock:
         endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
@@ -404,4 +407,38 @@ def test_each_workers_progress_is_shown_beats_step_and_last_seen(tmp_path, marke
     finally:
         (tmp_path / "stop").touch()
         assert a.finish() == 0, a.output()
+    assert_nothing_left(marker)
+
+
+FAILS = "raise SystemExit('the loss exploded')\n"
+
+
+def test_a_finished_job_is_reported_as_its_agents_noted_it(tmp_path, marker):
+    """The README's kind of job: --standalone, its store gone with its agent. `elastix status`
+    with the command the agent printed says how it ended, and where its logs are."""
+    import shlex
+
+    from agents import Agent
+
+    failing = tmp_path / "fails.py"
+    failing.write_text(FAILS)
+    for program, code, state in ((LOOP, HEALTHY, "SUCCEEDED"), (str(failing), FAILED, "FAILED")):
+        (tmp_path / "stop").touch()  # the loop ends at once
+        argv = [sys.executable, "-m", "elastix", "run", "--standalone", "--nproc-per-node", "1", program]
+        a = Agent(argv, tmp_path, marker, f"standalone-{state}")
+        a.finish()
+        shown = [line for line in a.output().splitlines() if "to watch the job: elastix status" in line]
+        command = shlex.split(shown[0].split("to watch the job: ", 1)[1])
+        done = status(*command[2:])
+        assert done.returncode == code, done.stdout + done.stderr
+        run_id = command[command.index("--rdzv-id") + 1]
+        assert done.stdout.startswith(f"job {run_id}: finished {state} at "), done.stdout
+        assert f"(agent pid {a.proc.pid}): {state}" in done.stdout, done.stdout
+        if state == "FAILED":
+            assert "root cause: rank 0 (host" in done.stdout and "the loss exploded" in done.stdout, done.stdout
+        as_json = json.loads(status(*command[2:], "--json").stdout)
+        assert as_json["health"] == "finished" and as_json["finished"][0]["state"] == state, as_json
+        # another run at that endpoint: nothing is known of it
+        other = status(*command[2 : command.index("--rdzv-id")], "--rdzv-id", "another-run")
+        assert other.returncode == NOT_FOUND and "(finished or not started)" in other.stderr, other.stderr
     assert_nothing_left(marker)

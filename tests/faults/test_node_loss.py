@@ -43,6 +43,10 @@ def test_a_host_killed_mid_all_reduce_is_a_lost_node_and_the_others_train_on(tmp
     assert {r["restart"] for r in starts(tmp_path) if r["round"] == two} == {0}, starts(tmp_path)
     survivors = agents[:2]
     assert any("presence port refused the probe" in a.output() for a in survivors), [a.output() for a in survivors]
+    # the survivors' broken all_reduces are folded, two lines each, before the agent names the loss
+    for a in survivors:
+        assert "Traceback (most recent call last)" not in a.output(), a.output()
+    assert any("a collective broke at" in a.output() for a in survivors), [a.output() for a in survivors]
     # elastix status: running, but with fewer nodes than before the loss, which it names
     where = ["--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", "loss"]
     status = subprocess.run(

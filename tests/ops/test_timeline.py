@@ -88,7 +88,8 @@ def test_two_nodes_with_a_hang_a_restart_and_a_lost_member(logs):
     assert run["outcome"] == "SUCCEEDED; 1 node(s) logged no job_finished"
     first, second = run["lanes"]
     assert first["label"] == ["node0", "group rank 0 · ranks 0-1", "agent pid 100 · run job7"]
-    assert second["label"] == ["node1", "group rank 1 · ranks 2-3", "agent pid 200 · run job7"]
+    # node0 reported node1 lost: its lane says so
+    assert second["label"] == ["node1", "group rank 1 · ranks 2-3", "agent pid 200 · run job7 · lost"]
     kinds = [mark["kind"] for mark in first["marks"]]
     assert kinds == ["round", "hang", "failure", "restart", "lost", "round", "other", "end"]
     assert [mark["kind"] for mark in second["marks"]] == ["round", "membership"]
@@ -132,7 +133,70 @@ def test_a_failed_job_names_the_root_cause_of_its_last_round(tmp_path):
     # without failure events (the failing node's log missing), the agents' own line
     path.write_text(lines[-1] + "\n")
     [run], _ = model(str(path))
-    assert run["root_cause"] == {"headline": "rank 1 (host n) failed", "text": None, "at": None}
+    assert run["root_cause"] == {"headline": "rank 1 (host n) failed", "text": None, "at": None, "consequences": 0}
+
+
+LOST = "node node2_300_0 (group rank 2) stopped responding"
+
+
+@pytest.fixture
+def node_loss(tmp_path):
+    """Three nodes train; node2's host dies. Its log ends with its round running; the two
+    survivors' workers fail in all_reduce (PeerError), which their agents judge the loss's
+    consequence, and they re-form without charging a restart."""
+    lost = LOST
+
+    def survivor(host, pid, rank):
+        def e(name, seconds, **fields):
+            return event(name, seconds, host, pid, **fields)
+
+        broken = f"rank {rank} (host {host}) exited with 1: PeerError: rank 2 closed its connection"
+        return [
+            e("round_formed", 0.0, round=0, group_rank=rank, group_world_size=3, restart_count=0),
+            e("workers_started", 0.1, round=0, global_ranks=[rank], pids=[pid * 10]),
+            e("worker_failed", 5.0, global_rank=rank, local_rank=0, worker_pid=pid * 10, exitcode=1, signal=None,
+              hung=None, root_cause=False, headline=broken, message="PeerError: rank 2 closed its connection",
+              consequence_of=lost),
+            e("member_lost", 5.0, group_rank=2, node="node2_300_0", reason=lost),
+            e("workers_stopped", 5.0, round=0, why="changed"),
+            e("restart", 5.0, restart_count=0, max_restarts=3, reason=lost, charged=False),
+            e("round_formed", 5.1, round=1, group_rank=rank, group_world_size=2, restart_count=0),
+            e("workers_started", 5.2, round=1, global_ranks=[rank], pids=[pid * 10 + 1]),
+            e("workers_stopped", 9.0, round=1, why="succeeded"),
+            e("job_finished", 9.1, state="SUCCEEDED", exit_code=0, root_cause=None),
+        ]  # fmt: skip
+
+    gone = [
+        event("round_formed", 0.0, "node2", 300, round=0, group_rank=2, group_world_size=3, restart_count=0),
+        event("workers_started", 0.1, "node2", 300, round=0, global_ranks=[2], pids=[3000]),
+    ]
+    paths = []
+    for name, lines in [("a", survivor("node0", 100, 0)), ("b", survivor("node1", 200, 1)), ("c", gone)]:
+        paths.append(tmp_path / f"{name}.jsonl")
+        paths[-1].write_text("\n".join(lines) + "\n")
+    return [str(path) for path in paths]
+
+
+def test_a_lost_node_is_the_root_cause_of_the_collectives_it_broke(node_loss):
+    lost = LOST
+    [run], _ = model(*node_loss)
+    # one root cause: the lost node; the survivors' broken collectives follow from it, folded
+    assert run["root_cause"]["headline"] == f"group rank 2 lost: {lost}"
+    assert run["root_cause"]["consequences"] == 2
+    assert "rank 0 (host node0) exited with 1: PeerError" in run["root_cause"]["text"]
+    assert "rank 1 (host node1) exited with 1: PeerError" in run["root_cause"]["text"]
+    marks = [mark for lane in run["lanes"] for mark in lane["marks"]]
+    assert [m.get("run_root", False) for m in marks if m["kind"] == "failure"] == [False, False]
+    assert all(m["consequence_of"] == lost for m in marks if m["kind"] == "failure")
+    # the lost node's round ends where its loss was reported, not at the end of the chart
+    victim = run["lanes"][2]
+    assert victim["label"][-1].endswith("· lost")
+    [bar] = [m for m in victim["marks"] if m["kind"] == "round"]
+    assert (bar["why"], bar["end"] - bar["at"]) == ("lost", pytest.approx(4900))
+    # no restart charged: the count stays 0 and the re-form is named as one, counted once
+    assert (run["restarts"], run["reforms"]) == (0, 1)
+    restarts = [m for m in marks if m["kind"] == "restart"]
+    assert [m["title"] for m in restarts] == [f"re-formed, no restart charged: {lost}"] * 2
 
 
 def test_several_runs_in_one_log_and_the_same_log_twice(tmp_path):
@@ -342,4 +406,20 @@ def test_every_kind_of_mark_is_drawn_and_shows_its_details(logs, browser, tmp_pa
     assert page.locator(".axis text").first.text_content() != first_tick
     page.locator(".chart").dblclick(position={"x": 300, "y": 20})
     assert page.locator(".axis text").first.text_content() == first_tick
+    assert errors == []
+
+
+@pytest.mark.timeout(60)
+def test_a_node_loss_on_the_page_is_one_root_cause_with_its_consequences_folded(node_loss, browser, tmp_path):
+    out = tmp_path / "page.html"
+    timeline.write_page(node_loss, str(out))
+    page, errors = open_page(browser, out)
+    summary = page.locator(".summary")
+    assert "restarts\n0 charged, 1 re-form without a charge" in summary.inner_text(), summary.inner_text()
+    assert f"group rank 2 lost: {LOST}" in summary.inner_text()
+    folded = page.locator(".summary details.consequences")
+    assert folded.count() == 1 and folded.get_attribute("open") is None
+    assert "2 worker failure(s) followed from it" in folded.inner_text()
+    assert page.locator(".mark-lost.root").count() >= 1
+    assert page.locator(".mark-failure.consequence").count() == 2 and page.locator(".mark-failure.root").count() == 0
     assert errors == []

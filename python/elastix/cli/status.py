@@ -3,8 +3,10 @@ any machine that can reach it.
 
 Exit status: 0 healthy (running as formed, or finished successfully); 3 degraded (a round still
 forming, a member silent or lost, fewer nodes than before a loss); 4 no such job at the
-endpoint; 5 the job was closed after a failure; 1 the store could not be asked (unreachable,
-refused, an unusable secret); 2 a bad command line.
+endpoint (nothing listens there, or the store holds no such run); 5 the job was closed after a
+failure; 1 the store could not be asked (unreachable, an unusable secret); 2 a bad command
+line. A job whose store is gone with it (an agent hosted it) is reported as its agents on this
+machine noted its end (elastix/ops/finished.py), with the same exit statuses.
 
 ``--json`` prints the report the Rust core reads (``rust/core/src/rendezvous/status``): one
 object with a format version ``v``; fields are only ever added.
@@ -100,8 +102,7 @@ def runs(args: argparse.Namespace, prog: str) -> int:
     try:
         found = read_runs(args.rdzv_backend, args.rdzv_endpoint, args.rdzv_conf, args.timeout)
     except Exception as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return ERROR
+        return gone(args, prog, f"{prog}: error: {err}")
     if len(found) == 1:
         args.rdzv_id = found[0]
         return run(args, prog) if args.watch is None else watch(args, prog)
@@ -121,6 +122,32 @@ def runs(args: argparse.Namespace, prog: str) -> int:
         headline = render(report).splitlines()[0] if report else f"job {run_id}: gone"
         print(f"  {headline}")
     return HEALTHY
+
+
+def gone(args: argparse.Namespace, prog: str, error: str, store_answered: bool = False) -> int:
+    """No report from the store: how the job ended, if its agents noted it on this machine;
+    else no job, when nothing listens at the endpoint (it ended, or has not started); else
+    `error`."""
+    from ..ops import finished
+
+    records = finished.recall(args.rdzv_endpoint, args.rdzv_id)
+    if records:
+        if args.json:
+            print(json.dumps({"v": 1, "run_id": records[0].get("run_id"), "found": True, "health": "finished",
+                              "finished": records}, indent=2))  # fmt: skip
+        else:
+            print(finished.render(records))
+        return HEALTHY if finished.succeeded(records) else FAILED
+    nothing = not store_answered and args.rdzv_backend == "c10d" and finished.nothing_listens(args.rdzv_endpoint)
+    if args.json and (store_answered or nothing):
+        print(json.dumps({"v": 1, "run_id": args.rdzv_id, "found": False}))
+    if nothing:
+        which = f"with run ID {args.rdzv_id!r} " if args.rdzv_id else ""
+        print(f"{prog}: no job {which}at {args.rdzv_endpoint} (finished or not started): nothing listens there, "
+              "and no job that ended on this machine used it", file=sys.stderr)  # fmt: skip
+        return NOT_FOUND
+    print(error, file=sys.stderr)
+    return NOT_FOUND if store_answered else ERROR
 
 
 def watch(args: argparse.Namespace, prog: str) -> int:
@@ -146,14 +173,10 @@ def run(args: argparse.Namespace, prog: str = "elastix status") -> int:
     try:
         status = read(args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, args.rdzv_conf, args.timeout)
     except Exception as err:  # a bad setting (ValueError) or the store's: unreachable, refused, timed out
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return ERROR
+        return gone(args, prog, f"{prog}: error: {err}")
     if status is None:
-        message = f"no job with run ID {args.rdzv_id!r} at {args.rdzv_endpoint}: the store holds no such run"
-        if args.json:
-            print(json.dumps({"v": 1, "run_id": args.rdzv_id, "found": False}))
-        print(f"{prog}: {message}", file=sys.stderr)
-        return NOT_FOUND
+        return gone(args, prog, f"{prog}: no job with run ID {args.rdzv_id!r} at {args.rdzv_endpoint}: the store "
+                                "holds no such run", store_answered=True)  # fmt: skip
     print(json.dumps(status, indent=2) if args.json else render(status))
     return EXIT_CODES.get(status["health"], ERROR)
 

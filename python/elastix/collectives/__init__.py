@@ -17,6 +17,7 @@ import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, List, Optional
 
+from . import folding
 from . import group as _group_mod
 from .api import (
     all_gather,
@@ -97,6 +98,7 @@ def init_process_group(
             require_cupy()
         round_ = os.environ.get("ELASTIX_ROUND") if store is None else None
         set_world(World(the_store, r, ws, name, seconds, f"round{round_}" if round_ else ""))
+        folding.install()
 
 
 def is_initialized() -> bool:

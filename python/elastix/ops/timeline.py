@@ -130,22 +130,60 @@ def build_run(run_id: str, events: List[Event]) -> Dict[str, Any]:
         by_node.setdefault((str(event.fields.get("host", "?")), event.fields.get("pid")), []).append(event)
     lanes = [lane(host, pid, run_id, node_events, end) for (host, pid), node_events in by_node.items()]
     lanes.sort(key=lambda lane: (min(lane["group_ranks"], default=1 << 30), lane["start"]))
-    marks = [mark for lane in lanes for mark in lane["marks"]]
+    marks = sorted((mark for lane in lanes for mark in lane["marks"]), key=lambda mark: mark["at"])
     failures = [mark for mark in marks if mark["kind"] in ("failure", "hang")]
+    losses = [mark for mark in marks if mark["kind"] == "lost"]
     finished = [mark for mark in marks if mark["kind"] == "end"]
-    restarts = [mark.get("restart_count") for mark in marks if mark["kind"] == "restart"]
+    end_lost_lanes(lanes, losses)
+    restarts = [mark for mark in marks if mark["kind"] == "restart"]
+    judge_restarts(restarts)
     return {
         "run_id": run_id,
         "start": events[0].at,
         "end": end,
         "nodes": len(lanes),
         "outcome": outcome([mark["state"] for mark in finished], len(lanes)),
-        "restarts": max((count for count in restarts if isinstance(count, int)), default=0),
+        "restarts": max((m["restart_count"] for m in restarts if isinstance(m.get("restart_count"), int)), default=0),
+        # re-forms for another node's loss or arrival, each counted once (every survivor logs it)
+        "reforms": len({mark["round"] for mark in restarts if not mark["charged"]}),
         "failures": sum(mark["kind"] == "failure" for mark in failures),
         "hangs": sum(mark["kind"] == "hang" for mark in failures),
-        "root_cause": root_cause(failures, finished),
+        "root_cause": root_cause(failures, losses, finished),
         "lanes": lanes,
     }
+
+
+def end_lost_lanes(lanes: List[Dict[str, Any]], losses: List[Mark]) -> None:
+    """A node reported lost logged nothing after (it died, or was cut off): its running round
+    ends where the first report of its loss is, not at the end of the chart."""
+    for loss in losses:
+        node = loss.get("node")
+        if not isinstance(node, str):
+            continue
+        for victim in lanes:
+            if node.startswith(f"{victim['host']}_{victim['pid']}_") and not victim.get("lost_at"):
+                victim["lost_at"] = loss["at"]
+                victim["label"][-1] += " · lost"
+                for bar in victim["marks"]:
+                    if bar["kind"] == "round" and bar["why"] == "not logged" and bar["end"] > loss["at"] >= bar["at"]:
+                        bar["end"], bar["why"] = loss["at"], "lost"
+                        bar["title"] = bar["title"].replace("stopped: not logged", "lost")
+                        bar["details"][1] = ["stopped", f"lost (reported after {(loss['at'] - bar['at']) / 1000:.3f}s)"]
+
+
+def judge_restarts(restarts: List[Mark]) -> None:
+    """Whether each restart counted against --max-restarts: as its agent said (`charged`), or,
+    in logs from before that field, whether it raised the job's count."""
+    highest = 0
+    for mark in restarts:
+        count = mark.get("restart_count")
+        count = count if isinstance(count, int) and not isinstance(count, bool) else highest
+        if not isinstance(mark.get("charged"), bool):
+            mark["charged"] = count > highest
+        highest = max(highest, count)
+        if not mark["charged"]:
+            reason = f": {mark['reason']}" if mark.get("reason") else ""
+            mark["title"] = f"re-formed, no restart charged{reason}"
 
 
 def lane(host: str, pid: Any, run_id: str, events: List[Event], run_end: float) -> Dict[str, Any]:
@@ -226,13 +264,22 @@ def point(event: Event, last_round: Any) -> Mark:
     }
     if kind in ("failure", "hang"):
         mark.update(round=last_round, root=fields.get("root_cause") is True, rank=fields.get("global_rank"))
+        # broken by another node's loss, as the agent judged: never a root cause
+        mark["consequence_of"] = fields.get("consequence_of")
         # the agent's own line (Failure::headline); the mark's title where a log lacks it
         headline = fields.get("headline")
         mark.update(headline=headline if isinstance(headline, str) else mark["title"], message=fields.get("message"))
     elif kind == "end":
         mark.update(state=str(fields.get("state") or "?"), cause=fields.get("root_cause"))
     elif kind == "restart":
-        mark["restart_count"] = fields.get("restart_count")
+        mark.update(
+            round=last_round,
+            restart_count=fields.get("restart_count"),
+            charged=fields.get("charged"),
+            reason=fields.get("reason"),
+        )
+    elif kind == "lost":
+        mark.update(round=last_round, node=fields.get("node"))
     return mark
 
 
@@ -259,18 +306,32 @@ def details(fields: Dict[str, Any]) -> List[List[str]]:
     return [[LABELS.get(k, k.replace("_", " ")), _text(v)] for k, v in own]
 
 
-def root_cause(failures: List[Mark], finished: List[Mark]) -> Optional[Dict[str, Any]]:
-    """The failure the run's last failed round follows from: the one its agent marked the root
-    cause, else the earliest; without failure events (another node's log missing), what the
-    agents' `job_finished` says."""
-    if failures:
-        last = max(failures, key=lambda mark: (mark["round"] is not None, mark["round"] or 0))["round"]
-        candidates = [mark for mark in failures if mark["round"] == last]
+def root_cause(failures: List[Mark], losses: List[Mark], finished: List[Mark]) -> Optional[Dict[str, Any]]:
+    """What the run's last troubled round (failures, or a lost member) follows from. A member
+    lost in it is the cause of the failures its agents judged its consequence (the survivors'
+    broken collectives), which are listed under it, folded; otherwise the failure its agent
+    marked the root cause, else the earliest. Without failure or loss events (another node's
+    log missing), what the agents' `job_finished` says."""
+    troubles = failures + losses
+    if troubles:
+        last = max(troubles, key=lambda mark: (mark["round"] is not None, mark["round"] or 0))["round"]
+        own = [m for m in failures if m["round"] == last and not m.get("consequence_of")]
+        lost = [m for m in losses if m["round"] == last]
+        if lost and not own:
+            mark = lost[0]
+            mark["run_root"] = True
+            broken = [m for m in failures if m["round"] == last]
+            text = None
+            if broken:
+                lines = [f"{len(broken)} worker failure(s) followed from it (its peers' collectives broke):"]
+                text = "\n".join(lines + [f"  {m['headline']}" for m in broken])
+            return {"headline": mark["title"], "text": text, "at": mark["at"], "consequences": len(broken)}
+        candidates = own or [m for m in failures if m["round"] == last]
         mark = min([m for m in candidates if m["root"]] or candidates, key=lambda m: m["at"])
         mark["run_root"] = True  # the page rings it
-        return {"headline": mark["headline"], "text": mark["message"], "at": mark["at"]}
+        return {"headline": mark["headline"], "text": mark["message"], "at": mark["at"], "consequences": 0}
     causes = [mark["cause"] for mark in finished if mark.get("cause")]
-    return {"headline": causes[0], "text": None, "at": None} if causes else None
+    return {"headline": causes[0], "text": None, "at": None, "consequences": 0} if causes else None
 
 
 def outcome(states: List[str], nodes: int) -> str:

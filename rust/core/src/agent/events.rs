@@ -76,15 +76,17 @@ impl EventLog {
 
     /// `worker_hung` or `worker_failed`, one per failure; `root_cause` marks the one the others
     /// follow from ([`failure::root_cause`]), `headline` is its one line as logs and `elastix
-    /// timeline` show it, `message` an excerpt of what it left.
-    pub async fn workers_failed(&self, failures: &[Failure]) {
-        let root = failure::root_cause(failures);
+    /// timeline` show it, `message` an excerpt of what it left. `consequence_of`: what broke
+    /// them all (a member's loss), said in each as `consequence_of`; none is a root cause then.
+    pub async fn workers_failed(&self, failures: &[Failure], consequence_of: Option<&str>) {
+        let root = if consequence_of.is_some() { None } else { failure::root_cause(failures) };
         for (index, failure) in failures.iter().enumerate() {
             let name = if failure.hung.is_some() { "worker_hung" } else { "worker_failed" };
             let fields = json!({"global_rank": failure.global_rank, "local_rank": failure.local_rank,
                                 "worker_pid": failure.pid, "exitcode": failure.exitcode, "signal": failure.signal,
                                 "hung": failure.hung, "root_cause": root == Some(index), "headline": failure.headline(),
-                                "message": failure::excerpt(&failure.message, MESSAGE_EXCERPT)});
+                                "message": failure::excerpt(&failure.message, MESSAGE_EXCERPT),
+                                "consequence_of": consequence_of});
             self.emit(name, fields).await;
         }
     }
@@ -115,8 +117,11 @@ impl EventLog {
         self.emit("failure_reported", json!({"restart_count": restart_count, "max_restarts": max_restarts})).await;
     }
 
-    pub async fn restart(&self, restart_count: i64, max_restarts: u32, reason: &str) {
-        let fields = json!({"restart_count": restart_count, "max_restarts": max_restarts, "reason": reason});
+    /// The workers start again; `charged`: this restart counts against `max_restarts` (a
+    /// re-form for another node's loss or arrival does not).
+    pub async fn restart(&self, restart_count: i64, max_restarts: u32, reason: &str, charged: bool) {
+        let fields = json!({"restart_count": restart_count, "max_restarts": max_restarts, "reason": reason,
+                            "charged": charged});
         self.emit("restart", fields).await;
     }
 

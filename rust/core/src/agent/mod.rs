@@ -8,7 +8,8 @@
 //!   [`heartbeats`], [`activity`] and [`stacks`]: hung workers and their stack dumps; [`flight`]:
 //!   which rank holds the others up in a collective; [`dumps`]: stack dumps on demand, and
 //!   flight records across nodes; [`progress`]: the workers' progress for `elastix status`.
-//! * [`events`]: the event log of every state change.
+//! * [`events`]: the event log of every state change; [`finished`]: what a job leaves on its
+//!   machines for `elastix status` once its store is gone.
 //! * [`config`], [`env`], [`ranks`]: what workers are started with; [`process`]: how a child
 //!   is started; [`standby`]: warm interpreters that make restarts fast; [`signals`], [`result`].
 
@@ -19,6 +20,7 @@ pub mod env;
 pub mod error;
 pub mod events;
 pub mod failure;
+pub mod finished;
 pub mod flight;
 pub mod group;
 pub mod heartbeats;

@@ -26,6 +26,7 @@ use super::env::worker_name;
 use super::error::{AgentError, Result};
 use super::events::EventLog;
 use super::failure::{summary, Failure};
+use super::finished::FinishedJob;
 use super::group::{GroupOutcome, Launch, Waited, WorkerGroup, FAILED_TOGETHER};
 use super::logfiles::LogWriter;
 use super::logs::{worker_outputs, LogDirs};
@@ -107,6 +108,22 @@ pub async fn run_agent(config: AgentConfig) -> AgentResult {
         let (state, exit_code) = end.state();
         let cause = (state == "FAILED").then(|| report.root_cause()).flatten();
         agent.events.job_finished(state, exit_code, cause.as_deref()).await;
+        let store = agent.rdzv.describe_store();
+        FinishedJob {
+            v: 1,
+            run_id: agent.rdzv.run_id(),
+            backend: agent.rdzv.name(),
+            endpoint: &agent.config.rdzv_endpoint,
+            store: &store,
+            state,
+            exit_code,
+            finished: FinishedJob::now(),
+            host: &agent.host,
+            pid: std::process::id(),
+            root_cause: cause.as_deref(),
+            log_dir: report.log_dir.as_deref().filter(|_| report.logs_kept),
+        }
+        .remember();
         // a signal asks for a prompt exit: a hung disk gets less time then
         let within = if matches!(end, End::Interrupted(_)) { CONSOLE_FLUSH_WAIT } else { LOG_FLUSH_WAIT };
         report.output_errors = agent.log_writer.finish(within).await;
@@ -488,11 +505,11 @@ impl Agent {
                     }
                 }
                 Event::Workers(GroupOutcome::Failed(failures)) => {
-                    self.events.workers_failed(&failures).await;
                     // a member's death breaks its peers' collectives first: that is its loss
                     let loss = match self.member_loss(&mut changes).await {
                         Ok(loss) => loss,
                         Err(AgentError::Interrupted(signal)) => {
+                            self.events.workers_failed(&failures, None).await;
                             tracing::info!(
                                 "received {signal} while asking whether a member is lost; stopping the workers"
                             );
@@ -502,6 +519,8 @@ impl Agent {
                         }
                         Err(err) => return Err(err),
                     };
+                    // the failures go in the log as the loss's consequence, never as a root cause
+                    self.events.workers_failed(&failures, loss.as_ref().map(describe).as_deref()).await;
                     if let Some(change) = loss {
                         tracing::info!("the workers failed with the loss of a member: no restart is charged");
                         if let Some(end) = self.on_change(change, &mut group, report).await? {
@@ -542,10 +561,10 @@ impl Agent {
         let next = if closed { "stopping the workers" } else { "restarting the workers" };
         let description = describe(&change);
         tracing::info!("{description}; {next}");
-        if let (MembershipChange::StoreUnreachable { store, .. }, Some(advice)) =
-            (&change, self.rdzv.store_lost_advice())
-        {
-            tracing::warn!("lost the rendezvous store at {store}: {advice}");
+        if let MembershipChange::StoreUnreachable { store, .. } = &change {
+            if let Some(advice) = self.rdzv.store_lost_advice() {
+                tracing::warn!("lost the rendezvous store at {store}: {advice}");
+            }
         }
         if matches!(change, MembershipChange::NodeLost { .. }) {
             report.lost.push(format!("{description} in round {}", self.round));
@@ -558,7 +577,7 @@ impl Agent {
         if closed {
             return self.closed(report).await.map(Some);
         }
-        self.events.restart(report.restart_count, self.config.max_restarts, &description).await;
+        self.events.restart(report.restart_count, self.config.max_restarts, &description, false).await;
         metrics::agent::get().reformed(change.kind());
         Ok(None)
     }
@@ -695,7 +714,9 @@ impl Agent {
                     "could not report the workers' failure: {err}; re-joining without charging a restart (the store's \
                      host is lost, or this node is cut off)"
                 );
-                self.events.restart(report.restart_count, self.config.max_restarts, "rendezvous store lost").await;
+                self.events
+                    .restart(report.restart_count, self.config.max_restarts, "rendezvous store lost", false)
+                    .await;
                 return Ok(None);
             }
             Err(err) => return Err(err.into()),
@@ -726,7 +747,7 @@ impl Agent {
             })
             .collect();
         tracing::warn!("{}; restart {restarts} of {}", failed.join("; "), self.config.max_restarts);
-        self.events.restart(restarts, self.config.max_restarts, "worker failure").await;
+        self.events.restart(restarts, self.config.max_restarts, "worker failure", true).await;
         let counts = metrics::agent::get();
         counts.reformed("worker_failure");
         counts.restarted();

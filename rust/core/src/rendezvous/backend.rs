@@ -57,8 +57,9 @@ pub trait Backend: Send {
     }
 
     /// What a store that stopped answering means for this job, and what avoids it (`None`:
-    /// nothing to add to the error).
-    fn store_lost_advice(&self) -> Option<String> {
+    /// nothing to add to the error). Once said, the rendezvous does not say it again for the
+    /// same outage.
+    fn store_lost_advice(&mut self) -> Option<String> {
         None
     }
 

@@ -92,6 +92,8 @@ pub struct DynamicRendezvous<S: RendezvousStore> {
     /// question's, quietly ([`Self::census`]). Without one, or once past, they give up after a
     /// loss window.
     connect_by: Option<ConnectBound>,
+    /// The store's loss has been said, with the remedy, since it last answered.
+    store_lost_said: bool,
 }
 
 impl<S: RendezvousStore> DynamicRendezvous<S> {
@@ -113,6 +115,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             restarts_seen: 0,
             closed_reason: Arc::default(),
             connect_by: None,
+            store_lost_said: false,
             store_prefix,
             workers_store_port: None,
             _presence: presence,
@@ -185,6 +188,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         loop {
             match self.try_round(deadline).await {
                 Ok(Some(info)) => {
+                    self.store_lost_said = false;
                     if let Some(since) = lost_since {
                         tracing::info!(
                             "the rendezvous store at {} answers again (after {:.1?})",
@@ -198,8 +202,19 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
                 Err(err) if err.is_store_unreachable() && Instant::now() < deadline => {
                     if lost_since.is_none() {
                         lost_since = Some(Instant::now());
-                        let advice = self.store_lost_advice(deadline.saturating_duration_since(Instant::now()));
-                        tracing::warn!("lost the rendezvous store at {} ({err}): {advice}", self.store.describe());
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        let store = self.store.describe();
+                        if !self.store_lost_said {
+                            match self.store_lost_advice(left) {
+                                Some(advice) => {
+                                    tracing::warn!("lost the rendezvous store at {store} ({err}): {advice}")
+                                }
+                                None => tracing::warn!(
+                                    "lost the rendezvous store at {store} ({err}); looking for it for {}s more",
+                                    left.as_secs()
+                                ),
+                            }
+                        }
                     } else {
                         tracing::debug!("the rendezvous store at {} is still away: {err}", self.store.describe());
                     }
@@ -211,16 +226,20 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         }
     }
 
-    /// What a store lost for `left` more of the join timeout means, and what to do about it.
-    pub fn store_lost_advice(&self, left: Duration) -> String {
-        let until = format!("this node looks for it for {}s more (join_timeout), then ends", left.as_secs());
+    /// What a store lost for `left` more of the join timeout means, and what to do about it
+    /// (said once per outage: see [`Self::rendezvous_by`]). `None` with several sites: the
+    /// job moves to another, as [`super::locate`] says.
+    pub fn store_lost_advice(&mut self, left: Duration) -> Option<String> {
         if self.store.sites() > 1 {
-            return until;
+            return None;
         }
-        format!(
-            "the agent that hosts it has ended or is cut off from this node; {until}. A job that must outlive any \
-             one node lists several sites (--rdzv-endpoint a:29400,b:29400,c:29400) or uses --rdzv-backend etcd"
-        )
+        self.store_lost_said = true;
+        Some(format!(
+            "the agent that hosts it has ended or is cut off from this node; this node looks for it for {}s more \
+             (join_timeout), then ends. A job that must outlive any one node lists several sites (--rdzv-endpoint \
+             a:29400,b:29400,c:29400) or uses --rdzv-backend etcd",
+            left.as_secs()
+        ))
     }
 
     /// One step: find the state, then join the current round (`Some`: this node is a member)

@@ -206,8 +206,9 @@ impl Backend for C10dRendezvous {
         self.handler.settings().secret.as_ref()
     }
 
-    fn store_lost_advice(&self) -> Option<String> {
-        Some(self.handler.store_lost_advice(self.handler.settings().join_timeout))
+    fn store_lost_advice(&mut self) -> Option<String> {
+        let join_timeout = self.handler.settings().join_timeout;
+        self.handler.store_lost_advice(join_timeout)
     }
 
     fn loss_window(&self) -> Duration {

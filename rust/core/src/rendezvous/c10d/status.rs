@@ -43,7 +43,7 @@ pub(crate) async fn c10d_runs(query: &StatusQuery) -> Result<Vec<String>> {
     let sites = parse_endpoints(&query.endpoint, DEFAULT_PORT)?;
     // no run prefix: the list lives outside every run's keys
     let store = TcpRendezvousStore::with_sites(sites, Some(query.timeout), "", query.timeout, secret);
-    let mut conn = store.connect().await?;
+    let mut conn = store.probe_site(store.active_site(), query.timeout).await?;
     let key = [RUNS_KEY.to_owned()];
     if !conn.check(&key).await? {
         return Ok(Vec::new());
@@ -68,7 +68,8 @@ async fn locate(
     let mut failures = Vec::new();
     for site in 0..store.sites() {
         let found = async {
-            let mut conn = store.connect_site(site, patience).await?;
+            // a refusal is an answer (nothing listens there: the job ended, or never started)
+            let mut conn = store.probe_site(site, patience).await?;
             let meta = read_meta(&mut conn).await?;
             Ok::<_, RendezvousError>(meta.map(|meta| (conn, meta)))
         };
