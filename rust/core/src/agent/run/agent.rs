@@ -1,0 +1,139 @@
+//! The agent: what it holds for the whole run, and how it is set up (signals first, then the
+//! metrics endpoint, the log directories, the rendezvous and the warm standbys).
+
+use super::super::config::AgentConfig;
+use super::super::error::{AgentError, Result};
+use super::super::events::EventLog;
+use super::super::logfiles::LogWriter;
+use super::super::logs::{worker_outputs, LogDirs};
+use super::super::process::Output;
+use super::super::signals::Signals;
+use super::super::standby::StandbyPool;
+use super::report::Report;
+use crate::auth::Secret;
+use crate::console;
+use crate::metrics::{self, Exposes, MetricsServer};
+use crate::rendezvous::node::host_name;
+use crate::rendezvous::{Rendezvous, RendezvousError};
+use crate::store::TcpStore;
+
+pub(super) struct Agent {
+    pub(super) config: AgentConfig,
+    pub(super) rdzv: Rendezvous,
+    pub(super) signals: Signals,
+    pub(super) logs: LogDirs,
+    pub(super) log_writer: LogWriter,
+    pub(super) host: String,
+    pub(super) attempt: u32,
+    pub(super) store: Option<TcpStore>,
+    /// Ready for the next attempt's workers.
+    pub(super) standbys: StandbyPool,
+    /// Where each local rank's workers write.
+    pub(super) outputs: Vec<Output>,
+    pub(super) events: EventLog,
+    /// The metrics endpoint (`--metrics-port`), served while the agent lives.
+    pub(super) metrics_server: Option<MetricsServer>,
+    /// The round the workers last started in.
+    pub(super) round: u64,
+    /// The last round this agent was told of (`None` before the first).
+    pub(super) round_seen: Option<u64>,
+    /// Rounds in a row whose start lost the store: bounded, so that a store that keeps failing
+    /// right after each rendezvous ends the run instead of cycling forever.
+    pub(super) lost_starts: u32,
+}
+
+impl Agent {
+    /// Everything the run needs before its first rendezvous. A stop signal ends the wait for
+    /// the store ([`AgentError::Interrupted`]).
+    pub(super) async fn set_up(mut config: AgentConfig, report: &mut Report) -> Result<Agent> {
+        // signals first: one that arrives during the rendezvous is handled like any other
+        let mut signals = Signals::install(&config.signals_to_handle)?;
+        // a port in use is a configuration error, said before any rendezvous
+        let metrics = match config.metrics_port {
+            Some(port) => Some(
+                MetricsServer::start(
+                    config.metrics_addr.as_deref().or(config.local_addr.as_deref()),
+                    port,
+                    Exposes::Agent,
+                )
+                .map_err(|err| AgentError::Config(format!("--metrics-port: {err}")))?,
+            ),
+            None => None,
+        };
+        metrics::agent::get().job_restarts(0, config.max_restarts);
+        let logs = LogDirs::create(config.log_dir.as_deref(), &config.run_id)?;
+        report.log_dir = logs.run_dir().map(|dir| dir.to_string_lossy().into_owned());
+        report.logs_kept = !logs.is_temporary();
+        let log_writer = LogWriter::start()?;
+        crate::logging::set_node_name(config.local_addr.as_deref().unwrap_or(&host_name()));
+        // reaching the store can take up to the join timeout: a stop signal must not wait
+        let rdzv = tokio::select! {
+            rdzv = Rendezvous::create(config.rendezvous_params()) => rdzv?,
+            (signal, _) = signals.recv() => return Err(AgentError::Interrupted(signal)),
+        };
+        let host = config.local_addr.clone().unwrap_or_else(host_name);
+        point_workers_at_the_secret(&mut config, rdzv.secret(), &host)?;
+        let outputs = worker_outputs(&config, console::on_terminal());
+        if outputs.contains(&Output::Shared) {
+            tracing::info!(
+                "on a terminal: workers whose output is neither redirected, tee'd nor prefixed write to it directly"
+            );
+        }
+        for local_rank in 0..config.local_world_size as usize {
+            if let Some(binding) = config.binding_of(local_rank) {
+                tracing::info!("{binding} for local rank {local_rank}");
+            }
+        }
+        let standbys = StandbyPool::new(&config, outputs.clone());
+        let events =
+            EventLog::open(config.event_log.as_deref(), config.event_log_stderr, &config.run_id, &host, &log_writer)
+                .map_err(|err| AgentError::Config(format!("--event-log: {err}")))?;
+        Ok(Agent {
+            config,
+            rdzv,
+            signals,
+            logs,
+            log_writer,
+            host,
+            attempt: 0,
+            store: None,
+            standbys,
+            outputs,
+            events,
+            metrics_server: metrics,
+            round: 0,
+            round_seen: None,
+            lost_starts: 0,
+        })
+    }
+
+    /// The run ID, and a command that shows the job's state from any machine that reaches its
+    /// store (the first site in use on c10d, the cluster on etcd).
+    pub(super) fn how_to_watch(&self) -> String {
+        let (backend, run_id) = (self.rdzv.name(), self.rdzv.run_id());
+        let endpoint = match backend {
+            "c10d" => self.rdzv.describe_store(),
+            "static" => return format!("run ID {run_id} (static rendezvous: no shared job state to show)"),
+            _ => self.config.rdzv_endpoint.clone(),
+        };
+        format!("run ID {run_id}; to watch the job: elastix status --rdzv-backend {backend} --rdzv-endpoint {endpoint} --rdzv-id {run_id}")
+    }
+}
+
+/// Gives the workers the job secret's file (never the secret itself), or, without a secret on
+/// a node others can reach, says once who can reach the job and how to close it.
+fn point_workers_at_the_secret(config: &mut AgentConfig, secret: Option<&Secret>, host: &str) -> Result<()> {
+    let file = secret.map(crate::auth::children_file).transpose();
+    match file.map_err(|err| RendezvousError::Config(err.to_string()))? {
+        Some(path) => {
+            config.env.insert(crate::auth::TOKEN_FILE_VAR.to_owned(), path.to_string_lossy().into_owned());
+        }
+        None if !crate::rendezvous::endpoint::is_loopback_name(host) => tracing::warn!(
+            "no job secret: anyone who can reach {host} can join this job, end it or feed its workers' \
+             collectives; give every node {}=<a file only you can read> (or --rdzv-conf auth_token_file=...)",
+            crate::auth::TOKEN_FILE_VAR
+        ),
+        None => {}
+    }
+    Ok(())
+}

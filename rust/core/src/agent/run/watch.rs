@@ -1,0 +1,167 @@
+//! [`State::Watch`]: the workers run; the first event of the attempt (a worker failed, all
+//! succeeded, the membership changed, a signal) decides what comes next.
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tokio::sync::watch;
+
+use super::super::dumps::DumpRequests;
+use super::super::error::{AgentError, Result};
+use super::super::failure::Failure;
+use super::super::group::{GroupOutcome, Waited, WorkerGroup, FAILED_TOGETHER};
+use super::agent::Agent;
+use super::barrier::Watched;
+use super::report::{End, Report};
+use super::{describe, State};
+use crate::metrics;
+use crate::rendezvous::{MembershipChange, RendezvousInfo};
+
+/// The round's membership changes, as the rendezvous reports them (`None`: a backend without).
+pub(super) type Changes = Option<watch::Receiver<Option<MembershipChange>>>;
+
+/// One attempt: its round, its workers, the changes that may end it.
+pub(super) struct Attempt {
+    pub(super) info: RendezvousInfo,
+    pub(super) group: WorkerGroup,
+    pub(super) changes: Changes,
+}
+
+/// What ended one attempt.
+pub(super) enum Event {
+    Workers(GroupOutcome),
+    Change(MembershipChange),
+    /// A handled signal, and whether to forward it to the workers.
+    Signal(Signal, bool),
+}
+
+impl Agent {
+    /// Waits for the attempt's first event and acts on it: the barrier after a success, the
+    /// rendezvous again after a failure within the budget or a change, the end otherwise.
+    pub(super) async fn watch(&mut self, attempt: Attempt, report: &mut Report) -> Result<State> {
+        let Attempt { info, mut group, mut changes } = attempt;
+        // this attempt's, through the barrier: they go with it (the publisher's connection
+        // too, which the store hosted here would otherwise wait for at the end)
+        let progress = self.publish_node_status(&mut group).await;
+        let mut dumps = DumpRequests::watch(&info, &self.host, self.rdzv.secret());
+        // the summary of a failure that ends the job lists all that fail with it
+        let last_chance = report.restart_count >= i64::from(self.config.max_restarts);
+        let together = if last_chance { FAILED_TOGETHER } else { Duration::ZERO };
+        let event = tokio::select! {
+            waited = group.wait(&mut dumps, &mut self.standbys, together) => match waited {
+                Waited::Done(outcome) => Event::Workers(outcome),
+                // describing and stopping hung workers (their stacks, who holds them up,
+                // across nodes too) is not cut short by a change another node's failure
+                // brings meanwhile
+                Waited::Hung(hung) => {
+                    Event::Workers(GroupOutcome::Failed(group.stop_hung(hung, dumps.exchange()).await))
+                }
+            },
+            change = next_change(&mut changes) => Event::Change(change),
+            (signal, forward) = self.signals.recv() => Event::Signal(signal, forward),
+        };
+        count_exits(&event, self.config.local_world_size);
+        match event {
+            Event::Workers(GroupOutcome::Succeeded) => {
+                // the last lines belong in the log files the run's outcome vouches for
+                group.drain_output().await;
+                drop(group);
+                self.events.workers_stopped(info.round, "succeeded").await;
+                Ok(State::Barrier(Watched { info, changes, _progress: progress, _dumps: dumps }))
+            }
+            Event::Workers(GroupOutcome::Failed(failures)) => {
+                self.failed(failures, &info, &mut group, &mut changes, report).await
+            }
+            Event::Change(change) => {
+                Ok(self.on_change(change, &mut group, report).await?.map_or(State::Rendezvous, State::End))
+            }
+            Event::Signal(signal, forward) => {
+                tracing::info!("received {signal}; stopping the workers");
+                // workers get the signal itself when it is one to forward, else SIGTERM
+                group.stop(if forward { signal } else { Signal::SIGTERM }, self.config.shutdown_timeout()).await;
+                self.events.workers_stopped(info.round, "signal").await;
+                Ok(State::End(End::Interrupted(signal)))
+            }
+        }
+    }
+
+    /// Workers failed: a member's death breaks its peers' collectives first, and that is its
+    /// loss (no restart charged); otherwise the failure is theirs and spends a restart.
+    async fn failed(
+        &mut self,
+        failures: Vec<Failure>,
+        info: &RendezvousInfo,
+        group: &mut WorkerGroup,
+        changes: &mut Changes,
+        report: &mut Report,
+    ) -> Result<State> {
+        let grace = self.config.shutdown_timeout();
+        let loss = match self.member_loss(changes).await {
+            Ok(loss) => loss,
+            Err(AgentError::Interrupted(signal)) => {
+                self.events.workers_failed(&failures, None).await;
+                tracing::info!("received {signal} while asking whether a member is lost; stopping the workers");
+                group.stop(Signal::SIGTERM, grace).await;
+                self.events.workers_stopped(info.round, "signal").await;
+                return Ok(State::End(End::Interrupted(signal)));
+            }
+            Err(err) => return Err(err),
+        };
+        // the failures go in the log as the loss's consequence, never as a root cause
+        self.events.workers_failed(&failures, loss.as_ref().map(describe).as_deref()).await;
+        if let Some(change) = loss {
+            tracing::info!("the workers failed with the loss of a member: no restart is charged");
+            return Ok(self.on_change(change, group, report).await?.map_or(State::Rendezvous, State::End));
+        }
+        group.stop(Signal::SIGTERM, grace).await;
+        self.events.workers_stopped(info.round, "failed").await;
+        Ok(self.after_failure(failures, report).await?.map_or(State::Rendezvous, State::End))
+    }
+}
+
+/// Counts the workers that ended by themselves (not those the agent then stopped) and those
+/// the watchdog killed as hung, and that none runs once an attempt ended.
+fn count_exits(event: &Event, local_world_size: u32) {
+    let counts = metrics::agent::get();
+    match event {
+        Event::Workers(GroupOutcome::Succeeded) => (0..local_world_size).for_each(|_| counts.worker_exited("0".into())),
+        Event::Workers(GroupOutcome::Failed(failures)) => {
+            for failure in failures {
+                match failure.hung {
+                    Some(_) => counts.hung_worker(), // killed by the watchdog, not ended by itself
+                    None => {
+                        counts.worker_exited(failure.signal.clone().unwrap_or_else(|| failure.exitcode.to_string()))
+                    }
+                }
+            }
+        }
+        Event::Change(_) | Event::Signal(..) => {}
+    }
+    counts.workers_running(0);
+}
+
+/// The next membership change (never, for a backend without any).
+pub(super) async fn next_change(changes: &mut Changes) -> MembershipChange {
+    let Some(receiver) = changes else { return std::future::pending().await };
+    loop {
+        if let Some(change) = receiver.borrow_and_update().clone() {
+            return change;
+        }
+        if receiver.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+    }
+}
+
+/// The next membership change not seen yet (never, for a backend without any).
+pub(super) async fn new_change(changes: &mut Changes) -> MembershipChange {
+    let Some(receiver) = changes else { return std::future::pending().await };
+    loop {
+        if receiver.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+        if let Some(change) = receiver.borrow_and_update().clone() {
+            return change;
+        }
+    }
+}
