@@ -29,7 +29,8 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     module
         .add("RENDEZVOUS_BACKENDS", pyo3::types::PyTuple::new(module.py(), elastix_core::agent::config::BACKENDS)?)?;
-    module.add("COLLECTIVE_KINDS", pyo3::types::PyTuple::new(module.py(), elastix_core::agent::flight::KINDS)?)?;
+    module
+        .add("COLLECTIVE_KINDS", pyo3::types::PyTuple::new(module.py(), elastix_core::agent::hangs::flight::KINDS)?)?;
     module.add_class::<tcp_store::TcpStoreCore>()?;
     module.add_class::<blocking_store::BlockingStoreCore>()?;
     module.add_class::<rendezvous::RendezvousCore>()?;

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use elastix_core::agent::dumps::job_dump as job_dump_of;
+use elastix_core::agent::hangs::dumps::job_dump as job_dump_of;
 use elastix_core::rendezvous::status::StatusQuery;
 use elastix_core::rendezvous::RendezvousError;
 use elastix_core::rendezvous::{job_runs as read_runs, job_status as read_status};

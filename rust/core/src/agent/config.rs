@@ -86,7 +86,7 @@ pub struct AgentConfig {
     #[serde(default)]
     pub name: Option<String>,
     /// The variables that make a worker's command line a warm standby (see
-    /// [`super::standby`]); `None`: restarts start every worker cold.
+    /// [`crate::agent::workers::standby`]); `None`: restarts start every worker cold.
     #[serde(default)]
     pub standby: Option<BTreeMap<String, String>>,
     /// Serve Prometheus metrics over HTTP on this port (`--metrics-port`; 0: a free one,

@@ -13,7 +13,7 @@ use std::time::SystemTime;
 use serde_json::{json, Map, Value};
 
 use super::failure::{self, Failure};
-use super::logfiles::{LogFile, LogWriter};
+use crate::agent::output::logfiles::{LogFile, LogWriter};
 use crate::console;
 use crate::rendezvous::{MembershipChange, RendezvousInfo};
 

@@ -8,8 +8,8 @@ use std::time::SystemTime;
 use nix::sys::signal::Signal;
 use serde::{Deserialize, Serialize};
 
-use super::flight::Holdup;
-use super::heartbeats::Lapse;
+use crate::agent::hangs::flight::Holdup;
+use crate::agent::hangs::heartbeats::Lapse;
 
 /// Lines of stderr kept per worker for the summary.
 pub const STDERR_TAIL_LINES: usize = 20;

@@ -1,41 +1,27 @@
 //! The per-node agent: rendezvous, rank assignment, worker processes, their output, failure
 //! detection and restarts, signals, the exit barrier and the root-cause summary.
 //!
-//! * [`run`]: the agent's loop; [`group`]: one attempt's worker processes; [`logs`]: where
-//!   their output goes; [`pump`]: relaying it; [`crate::console`] and [`logfiles`]: the
-//!   threads that write it, so the agent never blocks on a stalled reader or a full disk;
-//!   [`failure`]: what a failure left behind, the root-cause rule and the summary;
-//!   [`heartbeats`], [`activity`] and [`stacks`]: hung workers and their stack dumps; [`flight`]:
-//!   which rank holds the others up in a collective; [`dumps`]: stack dumps on demand, and
-//!   flight records across nodes; [`progress`]: the workers' progress for `elastix status`.
-//! * [`events`]: the event log of every state change; [`finished`]: what a job leaves on its
-//!   machines for `elastix status` once its store is gone.
-//! * [`config`], [`env`], [`ranks`]: what workers are started with; [`process`]: how a child
-//!   is started; [`standby`]: warm interpreters that make restarts fast; [`signals`], [`result`].
+//! * [`run`]: the agent's life as a state machine (rendezvous, start, watch, barrier, end),
+//!   one handler per state.
+//! * [`workers`]: how an attempt's workers are launched, kept and reaped; [`output`]: where
+//!   their output goes; [`hangs`]: hung workers, stack dumps, who holds a collective up.
+//! * [`failure`]: what a failure left behind, the root-cause rule and the summary;
+//!   [`progress`]: the workers' progress for `elastix status`; [`events`]: the event log of
+//!   every state change; [`finished`]: what a job leaves on its machines once it ended.
+//! * [`config`]: what the agent is told; [`signals`], [`result`], [`error`].
 
-pub mod activity;
 pub mod config;
-pub mod dumps;
-pub mod env;
 pub mod error;
 pub mod events;
 pub mod failure;
 pub mod finished;
-pub mod flight;
-pub mod group;
-pub mod heartbeats;
-pub mod logfiles;
-pub mod logs;
-pub mod process;
+pub mod hangs;
+pub mod output;
 pub mod progress;
-pub mod pump;
-pub mod ranks;
-pub mod reaper;
 pub mod result;
 pub mod run;
 pub mod signals;
-pub mod stacks;
-pub mod standby;
+pub mod workers;
 
 pub use config::AgentConfig;
 pub use error::AgentError;

@@ -8,8 +8,8 @@ use std::time::{Duration, UNIX_EPOCH};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::activity::Activity;
-use super::heartbeats::{self, Slot};
+use crate::agent::hangs::activity::Activity;
+use crate::agent::hangs::heartbeats::{self, Slot};
 use crate::rendezvous::backend::StatusWriter;
 use crate::rendezvous::records::{AgentFacts, WorkerProgress};
 
@@ -74,13 +74,17 @@ mod tests {
         let mut activity = Activity::default();
         activity.observe(
             now - 1_000_000_000,
-            crate::agent::activity::Reading { main_runs: Some((1, 1)), tree_ticks: None },
+            crate::agent::hangs::activity::Reading { main_runs: Some((1, 1)), tree_ticks: None },
         );
         let progress = progress_of(5, &slot, &activity, now, BLOCKED_AFTER);
         let age_ms = crate::rendezvous::records::now_ms() - progress.seen_ms.unwrap();
         assert!((900..1500).contains(&age_ms), "{age_ms}");
         assert_eq!((progress.rank, progress.beats, progress.step), (5, 7, Some(41)));
-        assert_eq!(progress.doing, Some(crate::agent::activity::Doing::Waiting), "its main thread waits a second");
+        assert_eq!(
+            progress.doing,
+            Some(crate::agent::hangs::activity::Doing::Waiting),
+            "its main thread waits a second"
+        );
         let never = progress_of(0, &Slot::default(), &Activity::default(), now, BLOCKED_AFTER);
         assert_eq!((never.seen_ms, never.doing), (None, None), "never seen");
     }

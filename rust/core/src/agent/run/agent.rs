@@ -1,15 +1,15 @@
 //! The agent: what it holds for the whole run, and how it is set up (signals first, then the
 //! metrics endpoint, the log directories, the rendezvous and the warm standbys).
 
-use super::super::config::AgentConfig;
-use super::super::error::{AgentError, Result};
-use super::super::events::EventLog;
-use super::super::logfiles::LogWriter;
-use super::super::logs::{worker_outputs, LogDirs};
-use super::super::process::Output;
-use super::super::signals::Signals;
-use super::super::standby::StandbyPool;
 use super::report::Report;
+use crate::agent::config::AgentConfig;
+use crate::agent::error::{AgentError, Result};
+use crate::agent::events::EventLog;
+use crate::agent::output::logfiles::LogWriter;
+use crate::agent::output::logs::{worker_outputs, LogDirs};
+use crate::agent::signals::Signals;
+use crate::agent::workers::process::Output;
+use crate::agent::workers::standby::StandbyPool;
 use crate::auth::Secret;
 use crate::console;
 use crate::metrics::{self, Exposes, MetricsServer};

@@ -5,14 +5,14 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::super::dumps::DumpRequests;
-use super::super::error::{AgentError, Result};
-use super::super::progress::ProgressPublisher;
 use super::agent::Agent;
 use super::report::{End, Report};
 use super::start::connect_store;
 use super::watch::{new_change, Changes, Event};
 use super::{State, SUCCEEDED};
+use crate::agent::error::{AgentError, Result};
+use crate::agent::hangs::dumps::DumpRequests;
+use crate::agent::progress::ProgressPublisher;
 use crate::auth::Secret;
 use crate::metrics;
 use crate::rendezvous::{MembershipChange, NodeDesc, Rendezvous, RendezvousInfo};

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use super::super::error::{AgentError, Result};
 use super::agent::Agent;
 use super::watch::{next_change, Changes};
+use crate::agent::error::{AgentError, Result};
 use crate::rendezvous::{MembershipChange, Rendezvous};
 
 /// Beyond the loss window, how long a failure waits for a silent member to be reported lost

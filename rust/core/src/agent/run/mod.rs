@@ -27,7 +27,7 @@
 //! * [`report`]: what the run reports (the result, the root cause); [`publish`]: what it tells
 //!   `elastix status` on the way.
 //!
-//! Worker output never holds the agent (see [`crate::console`], [`super::logfiles`]): the
+//! Worker output never holds the agent (see [`crate::console`], [`crate::agent::output::logfiles`]): the
 //! result counts the console lines dropped for a stalled reader and lists what could not be
 //! written; a success whose kept log files are incomplete exits
 //! [`super::result::LOGS_INCOMPLETE`].

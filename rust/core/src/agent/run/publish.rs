@@ -4,10 +4,10 @@
 
 use std::time::Duration;
 
-use super::super::failure::{self, Failure};
-use super::super::group::WorkerGroup;
-use super::super::progress::ProgressPublisher;
 use super::agent::Agent;
+use crate::agent::failure::{self, Failure};
+use crate::agent::progress::ProgressPublisher;
+use crate::agent::workers::group::WorkerGroup;
 use crate::metrics::MetricsServer;
 use crate::rendezvous::records::{AgentFacts, FailureRecord, FORMAT_VERSION};
 

@@ -1,10 +1,10 @@
 //! [`State::Rendezvous`]: joining the next round, until one forms with this node in it.
 
-use super::super::error::Result;
-use super::super::result::AgentErrorInfo;
 use super::agent::Agent;
 use super::report::{print_summary, End, Report};
 use super::{State, FAILED, MAX_LOST_STARTS, SUCCEEDED};
+use crate::agent::error::Result;
+use crate::agent::result::AgentErrorInfo;
 use crate::metrics;
 use crate::rendezvous::RendezvousError;
 

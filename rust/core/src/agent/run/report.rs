@@ -3,10 +3,10 @@
 
 use nix::sys::signal::Signal;
 
-use super::super::config::AgentConfig;
-use super::super::failure::Failure;
-use super::super::result::{AgentErrorInfo, AgentResult, RunState, LOGS_INCOMPLETE};
 use super::CONSOLE_FLUSH_WAIT;
+use crate::agent::config::AgentConfig;
+use crate::agent::failure::Failure;
+use crate::agent::result::{AgentErrorInfo, AgentResult, RunState, LOGS_INCOMPLETE};
 use crate::console::{self, StreamMark};
 
 /// The console's counts at the start of a run, to tell what happened during it.
@@ -87,7 +87,7 @@ impl Report {
     /// last line: the exception), else the root cause among this node's failures.
     pub(super) fn root_cause(&self) -> Option<String> {
         let Some(error) = &self.error else {
-            return super::super::failure::root_cause(&self.failures).map(|root| self.failures[root].headline());
+            return crate::agent::failure::root_cause(&self.failures).map(|root| self.failures[root].headline());
         };
         let is_rule = |line: &str| line.chars().all(|c| c == '=' || c == '-');
         let last = error.message.lines().rev().map(str::trim).find(|line| !line.is_empty() && !is_rule(line));

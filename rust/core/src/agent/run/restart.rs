@@ -4,13 +4,13 @@
 
 use nix::sys::signal::Signal;
 
-use super::super::env::worker_name;
-use super::super::error::Result;
-use super::super::failure::{summary, Failure};
-use super::super::group::WorkerGroup;
 use super::agent::Agent;
 use super::report::{entrypoint_name, print_summary, End, Report};
 use super::{describe, FAILED, LOST_NAMED};
+use crate::agent::error::Result;
+use crate::agent::failure::{summary, Failure};
+use crate::agent::workers::env::worker_name;
+use crate::agent::workers::group::WorkerGroup;
 use crate::metrics;
 use crate::rendezvous::MembershipChange;
 

@@ -2,13 +2,13 @@
 
 use std::time::Duration;
 
-use super::super::error::{AgentError, Result};
-use super::super::group::{Launch, WorkerGroup};
-use super::super::ranks::{self, RoleInfo};
 use super::agent::Agent;
 use super::report::{End, Report};
 use super::watch::{next_change, Attempt, Changes};
 use super::{describe, State, MAX_LOST_STARTS};
+use crate::agent::error::{AgentError, Result};
+use crate::agent::workers::group::{Launch, WorkerGroup};
+use crate::agent::workers::ranks::{self, RoleInfo};
 use crate::auth::Secret;
 use crate::metrics;
 use crate::rendezvous::{MembershipChange, RendezvousInfo};

@@ -6,14 +6,14 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use tokio::sync::watch;
 
-use super::super::dumps::DumpRequests;
-use super::super::error::{AgentError, Result};
-use super::super::failure::Failure;
-use super::super::group::{GroupOutcome, Waited, WorkerGroup, FAILED_TOGETHER};
 use super::agent::Agent;
 use super::barrier::Watched;
 use super::report::{End, Report};
 use super::{describe, State};
+use crate::agent::error::{AgentError, Result};
+use crate::agent::failure::Failure;
+use crate::agent::hangs::dumps::DumpRequests;
+use crate::agent::workers::group::{GroupOutcome, Waited, WorkerGroup, FAILED_TOGETHER};
 use crate::metrics;
 use crate::rendezvous::{MembershipChange, RendezvousInfo};
 

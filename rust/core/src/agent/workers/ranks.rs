@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::error::{AgentError, Result};
+use crate::agent::error::{AgentError, Result};
 use crate::store::TcpStore;
 
 /// What an agent publishes about itself.

@@ -1,7 +1,7 @@
 //! Stack dumps on demand (`elastix dump`), through the job's rendezvous store: the command
 //! counts a request up and writes it; every agent waits on the next request's key (a push
 //! from the store, no polling), has its matching workers dump their stacks
-//! ([`super::stacks`]), writes its node's reply and counts it. The workers go on running.
+//! ([`crate::agent::hangs::stacks`]), writes its node's reply and counts it. The workers go on running.
 //!
 //! Keys, under `elastix/dump/<run_id>/`: `requests` (the count), `<n>` (request `n`:
 //! `{"rank": R}` or `{"rank": null}` for all), `<n>/node/<group rank>` (a node's reply:
@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use super::flight::RankFlights;
+use crate::agent::hangs::flight::RankFlights;
 use crate::auth::Secret;
 use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS, ETCD_KEYS};
 use crate::rendezvous::endpoint::{parse_endpoint, DEFAULT_PORT};

@@ -2,7 +2,7 @@
 //!
 //! What protects what (each facility used where the system has it; none is needed to run):
 //! * Every child of the agent (worker or standby) runs in its own process group with a
-//!   parent-death signal ([`super::process`]): it dies with the agent, and a clean stop kills
+//!   parent-death signal ([`crate::agent::workers::process`]): it dies with the agent, and a clean stop kills
 //!   its whole group.
 //! * The cleanup [`watchdog`], a process started before the first worker that outlives the
 //!   agent: it is told each child's process group while the group can still be alive, and

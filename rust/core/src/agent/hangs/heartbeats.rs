@@ -13,7 +13,7 @@
 //! Every Python worker claims its slot with no change to its code: elastix's site hook
 //! (python/elastix/worker/site) writes the worker's own pid as the owner (children started
 //! with spawn or forkserver, which inherit the variables, leave it alone) and arms the stack
-//! dumps. The agent then watches the owner through the kernel ([`super::activity`]).
+//! dumps. The agent then watches the owner through the kernel ([`crate::agent::hangs::activity`]).
 //!
 //! A worker is hung when its timer expired, when it is in a progress window and its last
 //! heartbeat is older than that, or, with `--worker-timeout T`: when its last heartbeat (once
@@ -30,7 +30,7 @@ use std::time::Duration;
 use memmap2::{MmapOptions, MmapRaw};
 use nix::time::{clock_gettime, ClockId};
 
-use super::activity::Activity;
+use crate::agent::hangs::activity::Activity;
 
 /// Words in one worker's slot (256 bytes: whole cache lines, so workers never share one).
 pub const SLOT_WORDS: usize = 32;
@@ -67,7 +67,7 @@ pub struct Flight {
 /// The variables a worker finds its slot with.
 pub const FILE_VAR: &str = "ELASTIX_HEARTBEAT_FILE";
 pub const SLOT_VAR: &str = "ELASTIX_HEARTBEAT_SLOT";
-/// Where a worker's stack dumps go (see [`super::stacks`]).
+/// Where a worker's stack dumps go (see [`crate::agent::hangs::stacks`]).
 pub const STACKS_VAR: &str = "ELASTIX_STACKS_FILE";
 /// The wall-clock time of a moment on the workers' clock (`None` for 0: never).
 pub fn wall_time(ns: u64) -> Option<std::time::SystemTime> {

@@ -15,8 +15,8 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::task::JoinHandle;
 
-use super::failure::STDERR_TAIL_LINES;
-use super::logfiles::LogFile;
+use crate::agent::failure::STDERR_TAIL_LINES;
+use crate::agent::output::logfiles::LogFile;
 use crate::console::{self, ConsoleStream};
 
 /// How long an unfinished piece waits for the rest before it is relayed as it is.
@@ -178,8 +178,8 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::super::logfiles::LogWriter;
     use super::*;
+    use crate::agent::output::logfiles::LogWriter;
 
     #[test]
     fn pieces_end_at_newlines_and_lone_carriage_returns() {

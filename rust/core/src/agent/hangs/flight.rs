@@ -1,12 +1,12 @@
 //! Who holds everyone up. When workers hang in a collective, the ones waiting inside it are not
 //! the cause: a peer that never entered it is. Each rank's flight recorder (its last few
-//! collectives, in its heartbeat slot: [`super::heartbeats::Flight`]) says where it is; merged,
+//! collectives, in its heartbeat slot: [`crate::agent::hangs::heartbeats::Flight`]) says where it is; merged,
 //! they name the ranks that wait, the collective they wait in, and the ranks they wait for,
 //! with where those are (the main thread's innermost frame, from their stack dump).
 
 use serde::{Deserialize, Serialize};
 
-use super::heartbeats::Flight;
+use crate::agent::hangs::heartbeats::Flight;
 
 /// The collectives' kinds, by the number their records (and descriptors) carry; Python's
 /// elastix.collectives.descriptor takes them from here.

@@ -3,8 +3,8 @@
 
 use std::collections::BTreeMap;
 
-use super::config::AgentConfig;
-use super::ranks::Assignment;
+use crate::agent::config::AgentConfig;
+use crate::agent::workers::ranks::Assignment;
 use crate::rendezvous::RendezvousInfo;
 
 /// Everything that describes one worker's place in the job.

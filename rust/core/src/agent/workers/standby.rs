@@ -24,10 +24,10 @@ use nix::sched::CpuSet;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
-use super::config::AgentConfig;
-use super::env::worker_args;
-use super::process::{child_environment, Output, Supervised, SupervisedCommand};
-use super::reaper;
+use crate::agent::config::AgentConfig;
+use crate::agent::workers::env::worker_args;
+use crate::agent::workers::process::{child_environment, Output, Supervised, SupervisedCommand};
+use crate::agent::workers::reaper;
 
 /// The descriptor a standby reads its activation from.
 pub const ACTIVATION_FD: i32 = 3;

@@ -1,7 +1,7 @@
 //! Worker output: where it goes ([`worker_outputs`]), the log directories, line prefixes.
 //! Piped output reaches its file (if redirected or tee'd) and the agent's console (unless
-//! redirected or filtered) through [`super::pump`]; files and console are written by threads
-//! of their own ([`super::logfiles`], [`crate::console`]).
+//! redirected or filtered) through [`crate::agent::output::pump`]; files and console are written by threads
+//! of their own ([`crate::agent::output::logfiles`], [`crate::console`]).
 //!
 //! Log directories are never deleted or reused: each start of the workers gets a fresh
 //! `attempt_<n>` directory under the run's directory.
@@ -9,8 +9,8 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-use super::config::{AgentConfig, NO_LOGS};
-use super::process::Output;
+use crate::agent::config::{AgentConfig, NO_LOGS};
+use crate::agent::workers::process::Output;
 
 /// The run's log directory and its attempt directories.
 pub struct LogDirs {
@@ -77,7 +77,7 @@ impl LogDirs {
 /// Where each local rank's workers write: to the agent's own stdout and stderr when the agent
 /// runs on a terminal (stdin and stdout are one) and the rank's output is neither redirected,
 /// tee'd nor prefixed, as under torchrun, so that `breakpoint()`, `input()`, `isatty()` and
-/// progress bars work; through pipes otherwise ([`super::pump`]).
+/// progress bars work; through pipes otherwise ([`crate::agent::output::pump`]).
 pub fn worker_outputs(config: &AgentConfig, on_terminal: bool) -> Vec<Output> {
     (0..config.local_world_size as usize)
         .map(|local_rank| {

@@ -2,7 +2,7 @@
 //! process group with a parent-death signal, all in one cgroup where the job has one; their exits
 //! arrive as events (no polling); stopped together (signal, grace period, SIGKILL to each
 //! whole group and to the cgroup, every child reaped). A worker whose heartbeat or timer
-//! lapsed ([`super::heartbeats`]) counts as failed: its stacks are dumped, then it is killed.
+//! lapsed ([`crate::agent::hangs::heartbeats`]) counts as failed: its stacks are dumped, then it is killed.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -15,23 +15,23 @@ use nix::unistd::Pid;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-use super::activity::Activity;
-use super::config::{AgentConfig, STD_ERR, STD_OUT};
-use super::dumps::{Asked, DumpRequests, FlightExchange, WorkerStacks};
-use super::env::{worker_args, worker_env, WorkerPlace};
-use super::error::{AgentError, Result};
-use super::failure::Failure;
-use super::flight::{self, Holdup, RankFlights};
-use super::heartbeats::{self, Heartbeats, Lapse, Slot};
-use super::logfiles::{LogFile, LogWriter};
-use super::logs::{expand_prefix, DEFAULT_TEE_PREFIX};
-use super::process::{Output, Supervised, SupervisedCommand};
-use super::progress;
-use super::pump::{pump, Duplicate, Sink};
-use super::ranks::Assignment;
-use super::reaper::{self, Cgroup, GroupCgroup, Watch};
-use super::stacks;
-use super::standby::{Standby, StandbyPool};
+use crate::agent::config::{AgentConfig, STD_ERR, STD_OUT};
+use crate::agent::error::{AgentError, Result};
+use crate::agent::failure::Failure;
+use crate::agent::hangs::activity::Activity;
+use crate::agent::hangs::dumps::{Asked, DumpRequests, FlightExchange, WorkerStacks};
+use crate::agent::hangs::flight::{self, Holdup, RankFlights};
+use crate::agent::hangs::heartbeats::{self, Heartbeats, Lapse, Slot};
+use crate::agent::hangs::stacks;
+use crate::agent::output::logfiles::{LogFile, LogWriter};
+use crate::agent::output::logs::{expand_prefix, DEFAULT_TEE_PREFIX};
+use crate::agent::output::pump::{pump, Duplicate, Sink};
+use crate::agent::progress;
+use crate::agent::workers::env::{worker_args, worker_env, WorkerPlace};
+use crate::agent::workers::process::{Output, Supervised, SupervisedCommand};
+use crate::agent::workers::ranks::Assignment;
+use crate::agent::workers::reaper::{self, Cgroup, GroupCgroup, Watch};
+use crate::agent::workers::standby::{Standby, StandbyPool};
 use crate::console;
 use crate::rendezvous::records::WorkerProgress;
 use crate::rendezvous::RendezvousInfo;

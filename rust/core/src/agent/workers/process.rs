@@ -2,7 +2,7 @@
 //! own (so of its own process group, and one signal reaches everything it starts), as
 //! torchrun starts workers; with a parent-death signal, so it dies with the agent; in the
 //! job's cgroup where there is one, and watched by the cleanup watchdog, so that what it
-//! starts does not outlive the agent either ([`super::reaper`]). stdin is shared; stdout and
+//! starts does not outlive the agent either ([`crate::agent::workers::reaper`]). stdin is shared; stdout and
 //! stderr are piped to the agent, or shared too ([`Output`]).
 //!
 //! A session of its own matters on a terminal: the terminal is not the child's controlling
@@ -19,7 +19,7 @@ use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
 
-use super::reaper::{self, Cgroup, Watch};
+use crate::agent::workers::reaper::{self, Cgroup, Watch};
 
 /// A started child: the process, its pid (the id of its process group) and the watchdog's
 /// hold on that group.
@@ -33,9 +33,9 @@ pub struct Supervised {
 /// Where a child's stdout and stderr go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Output {
-    /// To the agent, through pipes (see [`super::logs`]).
+    /// To the agent, through pipes (see [`crate::agent::output::logs`]).
     Piped,
-    /// Straight to the agent's own stdout and stderr (a terminal, see [`super::logs::output_of`]).
+    /// Straight to the agent's own stdout and stderr (a terminal, see [`crate::agent::output::logs::output_of`]).
     Shared,
 }
 

@@ -1,0 +1,11 @@
+//! How an attempt's workers are launched and kept: one attempt's group ([`group`]), the
+//! environment each worker gets ([`env`]) from its ranks ([`ranks`]), how a child process is
+//! started ([`process`]), warm interpreters that make restarts fast ([`standby`]), and the
+//! reaper that leaves no process behind ([`reaper`]).
+
+pub mod env;
+pub mod group;
+pub mod process;
+pub mod ranks;
+pub mod reaper;
+pub mod standby;
