@@ -13,16 +13,14 @@ use nix::sched::CpuSet;
 use serde::Deserialize;
 
 use super::error::{AgentError, Result};
-use crate::rendezvous::{ConfInput, Rendezvous, RendezvousParams};
+use crate::rendezvous::{BackendKind, ConfInput, Rendezvous, RendezvousParams};
 
 /// Most workers one agent runs: each is a process with pipes, a log pair and a standby
 /// interpreter; more than this on one machine is a typo (an extra digit), not a job.
 pub const MAX_LOCAL_WORKERS: u32 = 1024;
 
-/// The rendezvous backends, and torch's others (refused with a pointer, not "unknown").
-pub const BACKENDS: &[&str] = &["c10d", "etcd", "etcd-v3", "static"];
-/// torch's etcd backend on the v2 API, which etcd turns off by default since 3.4.
-const RETIRED_BACKENDS: &[&str] = &["etcd-v2"];
+/// The names `--rdzv-backend` takes (see [`BackendKind`]).
+pub const BACKENDS: &[&str] = BackendKind::NAMES;
 
 /// Which of a worker's streams go to a file (torch's `Std` mask).
 pub const STD_OUT: u8 = 1;
@@ -193,19 +191,7 @@ impl AgentConfig {
     }
 
     fn check_backend(&self) -> Result<()> {
-        let backend = self.rdzv_backend.as_str();
-        if BACKENDS.contains(&backend) {
-            Ok(())
-        } else if RETIRED_BACKENDS.contains(&backend) {
-            Err(AgentError::Config(format!(
-                "--rdzv-backend {backend}: etcd's v2 API is off by default since etcd 3.4; use etcd (the v3 API)"
-            )))
-        } else {
-            Err(AgentError::Config(format!(
-                "--rdzv-backend: unknown backend {backend:?} (choose from {})",
-                BACKENDS.join(", ")
-            )))
-        }
+        BackendKind::parse(&self.rdzv_backend).map(drop).map_err(|err| AgentError::Config(err.to_string()))
     }
 
     /// The CPUs `local_rank`'s processes are bound to (`None`: not bound).

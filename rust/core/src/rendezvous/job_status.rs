@@ -2,25 +2,11 @@
 //! the backend they name.
 
 use super::error::{RendezvousError, Result};
+use super::kind::BackendKind;
 use super::status::{JobStatus, StatusQuery};
 
-/// The backends whose state `elastix status` can read.
-enum Reader {
-    C10d,
-    Etcd,
-}
-
-fn reader(backend: &str) -> Result<Reader> {
-    match backend {
-        "c10d" => Ok(Reader::C10d),
-        "etcd" | "etcd-v3" => Ok(Reader::Etcd),
-        "static" => Err(RendezvousError::Config(
-            "--rdzv-backend static keeps no shared state for elastix status to read".into(),
-        )),
-        other => Err(RendezvousError::Config(format!(
-            "--rdzv-backend {other:?} is unknown; elastix status reads c10d and etcd"
-        ))),
-    }
+fn no_shared_state() -> RendezvousError {
+    RendezvousError::Config("--rdzv-backend static keeps no shared state for elastix status to read".into())
 }
 
 /// The job's state, or `None` when the store answers but holds no run with that ID.
@@ -28,17 +14,19 @@ pub async fn job_status(query: &StatusQuery) -> Result<Option<JobStatus>> {
     if query.run_id.is_empty() {
         return Err(RendezvousError::Config("--rdzv-id must not be empty".into()));
     }
-    match reader(&query.backend)? {
-        Reader::C10d => super::c10d::status::c10d_status(query).await,
-        Reader::Etcd => super::etcd::etcd_status(query).await,
+    match BackendKind::parse(&query.backend)? {
+        BackendKind::C10d => super::c10d::status::c10d_status(query).await,
+        BackendKind::Etcd => super::etcd::etcd_status(query).await,
+        BackendKind::Static => Err(no_shared_state()),
     }
 }
 
 /// The run IDs the store (c10d) or cluster (etcd) at the query's endpoint holds, in the order
 /// they were first made (etcd: by name); the query's run ID is not used.
 pub async fn job_runs(query: &StatusQuery) -> Result<Vec<String>> {
-    match reader(&query.backend)? {
-        Reader::C10d => super::c10d::status::c10d_runs(query).await,
-        Reader::Etcd => super::etcd::etcd_runs(query).await,
+    match BackendKind::parse(&query.backend)? {
+        BackendKind::C10d => super::c10d::status::c10d_runs(query).await,
+        BackendKind::Etcd => super::etcd::etcd_runs(query).await,
+        BackendKind::Static => Err(no_shared_state()),
     }
 }

@@ -26,7 +26,7 @@ use crate::rendezvous::endpoint::{parse_endpoint, DEFAULT_PORT};
 use crate::rendezvous::job_secret;
 use crate::rendezvous::job_status;
 use crate::rendezvous::status::StatusQuery;
-use crate::rendezvous::{RendezvousError, RendezvousInfo};
+use crate::rendezvous::{BackendKind, RendezvousError, RendezvousInfo};
 use crate::store::{TcpStore, TcpStoreOptions};
 
 /// How long a node's workers may take to answer one request.
@@ -55,14 +55,15 @@ pub fn reply_key(run_id: &str, n: i64, node: u32) -> String {
 /// `elastix dump`: finds the job's members as `elastix status` does, then asks them for
 /// their workers' stacks (of global rank `rank` only, if given). `Ok(None)`: no such job.
 pub async fn job_dump(query: &StatusQuery, rank: Option<u32>) -> RdzvResult<Option<Value>> {
-    let keys = match query.backend.as_str() {
-        "c10d" => DYNAMIC_KEYS,
-        "etcd" | "etcd-v3" => ETCD_KEYS,
-        other => {
-            return Err(RendezvousError::Config(format!(
-                "--rdzv-backend {other}: elastix dump asks c10d and etcd jobs (a static job has no shared state to \
+    let keys = match BackendKind::parse(&query.backend)? {
+        BackendKind::C10d => DYNAMIC_KEYS,
+        BackendKind::Etcd => ETCD_KEYS,
+        BackendKind::Static => {
+            return Err(RendezvousError::Config(
+                "--rdzv-backend static: elastix dump asks c10d and etcd jobs (a static job has no shared state to \
                  find its agents by)"
-            )))
+                    .into(),
+            ))
         }
     };
     let secret = job_secret(&RendezvousConf::from_input(&query.conf, keys)?)?;
