@@ -46,7 +46,7 @@ WINDOW_3S = "keep_alive_interval=1,keep_alive_max_attempt=3"  # bare seconds: to
 WITHIN = 90.0  # a scenario that has not recovered by then: "not within 90 s"
 CUT = 10.0  # how long the partition lasts
 
-# torchrun's worker: the same loop as tests/workers/train_loop.py, on torch.distributed (gloo);
+# torchrun's worker: the same loop as tests/worker_programs/train_loop.py, on torch.distributed (gloo);
 # each step is logged as "<time> <step> <world size>" to steps_torch_<pid>.txt
 TORCH_WORKER = r"""
 import os, time, torch, torch.distributed as dist

@@ -1,5 +1,5 @@
 """Helpers for tests that run several `elastix run` agents as nodes and follow their workers
-through the records that tests/workers/elastic_loop.py leaves (one per start)."""
+through the records that tests/worker_programs/elastic_loop.py leaves (one per start)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 
 from conftest import REPO, marked_processes
 
-WORKERS = os.path.join(REPO, "tests", "workers")
+WORKERS = os.path.join(REPO, "tests", "worker_programs")
 
 
 def node_args(nnodes, endpoint, addr, conf, program, *program_args, run_id, backend="c10d", max_restarts=None):

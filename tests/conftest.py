@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from datetime import timedelta
 
@@ -96,6 +97,37 @@ def alive(pid):
             return f.read().rsplit(") ", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def _main_thread(pid):
+    """(state, voluntary context switches) of `pid`'s main thread; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return fields["State"].split()[0], int(fields["voluntary_ctxt_switches"])
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def blocked(pid, settle=0.02):
+    """`pid`'s main thread sleeps in the kernel (a wait, a lock, a read) and stayed in that one
+    sleep for `settle` seconds (it switched out no more meanwhile): blocked in a call, not
+    passing through a short wait such as a request's round trip. For `wait_for`."""
+    first = _main_thread(pid)
+    if first is None or first[0] not in ("S", "D"):
+        return False
+    time.sleep(settle)  # the interval the sleep must span, not a wait for something
+    return _main_thread(pid) == first
+
+
+def ignores(pid, signum):
+    """`pid` ignores `signum` (SIG_IGN, as the kernel shows it)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return bool(mask & (1 << (signum - 1)))
 
 
 def marked_processes(marker):

@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
@@ -120,7 +119,7 @@ def test_a_job_with_a_secret_completes_and_the_secret_never_shows(tmp_path, mark
 
 
 def started_with(out_dir, pid):
-    """The environment worker `pid` (tests/workers/store_member.py) started with: /proc shows it
+    """The environment worker `pid` (tests/worker_programs/store_member.py) started with: /proc shows it
     to root alone once the worker loaded the secret, so the worker copies it out first."""
     with open(out_dir / f"environ_{pid}", "rb") as f:
         return f.read()
@@ -226,7 +225,16 @@ def test_a_strangers_forged_write_to_the_rendezvous_store_is_refused(tmp_path, m
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIX_AUTH")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert "refused:" in out.stdout and "requires the job's secret" in out.stdout, out.stdout + out.stderr
-    time.sleep(1)  # a forged close would have ended the workers by now
+    # the store has no such key (a client with the secret looks): no forged close can end the job
+    look = f"import elastix\nprint(elastix.TCPStore('127.0.0.1', {rdzv_port}, timeout=10).check(['/elastix/rdzv/authjob/closed']))"
+    seen = subprocess.run(
+        [sys.executable, "-c", look],
+        env={**env, "ELASTIX_AUTH_TOKEN_FILE": path},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert seen.stdout.strip() == "False", seen.stdout + seen.stderr
     assert all(a.proc.poll() is None for a in agents), "the job runs on"
     finish_all(tmp_path, agents, marker)
     assert rounds_of(tmp_path, 2) == [formed]

@@ -1,4 +1,4 @@
-"""tests/workers/train_loop.py for torchrun: the same data-parallel loop on torch.distributed
+"""tests/worker_programs/train_loop.py for torchrun: the same data-parallel loop on torch.distributed
 (gloo), leaving the same records ($OUT_DIR/start_<round>_<rank>_<pid>.json, one
 "<unix time> <step>" line per step in steps_<round>_<rank>.txt), so that the fault matrix
 judges torchrun's cells as it judges elastix's.

@@ -2,6 +2,25 @@
 
 ``elastix.TCPStore`` and friends have torch.distributed's signatures and speak torch's TCPStore
 wire protocol, so torch code and elastix code can share one store.
+
+What ``import elastix`` does besides defining names (tests/test_import.py checks it):
+
+* it loads the extension ``elastix._core``, which registers one ``atexit`` hook (it closes the
+  extension's calls into Python before the interpreter finalises: rust/python/src/exit_gate.rs)
+  and routes the extension's log events to Python's ``logging`` (loggers ``elastix.*``; no
+  handler or level is set; importing ``logging`` registers logging's own ``atexit`` flush);
+* it makes ``elastix.timer`` importable under that name (``sys.modules``), as
+  ``torch.distributed.elastic.timer`` is;
+* in a worker of ``elastix run`` only (``ELASTIX_HEARTBEAT_FILE`` set), it claims the worker's
+  heartbeat slot, as the worker site hook does for programs that never import elastix
+  (``elastix.worker.progress``): it maps the agent's page (the mapping keeps a descriptor of
+  it), registers ``faulthandler`` on a real-time signal writing to ``ELASTIX_STACKS_FILE``
+  (kept open) unless the site hook did already, so the agent can have the worker dump its
+  stacks, and adds an ``os.register_at_fork`` hook so that forked children do not beat for
+  the worker.
+
+Otherwise it starts no thread, installs no signal handler, changes no environment variable and
+opens no file. The launcher API (``elastix.launch`` and friends) loads on first use.
 """
 
 import sys as _sys
@@ -9,6 +28,7 @@ import sys as _sys
 from ._core import __version__, reset_log_cache
 from .errors import (
     AuthenticationError,
+    ChildFailedError,
     DistBackendError,
     DistError,
     DistNetworkError,
@@ -26,7 +46,8 @@ from .worker.record import record  # a light module; imported eagerly so `elasti
 # `from elastix.timer import expires`, as torch.distributed.elastic.timer is imported
 _sys.modules[__name__ + ".timer"] = timer
 
-# a worker of `elastix run` finds its heartbeat slot and arms stack dumps at once
+# a worker of `elastix run` finds its heartbeat slot and arms stack dumps at once (nothing
+# happens outside `elastix run`: see the module's docstring)
 _progress.arm()
 
 # The launcher API loads on first use, keeping `import elastix` (and so `elastix run`) fast.
@@ -38,7 +59,6 @@ _LAZY = {
     "WorkerSpec": "agent.spec",
     "WorkerState": "agent.spec",
     "ProcessFailure": "agent.failures",
-    "ChildFailedError": "agent.failures",
 }
 
 

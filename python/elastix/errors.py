@@ -9,10 +9,22 @@ Once ``torch.distributed`` is loaded, a store error is raised as :func:`raised` 
 instance of torch's own class (``except torch.distributed.DistStoreError`` and friends catch
 it) that builtin ``except`` clauses catch exactly as they catch torch's (a timeout is then not
 a ``TimeoutError``, as torch's is not).
+
+``ChildFailedError`` (workers failed, raised by the launcher) is here too, with the other
+errors, so that worker code (``elastix.worker.record``) can catch it without importing the
+launcher; ``elastix.agent.failures`` re-exports it beside ``ProcessFailure``.
 """
 
+from __future__ import annotations
+
 import sys
-from typing import Dict, Type
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Tuple, Type
+
+if TYPE_CHECKING:
+    from .agent.failures import ProcessFailure
+
+#: What torch shows for a field it does not know (a worker without an error file).
+NOT_AVAILABLE = "<N/A>"
 
 
 class DistError(RuntimeError):
@@ -86,6 +98,65 @@ class SignalException(Exception):
             self.sigval = sigval  # type: ignore[assignment]
 
 
+class ChildFailedError(Exception):
+    """Workers failed: ``name`` is the program, ``failures`` maps global rank to failure (an
+    ``elastix.agent.failures.ProcessFailure``). The message is torch's table with the root cause
+    last, as the agent prints it: the agent's rule chooses the root cause (a rank the others
+    waited for in a collective, else the first observed failure) and its renderer writes the
+    table (``_core.failure_summary``)."""
+
+    def __init__(self, name: str, failures: Mapping[int, ProcessFailure]) -> None:
+        if not failures:
+            raise ValueError("ChildFailedError needs at least one failure")
+        import json
+
+        from ._core import failure_summary
+
+        self.name = name
+        self.failures: Dict[int, ProcessFailure] = dict(failures)
+        self._text, root = failure_summary(name, json.dumps([_agent_form(r, f) for r, f in self.failures.items()]))
+        self._root_rank = list(self.failures)[root]
+        super().__init__(self.format_msg())
+
+    def get_first_failure(self) -> Tuple[int, ProcessFailure]:
+        """The root cause (torch's name: with torch's rule it is the earliest failure)."""
+        return self._root_rank, self.failures[self._root_rank]
+
+    def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
+        text = self._text
+        if (boarder_delim, section_delim) != ("=", "-"):
+            lines = text.split("\n")
+            rules = {0: boarder_delim, len(lines) - 1: boarder_delim}
+            text = "\n".join(
+                rules.get(i, section_delim) * len(line) if line and set(line) <= {"=", "-"} else line
+                for i, line in enumerate(lines)
+            )
+        return "\n" + text
+
+
+def _agent_form(rank: int, failure: ProcessFailure) -> Dict[str, Any]:
+    """A failure as the agent's renderer reads it."""
+    return {
+        "global_rank": rank,
+        "local_rank": failure.local_rank,
+        "host": failure.host or _hostname(),
+        "pid": failure.pid,
+        "exitcode": failure.exitcode,
+        "signal": failure.signal if failure.exitcode < 0 else None,
+        "timestamp": failure.timestamp or 0.0,
+        "error_file": None if failure.error_file in (None, NOT_AVAILABLE) else failure.error_file,
+        "message": failure.traceback(),
+        "hung": failure.hung,
+        "held_others_up": failure.held_others_up,
+    }
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
 # The torch class each store error is, for code that catches torch's classes.
 _TORCH_CLASS = {
     "DistStoreError": "DistStoreError",
@@ -134,4 +205,5 @@ __all__ = [
     "RendezvousStateError",
     "RendezvousGracefulExitError",
     "SignalException",
+    "ChildFailedError",
 ]

@@ -45,7 +45,10 @@ for kind in os.environ["DESCENDANTS"].split(","):
             child.wait()
 if os.environ.get("EXIT_AFTER_START"):
     # wait until every descendant has said where it is, then succeed
+    deadline = time.monotonic() + 60
     while len([n for n in os.listdir(out) if n.endswith(f"_{rank}.pid")]) < 1 + len(os.environ["DESCENDANTS"].split(",")):
+        if time.monotonic() > deadline:
+            sys.exit("the descendants never said where they are")
         time.sleep(0.01)
     sys.exit(0)
 time.sleep(300)

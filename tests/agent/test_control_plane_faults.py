@@ -17,7 +17,7 @@ import time
 import pytest
 
 from agents import WORKERS, agent, assert_nothing_left, finish_all, node_args, rounds_of, starts, wait_for, wait_round
-from conftest import held_port, marked_processes, reserved_port
+from conftest import alive, held_port, marked_processes, reserved_port
 
 # A node is lost after 2 s without a heartbeat; one beat may take 1 s; short last calls.
 FAST = (
@@ -65,7 +65,8 @@ def test_a_store_that_restarts_empty_mid_run_is_found_again_and_the_job_complete
         store.kill()
         store.wait()
         (tmp_path / "stop").touch()
-        time.sleep(1)
+        workers = [r["pid"] for r in records]
+        wait_for(lambda: not any(map(alive, workers)), timeout=30, what="the workers ending while the store is away")
         store = store_server(free_port, tmp_path)
         for a in agents:
             assert a.finish() == 0, a.output()

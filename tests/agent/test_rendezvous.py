@@ -13,6 +13,8 @@ import pytest
 
 import elastix
 import torch_gate
+from agents import wait_for
+from conftest import blocked
 from elastix.agent.rendezvous import RendezvousHandler, create_handler
 
 # A live node is lost only after 2 s without a heartbeat, which a loaded machine does not
@@ -257,7 +259,9 @@ sys.exit(3)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(0.5)  # most likely blocked in the rendezvous by now; earlier is caught too
+        # its main thread blocked in the rendezvous, where the signal is meant to land (a signal
+        # that came earlier would be caught all the same)
+        wait_for(lambda: blocked(proc.pid), timeout=30, what="the script blocked in the rendezvous")
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=45)
     finally:

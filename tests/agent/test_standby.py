@@ -188,7 +188,10 @@ def comm(pid):
 
 WAITS = """
 import os, time
+deadline = time.monotonic() + 120
 while not os.path.exists(os.path.join(os.environ["OUT_DIR"], "stop")):
+    if time.monotonic() > deadline:
+        raise SystemExit("the test never asked this worker to stop")
     time.sleep(0.05)
 """
 

@@ -92,9 +92,9 @@ def test_a_signal_ends_an_agent_waiting_for_a_store_not_there_yet(tmp_path, mark
 
 
 def test_a_signal_ends_an_agent_waiting_for_the_other_nodes(tmp_path, marker, port):
-    waiting = same_command(tmp_path, marker, "a", port, "join_timeout=60s")
-    wait_for(lambda: "this agent hosts the rendezvous store" in waiting.output(), timeout=30, what="hosting")
-    time.sleep(0.5)
+    # progress lines every 200 ms: the agent says when it waits for the other node
+    waiting = same_command(tmp_path, marker, "a", port, "join_timeout=60s", ("ELASTIX_RDZV_PROGRESS_INTERVAL=200ms",))
+    wait_for(lambda: "waiting for 1 more node(s)" in waiting.output(), timeout=30, what="the wait for the other node")
     ends_on(waiting, signal.SIGTERM, "while waiting for the rendezvous")
     assert_nothing_left(marker)
 

@@ -13,7 +13,7 @@ import pytest
 import torch_gate
 from elastix import _core
 from elastix.agent import nproc
-from elastix.agent.watch import SITE_DIR
+from elastix.agent.worker_site import SITE_DIR
 from elastix.cli import main as elastix_main
 from elastix.cli.run import main as run_main
 from elastix.cli.run_config import config_from_args

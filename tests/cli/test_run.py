@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -27,7 +26,7 @@ from agents import (
     starts,
     wait_for,
 )
-from conftest import closed_port, marked_processes, reserved_port
+from conftest import closed_port, ignores, marked_processes, reserved_port
 
 
 def test_each_rank_gets_the_environment_contract(tmp_path, marker):
@@ -186,7 +185,8 @@ def test_sigterm_to_the_agent_stops_hung_workers_and_leaves_nothing(tmp_path, ma
         marker=marker,
     )
     wait_for(lambda: len(starts(tmp_path)) == 2, what="the workers")
-    time.sleep(0.2)  # let them install their SIGTERM-ignoring handler
+    workers = [r["pid"] for r in starts(tmp_path)]
+    wait_for(lambda: all(ignores(pid, signal.SIGTERM) for pid in workers), what="the workers ignoring SIGTERM")
     proc.send_signal(signal.SIGTERM)
     code, _out, _err = finish(proc, timeout=30)
     assert code == 128 + signal.SIGTERM
@@ -463,7 +463,10 @@ def test_a_standalone_job_listens_on_loopback_only(tmp_path, marker):
             x = np.ones(1024)
             ec.all_reduce(x)
             open(os.path.join(os.environ["OUT_DIR"], f"ready_{ec.get_rank()}"), "w").close()
+            deadline = time.monotonic() + 120
             while not os.path.exists(os.path.join(os.environ["OUT_DIR"], "stop")):
+                if time.monotonic() > deadline:
+                    raise SystemExit("the test never asked this worker to stop")
                 time.sleep(0.05)
             rpc.shutdown()
             """

@@ -232,7 +232,10 @@ HANGS_ONCE = """
 import os, threading, time
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     threading.Event().wait()  # a plain program, blocked: the agent finds it hung
+deadline = time.monotonic() + 120
 while not os.path.exists(os.path.join(os.environ["OUT_DIR"], "stop")):
+    if time.monotonic() > deadline:
+        raise SystemExit("the test never asked this worker to stop")
     time.sleep(0.05)
 """
 
@@ -367,7 +370,10 @@ if os.environ["RANK"] == "0":
         if os.path.exists(os.path.join(os.environ["OUT_DIR"], "stop")):
             break
 else:  # a plain program that never imports elastix: watched all the same, never beats
+    deadline = time.monotonic() + 120
     while not os.path.exists(os.path.join(os.environ["OUT_DIR"], "stop")):
+        if time.monotonic() > deadline:
+            raise SystemExit("the test never asked this worker to stop")
         time.sleep(0.05)
 """
 

@@ -68,7 +68,7 @@ def hold_group():
     q.wait()
     s.wait()
     print("ready", flush=True)
-    time.sleep(60)
+    time.sleep(60)  # holds the group's segments until the test kills it
 
 
 @pytest.mark.parametrize("method", ["memfd", "file"])

@@ -246,10 +246,11 @@ class Cell:
             self.killed.add(victim)
         elif self.fault in ("agent-stop", "store-host-stop"):
             agent.proc.send_signal(signal.SIGSTOP)
-            time.sleep(2 * LOSS_WINDOW)
+            time.sleep(2 * LOSS_WINDOW)  # the fault: stopped for two loss windows
             agent.proc.send_signal(signal.SIGCONT)
         elif self.fault in ("short-cut", "long-cut", "store-host-cut"):
             self.hosts.cut(victim)
+            # the fault: cut for half a loss window (short) or three (long)
             time.sleep(LOSS_WINDOW / 2 if self.fault == "short-cut" else 3 * LOSS_WINDOW)
             self.hosts.heal(victim)
         elif self.fault == "store-restart":

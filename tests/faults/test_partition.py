@@ -124,7 +124,7 @@ def test_a_one_way_cut_and_a_flapping_link_never_let_two_sides_train(tmp_path, m
     # host 1 can no longer open a connection to host 0 (host 0 still reaches host 1): every
     # node still reaches a majority of the sites, and the job must stay one job
     hosts.no_new_connections(1, 0)
-    time.sleep(3 * LOSS_WINDOW)
+    time.sleep(3 * LOSS_WINDOW)  # the fault under test lasts three loss windows
     hosts.open_firewall(1)
     # then host 2's link flaps: down and up every half loss window, five times
     for _ in range(5):
@@ -152,7 +152,7 @@ def test_a_node_cut_off_from_etcd_stops_training_at_its_lease_ttl_and_comes_back
     two = wait_round(tmp_path, 2, after=three, what="the two others re-forming as the cut node's lease expires")
     # the cut node stops its workers at its TTL, not at the join timeout (120 s)
     wait_for(lambda: "lease can no longer be live" in agents[2].output(), timeout=30, what="the cut node stopping")
-    time.sleep(2.0)
+    time.sleep(2.0)  # cut off a while longer: a time in which only the other two may train
     healed_at = time.time()
     hosts.heal(2)
     trained = steps(tmp_path, cut_at + LOSS_WINDOW + 2.0, healed_at)

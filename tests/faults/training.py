@@ -1,5 +1,5 @@
 """Training nodes on namespace hosts, and what their workers' step logs say
-(tests/workers/train_loop.py writes one line per step: "<unix time> <step>")."""
+(tests/worker_programs/train_loop.py writes one line per step: "<unix time> <step>")."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from agents import assert_nothing_left, wait_for
 from conftest import REPO
 from slurm_cluster import slurm_for_tests
 
-WORKER = os.path.join(REPO, "tests", "workers", "report_env.py")
+WORKER = os.path.join(REPO, "tests", "worker_programs", "report_env.py")
 
 
 @pytest.fixture(scope="module")

@@ -68,7 +68,7 @@ def test_garbage_truncated_frames_and_huge_lengths_do_not_disturb_other_clients(
 def test_a_split_validate_is_accepted_unlike_torchs_libuv_server(master):
     sock = raw(master.port, validated=False)
     sock.sendall(VALIDATE[:2])
-    time.sleep(0.05)
+    time.sleep(0.05)  # the rest a moment later, so that it comes in another segment
     sock.sendall(VALIDATE[2:] + b"\x0d" + struct.pack("<I", 99))
     assert sock.recv(4) == struct.pack("<I", 99)
 

@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 
 import elastix
-from conftest import closed_port, network_deadline, run_python, store_deadline
+from conftest import blocked, closed_port, network_deadline, run_python, store_deadline
 
 
 def test_set_get_check(master):
@@ -147,7 +147,7 @@ def count(store, key):
 
 
 def until(predicate, what, timeout=30.0):
-    """Polls `predicate` (a cheap store read) until it holds; bounded in time."""
+    """Polls `predicate` (something cheap: a store read, a /proc file) until it holds; bounded in time."""
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -195,7 +195,7 @@ def test_blocking_calls_release_the_gil(master):
 
 def test_wait_wakes_on_a_set_from_another_thread(master, client):
     def later():
-        time.sleep(0.2)
+        time.sleep(0.2)  # the delay under test: the set comes while get() blocks
         client.set("late", "here")
 
     threading.Thread(target=later).start()
@@ -339,7 +339,9 @@ sys.exit(3)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(0.3)  # most likely inside wait() by now; earlier is caught all the same
+        # its main thread blocked inside wait(), where the signal is meant to land (a signal
+        # that came earlier would be caught all the same)
+        until(lambda: blocked(proc.pid), "the script blocked in wait()")
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=45)
     finally:
@@ -360,7 +362,7 @@ s.wait(["never"])
     proc = subprocess.Popen([sys.executable, "-c", script])
     try:
         master.wait(["waiter_ready"], timedelta(seconds=20))
-        time.sleep(0.1)
+        until(lambda: blocked(proc.pid), "the client blocked in its wait()")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
     finally:

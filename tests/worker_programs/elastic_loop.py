@@ -32,7 +32,7 @@ os.replace(path + ".tmp", path)
 print(f"worker rank {rank} started in round {record['round']}", flush=True)
 
 if args.fail_once == rank and restart == 0:
-    time.sleep(0.2)
+    time.sleep(0.2)  # fails a moment into its work, as a real failure comes
     raise SystemExit(1)
 if args.hang:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

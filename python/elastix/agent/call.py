@@ -22,4 +22,5 @@ def run_agent(config: Dict[str, Any]) -> Dict[str, Any]:
         )
     # The agent owns SIGINT, SIGTERM and the signals to forward while it runs, and puts the
     # process's previous handlers back when it returns.
-    return json.loads(run(json.dumps(config)))
+    result: Dict[str, Any] = json.loads(run(json.dumps(config)))  # the agent's outcome: a JSON object
+    return result

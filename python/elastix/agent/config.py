@@ -136,9 +136,9 @@ def build(
     if log_dir is not None and log_dir != os.devnull:  # torch: /dev/null means no log files
         log_dir = os.path.abspath(os.path.expanduser(log_dir))
     if python_workers:
-        from .watch import watched_env
+        from .worker_site import with_worker_site
 
-        env = watched_env(env or {})
+        env = with_worker_site(env or {})
     config = {
         "run_id": str(run_id),
         "role": str(role),

@@ -1,5 +1,6 @@
-"""A failed worker (``ProcessFailure``, torch's fields) and the error a launcher raises when its
-workers failed (``ChildFailedError``, torch's message layout)."""
+"""A failed worker (``ProcessFailure``, torch's fields), and the error a launcher raises when its
+workers failed (``ChildFailedError``, torch's message layout: defined in ``elastix.errors`` with
+the other errors, and importable from here as from torch's module of the same role)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
-from .._core import failure_summary
-
-NOT_AVAILABLE = "<N/A>"
+from ..errors import NOT_AVAILABLE, ChildFailedError
 
 
 @dataclass
@@ -124,60 +123,6 @@ def _error_data(data: Mapping[str, Any]) -> Tuple[Any, Optional[float]]:
         return message, float(data.get("timestamp", 0))
     except (KeyError, TypeError, ValueError):
         return message, None
-
-
-class ChildFailedError(Exception):
-    """Workers failed: ``name`` is the program, ``failures`` maps global rank to failure. The
-    message is torch's table with the root cause last, as the agent prints it: the agent's
-    rule chooses the root cause (a rank the others waited for in a collective, else the first
-    observed failure) and its renderer writes the table (``_core.failure_summary``)."""
-
-    def __init__(self, name: str, failures: Mapping[int, ProcessFailure]) -> None:
-        if not failures:
-            raise ValueError("ChildFailedError needs at least one failure")
-        self.name = name
-        self.failures: Dict[int, ProcessFailure] = dict(failures)
-        self._text, root = failure_summary(name, json.dumps([_agent_form(r, f) for r, f in self.failures.items()]))
-        self._root_rank = list(self.failures)[root]
-        super().__init__(self.format_msg())
-
-    def get_first_failure(self) -> Tuple[int, ProcessFailure]:
-        """The root cause (torch's name: with torch's rule it is the earliest failure)."""
-        return self._root_rank, self.failures[self._root_rank]
-
-    def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
-        text = self._text
-        if (boarder_delim, section_delim) != ("=", "-"):
-            lines = text.split("\n")
-            rules = {0: boarder_delim, len(lines) - 1: boarder_delim}
-            text = "\n".join(
-                rules.get(i, section_delim) * len(line) if line and set(line) <= {"=", "-"} else line
-                for i, line in enumerate(lines)
-            )
-        return "\n" + text
-
-
-def _agent_form(rank: int, failure: ProcessFailure) -> Dict[str, Any]:
-    """A failure as the agent's renderer reads it."""
-    return {
-        "global_rank": rank,
-        "local_rank": failure.local_rank,
-        "host": failure.host or _hostname(),
-        "pid": failure.pid,
-        "exitcode": failure.exitcode,
-        "signal": failure.signal if failure.exitcode < 0 else None,
-        "timestamp": failure.timestamp or 0.0,
-        "error_file": None if failure.error_file in (None, NOT_AVAILABLE) else failure.error_file,
-        "message": failure.traceback(),
-        "hung": failure.hung,
-        "held_others_up": failure.held_others_up,
-    }
-
-
-def _hostname() -> str:
-    import socket
-
-    return socket.gethostname()
 
 
 __all__ = ["ProcessFailure", "ChildFailedError", "NOT_AVAILABLE"]

@@ -27,7 +27,7 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import config as configs
 from .failures import ChildFailedError
@@ -209,8 +209,10 @@ def agent_config(config: LaunchConfig, program: str, program_args: Sequence[str]
         master_port=master_port,
         max_restarts=config.max_restarts,
         signals_to_handle=config.signals_to_handle,
-        shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
-        exit_barrier_timeout=config.exit_barrier_timeout,  # type: ignore[arg-type]
+        # LaunchConfig.__post_init__ resolved them (None: the variable, else the default); resolved
+        # again for a None set since
+        shutdown_timeout=configs.shutdown_timeout_from_env(config.shutdown_timeout),
+        exit_barrier_timeout=configs.exit_barrier_timeout_from_env(config.exit_barrier_timeout),
         worker_timeout=config.worker_timeout,
         log_dir=_spec_attr(specs, "log_dir"),
         redirects=masks_per_rank(_spec_attr(specs, "redirects"), nproc, "redirects"),
@@ -262,7 +264,7 @@ def _command(entrypoint: Entrypoint, args: Sequence[Any], workdir: Optional[str]
     return entrypoint, [str(a) for a in args]
 
 
-def write_payload(path: str, fn: Callable[..., Any], args: tuple) -> None:
+def write_payload(path: str, fn: Callable[..., Any], args: Tuple[Any, ...]) -> None:
     """Pickles (fn, args) with what the worker needs to unpickle them: this process's sys.path
     and, when they refer to ``__main__``, how to load the main module again (as spawn does)."""
     try:

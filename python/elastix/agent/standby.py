@@ -1,4 +1,4 @@
-"""Warm standby workers (see rust/core/src/agent/standby.rs): which worker command lines may
+"""Warm standby workers (see rust/core/src/agent/workers/standby.rs): which worker command lines may
 have one, and the variables that make such a command line a standby.
 
 The agent starts the worker's own command line (``python -u script.py ...`` or
@@ -15,7 +15,7 @@ from outside: /proc/<pid>/environ shows the environment the standby started with
 import os
 from typing import Dict, Mapping, Optional, Sequence
 
-from .watch import SITE_DIR
+from .worker_site import SITE_DIR
 
 
 def standby_env(args: Sequence[str], env: Mapping[str, str]) -> Optional[Dict[str, str]]:

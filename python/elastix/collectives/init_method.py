@@ -11,10 +11,13 @@ the arguments, the URL's query, or the environment). ``file://`` uses an elastix
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 from urllib.parse import parse_qs, urlparse
 
 from ..store.base import Store, to_timedelta
+
+if TYPE_CHECKING:
+    from ..store import TCPStore
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -44,7 +47,7 @@ def _agent_serves(host: str, port: int) -> bool:
     )
 
 
-def _tcp_store(host: str, port: int, rank: int, world_size: int, timeout: Optional[float]):
+def _tcp_store(host: str, port: int, rank: int, world_size: int, timeout: Optional[float]) -> TCPStore:
     from ..store import TCPStore
 
     td = to_timedelta(timeout)

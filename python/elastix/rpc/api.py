@@ -5,9 +5,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from ..collectives.init import rendezvous
+from ..collectives.init_method import rendezvous
 from . import _current
 from ._current import current_agent
 from .errors import RpcError
@@ -95,7 +95,9 @@ def get_worker_info(worker_name: Optional[str] = None) -> WorkerInfo:
     return agent.worker(agent.name if worker_name is None else worker_name)
 
 
-def _message(func: Callable[..., Any], args: Optional[Sequence[Any]], kwargs: Optional[Dict[str, Any]]):
+def _message(
+    func: Callable[..., Any], args: Optional[Sequence[Any]], kwargs: Optional[Dict[str, Any]]
+) -> Tuple[Callable[..., Any], Tuple[Any, ...], Dict[str, Any]]:
     if not callable(func):
         raise TypeError(f"an RPC runs a callable, got {func!r}")
     return (func, tuple(args or ()), dict(kwargs or {}))

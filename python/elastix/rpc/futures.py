@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Generic, List, Optional, TypeVar
+from typing import Any, Callable, Generic, List, Optional, TypeVar, cast
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -40,7 +40,7 @@ class Future(Generic[T]):
             raise RuntimeError("Future.value() on a future that is not done; wait() for it")
         if self._error is not None:
             raise self._error
-        return self._value
+        return cast(T, self._value)  # what set_result(value: T) gave
 
     def exception(self) -> Optional[BaseException]:
         return self._error if self._done else None

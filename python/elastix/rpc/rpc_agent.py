@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .. import _core
 from .._peers import group_key, local_address
@@ -148,7 +148,15 @@ class RpcAgent:
             raise serialize.load_error(payload)
         raise RpcError(f"{self.endpoint.describe(callee)} refused the call: {bytes(payload).decode(errors='replace')}")
 
-    def call(self, to: int, op: int, obj: Any, timeout: Optional[float], rref=None, fork=None) -> Any:
+    def call(
+        self,
+        to: int,
+        op: int,
+        obj: Any,
+        timeout: Optional[float],
+        rref: Optional[Tuple[int, int]] = None,
+        fork: Optional[Tuple[int, int]] = None,
+    ) -> Any:
         self.activity += 1
         payload, buffers, forks = self._dumps(obj)
         try:
@@ -160,7 +168,15 @@ class RpcAgent:
             raise translate(err) from None
         return self.decode(answer, to)
 
-    def call_async(self, to: int, op: int, obj: Any, timeout: Optional[float], rref=None, fork=None) -> Future[Any]:
+    def call_async(
+        self,
+        to: int,
+        op: int,
+        obj: Any,
+        timeout: Optional[float],
+        rref: Optional[Tuple[int, int]] = None,
+        fork: Optional[Tuple[int, int]] = None,
+    ) -> Future[Any]:
         self.activity += 1
         payload, buffers, forks = self._dumps(obj)
         future: Future[Any] = Future()
@@ -313,7 +329,7 @@ class RpcAgent:
             if self._barrier(f"calls/{round_}", deadline, busy) == 0:
                 return
 
-    def _settle(self, what: str, done, deadline: Optional[float]) -> None:
+    def _settle(self, what: str, done: Callable[[], bool], deadline: Optional[float]) -> None:
         """Waits (bounded by the deadline) until done() holds, saying what it waits for."""
         said = time.monotonic() + 5.0
         while not done():

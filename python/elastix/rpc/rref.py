@@ -10,7 +10,7 @@ which tells the owner (G1) or deletes the OwnerRRef. The protocol is in
 from __future__ import annotations
 
 import time
-from typing import Any, Generic, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Optional, Tuple, TypeVar, cast
 
 from . import serialize
 from ._current import current_agent
@@ -20,6 +20,9 @@ from .options import UNSET_RPC_TIMEOUT
 from .rpc_agent import RpcAgent, _Failure
 from .serialize import OP_CALL, OP_REMOTE, OP_TO_HERE
 from .worker_info import WorkerInfo
+
+if TYPE_CHECKING:
+    from .._core import RRefHandle
 
 T = TypeVar("T")
 
@@ -36,7 +39,13 @@ class RRef(Generic[T]):
         self._deadline: Optional[float] = None
 
     @classmethod
-    def _wrap(cls, handle: Any, agent: Any, creation: Optional[Future[None]] = None, timeout=None) -> "RRef[Any]":
+    def _wrap(
+        cls,
+        handle: RRefHandle,
+        agent: RpcAgent,
+        creation: Optional[Future[None]] = None,
+        timeout: Optional[float] = None,
+    ) -> "RRef[Any]":
         rref = cls.__new__(cls)
         rref._handle, rref._agent, rref._creation = handle, agent, creation
         rref._deadline = None if timeout is None else time.monotonic() + timeout
@@ -70,7 +79,7 @@ class RRef(Generic[T]):
             raise RpcTimeoutError(str(err)) from None
         if isinstance(value, _Failure):
             raise serialize.load_error(value.payload)
-        return value
+        return cast(T, value)  # what the owner holds: the RRef's value
 
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:
         """A copy of the value, fetched from the owner (waits until the owner has it)."""
@@ -80,10 +89,11 @@ class RRef(Generic[T]):
         if self._deadline is not None and not self.confirmed_by_owner() and time.monotonic() > self._deadline:
             if self._creation is None or not self._creation.done():
                 raise RpcTimeoutError(f"remote() on {self.owner()} was not confirmed within its timeout")
-        if self._creation is not None and self._creation.done() and self._creation.exception() is not None:
-            raise self._creation.exception()  # type: ignore[misc]
+        creation_error = self._creation.exception() if self._creation is not None else None
+        if creation_error is not None:
+            raise creation_error
         rref, fork = self._handle.rref_id(), self._handle.fork_id()
-        return self._agent.call(self._handle.owner(), OP_TO_HERE, None, limit, rref, fork)
+        return cast(T, self._agent.call(self._handle.owner(), OP_TO_HERE, None, limit, rref, fork))
 
     def _get_future(self) -> Future[None]:
         """Completes once the owner has created the value (remote() only)."""
@@ -103,7 +113,7 @@ class RRef(Generic[T]):
     def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         return _Proxy(self, "remote", timeout)
 
-    def __reduce__(self):
+    def __reduce__(self) -> Tuple[Callable[[int, Any, Any], RRef[Any]], serialize.ForkData]:
         forks = serialize.forks_being_made()
         if forks is None:
             raise RuntimeError("an RRef can be pickled only as part of an elastix.rpc call (argument or result)")
@@ -152,7 +162,7 @@ class _Proxy:
     def __init__(self, rref: RRef[Any], how: str, timeout: float) -> None:
         self._rref, self._how, self._timeout = rref, how, timeout
 
-    def __getattr__(self, method: str):
+    def __getattr__(self, method: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             rref = self._rref
             agent = rref._agent

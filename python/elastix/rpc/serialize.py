@@ -99,6 +99,7 @@ def load_error(payload: bytes) -> BaseException:
             err = None
     if err is None:
         err = RemoteError(f"{module}.{qualname}: {message}\n\nRemote traceback ({where}):\n{text}")
+    # set on whatever class the remote raised (a user's own too), which declares no such attribute
     err.remote_traceback = text  # type: ignore[attr-defined]
     add_note = getattr(err, "add_note", None)
     if add_note is not None:  # Python 3.11+

@@ -2,7 +2,7 @@
 (in ``elastix.timer``) ``expires(after=...)``.
 
 Under ``elastix run`` each worker has a slot of 64-bit words in a shared page its agent reads
-(see rust/core/src/agent/heartbeats.rs); these write it in place, so a heartbeat costs a
+(see rust/core/src/agent/hangs/heartbeats.rs); these write it in place, so a heartbeat costs a
 fraction of a microsecond and no system call. Outside ``elastix run`` they do nothing.
 
 The agent counts a worker as hung when an ``expires`` timer runs out, when inside

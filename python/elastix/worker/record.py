@@ -127,7 +127,7 @@ def record(fn: Optional[F] = None, error_handler: Optional[ErrorHandler] = None)
                 return None
             raise
         except Exception as e:
-            from ..agent.failures import ChildFailedError
+            from ..errors import ChildFailedError
 
             if isinstance(e, ChildFailedError):
                 _, failure = e.get_first_failure()

@@ -11,9 +11,9 @@ first on the worker's ``PYTHONPATH``. Standard library only: nothing of elastix 
    import elastix are watched too). In the worker itself (not in children it starts with spawn
    or forkserver, which inherit the variables: the slot names the pid that claimed it), with a
    heartbeat slot (``ELASTIX_HEARTBEAT_FILE``, ``ELASTIX_HEARTBEAT_SLOT``; see
-   rust/core/src/agent/heartbeats.rs): the slot is claimed with this process's pid, which the
+   rust/core/src/agent/hangs/heartbeats.rs): the slot is claimed with this process's pid, which the
    agent then watches through the kernel (whether its main thread runs at all, and its CPU
-   use: rust/core/src/agent/activity.rs), and ``faulthandler`` is armed on a real-time signal,
+   use: rust/core/src/agent/hangs/activity.rs), and ``faulthandler`` is armed on a real-time signal,
    writing every thread's stack to ``ELASTIX_STACKS_FILE`` (the slot says which signal; the
    agent sends it before it kills a hung worker, and for ``elastix dump``). Nothing runs in
    the worker afterwards: no thread, no timer.
@@ -64,7 +64,7 @@ def _wait_for_the_worker_environment(fd: int) -> None:
             os.environb[key] = value
 
 
-def _claim():
+def _claim() -> "tuple[memoryview, int] | None":  # quoted: no typing import in every worker
     """This worker's slot as 64-bit words and its first word's index, or None."""
     path, slot = os.environ.get("ELASTIX_HEARTBEAT_FILE"), os.environ.get("ELASTIX_HEARTBEAT_SLOT")
     if not path or not slot:
@@ -83,7 +83,7 @@ def _claim():
     return words, base
 
 
-def _arm_stack_dumps(words, base):
+def _arm_stack_dumps(words: memoryview, base: int) -> None:
     path = os.environ.get("ELASTIX_STACKS_FILE")
     if not path:
         return
@@ -96,7 +96,7 @@ def _arm_stack_dumps(words, base):
     words[base + _DUMP_SIGNAL] = number
 
 
-def _step_aside():
+def _step_aside() -> None:
     here = os.path.dirname(os.path.realpath(__file__))
     sys.path[:] = [entry for entry in sys.path if not (entry and os.path.realpath(entry) == here)]
     sys.path_importer_cache.pop(here, None)
@@ -109,7 +109,7 @@ def _step_aside():
         raise ImportError("no sitecustomize besides elastix's", name="sitecustomize") from None
 
 
-def _start():
+def _start() -> None:
     claimed = _claim()
     if claimed is None:
         return

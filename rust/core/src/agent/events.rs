@@ -40,10 +40,10 @@ impl EventLog {
         Ok(EventLog { file, to_stderr, run_id: run_id.to_owned(), host: host.to_owned() })
     }
 
-    /// Writes one event: `fields` (an object) after the common ones.
+    /// Writes one event: its name first (a line starts `{"event":`, for grep and for readers
+    /// that look no further), then the common fields and `fields` (an object), by name.
     pub async fn emit(&self, name: &str, fields: Value) {
         let mut event = Map::new();
-        event.insert("event".into(), name.into());
         event.insert("time".into(), humantime::format_rfc3339_millis(SystemTime::now()).to_string().into());
         event.insert("run_id".into(), self.run_id.clone().into());
         event.insert("host".into(), self.host.clone().into());
@@ -51,7 +51,8 @@ impl EventLog {
         if let Value::Object(fields) = fields {
             event.extend(fields);
         }
-        let line = Value::Object(event).to_string();
+        let rest = Value::Object(event).to_string();
+        let line = format!("{{\"event\":{},{}", Value::from(name), rest.strip_prefix('{').unwrap_or(&rest));
         tracing::debug!(target: "elastix::events", "{line}");
         if self.to_stderr {
             console::stderr().line(format!("{line}\n").into_bytes());

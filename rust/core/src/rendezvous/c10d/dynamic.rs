@@ -737,19 +737,24 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             if known.is_some_and(|known| meta.as_ref().map_or(true, |meta| meta.incarnation != known.incarnation)) {
                 return Ok(Some(MembershipChange::StoreReset));
             }
-            let current = current_round(conn).await?;
-            if current > round {
-                return Ok(Some(MembershipChange::RoundSuperseded { round: current }));
-            }
             // events are few per round; a producer writes an event's key just after counting
-            // it, so one that is not there yet is skipped
+            // it, so one that is not there yet is skipped. A member's loss tells most (it is
+            // what broke this node's workers, though the others have moved on since); else
+            // the first change, else a newer round.
+            let mut first = None;
             for n in seen + 1..=events::count(conn).await? {
                 let Some(bytes) = conn.try_get(&Keys::event(n)).await? else { continue };
-                if let Some(change) = decode::<Event>(&bytes, "event").ok().and_then(|event| relevance(&event, round)) {
-                    return Ok(Some(change));
+                match decode::<Event>(&bytes, "event").ok().and_then(|event| relevance(&event, round)) {
+                    Some(lost @ MembershipChange::NodeLost { .. }) => return Ok(Some(lost)),
+                    Some(change) => first = first.or(Some(change)),
+                    None => {}
                 }
             }
-            Ok(None)
+            if first.is_some() {
+                return Ok(first);
+            }
+            let current = current_round(conn).await?;
+            Ok((current > round).then_some(MembershipChange::RoundSuperseded { round: current }))
         };
         match self.with_conn(look).await {
             // the main connection may have gone stale while idle (the store restarted): these
