@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from datetime import timedelta
 from typing import List, Optional, Tuple
@@ -653,6 +654,12 @@ class Hijacker(Relay):
         client.sendall(read_exact(upstream, tcp_comm.VERDICT_BYTES))
         self.sent += client.recv(1 << 16)  # the member's first message, kept from the listener
         send_quietly(upstream, self.own)
+        client.settimeout(WAIT)
+        try:  # and the rest of what the member sends, kept too
+            while chunk := client.recv(1 << 16):
+                self.sent += chunk
+        except OSError:
+            pass
 
 
 @pytest.mark.parametrize("mode", ["authenticated", "encrypted"])
@@ -670,7 +677,16 @@ def test_a_relay_that_passed_the_handshake_through_cannot_send_its_own_messages(
         c0.send(1, [c0.header(desc), secret_data])
         with pytest.raises(CollectiveError, match="altered after its handshake"):
             c1.check_header(0, desc, "all_reduce")
-        # what the member sent is sealed: readable on the way only when not encrypted
+        # what the member sent is sealed: readable on the way only when not encrypted (once
+        # the relay has read at least as many bytes as the member's header and data)
+        plain = tcp_comm.HEADER.size + len(secret_data)
+
+        def arrived() -> bool:
+            return secret_data in hijacker.sent if mode == "authenticated" else len(hijacker.sent) >= plain
+
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline and not arrived():
+            time.sleep(0.01)
         seen = bytes(hijacker.sent)
         assert (secret_data in seen) == (mode == "authenticated"), seen
         assert tcp_comm.HEADER.pack(tcp_comm.MAGIC, 0, *desc) not in seen or mode == "authenticated"
