@@ -94,7 +94,7 @@ fn reduce(
 /// it is undumpable, as a process that loaded the job secret is.
 #[pyfunction]
 fn memfd_attachable() -> bool {
-    core::shm::memfd_attachable()
+    core::mapping::memfd_attachable()
 }
 
 /// Adds the `collectives` submodule to `parent`.

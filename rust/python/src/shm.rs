@@ -1,5 +1,5 @@
 //! `elastix._core.collectives.Segment` and `.Waiter`: shared memory owned by Rust
-//! (`elastix_core::collectives::{segment, waiter}`), reached from Python by byte offsets and,
+//! (`elastix_core::collectives::{segment, rank_counters}`), reached from Python by byte offsets and,
 //! for NumPy, through the buffer protocol. No function here takes an address.
 
 use std::ffi::{c_int, c_void};

@@ -5,23 +5,23 @@
 //! * [`kernels`]: reductions in one pass over any number of sources into one or two
 //!   destinations, for every dtype including float16 and bfloat16 (via the `half` crate), which
 //!   NumPy adds 30x slower than float32;
-//! * [`shm`]: shared memory mapped and owned by Rust, its words reached by checked offsets;
+//! * [`mapping`]: shared memory mapped and owned by Rust, its words reached by checked offsets;
 //! * [`segment`]: a mapping that can be closed while other threads use it, without ever being
 //!   unmapped under them;
-//! * [`wait`] and [`waiter`]: waits on sequence counters in shared memory (spin, then yield,
+//! * [`counters`] and [`rank_counters`]: waits on sequence counters in shared memory (spin, then yield,
 //!   then a futex, checking the peers' liveness and abort words, with acquire/release ordering
 //!   that Python cannot express).
 
+pub mod counters;
 pub mod dtype;
 pub mod kernels;
+pub mod mapping;
+pub mod rank_counters;
 pub mod segment;
-pub mod shm;
-pub mod wait;
-pub mod waiter;
 
+pub use counters::{publish, wait_all, wake, Liveness, Peer, SpinPolicy, WaitError};
 pub use dtype::{DType, ReduceOp};
 pub use kernels::{reduce, KernelError};
+pub use mapping::{Backing, Handle, OffsetError, SharedMemory};
+pub use rank_counters::{Descriptors, Waiter, Words};
 pub use segment::{Segment, SegmentError};
-pub use shm::{Backing, Handle, OffsetError, SharedMemory};
-pub use wait::{publish, wait_all, wake, Liveness, Peer, SpinPolicy, WaitError};
-pub use waiter::{Descriptors, Waiter, Words};

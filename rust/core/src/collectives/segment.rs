@@ -3,7 +3,7 @@
 //! Every access runs under a read lock taken with `try_read`, so an access never blocks: the
 //! only writer is [`Segment::close`], and a reader that finds it closing (or closed) gets
 //! [`SegmentError::Closed`]. `close` first raises the `closed` flag, which waits in progress
-//! check every few milliseconds ([`super::waiter`]), then takes the write lock, so it returns
+//! check every few milliseconds ([`super::rank_counters`]), then takes the write lock, so it returns
 //! only once every access has left, and drops the mapping. Views exported to Python hold an
 //! `Arc` of the mapping ([`Segment::export`]): the memory is unmapped when the last of them
 //! goes, never under them.
@@ -12,8 +12,8 @@ use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock, TryLockError};
 
-use super::shm::{Handle, OffsetError, SharedMemory};
-use super::wait;
+use super::counters;
+use super::mapping::{Handle, OffsetError, SharedMemory};
 
 /// Why a segment refused an access.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -100,7 +100,7 @@ impl Segment {
         self.with(|memory| {
             let flag = memory.u64_at(offset)?;
             let waiters: Option<&AtomicU32> = waiters.map(|w| memory.u32_at(w)).transpose()?;
-            wait::publish(flag, waiters, value);
+            counters::publish(flag, waiters, value);
             Ok(())
         })?
     }
@@ -110,7 +110,7 @@ impl Segment {
         self.with(|memory| {
             let flag: &AtomicU64 = memory.u64_at(flag)?;
             memory.u64_at(abort)?.store(code, Ordering::SeqCst);
-            wait::wake(flag);
+            counters::wake(flag);
             Ok(())
         })?
     }
@@ -119,7 +119,7 @@ impl Segment {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collectives::shm::Backing;
+    use crate::collectives::mapping::Backing;
 
     fn segment() -> Segment {
         Segment::new(SharedMemory::create(4096, &Backing::Memfd).unwrap())

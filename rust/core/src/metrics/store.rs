@@ -16,15 +16,14 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
 use super::REQUEST_BUCKETS;
-use crate::store::protocol::Opcode;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Op {
     pub op: &'static str,
 }
 
-/// Opcodes 0-18.
-const OPCODES: usize = 19;
+/// Operations a server may count with a resolved slot each (the store's opcodes are 0-18).
+pub const OP_SLOTS: usize = 32;
 
 fn latency_histogram() -> Histogram {
     Histogram::new(REQUEST_BUCKETS)
@@ -51,8 +50,8 @@ impl PerOp {
 }
 
 pub struct ServerMetrics {
-    /// Handles per opcode, resolved once so that a request costs no map lookup.
-    by_opcode: [OnceLock<(Counter, Histogram)>; OPCODES],
+    /// Handles per operation slot, resolved once so that a request costs no map lookup.
+    by_slot: [OnceLock<(Counter, Histogram)>; OP_SLOTS],
     per_op: PerOp,
     connections: Gauge,
     accepted: Counter,
@@ -61,7 +60,7 @@ pub struct ServerMetrics {
 pub fn server() -> &'static ServerMetrics {
     static METRICS: OnceLock<ServerMetrics> = OnceLock::new();
     METRICS.get_or_init(|| ServerMetrics {
-        by_opcode: std::array::from_fn(|_| OnceLock::new()),
+        by_slot: std::array::from_fn(|_| OnceLock::new()),
         per_op: PerOp::new(),
         connections: Gauge::default(),
         accepted: Counter::default(),
@@ -82,14 +81,16 @@ impl ServerMetrics {
         store.register("accepted_connections", "Client connections accepted", self.accepted.clone());
     }
 
-    /// A request with `opcode` executed in `took` (a WAIT's time is not recorded).
-    pub fn request(&self, opcode: Opcode, took: Duration) {
-        let (requests, durations) = self.by_opcode[opcode as usize].get_or_init(|| {
-            let label = Op { op: opcode.name() };
+    /// A request for operation `op` (counted in `slot`, below [`OP_SLOTS`]: one slot per
+    /// operation, always the same), executed in `took` (`None`: not timed, as a WAIT).
+    pub fn request(&self, slot: usize, op: &'static str, took: Option<Duration>) {
+        let Some(handles) = self.by_slot.get(slot) else { return self.per_op.record(op, took) };
+        let (requests, durations) = handles.get_or_init(|| {
+            let label = Op { op };
             (self.per_op.requests.get_or_create_owned(&label), self.per_op.durations.get_or_create_owned(&label))
         });
         requests.inc();
-        if opcode != Opcode::Wait {
+        if let Some(took) = took {
             durations.observe(took.as_secs_f64());
         }
     }

@@ -19,7 +19,7 @@ pub trait BlockingStore: Send + Sync {
     /// The value, or `None` if the key is missing; never waits.
     fn get_now(&self, key: &[u8]) -> Result<Option<Bytes>>;
     fn add(&self, key: &[u8], delta: i64) -> Result<i64>;
-    /// torch's COMPARE_SET rules (see [`super::state::KvState::compare_set`]).
+    /// torch's COMPARE_SET rules (see [`super::data::KvState::compare_set`]).
     fn compare_set(&self, key: &[u8], expected: &[u8], desired: &[u8]) -> Result<Bytes>;
     /// Whether every key exists (or names a non-empty queue).
     fn check(&self, keys: &[&[u8]]) -> Result<bool>;

@@ -7,8 +7,8 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::blocking::BlockingStore;
+use super::data::KvState;
 use super::error::{Result, StoreError};
-use super::state::KvState;
 
 #[derive(Default)]
 pub struct LocalStore {

@@ -1,8 +1,8 @@
 //! A key-value store that speaks torch's TCPStore wire protocol byte for byte.
 //!
 //! * [`protocol`], [`request`]: the wire format (opcodes, encoding, incremental decoding).
-//! * [`state`], [`counter`]: what each operation means, shared by every store flavour.
-//! * [`waiters`], [`db`]: blocking waits and the execution of requests on a server.
+//! * [`data`], [`counter`]: what each operation means, shared by every store flavour.
+//! * [`waiters`], [`execute`]: blocking waits and the execution of requests on a server.
 //! * [`server`]: the tokio server; [`client`]: the tokio client; [`tcp_store`]: torch's
 //!   TCPStore semantics over them.
 //! * [`blocking`], [`local`], [`file`]: stores for plain threads (in-process, file-backed).
@@ -11,8 +11,9 @@
 pub mod blocking;
 pub mod client;
 pub mod counter;
-pub mod db;
+pub mod data;
 pub mod error;
+pub mod execute;
 pub mod file;
 pub mod limits;
 pub mod linger;
@@ -20,7 +21,6 @@ pub mod local;
 pub mod protocol;
 pub mod request;
 pub mod server;
-pub mod state;
 pub mod tcp_store;
 pub mod transport;
 pub mod waiters;

@@ -6,7 +6,7 @@ use bytes::Bytes;
 
 use super::format::{check_start, decode, Change, NotAStore};
 use crate::store::counter::{parse_counter, CounterError};
-use crate::store::state::KvState;
+use crate::store::data::KvState;
 
 /// Which file (device, inode) a replica's entries came from.
 pub(super) type FileId = (u64, u64);

@@ -12,8 +12,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::shutdown::Shutdown;
 use super::Shared;
-use crate::store::db::ExecError;
-use crate::store::protocol::{STOP_WAITING, VALIDATION_MAGIC};
+use crate::store::execute::ExecError;
+use crate::store::protocol::{Opcode, STOP_WAITING, VALIDATION_MAGIC};
 use crate::store::request::{Decoded, FrameError, Request};
 use crate::store::transport::Transport;
 use crate::store::waiters::{WaiterId, Waker};
@@ -266,7 +266,10 @@ impl Session {
         db.execute(self.id, &self.waker, request, &mut self.write_buf)?;
         drop(db);
         if let Some(started) = started {
-            crate::metrics::store::server().request(request.opcode(), started.elapsed());
+            let opcode = request.opcode();
+            // a WAIT lasts as long as its keys take to appear: counted, not timed
+            let took = (opcode != Opcode::Wait).then(|| started.elapsed());
+            crate::metrics::store::server().request(opcode as usize, opcode.name(), took);
         }
         Ok(())
     }

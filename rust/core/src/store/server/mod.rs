@@ -26,7 +26,7 @@ use self::admission::Admission;
 use self::connection::Connection;
 use self::shutdown::Shutdown;
 use super::counter::parse_counter;
-use super::db::Db;
+use super::execute::Db;
 use super::limits::Limits;
 use crate::address_log::{AddressLog, Throttled};
 use crate::auth::{Admitted, Gate, PlainClients, Secret};

@@ -13,9 +13,9 @@ use std::time::Instant;
 
 use nix::libc;
 
+use super::counters::{self, Liveness, Peer, SpinPolicy, WaitError};
+use super::mapping::SharedMemory;
 use super::segment::{Segment, SegmentError};
-use super::shm::SharedMemory;
-use super::wait::{self, Liveness, Peer, SpinPolicy, WaitError};
 
 /// The byte offsets of one rank's words: its counter (u64), its abort word (u64) and the word
 /// where sleepers on its counter register (u32).
@@ -134,7 +134,7 @@ impl Waiter {
         })?
     }
 
-    /// Waits until every peer's counter is >= `target` (see [`wait::wait_all`]); a close of the
+    /// Waits until every peer's counter is >= `target` (see [`counters::wait_all`]); a close of the
     /// segment meanwhile ends it with [`WaitError::Closed`]. The outer error: the segment was
     /// already closed.
     pub fn wait(
@@ -151,7 +151,7 @@ impl Waiter {
                 .map(|(words, liveness)| words.peer(memory, *liveness))
                 .collect::<Result<Vec<_>, _>>()?;
             let closing = || self.segment.is_closed();
-            let result = wait::wait_all(&peers, target, &self.policy, deadline, &mut || closing() || interrupted());
+            let result = counters::wait_all(&peers, target, &self.policy, deadline, &mut || closing() || interrupted());
             if result == Err(WaitError::Interrupted) && closing() {
                 let pending = (0..peers.len()).filter(|&i| peers[i].flag.load(Ordering::Acquire) < target).collect();
                 return Ok(Err(WaitError::Closed { pending }));
@@ -169,7 +169,7 @@ impl Waiter {
                 memory.i64_at(at + 8 * i)?.store(*value, Ordering::Relaxed);
             }
             let waiters = own.waiters.map(|w| memory.u32_at(w)).transpose()?;
-            wait::publish(memory.u64_at(own.flag)?, waiters, seq);
+            counters::publish(memory.u64_at(own.flag)?, waiters, seq);
             Ok(())
         })?
     }
@@ -201,7 +201,7 @@ impl Waiter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collectives::shm::{Backing, SharedMemory};
+    use crate::collectives::mapping::{Backing, SharedMemory};
     use std::time::Duration;
 
     fn segment() -> Arc<Segment> {

@@ -4,9 +4,9 @@
 use bytes::{BufMut, BytesMut};
 
 use super::counter::CounterError;
+use super::data::KvState;
 use super::protocol::{CHECK_NOT_READY, CHECK_READY, STOP_WAITING, WAIT_CANCELED};
 use super::request::{put_bytes, Request};
-use super::state::KvState;
 use super::waiters::{AlreadyWaiting, WaiterId, Waiters, Waker};
 
 /// A request that is well-formed on the wire but cannot be executed. The server closes the

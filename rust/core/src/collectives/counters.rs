@@ -94,7 +94,7 @@ pub enum WaitError {
         pending: Vec<usize>,
     },
     Interrupted,
-    /// The segment was closed while waiting (see [`super::waiter::Waiter::wait`]).
+    /// The segment was closed while waiting (see [`super::rank_counters::Waiter::wait`]).
     Closed {
         pending: Vec<usize>,
     },
