@@ -15,8 +15,8 @@ use nix::unistd::Pid;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-use crate::agent::config::{AgentConfig, STD_ERR, STD_OUT};
-use crate::agent::error::{AgentError, Result};
+use crate::agent::config::AgentConfig;
+use crate::agent::error::Result;
 use crate::agent::failure::Failure;
 use crate::agent::hangs::activity::Activity;
 use crate::agent::hangs::dumps::{Asked, DumpRequests, FlightExchange, WorkerStacks};
@@ -24,14 +24,13 @@ use crate::agent::hangs::flight::{self, Holdup, RankFlights};
 use crate::agent::hangs::heartbeats::{self, Heartbeats, Lapse, Slot};
 use crate::agent::hangs::stacks;
 use crate::agent::output::logfiles::{LogFile, LogWriter};
-use crate::agent::output::logs::{expand_prefix, DEFAULT_TEE_PREFIX};
-use crate::agent::output::pump::{pump, Duplicate, Sink};
 use crate::agent::progress;
-use crate::agent::workers::env::{worker_args, worker_env, WorkerPlace};
-use crate::agent::workers::process::{Output, Supervised, SupervisedCommand};
+use crate::agent::workers::env::WorkerPlace;
+use crate::agent::workers::process::Output;
 use crate::agent::workers::ranks::Assignment;
-use crate::agent::workers::reaper::{self, Cgroup, GroupCgroup, Watch};
-use crate::agent::workers::standby::{Standby, StandbyPool};
+use crate::agent::workers::reaper::{self, GroupCgroup, Watch};
+use crate::agent::workers::spawn::Spawner;
+use crate::agent::workers::standby::StandbyPool;
 use crate::console;
 use crate::rendezvous::records::WorkerProgress;
 use crate::rendezvous::RendezvousInfo;
@@ -46,19 +45,19 @@ const CONSOLE_WAIT: Duration = Duration::from_millis(500);
 /// How often the heartbeats are read: hangs are found within this of their timeout.
 const WATCH_EVERY: Duration = Duration::from_millis(100);
 
-struct Worker {
-    place: WorkerPlace,
-    pid: u32,
-    exit: Option<(ExitStatus, SystemTime)>,
-    pumps: Vec<JoinHandle<()>>,
-    stderr_tail: Arc<Mutex<VecDeque<String>>>,
+pub(super) struct Worker {
+    pub(super) place: WorkerPlace,
+    pub(super) pid: u32,
+    pub(super) exit: Option<(ExitStatus, SystemTime)>,
+    pub(super) pumps: Vec<JoinHandle<()>>,
+    pub(super) stderr_tail: Arc<Mutex<VecDeque<String>>>,
     /// Where it dumps its stacks when asked.
-    stacks_file: PathBuf,
+    pub(super) stacks_file: PathBuf,
     /// What the kernel showed of its main process: whether its main thread runs, and its CPU
     /// use (a worker in a long C call is busy, not hung).
-    activity: Activity,
+    pub(super) activity: Activity,
     /// Dropped after the group is killed: the watchdog forgets the group only then.
-    watch: Watch,
+    pub(super) watch: Watch,
 }
 
 /// How an attempt's workers ended.
@@ -122,7 +121,7 @@ pub struct Launch<'a> {
 }
 
 /// The attempt's duplicate-filter files, shared by its workers: stdout's and stderr's.
-type DuplicateFiles = [Option<(Arc<[String]>, LogFile)>; 2];
+pub(super) type DuplicateFiles = [Option<(Arc<[String]>, LogFile)>; 2];
 
 fn duplicate_files(launch: &Launch<'_>) -> Result<DuplicateFiles> {
     let config = launch.config;
@@ -160,17 +159,27 @@ impl WorkerGroup {
             ticks: 0,
         };
         let duplicates = duplicate_files(launch)?;
+        let spawner = Spawner {
+            launch,
+            duplicates: &duplicates,
+            heartbeat_page: group.heartbeats.as_ref().map(Heartbeats::path),
+            cgroup: group.cgroup.as_ref().and_then(GroupCgroup::cgroup),
+            exits: sender,
+        };
+        let mut started = Ok(());
         for local_rank in 0..launch.config.local_world_size {
-            let cgroup = group.cgroup.as_ref().and_then(GroupCgroup::cgroup);
-            let page = group.heartbeats.as_ref().map(Heartbeats::path);
-            match spawn(launch, &duplicates, page, local_rank, standbys.take(local_rank), cgroup, sender.clone()) {
+            match spawner.spawn(local_rank, standbys.take(local_rank)) {
                 Ok(worker) => group.workers.push(worker),
                 Err(err) => {
-                    // leave nothing half-started behind
-                    group.kill_all();
-                    return Err(err);
+                    started = Err(err);
+                    break;
                 }
             }
+        }
+        if let Err(err) = started {
+            // leave nothing half-started behind
+            group.kill_all();
+            return Err(err);
         }
         Ok(group)
     }
@@ -512,103 +521,6 @@ impl Drop for WorkerGroup {
 type HungWorker = (usize, Lapse, Option<SystemTime>, StacksOrWhy);
 /// A worker's stacks, or why there are none.
 type StacksOrWhy = std::result::Result<String, String>;
-
-#[allow(clippy::too_many_arguments)]
-fn spawn(
-    launch: &Launch<'_>,
-    duplicates: &DuplicateFiles,
-    heartbeat_page: Option<&Path>,
-    local_rank: u32,
-    standby: Option<Standby>,
-    cgroup: Option<&Cgroup>,
-    exits: mpsc::UnboundedSender<(usize, std::io::Result<ExitStatus>, SystemTime)>,
-) -> Result<Worker> {
-    let config = launch.config;
-    let rank_dir = launch.attempt_dir.map(|dir| dir.join(local_rank.to_string()));
-    let error_file =
-        rank_dir.as_ref().map(|dir| dir.join("error.json").to_string_lossy().into_owned()).unwrap_or_default();
-    let place = WorkerPlace::new(local_rank, launch.assignment, launch.restart_count, error_file);
-    let args = worker_args(&config.args, local_rank);
-    let mut env = worker_env(config, launch.info, launch.assignment, &place);
-    let stacks_file = match &rank_dir {
-        Some(dir) => dir.join("stacks.log"),
-        None => std::env::temp_dir().join(format!("elastix-stacks-{}-{}", std::process::id(), place.global_rank)),
-    };
-    if let Some(page) = heartbeat_page {
-        env.insert(heartbeats::FILE_VAR.to_owned(), page.to_string_lossy().into_owned());
-        env.insert(heartbeats::SLOT_VAR.to_owned(), local_rank.to_string());
-        env.insert(heartbeats::STACKS_VAR.to_owned(), stacks_file.to_string_lossy().into_owned());
-    }
-    let output = launch.outputs[local_rank as usize];
-    let activated = standby.and_then(|standby| {
-        let pid = standby.pid();
-        // before it runs the worker's program, so that all it starts is in the cgroup too
-        if let Some(Err(err)) = cgroup.map(|cgroup| cgroup.adopt(pid)) {
-            tracing::debug!(
-                "cannot move the standby (pid {pid}) of {} into the workers' cgroup: {err}",
-                place.name(None)
-            );
-        }
-        standby
-            .activate(&args, &env)
-            .map_err(|err| {
-                tracing::warn!("the standby (pid {pid}) of {} is unusable ({err}); starting it cold", place.name(None))
-            })
-            .ok()
-    });
-    let Supervised { mut child, pid, watch } = match activated {
-        Some(process) => process,
-        None => {
-            let mut command = SupervisedCommand::new(&config.entrypoint, &args, &env, output, cgroup.cloned());
-            if let Some(cpus) = config.cpu_set(local_rank as usize) {
-                command.bind_to(cpus);
-            }
-            command.spawn().map_err(|err| {
-                let bound = config.binding_of(local_rank as usize).map(|b| format!(", {b}")).unwrap_or_default();
-                AgentError::Spawn(format!(
-                    "cannot start {} ({} {:?}{bound}): {err}",
-                    place.name(None),
-                    config.entrypoint,
-                    config.args
-                ))
-            })?
-        }
-    };
-    let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
-    let sink = |mask: u8, name: &str, tail: Option<Arc<Mutex<VecDeque<String>>>>| -> Result<Sink> {
-        let local = local_rank as usize;
-        let file = match &rank_dir {
-            Some(dir) if config.file_mask(local) & mask != 0 => Some(launch.log_writer.create(&dir.join(name))?),
-            _ => None,
-        };
-        let console = if mask == STD_OUT { console::stdout() } else { console::stderr() };
-        let shown = config.console_mask(local) & mask != 0;
-        let tee = config.tee[local] & mask != 0;
-        let template = config.line_prefix.as_deref().or(tee.then_some(DEFAULT_TEE_PREFIX));
-        let prefix = template
-            .map(|t| expand_prefix(t, &config.role, place.global_rank, local_rank, launch.host))
-            .unwrap_or_default();
-        // torchrun duplicates tee'd lines only
-        let duplicate = duplicates[usize::from(mask == STD_ERR)]
-            .as_ref()
-            .filter(|_| tee)
-            .map(|(filters, file)| Duplicate { filters: filters.clone(), file: file.clone() });
-        Ok(Sink { file, console: shown.then_some(console), prefix, tail, duplicate })
-    };
-    let mut pumps = Vec::new();
-    if let (Some(stdout), Some(stderr)) = (child.stdout.take(), child.stderr.take()) {
-        pumps.push(pump(stdout, sink(STD_OUT, "stdout.log", None)?));
-        pumps.push(pump(stderr, sink(STD_ERR, "stderr.log", Some(stderr_tail.clone()))?));
-    }
-    let index = local_rank as usize;
-    let reaped = watch.clone();
-    tokio::spawn(async move {
-        let status = child.wait().await;
-        reaped.release_if_empty();
-        let _ = exits.send((index, status, SystemTime::now()));
-    });
-    Ok(Worker { place, pid, exit: None, pumps, stderr_tail, stacks_file, activity: Activity::default(), watch })
-}
 
 /// Waits up to [`DRAIN_WAIT`] for output pumps to reach EOF; returns those still running.
 async fn drain(pumps: Vec<JoinHandle<()>>) -> Vec<JoinHandle<()>> {
