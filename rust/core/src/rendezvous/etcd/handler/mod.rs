@@ -4,6 +4,9 @@
 //! liveness, rounds form in transactions and watches ([`super::join`]), and members watch
 //! their round with one watch ([`super::member`]). No node is special.
 
+mod backend;
+mod questions;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -392,64 +395,6 @@ impl EtcdRendezvous {
         self.current.as_ref().map(|membership| membership.changes.clone())
     }
 
-    /// Nodes that entered the round after the current one (late nodes and spares).
-    /// Asks the other members of the current round (`only` these group ranks, if given)
-    /// whether they are still there: through etcd first (a member whose agent runs and reaches
-    /// etcd answers in its ask key at once), then, for those that do not answer, at their
-    /// presence port. A member that does not answer and whose machine refuses the probe is
-    /// gone: its lease is revoked, which deletes its member key, so every member's watch sees
-    /// it lost now rather than when its lease would have expired. A refusal alone proves
-    /// nothing (a firewall that rejects gives one too).
-    pub async fn census(&mut self, only: Option<&[u32]>) -> Result<Census> {
-        let Some(membership) = &self.current else { return Ok(Census::default()) };
-        let (round, me) = (membership.round, membership.rank);
-        let request = ops::members_as_sealed(&self.keys.members(round), membership.sealed_at, membership.last_member);
-        let response = self.client.range(request).await.map_err(|err| self.error(err))?;
-        let mut asked = Vec::new();
-        for (rank, kv) in (0u32..).zip(&response.kvs) {
-            if rank == me || only.is_some_and(|only| !only.contains(&rank)) {
-                continue;
-            }
-            let KeyKind::Member { id, .. } = self.keys.kind(&kv.key) else { continue };
-            if let Ok(Arrival { node: Some(node), .. }) = decode::<Arrival>(&kv.value, "member") {
-                let (key, nonce) = (self.keys.ask(round, &id), format!("{:016x}", fastrand::u64(..)));
-                let ask = [b"?".as_slice(), nonce.as_bytes()].concat();
-                self.client.put(&key, &ask).await.map_err(|err| self.error(err))?;
-                let answer = [b"!".as_slice(), nonce.as_bytes()].concat();
-                asked.push(Asked { rank, node, lease: kv.lease, key, answer });
-            }
-        }
-        let deadline = Instant::now() + ASK_PATIENCE;
-        loop {
-            let mut waiting = Vec::new();
-            for entry in asked.drain(..) {
-                let (answer, _) = self.client.get(&entry.key).await.map_err(|err| self.error(err))?;
-                if answer.as_deref() != Some(entry.answer.as_slice()) {
-                    waiting.push(entry);
-                }
-            }
-            asked = waiting;
-            if asked.is_empty() || Instant::now() >= deadline {
-                break;
-            }
-            tokio::time::sleep(ASK_POLL).await;
-        }
-        let leases: std::collections::HashMap<u32, i64> = asked.iter().map(|a| (a.rank, a.lease)).collect();
-        let census = presence::census(asked.into_iter().map(|a| (a.rank, a.node)).collect(), PROBE_TIMEOUT).await;
-        for (rank, node) in &census.gone {
-            tracing::warn!(
-                "round {round}: node {node} (group rank {rank}) lost: its agent at {} is gone (it did not answer \
-                 through etcd, and its presence port refused the probe); revoking its lease",
-                node.addr
-            );
-            let lease = Lease { id: leases[rank], ttl: Duration::ZERO };
-            if let Err(err) = self.client.revoke_lease(lease).await {
-                tracing::debug!(round, rank, "could not revoke the lost member's lease ({err}); it expires on its own");
-            }
-        }
-        Ok(census)
-    }
-
     pub async fn num_nodes_waiting(&mut self) -> Result<u32> {
         let Some(round) = self.current.as_ref().map(|m| m.round) else { return Ok(0) };
         let request = TxnRequest { success: vec![ops::count(&self.keys.members(round + 1), 0)], ..Default::default() };
@@ -498,34 +443,6 @@ impl EtcdRendezvous {
                 self.settings.run_id
             ))),
         }
-    }
-
-    /// A round sealed after this node's, if one was: the others re-formed without it.
-    pub async fn round_ended(&mut self) -> Result<Option<MembershipChange>> {
-        let Some(membership) = &self.current else { return Ok(None) };
-        let (round, sealed_at, last_member) = (membership.round, membership.sealed_at, membership.last_member);
-        let latest = self.read(&self.keys.round()).await?.map(|bytes| ops::number(&bytes, "round")).transpose()?;
-        if let Some(newer) = latest.map(|latest| latest.max(0) as u64).filter(|latest| *latest > round) {
-            return Ok(Some(MembershipChange::RoundSuperseded { round: newer }));
-        }
-        // a member whose key is gone already (lost, or gone on to the next round) ended the
-        // round, though this node's watch may not have said so yet: another member's agent
-        // stopped its workers for it, which is how this node's workers came to fail
-        let members = self.keys.members(round);
-        let sealed = ops::members_as_sealed(&members, sealed_at, last_member);
-        let now = ops::members_as_sealed(&members, 0, last_member);
-        let (sealed, now) = (self.client.range(sealed), self.client.range(now));
-        let (sealed, now) = tokio::try_join!(sealed, now).map_err(|err| self.error(err))?;
-        let present: std::collections::HashSet<&[u8]> = now.kvs.iter().map(|kv| kv.key.as_slice()).collect();
-        let gone = (0u32..).zip(&sealed.kvs).find(|(_, kv)| !present.contains(kv.key.as_slice()));
-        Ok(gone.map(|(rank, kv)| {
-            let node = decode::<Arrival>(&kv.value, "member").ok().and_then(|arrival| arrival.node);
-            MembershipChange::NodeLost { rank: Some(rank), node }
-        }))
-    }
-
-    fn current_round(&self) -> Option<u64> {
-        self.current.as_ref().map(|membership| membership.round)
     }
 
     /// Why the rendezvous was closed, if it is: as the close said, else from etcd.
@@ -610,92 +527,5 @@ impl EtcdRendezvous {
     /// [`Self::shutdown`].
     pub fn disconnect(&mut self) {
         self.shutdown();
-    }
-}
-
-impl Backend for EtcdRendezvous {
-    fn name(&self) -> &'static str {
-        "etcd"
-    }
-
-    fn run_id(&self) -> &str {
-        EtcdRendezvous::run_id(self)
-    }
-
-    fn next_rendezvous(&mut self) -> Fut<'_, RendezvousInfo> {
-        Box::pin(EtcdRendezvous::next_rendezvous(self))
-    }
-
-    fn report_failure(&mut self) -> Fut<'_, i64> {
-        Box::pin(EtcdRendezvous::report_failure(self))
-    }
-
-    fn record_restart(&mut self) -> Fut<'_, i64> {
-        Box::pin(EtcdRendezvous::record_restart(self))
-    }
-
-    fn restart_count(&mut self) -> Fut<'_, i64> {
-        Box::pin(EtcdRendezvous::restart_count(self))
-    }
-
-    fn describe_store(&self) -> String {
-        EtcdRendezvous::describe_store(self)
-    }
-
-    fn secret(&self) -> Option<&crate::auth::Secret> {
-        self.settings.secret.as_ref()
-    }
-
-    fn loss_window(&self) -> Duration {
-        self.settings.node_lost_after()
-    }
-
-    fn num_nodes_waiting(&mut self) -> Fut<'_, u32> {
-        Box::pin(EtcdRendezvous::num_nodes_waiting(self))
-    }
-
-    fn is_closed(&mut self) -> Fut<'_, bool> {
-        Box::pin(EtcdRendezvous::is_closed(self))
-    }
-
-    fn set_closed_with<'a>(&'a mut self, reason: &'a str) -> Fut<'a, ()> {
-        Box::pin(EtcdRendezvous::set_closed_with(self, reason))
-    }
-
-    fn closed_reason(&mut self) -> Fut<'_, Option<String>> {
-        Box::pin(EtcdRendezvous::closed_reason(self))
-    }
-
-    fn changes(&self) -> Option<watch::Receiver<Option<MembershipChange>>> {
-        EtcdRendezvous::changes(self)
-    }
-
-    fn publish_node_status(&mut self, facts: AgentFacts) -> Fut<'_, ()> {
-        Box::pin(EtcdRendezvous::publish_node_status(self, facts))
-    }
-
-    fn publish_failure<'a>(&'a mut self, failure: &'a FailureRecord) -> Fut<'a, ()> {
-        Box::pin(EtcdRendezvous::publish_failure(self, failure))
-    }
-
-    fn status_writer(&self) -> Option<StatusWriter> {
-        EtcdRendezvous::status_writer(self)
-    }
-
-    fn census<'a>(&'a mut self, only: Option<&'a [u32]>) -> Fut<'a, Census> {
-        Box::pin(EtcdRendezvous::census(self, only))
-    }
-
-    fn round_ended(&mut self) -> Fut<'_, Option<MembershipChange>> {
-        Box::pin(EtcdRendezvous::round_ended(self))
-    }
-
-    fn shutdown(&mut self) {
-        EtcdRendezvous::shutdown(self);
-    }
-
-    fn linger(&mut self, _within: Duration) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
-        self.disconnect();
-        Box::pin(std::future::ready(()))
     }
 }

@@ -1,0 +1,148 @@
+//! What the agent asks when its workers fail: whether the round ended without this node's
+//! watcher saying so yet, and whether the other members' agents are still there.
+
+use super::*;
+
+impl<S: RendezvousStore> DynamicRendezvous<S> {
+    /// Asks the other members of the current round whether their agents are still there
+    /// ([`crate::rendezvous::presence`]), and reports the gone ones lost at once (the heartbeat monitor
+    /// would, a loss window later), so that every member re-forms without them now.
+    /// `only`: the group ranks to ask (default: every other member).
+    pub async fn census(&mut self, only: Option<&[u32]>) -> Result<Census> {
+        let outer = self.connect_by.replace(ConnectBound::question(&self.settings));
+        let census = self.ask_members(only).await;
+        self.connect_by = outer;
+        census
+    }
+
+    /// [`Self::census`], its new connections bounded as a question's: the workers' failure
+    /// that prompts it often came with the store's loss.
+    pub(super) async fn ask_members(&mut self, only: Option<&[u32]>) -> Result<Census> {
+        let Some((round, rank, world_size)) = self.current.as_ref().map(|m| (m.round, m.rank, m.world_size)) else {
+            return Ok(Census::default());
+        };
+        let asked: Vec<u32> =
+            (0..world_size).filter(|other| *other != rank && only.map_or(true, |only| only.contains(other))).collect();
+        // every member asked at once, then their answers awaited up to one deadline
+        let silent = self
+            .with_conn(async |conn| {
+                let mut before = Vec::with_capacity(asked.len());
+                for &other in &asked {
+                    before.push((other, ask(conn, round, other).await?));
+                }
+                let deadline = Instant::now() + ASK_PATIENCE;
+                let mut silent = Vec::new();
+                for (other, before) in before {
+                    let within = deadline.saturating_duration_since(Instant::now());
+                    if !answered(conn, round, other, before, within).await? {
+                        if let Some(bytes) = conn.try_get(&member_key(round, other)).await? {
+                            if let Ok(Arrival { node: Some(node), .. }) = decode::<Arrival>(&bytes, "member") {
+                                silent.push((other, node));
+                            }
+                        }
+                    }
+                }
+                Ok(silent)
+            })
+            .await;
+        let silent = match silent {
+            Ok(silent) => silent,
+            Err(err) => {
+                // the store went with the failure: that ends the round (and with several
+                // sites, its host is one of the members not coming back)
+                if err.is_store_unreachable() {
+                    let change = MembershipChange::StoreUnreachable {
+                        store: self.store.describe(),
+                        silent_for: Duration::ZERO,
+                        error: err.to_string(),
+                    };
+                    if let Some(membership) = &self.current {
+                        membership
+                            .notify
+                            .send_if_modified(|current| current.is_none() && current.replace(change).is_none());
+                    }
+                }
+                return Err(err);
+            }
+        };
+        if silent.is_empty() {
+            return Ok(Census::default());
+        }
+        // members that did not answer: is their agent gone (its machine refuses), or only
+        // silent (stopped, cut off from the store, a dead machine)?
+        let mut census = presence::census(silent, PROBE_TIMEOUT).await;
+        if !census.gone.is_empty() && !holds_a_majority(&self.store.clone()).await {
+            // a refusal seen from the minority side of a partition is no verdict
+            let unsure = census.gone.drain(..).map(|(rank, node)| {
+                (rank, format!("{} refused, but this node reaches no majority of the sites", node.addr))
+            });
+            census.unsure.extend(unsure);
+        }
+        for (lost, node) in &census.gone {
+            let why = format!(
+                "its agent at {} is gone (it did not answer through the store, and its presence port refused the probe)",
+                node.addr
+            );
+            let node = Some(node.clone());
+            self.with_conn(async |conn| report_lost(conn, round, *lost, node, &why).await).await?;
+        }
+        Ok(census)
+    }
+
+    /// What ended this node's round without its watcher having said so yet: a newer round
+    /// (the others re-formed without it: this agent was stopped, or cut off, while they did),
+    /// the store losing the state the round lived in (it restarted empty), or an event about
+    /// the round already in the log (a member reported lost, late nodes: another member's
+    /// agent stopped its workers for it, which is how this node's workers came to fail).
+    pub async fn round_ended(&mut self) -> Result<Option<MembershipChange>> {
+        let outer = self.connect_by.replace(ConnectBound::question(&self.settings));
+        let ended = self.look_for_round_end().await;
+        self.connect_by = outer;
+        ended
+    }
+
+    /// [`Self::round_ended`], its new connections bounded as a question's.
+    pub(super) async fn look_for_round_end(&mut self) -> Result<Option<MembershipChange>> {
+        let Some((round, seen)) = self.current.as_ref().map(|m| (m.round, m.events_seen)) else { return Ok(None) };
+        let known = self.known;
+        let look = async |conn: &mut S::Conn| {
+            let meta = locate::read_meta(conn).await?;
+            if known.is_some_and(|known| meta.as_ref().map_or(true, |meta| meta.incarnation != known.incarnation)) {
+                return Ok(Some(MembershipChange::StoreReset));
+            }
+            // events are few per round; a producer writes an event's key just after counting
+            // it, so one that is not there yet is skipped. A member's loss tells most (it is
+            // what broke this node's workers, though the others have moved on since); else
+            // the first change, else a newer round.
+            let mut first = None;
+            for n in seen + 1..=events::count(conn).await? {
+                let Some(bytes) = conn.try_get(&Keys::event(n)).await? else { continue };
+                match decode::<Event>(&bytes, "event").ok().and_then(|event| relevance(&event, round)) {
+                    Some(lost @ MembershipChange::NodeLost { .. }) => return Ok(Some(lost)),
+                    Some(change) => first = first.or(Some(change)),
+                    None => {}
+                }
+            }
+            if first.is_some() {
+                return Ok(first);
+            }
+            let current = current_round(conn).await?;
+            Ok((current > round).then_some(MembershipChange::RoundSuperseded { round: current }))
+        };
+        match self.with_conn(look).await {
+            // the main connection may have gone stale while idle (the store restarted): these
+            // reads are safe to make again, on a fresh one
+            Err(err) if err.is_store_unreachable() => self.with_conn(look).await,
+            found => found,
+        }
+    }
+
+    /// The address of the store site that holds the job's state now: with several sites, the
+    /// one a lost site's nodes moved to (found, or set up, as a re-join would).
+    pub async fn locate_store(&mut self) -> Result<(String, u16)> {
+        if self.store.sites() > 1 {
+            self.place(Instant::now() + self.settings.heartbeat_timeout * 2).await?;
+        }
+        Ok(self.store.address(self.store.active_site()))
+    }
+}
