@@ -5,6 +5,8 @@
 
 use elastix_core::agent::failure::{self, Failure};
 use elastix_core::agent::{run_agent as run, AgentConfig};
+
+use crate::runtimes;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -40,13 +42,9 @@ pub fn run_agent(py: Python<'_>, config_json: &str) -> PyResult<String> {
     py.detach(|| {
         // Workers get a parent-death signal tied to the thread that started them, so the
         // runtime's threads must live as long as the agent: a runtime of its own per run.
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(AGENT_THREADS)
-            .thread_name("elastix-agent")
-            .enable_all()
-            .build()?;
+        let runtime = runtimes::own("elastix-agent", AGENT_THREADS)?;
         let result = runtime.block_on(run(config));
-        runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+        runtime.shutdown_timeout(runtimes::SHUTDOWN_WAIT);
         Ok(result.to_json())
     })
 }

@@ -12,6 +12,7 @@ mod interrupt;
 mod logging;
 mod rendezvous;
 mod rpc;
+mod runtimes;
 mod shm;
 mod status;
 mod store_cli;

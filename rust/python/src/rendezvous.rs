@@ -3,40 +3,23 @@
 //! it with the GIL released and stay interruptible by Ctrl-C.
 
 use std::future::Future;
-use std::sync::OnceLock;
-use std::time::Duration;
 
 use elastix_core::rendezvous::{MembershipChange, Rendezvous, RendezvousError, RendezvousParams};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use pyo3::{import_exception, PyErr};
-use tokio::runtime::Runtime;
 use tokio::sync::Mutex;
 
 use crate::errors::to_py as store_error_to_py;
 use crate::interrupt::PendingSignal;
+use crate::runtimes;
 use crate::timeout::from_seconds;
 
 import_exception!(elastix.errors, RendezvousClosedError);
 import_exception!(elastix.errors, RendezvousGracefulExitError);
 import_exception!(elastix.errors, RendezvousTimeoutError);
 import_exception!(elastix.errors, RendezvousStateError);
-
-/// How often a blocked call lets Python run its signal handlers.
-const SIGNAL_CHECK_EVERY: Duration = Duration::from_millis(100);
-
-fn runtime() -> &'static Runtime {
-    static RUNTIME: OnceLock<Runtime> = OnceLock::new();
-    RUNTIME.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("elastix-rdzv")
-            .enable_all()
-            .build()
-            .expect("cannot start the rendezvous runtime")
-    })
-}
 
 pub(crate) fn to_py(err: RendezvousError, pending: &PendingSignal) -> PyErr {
     let message = err.to_string();
@@ -57,27 +40,10 @@ fn block_on<T: Send, F: Future<Output = Result<T, RendezvousError>>>(
     pending: &PendingSignal,
     start: impl FnOnce() -> F + Send,
 ) -> PyResult<T> {
-    let outcome = py.detach(|| {
-        let future = start();
-        runtime().block_on(async {
-            tokio::select! {
-                result = future => Some(result),
-                _ = interrupted(pending) => None,
-            }
-        })
-    });
+    let outcome = py.detach(|| runtimes::interruptible(runtimes::shared(), pending, start()));
     match outcome {
         Some(result) => result.map_err(|err| to_py(err, pending)),
         None => Err(pending.take().expect("an interrupt keeps its exception")),
-    }
-}
-
-async fn interrupted(pending: &PendingSignal) {
-    loop {
-        tokio::time::sleep(SIGNAL_CHECK_EVERY).await;
-        if pending.raised() {
-            return;
-        }
     }
 }
 

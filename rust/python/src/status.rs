@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 
 use crate::interrupt::PendingSignal;
 use crate::rendezvous::to_py;
+use crate::runtimes;
 
 fn query(backend: String, endpoint: String, run_id: String, conf_json: &str, timeout: f64) -> PyResult<StatusQuery> {
     let conf =
@@ -24,16 +25,18 @@ fn query(backend: String, endpoint: String, run_id: String, conf_json: &str, tim
     Ok(StatusQuery { backend, endpoint, run_id, conf, timeout })
 }
 
-/// Runs `work` on a runtime of its own with the GIL released.
+/// Runs `work` on a runtime of its own with the GIL released; Ctrl-C ends it.
 fn block_on<T: Send, F: std::future::Future<Output = Result<Option<T>, RendezvousError>> + Send>(
     py: Python<'_>,
     work: F,
 ) -> PyResult<Option<T>> {
-    let done = py.detach(|| {
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        Ok::<_, std::io::Error>(runtime.block_on(work))
-    })?;
-    done.map_err(|err| to_py(err, &PendingSignal::default()))
+    let pending = PendingSignal::default();
+    let done =
+        py.detach(|| Ok::<_, std::io::Error>(runtimes::interruptible(&runtimes::calling_thread()?, &pending, work)))?;
+    match done {
+        Some(result) => result.map_err(|err| to_py(err, &pending)),
+        None => Err(pending.take().expect("an interrupt keeps its exception")),
+    }
 }
 
 /// `conf_json`: the rendezvous configuration as `RendezvousCore` takes it.

@@ -3,7 +3,6 @@
 
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
 
 use elastix_core::store::client::InterruptCheck;
 use elastix_core::store::error::Result as StoreResult;
@@ -15,11 +14,9 @@ use tokio::runtime::Runtime;
 
 use crate::errors::to_py;
 use crate::exit_gate::drop_without_gil;
-use crate::interrupt::PendingSignal;
+use crate::interrupt::{PendingSignal, SIGNAL_CHECK_EVERY};
+use crate::runtimes;
 use crate::timeout::{from_seconds, to_seconds};
-
-/// How often a blocked wait lets Python run its signal handlers.
-const SIGNAL_CHECK_EVERY: Duration = Duration::from_millis(100);
 
 struct Connection {
     runtime: Runtime,
@@ -103,7 +100,7 @@ impl TcpStoreCore {
 }
 
 fn new_runtime() -> PyResult<Runtime> {
-    Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
+    Ok(runtimes::calling_thread()?)
 }
 
 fn bytes_list<'py>(py: Python<'py>, values: Vec<bytes::Bytes>) -> Vec<Bound<'py, PyBytes>> {

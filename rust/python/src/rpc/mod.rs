@@ -18,6 +18,7 @@ use tokio::runtime::Runtime;
 
 use crate::exit_gate::drop_without_gil;
 use crate::interrupt::PendingSignal;
+use crate::runtimes;
 use crate::timeout::from_seconds;
 use buffers::{recv_list, to_bytes, to_bytes_list, PyValue, RecvBuffer};
 use handle::RRefHandle;
@@ -105,11 +106,7 @@ impl RpcEndpoint {
         };
         let config = core::Config { me: rank, world, host, key: key.0.clone(), control_delay };
         let (runtime, endpoint) = py.detach(|| {
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(RUNTIME_THREADS)
-                .thread_name("elastix-rpc")
-                .enable_all()
-                .build()?;
+            let runtime = runtimes::own("elastix-rpc", RUNTIME_THREADS)?;
             let endpoint = runtime.block_on(Endpoint::start(config))?;
             Ok::<_, std::io::Error>((runtime, endpoint))
         })?;
@@ -283,7 +280,7 @@ impl RpcEndpoint {
             self.endpoint.close();
             let runtime = self.runtime.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
             if let Some(runtime) = runtime {
-                runtime.shutdown_timeout(Duration::from_secs(1));
+                runtime.shutdown_timeout(runtimes::SHUTDOWN_WAIT);
             }
         });
     }
