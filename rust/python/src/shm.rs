@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use elastix_core::collectives::{
-    Backing, Descriptors, Handle, Segment as CoreSegment, SegmentError, SharedMemory, SpinPolicy, WaitError,
+    Backing, Descriptors, Handle, Segment as CoreSegment, SegmentError, SharedMemory, SpinPolicy, StepEnd, WaitError,
     Waiter as CoreWaiter, Words,
 };
 use pyo3::exceptions::{PyBufferError, PyProcessLookupError, PyValueError};
@@ -184,11 +184,18 @@ impl Waiter {
         let result = py.detach(|| inner.wait(target, deadline, &mut || pending.raised())).map_err(to_py)?;
         match result {
             Ok(()) => Ok(None),
-            Err(WaitError::Aborted { peer, code }) => Ok(Some(("aborted", vec![peer as u64, code]))),
-            Err(WaitError::Dead { peer }) => Ok(Some(("dead", vec![peer as u64]))),
-            Err(WaitError::Timeout { pending }) => Ok(Some(("timeout", indexes(pending)))),
-            Err(WaitError::Closed { pending }) => Ok(Some(("closed", indexes(pending)))),
-            Err(WaitError::Interrupted) => Err(self
+            Err(err) => self.stopped(err).map(Some),
+        }
+    }
+
+    /// A wait that ended before every peer arrived, as Python's collectives take it.
+    fn stopped(&self, err: WaitError) -> PyResult<(&'static str, Vec<u64>)> {
+        match err {
+            WaitError::Aborted { peer, code } => Ok(("aborted", vec![peer as u64, code])),
+            WaitError::Dead { peer } => Ok(("dead", vec![peer as u64])),
+            WaitError::Timeout { pending } => Ok(("timeout", indexes(pending))),
+            WaitError::Closed { pending } => Ok(("closed", indexes(pending))),
+            WaitError::Interrupted => Err(self
                 .pending
                 .take()
                 .unwrap_or_else(|| pyo3::exceptions::PyKeyboardInterrupt::new_err("interrupted while waiting"))),
@@ -248,16 +255,20 @@ impl Waiter {
     /// `("mismatch", [peer])` names the first that differs.
     #[pyo3(signature = (seq, desc=None, timeout=None))]
     fn step(&self, py: Python<'_>, seq: u64, desc: Option<Vec<i64>>, timeout: Option<f64>) -> PyResult<Outcome> {
-        self.inner.publish(seq, desc.as_deref()).map_err(to_py)?;
-        if let Some(outcome) = self.wait_inner(py, seq, timeout)? {
-            return Ok(Some(outcome));
-        }
-        if let Some(desc) = &desc {
-            if let Some(peer) = self.inner.mismatch(seq, desc).map_err(to_py)? {
-                return Ok(Some(("mismatch", vec![peer as u64])));
+        let end = match self.inner.begin_step(seq, desc.as_deref()).map_err(to_py)? {
+            Some(end) => end,
+            None => {
+                let deadline = from_seconds(timeout)?.map(|t| Instant::now() + t);
+                let (inner, pending) = (&self.inner, &self.pending);
+                py.detach(|| inner.finish_step(seq, desc.as_deref(), deadline, &mut || pending.raised()))
+                    .map_err(to_py)?
             }
+        };
+        match end {
+            StepEnd::Together => Ok(None),
+            StepEnd::Mismatch { peer } => Ok(Some(("mismatch", vec![peer as u64]))),
+            StepEnd::Stopped(err) => self.stopped(err).map(Some),
         }
-        Ok(None)
     }
 
     /// Tells the peers this rank gave up (`code` != 0) and wakes those sleeping on its counter.

@@ -23,5 +23,5 @@ pub use counters::{publish, wait_all, wake, Liveness, Peer, SpinPolicy, WaitErro
 pub use dtype::{DType, ReduceOp};
 pub use kernels::{reduce, KernelError};
 pub use mapping::{Backing, Handle, OffsetError, SharedMemory};
-pub use rank_counters::{Descriptors, Waiter, Words};
+pub use rank_counters::{Descriptors, StepEnd, Waiter, Words};
 pub use segment::{Segment, SegmentError};

@@ -55,6 +55,18 @@ pub struct Descriptors {
     pub offsets: [usize; 2],
 }
 
+/// How a lock-step ([`Waiter::begin_step`]) ended for this rank.
+#[derive(Debug, PartialEq, Eq)]
+pub enum StepEnd {
+    /// Every peer published the step, with the same descriptor.
+    Together,
+    /// Every peer published the step; `peer`'s descriptor differs (the first that does).
+    Mismatch { peer: usize },
+    /// The wait ended first: a peer aborted or died, the deadline passed, the segment closed,
+    /// or a signal handler raised.
+    Stopped(WaitError),
+}
+
 pub struct Waiter {
     segment: Arc<Segment>,
     peers: Vec<Words>,
@@ -190,6 +202,41 @@ impl Waiter {
         })?
     }
 
+    /// One lock-step, up to the wait: writes `desc` (if any) as this rank's step-`seq`
+    /// descriptor and publishes `seq`; if every peer is there already, the step's end
+    /// (`Some`); else the caller waits with [`Self::finish_step`] (where a binding first lets
+    /// go of what it holds, such as Python's GIL).
+    pub fn begin_step(&self, seq: u64, desc: Option<&[i64]>) -> Result<Option<StepEnd>, SegmentError> {
+        self.publish(seq, desc)?;
+        if !self.ready(seq)? {
+            return Ok(None);
+        }
+        self.compare(seq, desc).map(Some)
+    }
+
+    /// The rest of a lock-step [`Self::begin_step`] began: waits for every peer to publish
+    /// `seq`, then compares their descriptors with `desc`.
+    pub fn finish_step(
+        &self,
+        seq: u64,
+        desc: Option<&[i64]>,
+        deadline: Option<Instant>,
+        interrupted: &mut dyn FnMut() -> bool,
+    ) -> Result<StepEnd, SegmentError> {
+        match self.wait(seq, deadline, interrupted)? {
+            Ok(()) => self.compare(seq, desc),
+            Err(err) => Ok(StepEnd::Stopped(err)),
+        }
+    }
+
+    fn compare(&self, seq: u64, desc: Option<&[i64]>) -> Result<StepEnd, SegmentError> {
+        let mismatch = match desc {
+            Some(desc) => self.mismatch(seq, desc)?,
+            None => None,
+        };
+        Ok(mismatch.map_or(StepEnd::Together, |peer| StepEnd::Mismatch { peer }))
+    }
+
     /// Tells the peers this rank gave up (`code` != 0) and wakes those sleeping on its counter.
     pub fn abort(&self, code: u64) -> Result<(), SegmentError> {
         let own = self.own("aborting needs this rank's own words")?;
@@ -261,6 +308,27 @@ mod tests {
         b.abort(2).unwrap();
         let late = Some(Instant::now() + Duration::from_secs(5));
         assert_eq!(a.wait(2, late, &mut || false), Ok(Err(WaitError::Aborted { peer: 0, code: 2 })));
+    }
+
+    #[test]
+    fn a_lock_step_ends_together_apart_or_stopped() {
+        let seg = segment();
+        let (a, b) = (pair(&seg, 0, 512), pair(&seg, 512, 0));
+        // the first to arrive must wait; the second finds the first there
+        assert_eq!(a.begin_step(1, Some(&[7, 8])), Ok(None));
+        assert_eq!(b.begin_step(1, Some(&[7, 8])), Ok(Some(StepEnd::Together)));
+        assert_eq!(a.finish_step(1, Some(&[7, 8]), None, &mut || false), Ok(StepEnd::Together));
+        // different descriptors name the peer; no descriptor compares nothing
+        assert_eq!(a.begin_step(2, Some(&[1])), Ok(None));
+        assert_eq!(b.begin_step(2, Some(&[2])), Ok(Some(StepEnd::Mismatch { peer: 0 })));
+        assert_eq!(a.finish_step(2, None, None, &mut || false), Ok(StepEnd::Together));
+        // a wait that ends first says why
+        assert_eq!(a.begin_step(3, None), Ok(None));
+        let soon = Some(Instant::now() + Duration::from_millis(20));
+        assert_eq!(
+            a.finish_step(3, None, soon, &mut || false),
+            Ok(StepEnd::Stopped(WaitError::Timeout { pending: vec![0] }))
+        );
     }
 
     #[test]
