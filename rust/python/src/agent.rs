@@ -23,7 +23,7 @@ pub fn check_agent_config(config_json: &str) -> PyResult<()> {
 /// ValueError otherwise.
 #[pyfunction]
 pub fn parse_duration(text: &str) -> PyResult<f64> {
-    elastix_core::rendezvous::conf::parse_duration(text).map(|d| d.as_secs_f64()).map_err(PyValueError::new_err)
+    elastix_core::rendezvous::config::conf::parse_duration(text).map(|d| d.as_secs_f64()).map_err(PyValueError::new_err)
 }
 
 /// The root-cause summary of failures given as JSON (a list of the agent's failure objects):

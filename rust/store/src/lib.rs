@@ -199,7 +199,7 @@ impl StopSignals {
 
 /// A positive duration with a unit, as the rendezvous takes them (`90`, `30s`, `10m`).
 fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
-    match elastix_core::rendezvous::conf::parse_duration(text)? {
+    match elastix_core::rendezvous::config::conf::parse_duration(text)? {
         duration if duration.is_zero() => Err("must be positive".into()),
         duration => Ok(duration),
     }

@@ -9,8 +9,8 @@ use super::c10d::{C10dOptions, C10dRendezvous};
 use super::error::Result;
 use super::etcd::{EtcdRdzvOptions, EtcdRendezvous};
 use super::kind::BackendKind;
-use super::params::RendezvousParams;
 use super::static_rdzv::{StaticOptions, StaticRendezvous};
+use crate::rendezvous::config::params::RendezvousParams;
 
 /// The rendezvous backend `--rdzv-backend` names.
 pub struct Rendezvous(Box<dyn Backend>);

@@ -7,7 +7,7 @@
 //!   [`etcd`] (on an etcd v3 cluster's leases, transactions and watches), [`static_rdzv`];
 //! * shared: [`store`] (the TCP store as the rendezvous uses it), [`change`] (what ends a
 //!   round), [`presence`] (asking the other members' agents whether they are still there),
-//!   [`records`] (the versioned JSON state), [`node`], [`settings`], [`conf`], [`params`],
+//!   [`records`] (the versioned JSON state), [`node`], [`config`] (params, conf, settings),
 //!   [`endpoint`], [`error`];
 //! * [`status`]: the job's state as `elastix status` reads it, from any machine
 //!   ([`job_status`] asks the backend's reader).
@@ -15,7 +15,7 @@
 pub mod backend;
 pub mod c10d;
 mod change;
-pub mod conf;
+pub mod config;
 mod create;
 pub mod endpoint;
 pub mod error;
@@ -23,10 +23,8 @@ pub mod etcd;
 mod job_status;
 mod kind;
 pub mod node;
-mod params;
 pub mod presence;
 pub mod records;
-pub mod settings;
 pub mod static_rdzv;
 pub mod status;
 pub mod store;
@@ -35,12 +33,12 @@ mod trust;
 pub use backend::Backend;
 pub use c10d::dynamic::DynamicRendezvous;
 pub use change::{MembershipChange, RendezvousInfo};
-pub use conf::ConfInput;
+pub use config::conf::ConfInput;
+pub(crate) use config::params::job_secret;
+pub use config::params::RendezvousParams;
+pub use config::settings::RendezvousSettings;
 pub use create::Rendezvous;
 pub use error::RendezvousError;
 pub use job_status::{job_runs, job_status};
 pub use kind::BackendKind;
 pub use node::NodeDesc;
-pub(crate) use params::job_secret;
-pub use params::RendezvousParams;
-pub use settings::RendezvousSettings;

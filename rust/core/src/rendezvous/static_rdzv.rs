@@ -8,15 +8,15 @@ use tokio::time::Instant;
 
 use super::backend::{Backend, Fut};
 use super::change::RendezvousInfo;
-use super::conf::{RendezvousConf, STATIC_KEYS};
 use super::endpoint::parse_endpoint;
 use super::error::{RendezvousError, Result};
 use super::node::NodeDesc;
-use super::params::{job_secret, progress_interval, RendezvousParams};
 use super::records::{encode, Arrival, FORMAT_VERSION};
-use super::settings::RendezvousSettings;
 use super::store::{RendezvousStore, StoreConn, TcpRendezvousStore, DEFAULT_READ_TIMEOUT};
 use crate::auth::{PlainClients, Secret};
+use crate::rendezvous::config::conf::{RendezvousConf, STATIC_KEYS};
+use crate::rendezvous::config::params::{job_secret, progress_interval, RendezvousParams};
+use crate::rendezvous::config::settings::RendezvousSettings;
 use crate::store::{ConnectOptions, ServerConfig, StoreServer};
 
 /// torch's `timeout` default for the static backend.

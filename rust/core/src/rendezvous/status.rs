@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::conf::ConfInput;
 use super::node::NodeDesc;
 use super::records::{now_ms, seconds_between, Doing, FailureRecord, NodeStatus, WorkerProgress};
+use crate::rendezvous::config::conf::ConfInput;
 
 /// What `elastix status` asks for.
 #[derive(Clone, Debug)]

@@ -21,7 +21,7 @@ use tokio::task::JoinHandle;
 
 use crate::agent::hangs::flight::RankFlights;
 use crate::auth::Secret;
-use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS, ETCD_KEYS};
+use crate::rendezvous::config::conf::{RendezvousConf, DYNAMIC_KEYS, ETCD_KEYS};
 use crate::rendezvous::endpoint::{parse_endpoint, DEFAULT_PORT};
 use crate::rendezvous::job_secret;
 use crate::rendezvous::job_status;

@@ -19,10 +19,10 @@ use super::contact::Contact;
 use super::events;
 use super::keys::Keys;
 use crate::rendezvous::change::MembershipChange;
+use crate::rendezvous::config::settings::RendezvousSettings;
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::node::NodeDesc;
 use crate::rendezvous::records::{decode, now_ms, Arrival, Event, FORMAT_VERSION};
-use crate::rendezvous::settings::RendezvousSettings;
 use crate::rendezvous::store::{RendezvousStore, StoreConn};
 
 /// What the background tasks of one round share.

@@ -29,15 +29,15 @@ use self::dynamic::DynamicRendezvous;
 use self::keys::run_prefix;
 use super::backend::{Backend, Fut, StatusWriter};
 use super::change::{MembershipChange, RendezvousInfo};
-use super::conf::{RendezvousConf, DYNAMIC_KEYS};
 use super::endpoint::{is_local_addr, is_loopback_name, is_this_machine, parse_endpoints, DEFAULT_PORT};
 use super::error::{RendezvousError, Result};
-use super::params::{dynamic_settings, RendezvousParams};
 use super::presence::Census;
 use super::records::{AgentFacts, FailureRecord};
-use super::settings::RendezvousSettings;
 use super::store::{TcpRendezvousStore, DEFAULT_READ_TIMEOUT};
 use crate::auth::PlainClients;
+use crate::rendezvous::config::conf::{RendezvousConf, DYNAMIC_KEYS};
+use crate::rendezvous::config::params::{dynamic_settings, RendezvousParams};
+use crate::rendezvous::config::settings::RendezvousSettings;
 use crate::store::{ServerConfig, StoreServer};
 
 /// `--rdzv-backend c10d`'s configuration, parsed and checked (without side effects).

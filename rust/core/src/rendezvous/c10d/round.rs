@@ -19,10 +19,10 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::keys::Keys;
+use crate::rendezvous::config::settings::RendezvousSettings;
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::node::NodeDesc;
 use crate::rendezvous::records::{decode, encode, Arrival, Seal, FORMAT_VERSION};
-use crate::rendezvous::settings::RendezvousSettings;
 use crate::rendezvous::store::StoreConn;
 
 /// Most arrivals named in a timeout message.

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use super::keys::{run_prefix, Keys};
 use super::locate::read_meta;
-use crate::rendezvous::conf::{RendezvousConf, DYNAMIC_KEYS};
+use crate::rendezvous::config::conf::{RendezvousConf, DYNAMIC_KEYS};
+use crate::rendezvous::config::params::job_secret;
 use crate::rendezvous::endpoint::{parse_endpoints, DEFAULT_PORT};
 use crate::rendezvous::error::{RendezvousError, Result};
-use crate::rendezvous::params::job_secret;
 use crate::rendezvous::records::{
     decode, now_ms, seconds_between, Arrival, Event, FailureRecord, Meta, NodeStatus, Seal,
 };

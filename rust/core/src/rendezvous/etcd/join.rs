@@ -26,10 +26,10 @@ use elastix_etcd::{EtcdClient, Lease, LeaseState, WatchItem, Watcher};
 
 use super::keys::{EtcdKeys, KeyKind};
 use super::ops::{self, etcd_error};
+use crate::rendezvous::config::settings::RendezvousSettings;
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::node::NodeDesc;
 use crate::rendezvous::records::{decode, encode, Arrival, Master, FORMAT_VERSION};
-use crate::rendezvous::settings::RendezvousSettings;
 
 /// Most arrivals named in a progress message or a timeout.
 const NAMED: i64 = 32;

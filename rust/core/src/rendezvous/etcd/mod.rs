@@ -1,6 +1,6 @@
 //! `--rdzv-backend etcd` (alias `etcd-v3`): the elastic rendezvous on an etcd v3 cluster, from
 //! `--rdzv-endpoint host1:2379,host2:2379,...` and `--rdzv-conf` (torch's key names where torch
-//! has them; see [`super::conf::ETCD_KEYS`]).
+//! has them; see [`crate::rendezvous::config::conf::ETCD_KEYS`]).
 //!
 //! * [`handler`]: the handler ([`EtcdRendezvous`]); [`join`]: forming one round;
 //!   [`member`]: what a member of a running round watches;
@@ -20,12 +20,12 @@ use std::time::Duration;
 
 use elastix_etcd::{EtcdClient, EtcdOptions, TlsFiles};
 
-use super::conf::{RendezvousConf, ETCD_KEYS};
 use super::endpoint::parse_endpoints;
 use super::error::{RendezvousError, Result};
-use super::params::{dynamic_settings, job_secret, RendezvousParams};
-use super::settings::RendezvousSettings;
 use super::status::{JobStatus, StatusQuery};
+use crate::rendezvous::config::conf::{RendezvousConf, ETCD_KEYS};
+use crate::rendezvous::config::params::{dynamic_settings, job_secret, RendezvousParams};
+use crate::rendezvous::config::settings::RendezvousSettings;
 
 /// etcd's client port.
 pub const DEFAULT_ETCD_PORT: u16 = 2379;

@@ -38,13 +38,13 @@ use super::round::{JoinOutcome, RoundJoin};
 use super::trust;
 use crate::rendezvous::backend::StatusWriter;
 use crate::rendezvous::change::{MembershipChange, RendezvousInfo};
+use crate::rendezvous::config::settings::RendezvousSettings;
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::node::NodeDesc;
 use crate::rendezvous::presence::{self, Census, Presence, ASK_PATIENCE, PROBE_TIMEOUT};
 use crate::rendezvous::records::{
     decode, encode, AgentFacts, Arrival, Event, FailureRecord, Master, Meta, NodeStatus, FORMAT_VERSION,
 };
-use crate::rendezvous::settings::RendezvousSettings;
 use crate::rendezvous::store::{RendezvousStore, StoreConn};
 use crate::rendezvous::trust::workers_store_config;
 use crate::store::StoreServer;

@@ -23,13 +23,13 @@ use super::member::{self, RoundWatch};
 use super::ops::{self, etcd_error};
 use crate::rendezvous::backend::{Backend, Fut, StatusWriter};
 use crate::rendezvous::change::{MembershipChange, RendezvousInfo};
+use crate::rendezvous::config::settings::RendezvousSettings;
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::node::NodeDesc;
 use crate::rendezvous::presence::{self, Census, Presence, ASK_PATIENCE, PROBE_TIMEOUT};
 use crate::rendezvous::records::{
     decode, encode, round_store, AgentFacts, Arrival, FailureRecord, Master, Meta, NodeStatus, FORMAT_VERSION,
 };
-use crate::rendezvous::settings::RendezvousSettings;
 use crate::rendezvous::trust::let_in;
 use crate::rendezvous::trust::workers_store_config;
 use crate::store::StoreServer;

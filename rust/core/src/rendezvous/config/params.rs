@@ -3,10 +3,10 @@
 use std::path::Path;
 use std::time::Duration;
 
-use super::conf::{parse_duration, ConfInput, RendezvousConf};
-use super::error::{RendezvousError, Result};
-use super::settings::RendezvousSettings;
 use crate::auth::{Secret, SecretError};
+use crate::rendezvous::config::conf::{parse_duration, ConfInput, RendezvousConf};
+use crate::rendezvous::config::settings::RendezvousSettings;
+use crate::rendezvous::error::{RendezvousError, Result};
 
 /// What the launcher knows (`--rdzv-backend`, `--rdzv-endpoint`, `--rdzv-id`, `--nnodes`,
 /// `--local-addr`, `--rdzv-conf`, `--node-rank`).

@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
-use super::conf::RendezvousConf;
-use super::error::{RendezvousError, Result};
 use crate::auth::Secret;
+use crate::rendezvous::config::conf::RendezvousConf;
+use crate::rendezvous::error::{RendezvousError, Result};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RendezvousSettings {
@@ -128,7 +128,7 @@ impl RendezvousSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rendezvous::conf::DYNAMIC_KEYS;
+    use crate::rendezvous::config::conf::DYNAMIC_KEYS;
 
     #[test]
     fn defaults_are_torchs() {

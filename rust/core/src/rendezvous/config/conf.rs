@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::error::{RendezvousError, Result};
+use crate::rendezvous::error::{RendezvousError, Result};
 
 /// The keys a backend accepts, with what each means (for the error message).
 pub const DYNAMIC_KEYS: &[(&str, &str)] = &[
