@@ -109,44 +109,9 @@ impl C10dRendezvous {
                 served_by = Some(format!("it is served by {by} on {} (not started yet, ended, or cut off)", site.0));
                 continue;
             }
-            // only agents connect to the rendezvous store, and with a secret they all prove it
-            let auth = settings.secret.clone().map(|secret| (secret, PlainClients::Refuse));
-            // a store for agents on this machine alone (--standalone) is reachable from it alone
-            let host = is_loopback_name(&site.0).then(|| site.0.clone());
-            match StoreServer::start(&ServerConfig { host, port: site.1, auth, ..ServerConfig::default() }) {
-                Ok(server) => {
-                    site.1 = server.port();
-                    servers.push(server);
-                    if !listed && params.max_nodes > 1 {
-                        let first =
-                            if explicit.is_none() { " (the first agent started on this machine does)" } else { "" };
-                        tracing::info!(
-                            "this agent hosts the rendezvous store at {}:{}{first}: the other nodes need it, and \
-                             wait for it to come back if this agent ends (list several --rdzv-endpoint sites, or use \
-                             etcd, so that no one node is needed)",
-                            site.0,
-                            site.1
-                        );
-                    }
-                }
-                // another agent on this machine got there first: use its store
-                // (the error names the port's holder where it can be told)
-                Err(err) if explicit.is_none() && err.kind() == io::ErrorKind::AddrInUse => {
-                    tracing::info!(
-                        "port {} is taken on this machine: using the rendezvous store served there, not hosting one \
-                         ({err})",
-                        site.1
-                    );
-                    let holder = crate::store::server::port_holder::holder(site.1)
-                        .map_or_else(String::new, |pid| format!(" (pid {pid})"));
-                    served_by = Some(format!("it is served by the agent started first on this machine{holder}"));
-                }
-                Err(err) => {
-                    return Err(RendezvousError::Config(format!(
-                        "cannot host the rendezvous store on port {}: {err}",
-                        site.1
-                    )))
-                }
+            match host_site(site, &settings, params.max_nodes, explicit, listed)? {
+                Hosted::Here(server) => servers.push(server),
+                Hosted::Elsewhere(by) => served_by = Some(by),
             }
         }
         // A single store that starts later than this agent is waited for, up to the join
@@ -165,6 +130,55 @@ impl C10dRendezvous {
         }
         let handler = DynamicRendezvous::new(store, settings, prefix)?;
         Ok(C10dRendezvous { handler, servers })
+    }
+}
+
+/// Whether a site this node may host is served here (`Here`) or by another agent of this
+/// machine that got there first (`Elsewhere`: who, for the warnings of a node that cannot
+/// reach it); anything else that keeps it from serving is a configuration error.
+enum Hosted {
+    Here(StoreServer),
+    Elsewhere(String),
+}
+
+fn host_site(
+    site: &mut (String, u16),
+    settings: &RendezvousSettings,
+    max_nodes: u32,
+    explicit: Option<bool>,
+    listed: bool,
+) -> Result<Hosted> {
+    // only agents connect to the rendezvous store, and with a secret they all prove it
+    let auth = settings.secret.clone().map(|secret| (secret, PlainClients::Refuse));
+    // a store for agents on this machine alone (--standalone) is reachable from it alone
+    let host = is_loopback_name(&site.0).then(|| site.0.clone());
+    match StoreServer::start(&ServerConfig { host, port: site.1, auth, ..ServerConfig::default() }) {
+        Ok(server) => {
+            site.1 = server.port();
+            if !listed && max_nodes > 1 {
+                let first = if explicit.is_none() { " (the first agent started on this machine does)" } else { "" };
+                tracing::info!(
+                    "this agent hosts the rendezvous store at {}:{}{first}: the other nodes need it, and wait for it \
+                     to come back if this agent ends (list several --rdzv-endpoint sites, or use etcd, so that no one \
+                     node is needed)",
+                    site.0,
+                    site.1
+                );
+            }
+            Ok(Hosted::Here(server))
+        }
+        // another agent on this machine got there first: use its store
+        // (the error names the port's holder where it can be told)
+        Err(err) if explicit.is_none() && err.kind() == io::ErrorKind::AddrInUse => {
+            tracing::info!(
+                "port {} is taken on this machine: using the rendezvous store served there, not hosting one ({err})",
+                site.1
+            );
+            let holder = crate::store::server::port_holder::holder(site.1)
+                .map_or_else(String::new, |pid| format!(" (pid {pid})"));
+            Ok(Hosted::Elsewhere(format!("it is served by the agent started first on this machine{holder}")))
+        }
+        Err(err) => Err(RendezvousError::Config(format!("cannot host the rendezvous store on port {}: {err}", site.1))),
     }
 }
 
