@@ -18,10 +18,7 @@ launcher; ``elastix.agent.failures`` re-exports it beside ``ProcessFailure``.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Tuple, Type
-
-if TYPE_CHECKING:
-    from .agent.failures import ProcessFailure
+from typing import Any, Dict, Mapping, Optional, Protocol, Tuple, Type
 
 #: What torch shows for a field it does not know (a worker without an error file).
 NOT_AVAILABLE = "<N/A>"
@@ -98,6 +95,23 @@ class SignalException(Exception):
             self.sigval = sigval  # type: ignore[assignment]
 
 
+class ProcessFailureLike(Protocol):
+    """What ChildFailedError reads of a failure (``elastix.agent.failures.ProcessFailure`` is
+    one): the errors stay below the launcher that makes them."""
+
+    local_rank: int
+    pid: int
+    exitcode: int
+    error_file: Optional[str]
+    timestamp: Optional[float]
+    host: str
+    signal: Optional[str]
+    hung: Optional[str]
+    held_others_up: bool
+
+    def traceback(self) -> str: ...
+
+
 class ChildFailedError(Exception):
     """Workers failed: ``name`` is the program, ``failures`` maps global rank to failure (an
     ``elastix.agent.failures.ProcessFailure``). The message is torch's table with the root cause
@@ -105,7 +119,7 @@ class ChildFailedError(Exception):
     waited for in a collective, else the first observed failure) and its renderer writes the
     table (``_core.failure_summary``)."""
 
-    def __init__(self, name: str, failures: Mapping[int, ProcessFailure]) -> None:
+    def __init__(self, name: str, failures: Mapping[int, ProcessFailureLike]) -> None:
         if not failures:
             raise ValueError("ChildFailedError needs at least one failure")
         import json
@@ -113,12 +127,12 @@ class ChildFailedError(Exception):
         from ._core import failure_summary
 
         self.name = name
-        self.failures: Dict[int, ProcessFailure] = dict(failures)
+        self.failures: Dict[int, ProcessFailureLike] = dict(failures)
         self._text, root = failure_summary(name, json.dumps([_agent_form(r, f) for r, f in self.failures.items()]))
         self._root_rank = list(self.failures)[root]
         super().__init__(self.format_msg())
 
-    def get_first_failure(self) -> Tuple[int, ProcessFailure]:
+    def get_first_failure(self) -> Tuple[int, ProcessFailureLike]:
         """The root cause (torch's name: with torch's rule it is the earliest failure)."""
         return self._root_rank, self.failures[self._root_rank]
 
@@ -134,7 +148,7 @@ class ChildFailedError(Exception):
         return "\n" + text
 
 
-def _agent_form(rank: int, failure: ProcessFailure) -> Dict[str, Any]:
+def _agent_form(rank: int, failure: ProcessFailureLike) -> Dict[str, Any]:
     """A failure as the agent's renderer reads it."""
     return {
         "global_rank": rank,

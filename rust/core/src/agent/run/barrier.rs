@@ -6,13 +6,12 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::agent::Agent;
+use super::changes::{new_change, Changes};
 use super::report::{End, Report};
-use super::start::connect_store;
-use super::watch::{new_change, Changes, Event};
+use super::round_store::connect_store;
+use super::watch::{Event, Watched};
 use super::{State, SUCCEEDED};
 use crate::agent::error::{AgentError, Result};
-use crate::agent::hangs::dumps::DumpRequests;
-use crate::agent::progress::ProgressPublisher;
 use crate::auth::Secret;
 use crate::metrics;
 use crate::rendezvous::{MembershipChange, NodeDesc, Rendezvous, RendezvousInfo};
@@ -22,15 +21,6 @@ use crate::store::TcpStore;
 const BARRIER_RECONNECT: Duration = Duration::from_secs(5);
 /// How often the exit barrier looks at who has not arrived (and whether they are still there).
 const BARRIER_LOOK_EVERY: Duration = Duration::from_secs(2);
-
-/// An attempt whose workers succeeded: its round and changes, and what it keeps up until
-/// the barrier is through (the status publisher, the stack dump requests).
-pub(super) struct Watched {
-    pub(super) info: RendezvousInfo,
-    pub(super) changes: Changes,
-    pub(super) _progress: Option<ProgressPublisher>,
-    pub(super) _dumps: DumpRequests,
-}
 
 impl Agent {
     /// Waits for every node's workers (-> [`State::End`], the job closed as succeeded); a

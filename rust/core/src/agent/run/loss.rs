@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use super::agent::Agent;
-use super::watch::{next_change, Changes};
+use super::changes::{next_change, Changes};
 use crate::agent::error::{AgentError, Result};
 use crate::rendezvous::{MembershipChange, Rendezvous};
 

@@ -34,21 +34,23 @@
 
 mod agent;
 mod barrier;
+mod changes;
 mod loss;
 mod publish;
 mod rendezvous;
 mod report;
 mod restart;
+mod round_store;
 mod start;
 mod watch;
 
 use std::time::Duration;
 
 use self::agent::Agent;
-use self::barrier::Watched;
 use self::loss::describe;
 use self::report::{ConsoleMarks, End, Report};
 use self::watch::Attempt;
+use self::watch::Watched;
 use super::config::AgentConfig;
 use super::error::{AgentError, Result};
 use super::finished::FinishedJob;

@@ -3,16 +3,16 @@
 use std::time::Duration;
 
 use super::agent::Agent;
+use super::changes::{next_change, Changes};
 use super::report::{End, Report};
-use super::watch::{next_change, Attempt, Changes};
+use super::round_store::connect_store;
+use super::watch::Attempt;
 use super::{describe, State, MAX_LOST_STARTS};
 use crate::agent::error::{AgentError, Result};
 use crate::agent::workers::group::{Launch, WorkerGroup};
 use crate::agent::workers::ranks::{self, RoleInfo};
-use crate::auth::Secret;
 use crate::metrics;
 use crate::rendezvous::{MembershipChange, RendezvousInfo};
-use crate::store::{TcpStore, TcpStoreOptions};
 
 /// Bound on the rank exchange and other agent-side store waits.
 const STORE_TIMEOUT: Duration = Duration::from_secs(300);
@@ -102,25 +102,4 @@ impl Agent {
         self.standbys.refill();
         Ok(Start::Running(group))
     }
-}
-
-/// A connection to the round's store at `at` (host, port), proving `secret`, kept in `slot`
-/// while it stays usable; a new one is tried for up to `patience`.
-pub(super) async fn connect_store<'a>(
-    slot: &'a mut Option<TcpStore>,
-    at: &(String, u16),
-    secret: Option<&Secret>,
-    patience: Duration,
-) -> Result<&'a mut TcpStore> {
-    let reusable =
-        slot.as_ref().is_some_and(|store| store.client().is_usable() && store.host() == at.0 && store.port() == at.1);
-    if !reusable {
-        let options = TcpStoreOptions {
-            timeout: Some(patience),
-            secret: secret.cloned(),
-            ..TcpStoreOptions::new(at.0.clone(), at.1)
-        };
-        *slot = Some(TcpStore::open(options).await?);
-    }
-    Ok(slot.as_mut().expect("opened above"))
 }

@@ -4,21 +4,27 @@
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use tokio::sync::watch;
 
 use super::agent::Agent;
-use super::barrier::Watched;
+use super::changes::{next_change, Changes};
 use super::report::{End, Report};
 use super::{describe, State};
 use crate::agent::error::{AgentError, Result};
 use crate::agent::failure::Failure;
 use crate::agent::hangs::dumps::DumpRequests;
+use crate::agent::progress::ProgressPublisher;
 use crate::agent::workers::group::{GroupOutcome, Waited, WorkerGroup, FAILED_TOGETHER};
 use crate::metrics;
 use crate::rendezvous::{MembershipChange, RendezvousInfo};
 
-/// The round's membership changes, as the rendezvous reports them (`None`: a backend without).
-pub(super) type Changes = Option<watch::Receiver<Option<MembershipChange>>>;
+/// An attempt whose workers succeeded: its round and changes, and what it keeps up until
+/// the barrier is through (the status publisher, the stack dump requests).
+pub(super) struct Watched {
+    pub(super) info: RendezvousInfo,
+    pub(super) changes: Changes,
+    pub(super) _progress: Option<ProgressPublisher>,
+    pub(super) _dumps: DumpRequests,
+}
 
 /// One attempt: its round, its workers, the changes that may end it.
 pub(super) struct Attempt {
@@ -138,30 +144,4 @@ fn count_exits(event: &Event, local_world_size: u32) {
         Event::Change(_) | Event::Signal(..) => {}
     }
     counts.workers_running(0);
-}
-
-/// The next membership change (never, for a backend without any).
-pub(super) async fn next_change(changes: &mut Changes) -> MembershipChange {
-    let Some(receiver) = changes else { return std::future::pending().await };
-    loop {
-        if let Some(change) = receiver.borrow_and_update().clone() {
-            return change;
-        }
-        if receiver.changed().await.is_err() {
-            return std::future::pending().await;
-        }
-    }
-}
-
-/// The next membership change not seen yet (never, for a backend without any).
-pub(super) async fn new_change(changes: &mut Changes) -> MembershipChange {
-    let Some(receiver) = changes else { return std::future::pending().await };
-    loop {
-        if receiver.changed().await.is_err() {
-            return std::future::pending().await;
-        }
-        if let Some(change) = receiver.borrow_and_update().clone() {
-            return change;
-        }
-    }
 }

@@ -4,10 +4,9 @@
 //! whole group and to the cgroup, every child reaped). A worker whose heartbeat or timer
 //! lapsed ([`crate::agent::hangs::heartbeats`]) counts as failed: its stacks are dumped, then it is killed.
 
-use std::collections::{BTreeMap, VecDeque};
-use std::path::{Path, PathBuf};
+use std::collections::BTreeMap;
 use std::process::ExitStatus;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::PoisonError;
 use std::time::{Duration, SystemTime};
 
 use nix::sys::signal::{killpg, Signal};
@@ -15,25 +14,19 @@ use nix::unistd::Pid;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-use crate::agent::config::AgentConfig;
 use crate::agent::error::Result;
 use crate::agent::failure::Failure;
-use crate::agent::hangs::activity::Activity;
 use crate::agent::hangs::dumps::{Asked, DumpRequests, FlightExchange, WorkerStacks};
 use crate::agent::hangs::flight::{self, Holdup, RankFlights};
 use crate::agent::hangs::heartbeats::{self, Heartbeats, Lapse, Slot};
 use crate::agent::hangs::stacks;
-use crate::agent::output::logfiles::{LogFile, LogWriter};
 use crate::agent::progress;
-use crate::agent::workers::env::WorkerPlace;
-use crate::agent::workers::process::Output;
-use crate::agent::workers::ranks::Assignment;
-use crate::agent::workers::reaper::{self, GroupCgroup, Watch};
-use crate::agent::workers::spawn::Spawner;
+use crate::agent::workers::reaper::{self, GroupCgroup};
+pub use crate::agent::workers::spawn::Launch;
+use crate::agent::workers::spawn::{duplicate_files, Spawner, Worker};
 use crate::agent::workers::standby::StandbyPool;
 use crate::console;
 use crate::rendezvous::records::WorkerProgress;
-use crate::rendezvous::RendezvousInfo;
 
 /// After SIGKILL, how long to wait for the kernel to reap a worker before giving up on it.
 const KILL_WAIT: Duration = Duration::from_secs(5);
@@ -44,21 +37,6 @@ const DRAIN_WAIT: Duration = Duration::from_secs(2);
 const CONSOLE_WAIT: Duration = Duration::from_millis(500);
 /// How often the heartbeats are read: hangs are found within this of their timeout.
 const WATCH_EVERY: Duration = Duration::from_millis(100);
-
-pub(super) struct Worker {
-    pub(super) place: WorkerPlace,
-    pub(super) pid: u32,
-    pub(super) exit: Option<(ExitStatus, SystemTime)>,
-    pub(super) pumps: Vec<JoinHandle<()>>,
-    pub(super) stderr_tail: Arc<Mutex<VecDeque<String>>>,
-    /// Where it dumps its stacks when asked.
-    pub(super) stacks_file: PathBuf,
-    /// What the kernel showed of its main process: whether its main thread runs, and its CPU
-    /// use (a worker in a long C call is busy, not hung).
-    pub(super) activity: Activity,
-    /// Dropped after the group is killed: the watchdog forgets the group only then.
-    pub(super) watch: Watch,
-}
 
 /// How an attempt's workers ended.
 #[derive(Debug)]
@@ -104,40 +82,6 @@ pub struct WorkerGroup {
 
 /// See [`WorkerGroup::ticks`].
 const LOOK_EVERY_WITHOUT_TIMEOUT: u64 = 10;
-
-/// What a group needs to start.
-pub struct Launch<'a> {
-    pub config: &'a AgentConfig,
-    pub info: &'a RendezvousInfo,
-    pub assignment: &'a Assignment,
-    pub restart_count: i64,
-    /// `None` when log files are off: no files, and an empty error file path (torch's rule).
-    pub attempt_dir: Option<&'a Path>,
-    /// Writes the log files under `attempt_dir`.
-    pub log_writer: &'a LogWriter,
-    pub host: &'a str,
-    /// Where each local rank's workers write.
-    pub outputs: &'a [Output],
-}
-
-/// The attempt's duplicate-filter files, shared by its workers: stdout's and stderr's.
-pub(super) type DuplicateFiles = [Option<(Arc<[String]>, LogFile)>; 2];
-
-fn duplicate_files(launch: &Launch<'_>) -> Result<DuplicateFiles> {
-    let config = launch.config;
-    let open = |filters: &[String], name: &str| -> Result<Option<(Arc<[String]>, LogFile)>> {
-        match launch.attempt_dir {
-            Some(dir) if filters.iter().any(|filter| !filter.is_empty()) => {
-                Ok(Some((filters.into(), launch.log_writer.create(&dir.join(name))?)))
-            }
-            _ => Ok(None),
-        }
-    };
-    Ok([
-        open(&config.duplicate_stdout_filters, "filtered_stdout.log")?,
-        open(&config.duplicate_stderr_filters, "filtered_stderr.log")?,
-    ])
-}
 
 impl WorkerGroup {
     /// Starts the workers, each from its standby when `standbys` has one ready.

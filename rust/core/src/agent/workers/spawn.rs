@@ -2,25 +2,78 @@
 //! its output pumped to the console and its files, and its exit reported to the group.
 
 use std::collections::VecDeque;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
-use super::group::{DuplicateFiles, Launch, Worker};
-use crate::agent::config::{STD_ERR, STD_OUT};
+use crate::agent::config::{AgentConfig, STD_ERR, STD_OUT};
 use crate::agent::error::{AgentError, Result};
 use crate::agent::hangs::activity::Activity;
 use crate::agent::hangs::heartbeats;
+use crate::agent::output::logfiles::{LogFile, LogWriter};
 use crate::agent::output::logs::{expand_prefix, DEFAULT_TEE_PREFIX};
 use crate::agent::output::pump::{pump, Duplicate, Sink};
 use crate::agent::workers::env::{worker_args, worker_env, WorkerPlace};
-use crate::agent::workers::process::{Supervised, SupervisedCommand};
-use crate::agent::workers::reaper::Cgroup;
+use crate::agent::workers::process::{Output, Supervised, SupervisedCommand};
+use crate::agent::workers::ranks::Assignment;
+use crate::agent::workers::reaper::{Cgroup, Watch};
 use crate::agent::workers::standby::Standby;
 use crate::console;
+use crate::rendezvous::RendezvousInfo;
+
+/// One worker of the group, as its group keeps it.
+pub(super) struct Worker {
+    pub(super) place: WorkerPlace,
+    pub(super) pid: u32,
+    pub(super) exit: Option<(ExitStatus, SystemTime)>,
+    pub(super) pumps: Vec<JoinHandle<()>>,
+    pub(super) stderr_tail: Arc<Mutex<VecDeque<String>>>,
+    /// Where it dumps its stacks when asked.
+    pub(super) stacks_file: PathBuf,
+    /// What the kernel showed of its main process: whether its main thread runs, and its CPU
+    /// use (a worker in a long C call is busy, not hung).
+    pub(super) activity: Activity,
+    /// Dropped after the group is killed: the watchdog forgets the group only then.
+    pub(super) watch: Watch,
+}
+
+/// What a group needs to start.
+pub struct Launch<'a> {
+    pub config: &'a AgentConfig,
+    pub info: &'a RendezvousInfo,
+    pub assignment: &'a Assignment,
+    pub restart_count: i64,
+    /// `None` when log files are off: no files, and an empty error file path (torch's rule).
+    pub attempt_dir: Option<&'a Path>,
+    /// Writes the log files under `attempt_dir`.
+    pub log_writer: &'a LogWriter,
+    pub host: &'a str,
+    /// Where each local rank's workers write.
+    pub outputs: &'a [Output],
+}
+
+/// The attempt's duplicate-filter files, shared by its workers: stdout's and stderr's.
+pub(super) type DuplicateFiles = [Option<(Arc<[String]>, LogFile)>; 2];
+
+pub(super) fn duplicate_files(launch: &Launch<'_>) -> Result<DuplicateFiles> {
+    let config = launch.config;
+    let open = |filters: &[String], name: &str| -> Result<Option<(Arc<[String]>, LogFile)>> {
+        match launch.attempt_dir {
+            Some(dir) if filters.iter().any(|filter| !filter.is_empty()) => {
+                Ok(Some((filters.into(), launch.log_writer.create(&dir.join(name))?)))
+            }
+            _ => Ok(None),
+        }
+    };
+    Ok([
+        open(&config.duplicate_stdout_filters, "filtered_stdout.log")?,
+        open(&config.duplicate_stderr_filters, "filtered_stderr.log")?,
+    ])
+}
 
 /// Where a worker's exit goes: its index, how it ended, when.
 pub(super) type Exits = mpsc::UnboundedSender<(usize, std::io::Result<ExitStatus>, SystemTime)>;
