@@ -135,5 +135,5 @@ async fn an_unreachable_store_and_an_unknown_backend_are_clear_errors() {
 
     let unknown = StatusQuery { backend: "zookeeper".into(), ..query(port, "job") };
     let err = job_status(&unknown).await.unwrap_err().to_string();
-    assert!(err.contains("\"zookeeper\" is unknown; elastix status reads c10d and etcd"), "{err}");
+    assert!(err.contains("unknown backend \"zookeeper\" (choose from c10d, etcd, etcd-v3, static)"), "{err}");
 }

@@ -290,74 +290,68 @@ async fn accept_loop(
             _ = shutdown.recv() => return,
             next = accepted.recv() => next,
         };
-        let (stream, peer) = match next {
+        match next {
             None => return, // the thread ended
             Some(Ok((stream, peer))) => match TcpStream::from_std(stream) {
-                Ok(stream) => (stream, peer),
-                Err(err) => {
-                    tracing::debug!(%peer, "could not register an accepted connection: {err}");
-                    continue;
-                }
+                // TCP_NODELAY and keepalive come from the listener (listener::bind)
+                Ok(stream) => serve(stream, peer, &shared, &shutdown, &task_done),
+                Err(err) => tracing::debug!(%peer, "could not register an accepted connection: {err}"),
             },
-            Some(Err(err)) => {
-                // Out of descriptors: connections still waiting to authenticate go first (a
-                // flood of strangers must not keep a member out); the thread backs off from
-                // other errors, and existing clients are served meanwhile; said once a minute
-                // at most, however the burst goes.
-                let out_of_descriptors = matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
-                let shed = out_of_descriptors && shared.gate.as_ref().is_some_and(Gate::shed_oldest);
-                match accept_failures.note() {
-                    Some(unsaid) => tracing::warn!(
-                        "accept failed: {err}{}; existing clients are still served ({unsaid} more failed since this \
-                         was last said; said at most once a minute)",
-                        if shed {
-                            "; shed the oldest connection waiting to authenticate"
-                        } else {
-                            "; retrying with backoff"
-                        }
-                    ),
-                    None => tracing::debug!("accept failed again: {err}"),
-                }
-                continue;
-            }
-        };
-        // TCP_NODELAY and keepalive come from the listener (listener::bind)
-        if shared.gate.is_none() {
-            let Some(admitted) = shared.admission.admit(peer) else {
-                drop(stream); // refused: the client sees EOF now, not a hang in the backlog
-                continue;
-            };
-            let (shared, shutdown, task_done) = (shared.clone(), shutdown.clone(), task_done.clone());
-            tokio::spawn(async move {
-                Connection::new(Transport::Plain(stream), peer, shared).run(shutdown).await;
-                drop((admitted, task_done));
-            });
-            continue;
+            Some(Err(err)) => accept_failed(&err, &shared, &accept_failures),
         }
-        let (shared, mut shutdown, task_done) = (shared.clone(), shutdown.clone(), task_done.clone());
-        tokio::spawn(async move {
-            let mut stream = stream;
-            // authentication runs here, not in the accept loop: a slow client holds up nobody
-            let gate = shared.gate.as_ref().expect("checked above");
-            let admitted = tokio::select! {
-                admitted = gate.admit(&mut stream, peer) => admitted,
-                _ = shutdown.recv() => None,
-            };
-            let (admitted, transport) = match admitted {
-                // a member's connection goes on in the session its handshake made
-                Some(Admitted::Member(session)) => {
-                    (Some(shared.admission.admit_member(peer)), Transport::sealed(stream, *session))
-                }
-                Some(Admitted::Plain) => (shared.admission.admit(peer), Transport::Plain(stream)),
-                None => (None, Transport::Plain(stream)),
-            };
-            if let Some(admitted) = admitted {
-                Connection::new(transport, peer, shared).run(shutdown).await;
-                drop(admitted);
-            }
-            drop(task_done);
-        });
     }
+}
+
+/// Out of descriptors: connections still waiting to authenticate go first (a flood of
+/// strangers must not keep a member out); the thread backs off from other errors, and
+/// existing clients are served meanwhile; said once a minute at most, however the burst goes.
+fn accept_failed(err: &io::Error, shared: &Shared, accept_failures: &Throttled) {
+    let out_of_descriptors = matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+    let shed = out_of_descriptors && shared.gate.as_ref().is_some_and(Gate::shed_oldest);
+    match accept_failures.note() {
+        Some(unsaid) => tracing::warn!(
+            "accept failed: {err}{}; existing clients are still served ({unsaid} more failed since this was last \
+             said; said at most once a minute)",
+            if shed { "; shed the oldest connection waiting to authenticate" } else { "; retrying with backoff" }
+        ),
+        None => tracing::debug!("accept failed again: {err}"),
+    }
+}
+
+/// Serves one accepted connection in a task of its own, once admitted: at once without a
+/// secret; with one, after the handshake, which runs in that task (a slow client holds up
+/// nobody). A refused client sees EOF now, not a hang in the backlog.
+fn serve(stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>, shutdown: &Shutdown, task_done: &mpsc::Sender<()>) {
+    let (shared, mut shutdown, task_done) = (shared.clone(), shutdown.clone(), task_done.clone());
+    if shared.gate.is_none() {
+        let Some(admitted) = shared.admission.admit(peer) else { return };
+        tokio::spawn(async move {
+            Connection::new(Transport::Plain(stream), peer, shared).run(shutdown).await;
+            drop((admitted, task_done));
+        });
+        return;
+    }
+    tokio::spawn(async move {
+        let mut stream = stream;
+        let Some(gate) = shared.gate.as_ref() else { return };
+        let admitted = tokio::select! {
+            admitted = gate.admit(&mut stream, peer) => admitted,
+            _ = shutdown.recv() => None,
+        };
+        let (admitted, transport) = match admitted {
+            // a member's connection goes on in the session its handshake made
+            Some(Admitted::Member(session)) => {
+                (Some(shared.admission.admit_member(peer)), Transport::sealed(stream, *session))
+            }
+            Some(Admitted::Plain) => (shared.admission.admit(peer), Transport::Plain(stream)),
+            None => (None, Transport::Plain(stream)),
+        };
+        if let Some(admitted) = admitted {
+            Connection::new(transport, peer, shared).run(shutdown).await;
+            drop(admitted);
+        }
+        drop(task_done);
+    });
 }
 
 /// A server on a runtime of its own, for programs that are not async themselves (Python's
