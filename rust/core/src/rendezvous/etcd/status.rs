@@ -63,6 +63,45 @@ impl Reader<'_> {
     async fn size(&self, r: u64) -> Result<Option<u32>> {
         Ok(self.record::<Size>(&self.keys.size(r), "round size").await?.map(|size| size.world_size()))
     }
+
+    /// Restarts charged so far: the failure reports counted.
+    async fn restarts(&self) -> Result<i64> {
+        let request = elastix_etcd::pb::etcdserverpb::TxnRequest {
+            success: vec![ops::count(&self.keys.all_failures(), 0)],
+            ..Default::default()
+        };
+        Ok(ops::counted(&self.client.txn(request).await.map_err(|err| self.error(err))?, 0) as i64)
+    }
+
+    /// The members of formed `round` (`statuses`) and of the round before it that hold no
+    /// lease now (are not `alive`), and the size of the round before when it lost any.
+    async fn lost(
+        &self,
+        round: u64,
+        statuses: &BTreeMap<u32, NodeStatus>,
+        alive: &[NodeDesc],
+    ) -> Result<(Vec<Lost>, Option<u32>)> {
+        let mut lost = Vec::new();
+        let mut size_before_loss = None;
+        if round > 0 {
+            // members of the round before that are in no round now: lost between the two
+            let now_in: Vec<&NodeDesc> = statuses.values().map(|status| &status.node).collect();
+            for (rank, status) in self.statuses(round - 1).await? {
+                if !now_in.contains(&&status.node) && !alive.contains(&status.node) {
+                    lost.push(Lost { round: round - 1, group_rank: rank, node: Some(status.node.to_string()) });
+                }
+            }
+            if !lost.is_empty() {
+                size_before_loss = self.size(round - 1).await?;
+            }
+        }
+        for (rank, status) in statuses {
+            if !alive.contains(&status.node) {
+                lost.push(Lost { round, group_rank: *rank, node: Some(status.node.to_string()) });
+            }
+        }
+        Ok((lost, size_before_loss))
+    }
 }
 
 /// The job's state, or `None` if the cluster answers and holds no such run.
@@ -79,13 +118,7 @@ pub(super) async fn read(client: &EtcdClient, keys: &EtcdKeys, run_id: &str) -> 
     let closed_reason = reader.get(&keys.closed()).await?.map(|reason| String::from_utf8_lossy(&reason).into_owned());
     let sealed = reader.get(&keys.round()).await?.map(|bytes| ops::number(&bytes, "round")).transpose()?;
     let sealed = sealed.map(|round| round.max(0) as u64);
-    let restarts = {
-        let request = elastix_etcd::pb::etcdserverpb::TxnRequest {
-            success: vec![ops::count(&keys.all_failures(), 0)],
-            ..Default::default()
-        };
-        ops::counted(&client.txn(request).await.map_err(|err| reader.error(err))?, 0) as i64
-    };
+    let restarts = reader.restarts().await?;
     let last_failure: Option<FailureRecord> = reader.record(&keys.last_failure(), "failure record").await?;
 
     // the last sealed round runs unless its members all moved on to the next one
@@ -100,30 +133,12 @@ pub(super) async fn read(client: &EtcdClient, keys: &EtcdKeys, run_id: &str) -> 
         None => (0, Vec::new(), BTreeMap::new(), 0),
     };
     let formed = sealed.is_some() && !live.is_empty();
-    let alive = |node: &NodeDesc| live.contains(node) || next.contains(node);
     let members: Vec<Member> =
         if formed { (0..world_size).map(|rank| member(rank, statuses.get(&rank))).collect() } else { Vec::new() };
-    let mut lost = Vec::new();
-    let mut size_before_loss = None;
-    if let Some(r) = sealed.filter(|r| *r > 0 && formed) {
-        // members of the round before that are in no round now: lost between the two
-        let now_in: Vec<&NodeDesc> = statuses.values().map(|status| &status.node).collect();
-        for (rank, status) in reader.statuses(r - 1).await? {
-            if !now_in.contains(&&status.node) && !alive(&status.node) {
-                lost.push(Lost { round: r - 1, group_rank: rank, node: Some(status.node.to_string()) });
-            }
-        }
-        if !lost.is_empty() {
-            size_before_loss = reader.size(r - 1).await?;
-        }
-    }
-    if formed {
-        for (rank, status) in &statuses {
-            if !alive(&status.node) {
-                lost.push(Lost { round, group_rank: *rank, node: Some(status.node.to_string()) });
-            }
-        }
-    }
+    let (lost, size_before_loss) = match formed {
+        true => reader.lost(round, &statuses, &[live.as_slice(), next.as_slice()].concat()).await?,
+        false => (Vec::new(), None),
+    };
     let round_store = match formed {
         true => reader.record::<Master>(&keys.master(round), "workers' store").await?,
         false => None,

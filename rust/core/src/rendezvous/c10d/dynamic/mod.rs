@@ -389,50 +389,10 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         seen: i64,
         deadline: Instant,
     ) -> Result<Option<RendezvousInfo>> {
-        let member = Arrival { v: FORMAT_VERSION, node: Some(self.node.clone()) };
-        let master_server = if rank == 0 {
-            let config = workers_store_config(&self.node.addr, self.settings.secret.as_ref());
-            Some(
-                StoreServer::start_preferring(&config, self.workers_store_port)
-                    .map_err(|err| RendezvousError::Config(format!("cannot start the workers' store: {err}")))?,
-            )
-        } else {
-            None
-        };
-        if let Some(server) = &master_server {
-            self.workers_store_port = Some(server.port()); // MASTER_PORT stays across restarts
-        }
-        let published = master_server.as_ref().map(|server| Master {
-            v: FORMAT_VERSION,
-            addr: self.node.addr.clone(),
-            port: server.port(),
-        });
-        let run_id = self.settings.run_id.clone();
-        // a live rank 0 publishes its address as the round seals: one that has not within two
-        // loss windows died with the seal (None), unless the join deadline comes first
-        let patience = self.settings.node_lost_after() * 2;
-        let master_wait = self.settings.master_wait(deadline);
-        let master: Option<Master> = self
-            .with_conn(async |conn| {
-                conn.set(&member_key(round, rank), &encode(&member)).await?;
-                if let Some(master) = &published {
-                    conn.set(&Keys::master(round), &encode(master)).await?;
-                }
-                let remaining = master_wait;
-                match conn.wait_get(&Keys::master(round), Some(remaining.min(patience))).await? {
-                    Some(bytes) => decode(&bytes, "master address").map(Some),
-                    None if remaining > patience => Ok(None),
-                    None => Err(RendezvousError::Timeout(format!(
-                        "rendezvous {run_id:?} round {round}: rank 0 never published the workers' store address"
-                    ))),
-                }
-            })
-            .await?;
-        let Some(master) = master else {
-            tracing::warn!(round, "rank 0 did not publish the workers' store address within {patience:?}: it is lost");
+        let master_server = if rank == 0 { Some(self.start_workers_store()?) } else { None };
+        let Some(master) = self.exchange_master(round, rank, master_server.as_ref(), deadline).await? else {
             return Ok(None);
         };
-
         let (sender, changes) = watch::channel(None);
         let context = RoundContext {
             store: self.store.clone(),
@@ -441,21 +401,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             contact: Arc::new(Contact::new(Instant::now())),
             changes: Arc::new(sender),
         };
-        let known = self.known.expect("placed before joining");
-        let mut tasks = vec![spawn_change_watcher(context.clone(), seen, known, self.closed_reason.clone())];
-        if world_size > 1 {
-            tasks.push(spawn_heartbeats(context.clone(), rank));
-            tasks.push(spawn_monitor(context.clone(), rank, world_size));
-        }
-        if let (Some(server), true) = (&master_server, world_size > 1) {
-            let patience = self.settings.node_lost_after() * 2;
-            tasks.push(trust::spawn_member_trust(self.store.clone(), round, world_size, patience, server.trusts()));
-        }
-        if self.store.sites() > 1 {
-            let (interval, window) = (self.settings.keep_alive_interval, self.settings.node_lost_after());
-            let changes = context.changes.clone();
-            tasks.push(locate::spawn_site_watcher(self.store.clone(), known, interval, window, changes));
-        }
+        let tasks = self.spawn_round_tasks(&context, rank, world_size, seen, master_server.as_ref());
         let notify = context.changes.clone();
         self.current = Some(Membership {
             round,
@@ -483,6 +429,90 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             store_port,
             store_prefix: format!("{}{}", self.store_prefix.trim_start_matches('/'), Keys::round_store(round)),
         }))
+    }
+
+    /// Rank 0's workers' store, on the port it had last time if it can (MASTER_PORT stays
+    /// across restarts).
+    fn start_workers_store(&mut self) -> Result<StoreServer> {
+        let config = workers_store_config(&self.node.addr, self.settings.secret.as_ref());
+        let server = StoreServer::start_preferring(&config, self.workers_store_port)
+            .map_err(|err| RendezvousError::Config(format!("cannot start the workers' store: {err}")))?;
+        self.workers_store_port = Some(server.port());
+        Ok(server)
+    }
+
+    /// Says this member arrived (and rank 0, where its workers' store is), then reads where
+    /// the workers' store is. A live rank 0 publishes its address as the round seals: one that
+    /// has not within two loss windows died with the seal (`None`), unless the join deadline
+    /// comes first.
+    async fn exchange_master(
+        &mut self,
+        round: u64,
+        rank: u32,
+        master_server: Option<&StoreServer>,
+        deadline: Instant,
+    ) -> Result<Option<Master>> {
+        let member = Arrival { v: FORMAT_VERSION, node: Some(self.node.clone()) };
+        let published =
+            master_server.map(|server| Master { v: FORMAT_VERSION, addr: self.node.addr.clone(), port: server.port() });
+        let run_id = self.settings.run_id.clone();
+        let patience = self.settings.node_lost_after() * 2;
+        let master_wait = self.settings.master_wait(deadline);
+        let master = self
+            .with_conn(async |conn| {
+                conn.set(&member_key(round, rank), &encode(&member)).await?;
+                if let Some(master) = &published {
+                    conn.set(&Keys::master(round), &encode(master)).await?;
+                }
+                let remaining = master_wait;
+                match conn.wait_get(&Keys::master(round), Some(remaining.min(patience))).await? {
+                    Some(bytes) => decode(&bytes, "master address").map(Some),
+                    None if remaining > patience => Ok(None),
+                    None => Err(RendezvousError::Timeout(format!(
+                        "rendezvous {run_id:?} round {round}: rank 0 never published the workers' store address"
+                    ))),
+                }
+            })
+            .await?;
+        if master.is_none() {
+            tracing::warn!(round, "rank 0 did not publish the workers' store address within {patience:?}: it is lost");
+        }
+        Ok(master)
+    }
+
+    /// The round's background tasks: the change watcher; with others, heartbeats and the
+    /// monitor of its neighbour; rank 0's trust in the members for its workers' store; with
+    /// several sites, the watcher of the sites.
+    fn spawn_round_tasks(
+        &self,
+        context: &RoundContext<S>,
+        rank: u32,
+        world_size: u32,
+        seen: i64,
+        master_server: Option<&StoreServer>,
+    ) -> Vec<JoinHandle<()>> {
+        let known = self.known.expect("placed before joining");
+        let mut tasks = vec![spawn_change_watcher(context.clone(), seen, known, self.closed_reason.clone())];
+        if world_size > 1 {
+            tasks.push(spawn_heartbeats(context.clone(), rank));
+            tasks.push(spawn_monitor(context.clone(), rank, world_size));
+        }
+        if let (Some(server), true) = (master_server, world_size > 1) {
+            let patience = self.settings.node_lost_after() * 2;
+            tasks.push(trust::spawn_member_trust(
+                self.store.clone(),
+                context.round,
+                world_size,
+                patience,
+                server.trusts(),
+            ));
+        }
+        if self.store.sites() > 1 {
+            let (interval, window) = (self.settings.keep_alive_interval, self.settings.node_lost_after());
+            let changes = context.changes.clone();
+            tasks.push(locate::spawn_site_watcher(self.store.clone(), known, interval, window, changes));
+        }
+        tasks
     }
 
     /// Changes to the current round (`None` until one happens). Stale once the node moves
