@@ -59,10 +59,7 @@ impl Db {
         match request {
             Validate { .. } => return Err(ExecError::RepeatedValidate),
             Ping { nonce } => out.put_u32_le(*nonce),
-            Set { key, value } => {
-                self.state.set(key, value);
-                self.waiters.key_written(key);
-            }
+            Set { key, value } => self.set(key, value),
             CompareSet { key, expected, desired } => {
                 let outcome = self.state.compare_set(key, expected, desired);
                 put_bytes(out, &outcome.value);
@@ -90,17 +87,8 @@ impl Db {
                 self.state.append(key, value);
                 self.waiters.key_written(key);
             }
-            MultiGet { keys } => {
-                for key in keys {
-                    put_bytes(out, self.state.get(key).map_or(&[][..], |v| v));
-                }
-            }
-            MultiSet { pairs } => {
-                for (key, value) in pairs {
-                    self.state.set(key, value);
-                    self.waiters.key_written(key);
-                }
-            }
+            MultiGet { keys } => keys.iter().for_each(|key| put_bytes(out, self.state.get(key).map_or(&[][..], |v| v))),
+            MultiSet { pairs } => pairs.iter().for_each(|(key, value)| self.set(key, value)),
             CancelWait => {
                 self.waiters.cancel(id);
                 out.put_u8(WAIT_CANCELED);
@@ -109,29 +97,51 @@ impl Db {
                 self.state.queue_push(key, value);
                 self.waiters.item_pushed(key);
             }
-            QueuePop { key } => {
-                let (before, item) = self.state.queue_pop(key);
-                out.put_i64_le(before as i64);
-                if let Some(item) = item {
-                    put_bytes(out, &item);
-                }
-            }
+            QueuePop { key } => self.queue_pop(key, out),
             QueueLen { key } => out.put_i64_le(self.state.queue_len(key) as i64),
-            ListKeys => {
-                out.put_i64_le(self.state.num_keys() as i64);
-                for key in self.state.keys() {
-                    put_bytes(out, key);
-                }
-            }
-            Barrier { key, world_size } => {
-                let arrived = self.state.add(key, 1)?;
-                if arrived >= *world_size {
-                    out.put_u8(STOP_WAITING);
-                    self.waiters.key_written(key);
-                } else {
-                    self.waiters.register(id, &[key], waker.clone())?;
-                }
-            }
+            ListKeys => self.list_keys(out),
+            Barrier { key, world_size } => self.barrier(id, waker, key, *world_size, out)?,
+        }
+        Ok(())
+    }
+
+    fn set(&mut self, key: &[u8], value: &[u8]) {
+        self.state.set(key, value);
+        self.waiters.key_written(key);
+    }
+
+    /// The queue's length before the pop, then the item popped, if there was one.
+    fn queue_pop(&mut self, key: &[u8], out: &mut BytesMut) {
+        let (before, item) = self.state.queue_pop(key);
+        out.put_i64_le(before as i64);
+        if let Some(item) = item {
+            put_bytes(out, &item);
+        }
+    }
+
+    fn list_keys(&self, out: &mut BytesMut) {
+        out.put_i64_le(self.state.num_keys() as i64);
+        for key in self.state.keys() {
+            put_bytes(out, key);
+        }
+    }
+
+    /// One more arrival at the barrier `key`: the last of `world_size` releases everyone, the
+    /// others wait for it.
+    fn barrier(
+        &mut self,
+        id: WaiterId,
+        waker: &Waker,
+        key: &[u8],
+        world_size: i64,
+        out: &mut BytesMut,
+    ) -> Result<(), ExecError> {
+        let arrived = self.state.add(key, 1)?;
+        if arrived >= world_size {
+            out.put_u8(STOP_WAITING);
+            self.waiters.key_written(key);
+        } else {
+            self.waiters.register(id, &[key], waker.clone())?;
         }
         Ok(())
     }
