@@ -16,8 +16,8 @@ use elastix_core::auth::{PlainClients, Secret};
 use elastix_core::rendezvous::c10d::keys::run_prefix;
 use elastix_core::rendezvous::etcd::EtcdRendezvous;
 use elastix_core::rendezvous::records::now_ms;
-use elastix_core::rendezvous::store::{RendezvousStore, TcpRendezvousStore};
-use elastix_core::rendezvous::{DynamicRendezvous, RendezvousError, RendezvousInfo, RendezvousSettings};
+use elastix_core::rendezvous::store::TcpRendezvousStore;
+use elastix_core::rendezvous::{Backend, DynamicRendezvous, RendezvousSettings};
 use elastix_core::store::{BackgroundServer, Client, ConnectOptions, ServerConfig};
 use elastix_etcd::{EtcdClient, EtcdOptions};
 
@@ -141,7 +141,7 @@ struct Round {
 impl Round {
     /// Every node here joins at the start; the figures, as JSON fields: seconds from the
     /// start until the last of them had its rank, and that moment in Unix seconds.
-    async fn run<N: Node>(&self, handlers: Vec<N>) -> String {
+    async fn run<N: Backend + 'static>(&self, handlers: Vec<N>) -> String {
         if let Some(start_at) = self.start_at {
             let until = Duration::from_secs_f64((start_at - unix_now()).max(0.0));
             tokio::time::sleep(until).await;
@@ -162,47 +162,16 @@ fn settings(run_id: &str, nodes: u32) -> RendezvousSettings {
     settings
 }
 
-/// A simulated node: a rendezvous handler of either backend.
-trait Node: Send + 'static {
-    fn join(&mut self) -> impl std::future::Future<Output = Result<RendezvousInfo, RendezvousError>> + Send;
-    fn stop(&mut self);
-    /// Stops and closes every connection.
-    fn leave(&mut self) {
-        self.stop();
-    }
-}
-
-impl<S: RendezvousStore> Node for DynamicRendezvous<S> {
-    async fn join(&mut self) -> Result<RendezvousInfo, RendezvousError> {
-        self.next_rendezvous().await
-    }
-    fn stop(&mut self) {
-        self.shutdown();
-    }
-    fn leave(&mut self) {
-        self.disconnect();
-    }
-}
-
-impl Node for EtcdRendezvous {
-    async fn join(&mut self) -> Result<RendezvousInfo, RendezvousError> {
-        self.next_rendezvous().await
-    }
-    fn stop(&mut self) {
-        self.shutdown();
-    }
-}
-
 /// Every node joins one round at once; seconds until the last has its rank.
-async fn one_round<N: Node>(nodes: u32, handlers: Vec<N>, leave_after_rank: bool) -> f64 {
+async fn one_round<N: Backend + 'static>(nodes: u32, handlers: Vec<N>, leave_after_rank: bool) -> f64 {
     let start = Instant::now();
     let tasks: Vec<_> = handlers
         .into_iter()
         .map(|mut node| {
             tokio::spawn(async move {
-                let info = node.join().await.expect("rendezvous");
+                let info = node.next_rendezvous().await.expect("rendezvous");
                 if leave_after_rank {
-                    node.leave();
+                    node.linger(Duration::ZERO).await; // stops, and closes every connection
                 }
                 (node, info)
             })
@@ -218,7 +187,7 @@ async fn one_round<N: Node>(nodes: u32, handlers: Vec<N>, leave_after_rank: bool
     ranks.dedup();
     assert!(ranks.len() == joined.len() && ranks.iter().all(|rank| *rank < nodes), "every node has a distinct rank");
     for (node, _) in &mut joined {
-        node.stop();
+        node.shutdown();
     }
     elapsed
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use elastix_core::rendezvous::c10d::keys::{run_prefix, Keys};
 use elastix_core::rendezvous::store::{RendezvousStore, StoreConn, TcpRendezvousStore};
 use elastix_core::rendezvous::{
-    DynamicRendezvous, MembershipChange, Rendezvous, RendezvousError, RendezvousInfo, RendezvousParams,
+    Backend, DynamicRendezvous, MembershipChange, Rendezvous, RendezvousError, RendezvousInfo, RendezvousParams,
     RendezvousSettings,
 };
 use elastix_core::store::{ConnectOptions, ServerConfig, StoreServer};

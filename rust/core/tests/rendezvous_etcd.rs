@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use elastix_core::rendezvous::etcd::EtcdRendezvous;
-use elastix_core::rendezvous::{MembershipChange, RendezvousError, RendezvousInfo, RendezvousSettings};
+use elastix_core::rendezvous::{Backend, MembershipChange, RendezvousError, RendezvousInfo, RendezvousSettings};
 use elastix_etcd::pb::etcdserverpb::RangeRequest;
 use elastix_etcd::testing::LocalEtcd;
 use elastix_etcd::EtcdClient;

@@ -8,7 +8,7 @@ use elastix_core::rendezvous::job_status;
 use elastix_core::rendezvous::records::{now_ms, AgentFacts, Doing, FailureRecord, WorkerProgress, FORMAT_VERSION};
 use elastix_core::rendezvous::status::{Health, State, StatusQuery};
 use elastix_core::rendezvous::store::TcpRendezvousStore;
-use elastix_core::rendezvous::{ConfInput, DynamicRendezvous, RendezvousSettings};
+use elastix_core::rendezvous::{Backend, ConfInput, DynamicRendezvous, RendezvousSettings};
 use elastix_core::store::{ConnectOptions, ServerConfig, StoreServer};
 
 const PATIENCE: Duration = Duration::from_secs(60);

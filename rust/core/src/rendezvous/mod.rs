@@ -23,6 +23,7 @@ pub mod etcd;
 mod job_status;
 mod kind;
 pub mod node;
+mod participant;
 pub mod presence;
 pub mod records;
 pub mod static_rdzv;

@@ -8,7 +8,8 @@
 //!   event log in the store;
 //! * [`keys`]: where the state lives in the store; [`status`]: reading it for `elastix status`.
 //!
-//! [`C10dRendezvous`] is the backend an agent holds: the handler, and the sites it serves.
+//! [`C10dRendezvous`] is the backend an agent holds: the handler over TCPStore sites, serving
+//! the ones that are this node's.
 
 mod contact;
 pub mod dynamic;
@@ -23,16 +24,10 @@ mod trust;
 use std::io;
 use std::time::Duration;
 
-use tokio::sync::watch;
-
 use self::dynamic::DynamicRendezvous;
 use self::keys::run_prefix;
-use super::backend::{Backend, Fut, StatusWriter};
-use super::change::{MembershipChange, RendezvousInfo};
 use super::endpoint::{is_local_addr, is_loopback_name, is_this_machine, parse_endpoints, DEFAULT_PORT};
 use super::error::{RendezvousError, Result};
-use super::presence::Census;
-use super::records::{AgentFacts, FailureRecord};
 use super::store::{TcpRendezvousStore, DEFAULT_READ_TIMEOUT};
 use crate::auth::PlainClients;
 use crate::rendezvous::config::conf::{RendezvousConf, DYNAMIC_KEYS};
@@ -75,12 +70,8 @@ impl C10dOptions {
     }
 }
 
-/// The c10d backend: the handler, and the store sites this agent serves.
-pub struct C10dRendezvous {
-    handler: DynamicRendezvous<TcpRendezvousStore>,
-    /// The rendezvous store sites this agent hosts (none, or one per listed address of its own).
-    servers: Vec<StoreServer>,
-}
+/// The c10d backend: the handler, serving the store sites that are this node's.
+pub type C10dRendezvous = DynamicRendezvous<TcpRendezvousStore>;
 
 impl C10dRendezvous {
     /// Serves the sites that are this node's and makes the handler. Must run inside a tokio
@@ -128,8 +119,7 @@ impl C10dRendezvous {
         if let Some(served_by) = served_by.filter(|_| !listed) {
             store = store.with_hint(served_by);
         }
-        let handler = DynamicRendezvous::new(store, settings, prefix)?;
-        Ok(C10dRendezvous { handler, servers })
+        Ok(DynamicRendezvous::new(store, settings, prefix)?.hosting(servers))
     }
 }
 
@@ -179,130 +169,5 @@ fn host_site(
             Ok(Hosted::Elsewhere(format!("it is served by the agent started first on this machine{holder}")))
         }
         Err(err) => Err(RendezvousError::Config(format!("cannot host the rendezvous store on port {}: {err}", site.1))),
-    }
-}
-
-impl Backend for C10dRendezvous {
-    fn name(&self) -> &'static str {
-        "c10d"
-    }
-
-    fn run_id(&self) -> &str {
-        self.handler.run_id()
-    }
-
-    fn next_rendezvous(&mut self) -> Fut<'_, RendezvousInfo> {
-        Box::pin(self.handler.next_rendezvous())
-    }
-
-    fn report_failure(&mut self) -> Fut<'_, i64> {
-        Box::pin(self.handler.report_failure())
-    }
-
-    fn record_restart(&mut self) -> Fut<'_, i64> {
-        Box::pin(self.handler.record_restart())
-    }
-
-    fn restart_count(&mut self) -> Fut<'_, i64> {
-        Box::pin(self.handler.restart_count())
-    }
-
-    /// The first site it hosts.
-    fn hosted_port(&self) -> Option<u16> {
-        self.servers.first().map(StoreServer::port)
-    }
-
-    fn describe_store(&self) -> String {
-        self.handler.describe_store()
-    }
-
-    fn secret(&self) -> Option<&crate::auth::Secret> {
-        self.handler.settings().secret.as_ref()
-    }
-
-    fn store_lost_advice(&mut self) -> Option<String> {
-        let join_timeout = self.handler.settings().join_timeout;
-        self.handler.store_lost_advice(join_timeout)
-    }
-
-    fn loss_window(&self) -> Duration {
-        self.handler.settings().node_lost_after()
-    }
-
-    fn num_nodes_waiting(&mut self) -> Fut<'_, u32> {
-        Box::pin(self.handler.num_nodes_waiting())
-    }
-
-    fn is_closed(&mut self) -> Fut<'_, bool> {
-        Box::pin(self.handler.is_closed())
-    }
-
-    fn set_closed_with<'a>(&'a mut self, reason: &'a str) -> Fut<'a, ()> {
-        Box::pin(self.handler.set_closed_with(reason))
-    }
-
-    fn closed_reason(&mut self) -> Fut<'_, Option<String>> {
-        Box::pin(self.handler.closed_reason())
-    }
-
-    fn changes(&self) -> Option<watch::Receiver<Option<MembershipChange>>> {
-        self.handler.changes()
-    }
-
-    fn publish_node_status(&mut self, facts: AgentFacts) -> Fut<'_, ()> {
-        Box::pin(self.handler.publish_node_status(facts))
-    }
-
-    fn status_writer(&self) -> Option<StatusWriter> {
-        self.handler.status_writer()
-    }
-
-    fn publish_failure<'a>(&'a mut self, failure: &'a FailureRecord) -> Fut<'a, ()> {
-        Box::pin(self.handler.publish_failure(failure))
-    }
-
-    fn census<'a>(&'a mut self, only: Option<&'a [u32]>) -> Fut<'a, Census> {
-        Box::pin(self.handler.census(only))
-    }
-
-    fn round_ended(&mut self) -> Fut<'_, Option<MembershipChange>> {
-        Box::pin(self.handler.round_ended())
-    }
-
-    fn locate_store(&mut self) -> Option<Fut<'_, (String, u16)>> {
-        Some(Box::pin(self.handler.locate_store()))
-    }
-
-    fn shutdown(&mut self) {
-        self.handler.shutdown();
-    }
-
-    /// Keeps the sites this agent serves up (at most `within`) while other nodes are still
-    /// connected, reading how the job ended.
-    fn linger(&mut self, within: Duration) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
-        Box::pin(async move {
-            self.handler.disconnect();
-            let deadline = tokio::time::Instant::now() + within;
-            for server in &self.servers {
-                if server.connections() > 0 {
-                    tracing::debug!(
-                        "keeping the rendezvous store on port {} up for the other nodes ({} connected), at most \
-                         {within:?}",
-                        server.port(),
-                        server.connections()
-                    );
-                }
-                while server.connections() > 0 && tokio::time::Instant::now() < deadline {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                if server.connections() > 0 {
-                    tracing::debug!(
-                        "stopping the rendezvous store on port {} with {} connection(s) still open after {within:?}",
-                        server.port(),
-                        server.connections()
-                    );
-                }
-            }
-        })
     }
 }

@@ -4,7 +4,7 @@
 //! lease. No heartbeat keys: etcd's lease is the liveness.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -20,6 +20,7 @@ use super::keys::{EtcdKeys, KeyKind};
 use super::ops;
 use crate::rendezvous::change::MembershipChange;
 use crate::rendezvous::node::NodeDesc;
+use crate::rendezvous::participant::CloseNote;
 use crate::rendezvous::records::{decode, Arrival};
 
 /// What one batch of writes in a round's watch means.
@@ -113,7 +114,7 @@ pub(super) struct RoundWatch {
     pub lease_ttl: Duration,
     pub lease_state: watch::Receiver<LeaseState>,
     pub changes: Arc<watch::Sender<Option<MembershipChange>>>,
-    pub closed_reason: Arc<Mutex<Option<String>>>,
+    pub closed: CloseNote,
 }
 
 /// Watches round `watch.round` from its seal on and reports what ends it; after the first
@@ -219,7 +220,7 @@ impl RoundWatch {
     async fn change(&self, seen: Seen) -> Option<MembershipChange> {
         match seen {
             Seen::Closed(reason) => {
-                *self.closed_reason.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(reason);
+                self.closed.set(reason);
                 Some(MembershipChange::Closed)
             }
             Seen::SelfLost => self.lease_change(&LeaseState::Expired),

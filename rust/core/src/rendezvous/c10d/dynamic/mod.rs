@@ -12,16 +12,17 @@
 //! or the next one, see [`super::locate`]) with the job-wide restart count carried over, and
 //! the members re-form there.
 //!
-//! Here: joining a round and the membership that follows; [`placement`]: where the state
-//! lives; [`questions`]: what the agent asks when its workers fail; [`job_state`]: closing,
-//! restarts and what `elastix status` reads; [`watcher`]: the events that end a round.
+//! Here: joining a round and the membership that follows; [`backend`]: the agent's interface
+//! (closing, restarts, what `elastix status` reads); [`placement`]: where the state lives;
+//! [`questions`]: what the agent asks when its workers fail; [`watcher`]: the events that end
+//! a round.
 
-mod job_state;
+mod backend;
 mod placement;
 mod questions;
 mod watcher;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -36,12 +37,13 @@ use super::liveness::{answered, ask, member_key, report_lost, spawn_heartbeats, 
 use super::locate::{self, Choice, Known, Probe};
 use super::round::{JoinOutcome, RoundJoin};
 use super::trust;
-use crate::rendezvous::backend::StatusWriter;
+use crate::rendezvous::backend::{Backend, StatusWriter};
 use crate::rendezvous::change::{MembershipChange, RendezvousInfo};
 use crate::rendezvous::config::settings::RendezvousSettings;
 use crate::rendezvous::error::{RendezvousError, Result};
 use crate::rendezvous::node::NodeDesc;
-use crate::rendezvous::presence::{self, Census, Presence, ASK_PATIENCE, PROBE_TIMEOUT};
+use crate::rendezvous::participant::{CloseNote, Participant};
+use crate::rendezvous::presence::{self, Census, ASK_PATIENCE, PROBE_TIMEOUT};
 use crate::rendezvous::records::{
     decode, encode, AgentFacts, Arrival, Event, FailureRecord, Master, Meta, NodeStatus, FORMAT_VERSION,
 };
@@ -78,8 +80,8 @@ impl Drop for Membership {
 
 pub struct DynamicRendezvous<S: RendezvousStore> {
     store: S,
-    settings: RendezvousSettings,
-    node: NodeDesc,
+    /// This node: its settings, description, presence port, and how the job ended.
+    me: Participant,
     conn: Option<S::Conn>,
     current: Option<Membership>,
     /// The last round this node was a member of (it opens the next one when it comes back),
@@ -89,64 +91,54 @@ pub struct DynamicRendezvous<S: RendezvousStore> {
     known: Option<Known>,
     /// The highest job-wide restart count seen, carried to a new copy of the state.
     restarts_seen: i64,
-    /// How the job ended, as the close event said (the store may be gone when it is asked).
-    closed_reason: Arc<Mutex<Option<String>>>,
     /// The run's prefix in the store, for the [`RendezvousInfo`].
     store_prefix: String,
-    /// The port of the workers' store this node last served, tried first next time.
-    workers_store_port: Option<u16>,
-    /// What the other members probe to ask whether this node's agent is still there.
-    _presence: Option<Presence>,
     /// How new connections are bounded now: by the deadline of the rendezvous under way (a
-    /// store that stays away shows one countdown, see [`Self::next_rendezvous`]), or by a
-    /// question's, quietly ([`Self::census`]). Without one, or once past, they give up after a
-    /// loss window.
+    /// store that stays away shows one countdown, see `next_rendezvous`), or by a question's,
+    /// quietly (`census`). Without one, or once past, they give up after a loss window.
     connect_by: Option<ConnectBound>,
     /// The store's loss has been said, with the remedy, since it last answered.
     store_lost_said: bool,
+    /// The rendezvous store sites this agent serves (none, or one per listed address of its
+    /// own), kept up a little at the end for the nodes still reading how the job ended.
+    hosted: Vec<StoreServer>,
 }
 
 impl<S: RendezvousStore> DynamicRendezvous<S> {
     /// `store_prefix` is the run's prefix in the store, for the [`RendezvousInfo`].
     pub fn new(store: S, settings: RendezvousSettings, store_prefix: String) -> Result<Self> {
-        settings.validate()?;
-        let mut node = NodeDesc::this_process(settings.local_addr.as_deref());
-        node.order = settings.node_order;
-        let presence = Presence::start(&node.addr);
-        node.presence = presence.as_ref().map(Presence::port);
         Ok(DynamicRendezvous {
             store,
-            settings,
-            node,
+            me: Participant::new(settings)?,
             conn: None,
             current: None,
             last_round: None,
             known: None,
             restarts_seen: 0,
-            closed_reason: Arc::default(),
             connect_by: None,
             store_lost_said: false,
             store_prefix,
-            workers_store_port: None,
-            _presence: presence,
+            hosted: Vec::new(),
         })
     }
 
-    pub fn run_id(&self) -> &str {
-        &self.settings.run_id
+    /// Notes a job-wide restart count seen, to carry it to a new copy of the state.
+    fn saw_restarts(&mut self, restarts: i64) -> i64 {
+        self.restarts_seen = self.restarts_seen.max(restarts);
+        restarts
+    }
+
+    /// The same handler, serving the rendezvous store `sites` too.
+    pub(crate) fn hosting(self, sites: Vec<StoreServer>) -> Self {
+        DynamicRendezvous { hosted: sites, ..self }
     }
 
     pub fn node(&self) -> &NodeDesc {
-        &self.node
+        &self.me.node
     }
 
     pub fn settings(&self) -> &RendezvousSettings {
-        &self.settings
-    }
-
-    /// The store site in use, for messages.
-    pub fn describe_store(&self) -> String {
-        self.store.describe()
+        &self.me.settings
     }
 
     async fn conn(&mut self) -> Result<&mut S::Conn> {
@@ -159,7 +151,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             // away for longer has lost this node anyway, and the caller goes on to re-join
             let (patience, quiet) = match self.connect_by.filter(|bound| bound.by > Instant::now()) {
                 Some(bound) => (bound.by - Instant::now(), bound.quiet),
-                None => (self.settings.node_lost_after(), false),
+                None => (self.me.settings.node_lost_after(), false),
             };
             self.conn = Some(self.store.connect_within(patience, quiet).await?);
         }
@@ -176,22 +168,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         result
     }
 
-    /// Joins the next round and returns this node's place in it. Blocks until the round
-    /// forms, up to `join_timeout` (spares wait without a deadline, as in torch). A store that
-    /// stops answering meanwhile is looked for again (and the state moved if it is lost) until
-    /// the deadline.
-    pub async fn next_rendezvous(&mut self) -> Result<RendezvousInfo> {
-        let deadline = Instant::now() + self.settings.join_timeout;
-        if let Some(membership) = self.current.take() {
-            self.last_round = Some(LastRound::of(&membership, self.store.sites()));
-        }
-        self.connect_by = Some(ConnectBound { by: deadline, quiet: false });
-        let outcome = self.rendezvous_by(deadline).await;
-        self.connect_by = None;
-        outcome
-    }
-
-    /// [`Self::next_rendezvous`]'s loop. A store lost meanwhile is said once, with the
+    /// `next_rendezvous`'s loop. A store lost meanwhile is said once, with the
     /// deadline and the remedy, and its return once; the retries in between are quiet.
     async fn rendezvous_by(&mut self, deadline: Instant) -> Result<RendezvousInfo> {
         let mut lost_since: Option<Instant> = None;
@@ -215,7 +192,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
                         let left = deadline.saturating_duration_since(Instant::now());
                         let store = self.store.describe();
                         if !self.store_lost_said {
-                            match self.store_lost_advice(left) {
+                            match self.lost_store_advice(left) {
                                 Some(advice) => {
                                     tracing::warn!("lost the rendezvous store at {store} ({err}): {advice}")
                                 }
@@ -239,7 +216,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     /// What a store lost for `left` more of the join timeout means, and what to do about it
     /// (said once per outage: see [`Self::rendezvous_by`]). `None` with several sites: the
     /// job moves to another, as [`super::locate`] says.
-    pub fn store_lost_advice(&mut self, left: Duration) -> Option<String> {
+    fn lost_store_advice(&mut self, left: Duration) -> Option<String> {
         if self.store.sites() > 1 {
             return None;
         }
@@ -257,7 +234,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     async fn try_round(&mut self, deadline: Instant) -> Result<Option<RendezvousInfo>> {
         self.place(deadline).await?;
         if self.is_closed().await? {
-            return Err(RendezvousError::Closed { run_id: self.settings.run_id.clone() });
+            return Err(RendezvousError::Closed { run_id: self.me.settings.run_id.clone() });
         }
         let mut round = self.with_conn(async |conn| current_round(conn).await).await?;
         if let Some(last) = self.last_round {
@@ -282,7 +259,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     }
 
     async fn join(&mut self, round: u64, deadline: Instant) -> Result<(JoinOutcome, i64)> {
-        let (settings, node) = (self.settings.clone(), self.node.clone());
+        let (settings, node) = (self.me.settings.clone(), self.me.node.clone());
         let endpoint = self.store.address(self.store.active_site());
         self.with_conn(async |conn| {
             // Events counted before joining: the watcher replays anything that comes after.
@@ -298,8 +275,8 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     /// the previous round's size is known, the new round forms as soon as that many nodes
     /// (plus the late ones) are back, without waiting for the last call.
     async fn open_round(&mut self, from: u64, to: u64, previous: Option<LastRound>) -> Result<()> {
-        let max = self.settings.max_nodes;
-        let min = self.settings.min_nodes;
+        let max = self.me.settings.max_nodes;
+        let min = self.me.settings.min_nodes;
         self.with_conn(async |conn| {
             if let Some(last) = previous {
                 let previous = to - 1;
@@ -327,10 +304,10 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     /// its members will re-form) or as a spare (the round is full), then waits for the next
     /// round. Waiting nodes are bound by the join deadline; spares wait as long as it takes.
     async fn wait_as_late_node(&mut self, round: u64, world_size: u32, deadline: Instant) -> Result<()> {
-        let spare = world_size >= self.settings.max_nodes;
-        let node = self.node.clone();
-        let run_id = self.settings.run_id.clone();
-        let (interval, join_timeout) = (self.settings.progress_interval, self.settings.join_timeout);
+        let spare = world_size >= self.me.settings.max_nodes;
+        let node = self.me.node.clone();
+        let run_id = self.me.settings.run_id.clone();
+        let (interval, join_timeout) = (self.me.settings.progress_interval, self.me.settings.join_timeout);
         let (host, port) = self.store.address(self.store.active_site());
         tracing::info!(round, spare, "arrived after the round formed; waiting for the next round");
         self.with_conn(async |conn| {
@@ -396,7 +373,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         let (sender, changes) = watch::channel(None);
         let context = RoundContext {
             store: self.store.clone(),
-            settings: self.settings.clone(),
+            settings: self.me.settings.clone(),
             round,
             contact: Arc::new(Contact::new(Instant::now())),
             changes: Arc::new(sender),
@@ -419,7 +396,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         };
         tracing::info!("rendezvous complete: round {round}, {world_size} node(s); this node is rank {rank}");
         Ok(Some(RendezvousInfo {
-            run_id: self.settings.run_id.clone(),
+            run_id: self.me.settings.run_id.clone(),
             round,
             rank,
             world_size,
@@ -434,10 +411,10 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     /// Rank 0's workers' store, on the port it had last time if it can (MASTER_PORT stays
     /// across restarts).
     fn start_workers_store(&mut self) -> Result<StoreServer> {
-        let config = workers_store_config(&self.node.addr, self.settings.secret.as_ref());
-        let server = StoreServer::start_preferring(&config, self.workers_store_port)
+        let config = workers_store_config(&self.me.node.addr, self.me.settings.secret.as_ref());
+        let server = StoreServer::start_preferring(&config, self.me.workers_store_port)
             .map_err(|err| RendezvousError::Config(format!("cannot start the workers' store: {err}")))?;
-        self.workers_store_port = Some(server.port());
+        self.me.workers_store_port = Some(server.port());
         Ok(server)
     }
 
@@ -452,12 +429,15 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         master_server: Option<&StoreServer>,
         deadline: Instant,
     ) -> Result<Option<Master>> {
-        let member = Arrival { v: FORMAT_VERSION, node: Some(self.node.clone()) };
-        let published =
-            master_server.map(|server| Master { v: FORMAT_VERSION, addr: self.node.addr.clone(), port: server.port() });
-        let run_id = self.settings.run_id.clone();
-        let patience = self.settings.node_lost_after() * 2;
-        let master_wait = self.settings.master_wait(deadline);
+        let member = Arrival { v: FORMAT_VERSION, node: Some(self.me.node.clone()) };
+        let published = master_server.map(|server| Master {
+            v: FORMAT_VERSION,
+            addr: self.me.node.addr.clone(),
+            port: server.port(),
+        });
+        let run_id = self.me.settings.run_id.clone();
+        let patience = self.me.settings.node_lost_after() * 2;
+        let master_wait = self.me.settings.master_wait(deadline);
         let master = self
             .with_conn(async |conn| {
                 conn.set(&member_key(round, rank), &encode(&member)).await?;
@@ -492,13 +472,13 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         master_server: Option<&StoreServer>,
     ) -> Vec<JoinHandle<()>> {
         let known = self.known.expect("placed before joining");
-        let mut tasks = vec![spawn_change_watcher(context.clone(), seen, known, self.closed_reason.clone())];
+        let mut tasks = vec![spawn_change_watcher(context.clone(), seen, known, self.me.closed.clone())];
         if world_size > 1 {
             tasks.push(spawn_heartbeats(context.clone(), rank));
             tasks.push(spawn_monitor(context.clone(), rank, world_size));
         }
         if let (Some(server), true) = (master_server, world_size > 1) {
-            let patience = self.settings.node_lost_after() * 2;
+            let patience = self.me.settings.node_lost_after() * 2;
             tasks.push(trust::spawn_member_trust(
                 self.store.clone(),
                 context.round,
@@ -508,35 +488,16 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             ));
         }
         if self.store.sites() > 1 {
-            let (interval, window) = (self.settings.keep_alive_interval, self.settings.node_lost_after());
+            let (interval, window) = (self.me.settings.keep_alive_interval, self.me.settings.node_lost_after());
             let changes = context.changes.clone();
             tasks.push(locate::spawn_site_watcher(self.store.clone(), known, interval, window, changes));
         }
         tasks
     }
 
-    /// Changes to the current round (`None` until one happens). Stale once the node moves
-    /// to another round.
-    pub fn changes(&self) -> Option<watch::Receiver<Option<MembershipChange>>> {
-        self.current.as_ref().map(|membership| membership.changes.clone())
-    }
-
-    /// Late nodes waiting for the current round to re-form with them (torch's wait list).
-    pub async fn num_nodes_waiting(&mut self) -> Result<u32> {
-        let Some(round) = self.current.as_ref().map(|m| m.round) else { return Ok(0) };
-        let waiting = self.with_conn(async |conn| conn.tally(&Keys::waiting(round)).await).await?;
-        Ok(waiting.max(0) as u32)
-    }
-
-    /// Stops this node's heartbeats and background work, and the workers' store it serves.
-    /// The rendezvous stays open for the other nodes (use [`Self::set_closed`] to end the job).
-    pub fn shutdown(&mut self) {
+    /// `shutdown`, and closes this node's connection to the store.
+    fn disconnect(&mut self) {
         self.current = None;
-    }
-
-    /// [`Self::shutdown`], and closes this node's connection to the store.
-    pub fn disconnect(&mut self) {
-        self.shutdown();
         self.conn = None;
     }
 }

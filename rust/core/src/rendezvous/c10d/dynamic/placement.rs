@@ -25,8 +25,8 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
                     self.move_to(site);
                     let ours = Meta {
                         v: FORMAT_VERSION,
-                        min_nodes: self.settings.min_nodes,
-                        max_nodes: self.settings.max_nodes,
+                        min_nodes: self.me.settings.min_nodes,
+                        max_nodes: self.me.settings.max_nodes,
                         incarnation: fastrand::u64(1..),
                         generation,
                     };
@@ -34,7 +34,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
                     let stored = self.with_conn(async |conn| conn.compare_set(Keys::META, b"", &mine).await).await?;
                     if stored[..] == mine[..] {
                         // this node made the run's state: the store's list of runs names it
-                        let run_id = self.settings.run_id.clone();
+                        let run_id = self.me.settings.run_id.clone();
                         if let Err(err) = self.with_conn(async |conn| conn.register_run(&run_id).await).await {
                             tracing::debug!("cannot add run {run_id:?} to the store's list of runs: {err}");
                         }
@@ -65,7 +65,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
                     if now >= deadline {
                         return Err(RendezvousError::Timeout(format!(
                             "rendezvous {:?}: waited {:?} (join_timeout) for {what}",
-                            self.settings.run_id, self.settings.join_timeout,
+                            self.me.settings.run_id, self.me.settings.join_timeout,
                         )));
                     }
                     if choice == Choice::Minority && !said_minority {
@@ -73,7 +73,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
                         said_minority = true;
                         reported = now;
                         tracing::warn!("waiting for {what}; deadline in {}s", deadline.duration_since(now).as_secs());
-                    } else if now.duration_since(reported) >= self.settings.progress_interval {
+                    } else if now.duration_since(reported) >= self.me.settings.progress_interval {
                         reported = now;
                         tracing::info!("waiting for {what}; deadline in {}s", deadline.duration_since(now).as_secs());
                     }
@@ -102,11 +102,11 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
 
     /// Works with the copy `meta` at `site` from now on.
     pub(super) async fn settle(&mut self, site: usize, meta: Meta) -> Result<()> {
-        let (min, max) = (self.settings.min_nodes, self.settings.max_nodes);
+        let (min, max) = (self.me.settings.min_nodes, self.me.settings.max_nodes);
         if (meta.min_nodes, meta.max_nodes) != (min, max) {
             return Err(RendezvousError::Config(format!(
                 "this node was started with --nnodes {min}:{max} but rendezvous {:?} runs with --nnodes {}:{}",
-                self.settings.run_id, meta.min_nodes, meta.max_nodes
+                self.me.settings.run_id, meta.min_nodes, meta.max_nodes
             )));
         }
         self.move_to(site);

@@ -4,18 +4,7 @@
 use super::*;
 
 impl<S: RendezvousStore> DynamicRendezvous<S> {
-    /// Asks the other members of the current round whether their agents are still there
-    /// ([`crate::rendezvous::presence`]), and reports the gone ones lost at once (the heartbeat monitor
-    /// would, a loss window later), so that every member re-forms without them now.
-    /// `only`: the group ranks to ask (default: every other member).
-    pub async fn census(&mut self, only: Option<&[u32]>) -> Result<Census> {
-        let outer = self.connect_by.replace(ConnectBound::question(&self.settings));
-        let census = self.ask_members(only).await;
-        self.connect_by = outer;
-        census
-    }
-
-    /// [`Self::census`], its new connections bounded as a question's: the workers' failure
+    /// `census`, its new connections bounded as a question's: the workers' failure
     /// that prompts it often came with the store's loss.
     pub(super) async fn ask_members(&mut self, only: Option<&[u32]>) -> Result<Census> {
         let Some((round, rank, world_size)) = self.current.as_ref().map(|m| (m.round, m.rank, m.world_size)) else {
@@ -89,19 +78,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         Ok(census)
     }
 
-    /// What ended this node's round without its watcher having said so yet: a newer round
-    /// (the others re-formed without it: this agent was stopped, or cut off, while they did),
-    /// the store losing the state the round lived in (it restarted empty), or an event about
-    /// the round already in the log (a member reported lost, late nodes: another member's
-    /// agent stopped its workers for it, which is how this node's workers came to fail).
-    pub async fn round_ended(&mut self) -> Result<Option<MembershipChange>> {
-        let outer = self.connect_by.replace(ConnectBound::question(&self.settings));
-        let ended = self.look_for_round_end().await;
-        self.connect_by = outer;
-        ended
-    }
-
-    /// [`Self::round_ended`], its new connections bounded as a question's.
+    /// `round_ended`, its new connections bounded as a question's.
     pub(super) async fn look_for_round_end(&mut self) -> Result<Option<MembershipChange>> {
         let Some((round, seen)) = self.current.as_ref().map(|m| (m.round, m.events_seen)) else { return Ok(None) };
         let known = self.known;
@@ -135,14 +112,5 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
             Err(err) if err.is_store_unreachable() => self.with_conn(look).await,
             found => found,
         }
-    }
-
-    /// The address of the store site that holds the job's state now: with several sites, the
-    /// one a lost site's nodes moved to (found, or set up, as a re-join would).
-    pub async fn locate_store(&mut self) -> Result<(String, u16)> {
-        if self.store.sites() > 1 {
-            self.place(Instant::now() + self.settings.heartbeat_timeout * 2).await?;
-        }
-        Ok(self.store.address(self.store.active_site()))
     }
 }

@@ -10,7 +10,7 @@ pub(super) fn spawn_change_watcher<S: RendezvousStore>(
     context: RoundContext<S>,
     seen: i64,
     known: Known,
-    closed_reason: Arc<Mutex<Option<String>>>,
+    closed: CloseNote,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
         let round = context.round;
@@ -43,7 +43,7 @@ pub(super) fn spawn_change_watcher<S: RendezvousStore>(
             match events::wait_for(live, next, None).await {
                 Ok(event) => {
                     if let Some(Event::Closed { reason: Some(reason), .. }) = &event {
-                        *closed_reason.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(reason.clone());
+                        closed.set(reason.clone());
                     }
                     if let Some(change) = event.as_ref().and_then(|event| relevance(event, round)) {
                         tracing::debug!(round, ?change, "membership change"); // the agent says what it does about it
