@@ -7,6 +7,7 @@
 //! * [`logging`]: the command-line programs' log output; [`console`]: stdout and stderr
 //!   written by threads of their own (a stalled reader never blocks); [`address_log`]:
 //!   warnings about peers, once a minute per address.
+//! * [`interrupt`]: how a caller (Python's Ctrl-C) stops a blocked call.
 //! * [`collectives`]: the reduction kernels and shared-memory waits of the CPU collectives
 //!   (the algorithms themselves are in the Python package).
 
@@ -15,6 +16,7 @@ pub mod agent;
 pub mod auth;
 pub mod collectives;
 pub mod console;
+pub mod interrupt;
 pub mod logging;
 pub mod metrics;
 pub mod rendezvous;

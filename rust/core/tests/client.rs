@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use elastix_core::store::client::InterruptCheck;
+use elastix_core::interrupt::Interrupt;
 use elastix_core::store::{Client, ConnectOptions, ServerConfig, StoreError, StoreServer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -108,14 +108,11 @@ async fn an_interrupt_check_ends_a_wait_cleanly() {
     let (_server, mut c) = server_and_client().await;
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = calls.clone();
-    c.set_interrupt_check(Some(InterruptCheck {
-        every: Duration::from_millis(10),
-        check: Box::new(move || counted.fetch_add(1, Ordering::SeqCst) >= 3),
-    }));
+    c.set_interrupt(Interrupt::new(move || counted.fetch_add(1, Ordering::SeqCst) >= 3));
     let err = c.wait(&[b"never"], None).await.unwrap_err();
     assert!(matches!(err, StoreError::Interrupted), "{err}");
     assert_eq!(calls.load(Ordering::SeqCst), 4);
-    c.set_interrupt_check(None);
+    c.set_interrupt(Interrupt::never());
     c.set(b"after", b"ok").await.unwrap();
     assert_eq!(c.get_now(b"after").await.unwrap(), "ok");
 }

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use elastix_core::interrupt::Interrupt;
 use elastix_core::store::error::Result as StoreResult;
 use elastix_core::store::{BlockingStore, FileStore, LocalStore};
 use pyo3::prelude::*;
@@ -25,10 +26,10 @@ impl BlockingStoreCore {
     fn call<T: Send>(
         &self,
         py: Python<'_>,
-        op: impl FnOnce(&dyn BlockingStore, &mut dyn FnMut() -> bool) -> StoreResult<T> + Send,
+        op: impl FnOnce(&dyn BlockingStore, &Interrupt) -> StoreResult<T> + Send,
     ) -> PyResult<T> {
         let pending = &self.pending;
-        py.detach(|| op(self.store.as_ref(), &mut || pending.raised())).map_err(|err| to_py(err, &self.pending))
+        py.detach(|| op(self.store.as_ref(), &pending.interrupt())).map_err(|err| to_py(err, &self.pending))
     }
 }
 
@@ -66,7 +67,7 @@ impl BlockingStoreCore {
     #[pyo3(signature = (key, timeout))]
     fn get<'py>(&self, py: Python<'py>, key: &[u8], timeout: Option<f64>) -> PyResult<Bound<'py, PyBytes>> {
         let timeout = from_seconds(timeout)?;
-        let value = self.call(py, |store, interrupted| store.get(key, timeout, interrupted))?;
+        let value = self.call(py, |store, interrupt| store.get(key, timeout, interrupt))?;
         Ok(PyBytes::new(py, &value))
     }
 
@@ -92,7 +93,7 @@ impl BlockingStoreCore {
     #[pyo3(signature = (keys, timeout))]
     fn wait(&self, py: Python<'_>, keys: Vec<Vec<u8>>, timeout: Option<f64>) -> PyResult<()> {
         let timeout = from_seconds(timeout)?;
-        self.call(py, |store, interrupted| store.wait(&as_slices(&keys), timeout, interrupted))
+        self.call(py, |store, interrupt| store.wait(&as_slices(&keys), timeout, interrupt))
     }
 
     fn delete_key(&self, py: Python<'_>, key: &[u8]) -> PyResult<bool> {
@@ -115,7 +116,7 @@ impl BlockingStoreCore {
         timeout: Option<f64>,
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let timeout = from_seconds(timeout)?;
-        let values = self.call(py, |store, interrupted| store.multi_get(&as_slices(&keys), timeout, interrupted))?;
+        let values = self.call(py, |store, interrupt| store.multi_get(&as_slices(&keys), timeout, interrupt))?;
         Ok(values.iter().map(|value| PyBytes::new(py, value)).collect())
     }
 
@@ -137,7 +138,7 @@ impl BlockingStoreCore {
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let timeout = from_seconds(timeout)?;
-        let value = self.call(py, |store, interrupted| store.queue_pop(key, block, timeout, interrupted))?;
+        let value = self.call(py, |store, interrupt| store.queue_pop(key, block, timeout, interrupt))?;
         Ok(PyBytes::new(py, &value))
     }
 

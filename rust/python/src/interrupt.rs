@@ -3,12 +3,9 @@
 //! re-raised once the call has cleanly stopped waiting.
 
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
 
+use elastix_core::interrupt::Interrupt;
 use pyo3::{PyErr, Python};
-
-/// How often a blocked call lets Python run its signal handlers.
-pub const SIGNAL_CHECK_EVERY: Duration = Duration::from_millis(100);
 
 #[derive(Clone, Default)]
 pub struct PendingSignal(Arc<Mutex<Option<PyErr>>>);
@@ -25,18 +22,15 @@ impl PendingSignal {
         }
     }
 
+    /// What a blocked call asks (every [`elastix_core::interrupt::CHECK_EVERY`]): Python's
+    /// signal handlers, whose exception is kept here.
+    pub fn interrupt(&self) -> Interrupt {
+        let pending = self.clone();
+        Interrupt::new(move || pending.raised())
+    }
+
     /// The exception a signal handler raised during the last call, if any.
     pub fn take(&self) -> Option<PyErr> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
-    }
-}
-
-/// Ends when a Python signal handler raised (checked every [`SIGNAL_CHECK_EVERY`]).
-pub async fn interrupted(pending: &PendingSignal) {
-    loop {
-        tokio::time::sleep(SIGNAL_CHECK_EVERY).await;
-        if pending.raised() {
-            return;
-        }
     }
 }

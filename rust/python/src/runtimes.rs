@@ -10,10 +10,9 @@
 //!   and shut down within [`SHUTDOWN_WAIT`] when it ends: an agent's run (its workers'
 //!   parent-death signal is tied to the threads that start them), an RPC endpoint.
 //!
-//! Every wait lets Ctrl-C through: Python's signal handlers run every
-//! [`crate::interrupt::SIGNAL_CHECK_EVERY`] (see [`interruptible`] for a future; the store,
-//! shared-memory and RPC waits take the same check as a closure), and the exception a handler
-//! raised is raised once the wait has stopped.
+//! Every wait lets Ctrl-C through: it asks one [`elastix_core::interrupt::Interrupt`], made
+//! by [`PendingSignal::interrupt`] (Python's signal handlers; see [`interruptible`] for a
+//! future), and the exception a handler raised is raised once the wait has stopped.
 
 use std::future::Future;
 use std::io;
@@ -22,7 +21,7 @@ use std::time::Duration;
 
 use tokio::runtime::{Builder, Runtime};
 
-use crate::interrupt::{interrupted, PendingSignal};
+use crate::interrupt::PendingSignal;
 
 /// How long an engine's runtime may take to stop its tasks when the engine ends.
 pub const SHUTDOWN_WAIT: Duration = Duration::from_secs(1);
@@ -46,10 +45,5 @@ pub fn own(name: &str, threads: usize) -> io::Result<Runtime> {
 /// Runs `future` on `runtime` until it ends (`Some`) or a Python signal handler raises
 /// (`None`: the exception is in `pending`). Call it with the GIL released.
 pub fn interruptible<F: Future>(runtime: &Runtime, pending: &PendingSignal, future: F) -> Option<F::Output> {
-    runtime.block_on(async {
-        tokio::select! {
-            result = future => Some(result),
-            _ = interrupted(pending) => None,
-        }
-    })
+    runtime.block_on(pending.interrupt().run(future))
 }

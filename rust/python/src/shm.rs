@@ -181,7 +181,7 @@ impl Waiter {
         }
         let deadline = from_seconds(timeout)?.map(|t| Instant::now() + t);
         let (inner, pending) = (&self.inner, &self.pending);
-        let result = py.detach(|| inner.wait(target, deadline, &mut || pending.raised())).map_err(to_py)?;
+        let result = py.detach(|| inner.wait(target, deadline, &pending.interrupt())).map_err(to_py)?;
         match result {
             Ok(()) => Ok(None),
             Err(err) => self.stopped(err).map(Some),
@@ -260,8 +260,7 @@ impl Waiter {
             None => {
                 let deadline = from_seconds(timeout)?.map(|t| Instant::now() + t);
                 let (inner, pending) = (&self.inner, &self.pending);
-                py.detach(|| inner.finish_step(seq, desc.as_deref(), deadline, &mut || pending.raised()))
-                    .map_err(to_py)?
+                py.detach(|| inner.finish_step(seq, desc.as_deref(), deadline, &pending.interrupt())).map_err(to_py)?
             }
         };
         match end {

@@ -4,7 +4,6 @@
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use elastix_core::store::client::InterruptCheck;
 use elastix_core::store::error::Result as StoreResult;
 use elastix_core::store::server::listener::duplicate_socket_fd;
 use elastix_core::store::{TcpStore, TcpStoreOptions};
@@ -14,7 +13,7 @@ use tokio::runtime::Runtime;
 
 use crate::errors::to_py;
 use crate::exit_gate::drop_without_gil;
-use crate::interrupt::{PendingSignal, SIGNAL_CHECK_EVERY};
+use crate::interrupt::PendingSignal;
 use crate::runtimes;
 use crate::timeout::{from_seconds, to_seconds};
 
@@ -67,11 +66,7 @@ impl TcpStoreCore {
     }
 
     fn wrap(runtime: Runtime, mut store: TcpStore, pending: PendingSignal) -> Self {
-        let check = pending.clone();
-        store.set_interrupt_check(Some(InterruptCheck {
-            every: SIGNAL_CHECK_EVERY,
-            check: Box::new(move || check.raised()),
-        }));
+        store.set_interrupt(pending.interrupt());
         let client = store.client();
         TcpStoreCore {
             host: store.host().to_owned(),

@@ -16,6 +16,7 @@ use nix::libc;
 use super::counters::{self, Liveness, Peer, SpinPolicy, WaitError};
 use super::mapping::SharedMemory;
 use super::segment::{Segment, SegmentError};
+use crate::interrupt::Interrupt;
 
 /// The byte offsets of one rank's words: its counter (u64), its abort word (u64) and the word
 /// where sleepers on its counter register (u32).
@@ -153,7 +154,7 @@ impl Waiter {
         &self,
         target: u64,
         deadline: Option<Instant>,
-        interrupted: &mut dyn FnMut() -> bool,
+        interrupt: &Interrupt,
     ) -> Result<Result<(), WaitError>, SegmentError> {
         self.segment.with(|memory| {
             let peers = self
@@ -163,7 +164,8 @@ impl Waiter {
                 .map(|(words, liveness)| words.peer(memory, *liveness))
                 .collect::<Result<Vec<_>, _>>()?;
             let closing = || self.segment.is_closed();
-            let result = counters::wait_all(&peers, target, &self.policy, deadline, &mut || closing() || interrupted());
+            let result =
+                counters::wait_all(&peers, target, &self.policy, deadline, &mut || closing() || interrupt.raised());
             if result == Err(WaitError::Interrupted) && closing() {
                 let pending = (0..peers.len()).filter(|&i| peers[i].flag.load(Ordering::Acquire) < target).collect();
                 return Ok(Err(WaitError::Closed { pending }));
@@ -221,9 +223,9 @@ impl Waiter {
         seq: u64,
         desc: Option<&[i64]>,
         deadline: Option<Instant>,
-        interrupted: &mut dyn FnMut() -> bool,
+        interrupt: &Interrupt,
     ) -> Result<StepEnd, SegmentError> {
-        match self.wait(seq, deadline, interrupted)? {
+        match self.wait(seq, deadline, interrupt)? {
             Ok(()) => self.compare(seq, desc),
             Err(err) => Ok(StepEnd::Stopped(err)),
         }
@@ -302,12 +304,12 @@ mod tests {
         a.publish(1, Some(&[1, 2, 3])).unwrap();
         assert_eq!(a.ready(1), Ok(false));
         b.publish(1, Some(&[1, 2, 4])).unwrap();
-        assert_eq!(a.wait(1, None, &mut || false), Ok(Ok(())));
+        assert_eq!(a.wait(1, None, &Interrupt::never()), Ok(Ok(())));
         assert_eq!(a.mismatch(1, &[1, 2, 3]), Ok(Some(0)));
         assert_eq!(b.mismatch(1, &[1, 2, 3]), Ok(None));
         b.abort(2).unwrap();
         let late = Some(Instant::now() + Duration::from_secs(5));
-        assert_eq!(a.wait(2, late, &mut || false), Ok(Err(WaitError::Aborted { peer: 0, code: 2 })));
+        assert_eq!(a.wait(2, late, &Interrupt::never()), Ok(Err(WaitError::Aborted { peer: 0, code: 2 })));
     }
 
     #[test]
@@ -317,16 +319,16 @@ mod tests {
         // the first to arrive must wait; the second finds the first there
         assert_eq!(a.begin_step(1, Some(&[7, 8])), Ok(None));
         assert_eq!(b.begin_step(1, Some(&[7, 8])), Ok(Some(StepEnd::Together)));
-        assert_eq!(a.finish_step(1, Some(&[7, 8]), None, &mut || false), Ok(StepEnd::Together));
+        assert_eq!(a.finish_step(1, Some(&[7, 8]), None, &Interrupt::never()), Ok(StepEnd::Together));
         // different descriptors name the peer; no descriptor compares nothing
         assert_eq!(a.begin_step(2, Some(&[1])), Ok(None));
         assert_eq!(b.begin_step(2, Some(&[2])), Ok(Some(StepEnd::Mismatch { peer: 0 })));
-        assert_eq!(a.finish_step(2, None, None, &mut || false), Ok(StepEnd::Together));
+        assert_eq!(a.finish_step(2, None, None, &Interrupt::never()), Ok(StepEnd::Together));
         // a wait that ends first says why
         assert_eq!(a.begin_step(3, None), Ok(None));
         let soon = Some(Instant::now() + Duration::from_millis(20));
         assert_eq!(
-            a.finish_step(3, None, soon, &mut || false),
+            a.finish_step(3, None, soon, &Interrupt::never()),
             Ok(StepEnd::Stopped(WaitError::Timeout { pending: vec![0] }))
         );
     }
@@ -337,7 +339,7 @@ mod tests {
         let w = Arc::new(pair(&seg, 0, 512));
         let waiting = {
             let w = w.clone();
-            std::thread::spawn(move || w.wait(1, None, &mut || false))
+            std::thread::spawn(move || w.wait(1, None, &Interrupt::never()))
         };
         // it registers as a sleeper on the peer's counter once it stopped spinning
         let started = Instant::now();
@@ -347,7 +349,7 @@ mod tests {
         }
         assert!(seg.close());
         assert_eq!(waiting.join().unwrap(), Ok(Err(WaitError::Closed { pending: vec![0] })));
-        assert_eq!(w.wait(1, None, &mut || false), Err(SegmentError::Closed));
+        assert_eq!(w.wait(1, None, &Interrupt::never()), Err(SegmentError::Closed));
         assert_eq!(w.publish(1, None), Err(SegmentError::Closed));
     }
 

@@ -6,6 +6,8 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use crate::interrupt::{Interrupt, CHECK_EVERY};
+
 pub struct BlockingQueue<T> {
     state: Mutex<(VecDeque<T>, bool)>,
     ready: Condvar,
@@ -92,9 +94,6 @@ pub fn spin<T>(mut ready: impl FnMut() -> Option<T>) -> Option<T> {
     }
 }
 
-/// How often a thread waiting on a channel lets Python's signal handlers run.
-const SIGNAL_CHECK: Duration = Duration::from_millis(100);
-
 /// How [`wait_on`] ended.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Waited<T> {
@@ -106,15 +105,15 @@ pub enum Waited<T> {
 }
 
 /// Waits for the message on `rx`, up to `timeout` (None: no limit), polling briefly first
-/// ([`spin`]) and asking `interrupted` every 100 ms whether to give up (Ctrl-C).
-pub fn wait_on<T>(rx: &Receiver<T>, timeout: Option<Duration>, interrupted: &mut dyn FnMut() -> bool) -> Waited<T> {
+/// ([`spin`]) and asking `interrupt` every [`CHECK_EVERY`] whether to give up (Ctrl-C).
+pub fn wait_on<T>(rx: &Receiver<T>, timeout: Option<Duration>, interrupt: &Interrupt) -> Waited<T> {
     if let Some(item) = spin(|| rx.try_recv().ok()) {
         return Waited::Got(item);
     }
     let deadline = timeout.map(|timeout| Instant::now() + timeout);
     loop {
-        let left = deadline.map_or(SIGNAL_CHECK, |d| d.saturating_duration_since(Instant::now()));
-        match rx.recv_timeout(left.min(SIGNAL_CHECK)) {
+        let left = deadline.map_or(CHECK_EVERY, |d| d.saturating_duration_since(Instant::now()));
+        match rx.recv_timeout(left.min(CHECK_EVERY)) {
             Ok(item) => return Waited::Got(item),
             Err(RecvTimeoutError::Disconnected) => return Waited::Gone,
             Err(RecvTimeoutError::Timeout) => {}
@@ -122,7 +121,7 @@ pub fn wait_on<T>(rx: &Receiver<T>, timeout: Option<Duration>, interrupted: &mut
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return Waited::TimedOut;
         }
-        if interrupted() {
+        if interrupt.raised() {
             return Waited::Interrupted;
         }
     }
@@ -137,11 +136,11 @@ mod tests {
     fn a_channel_wait_ends_with_the_message_its_loss_the_deadline_or_an_interrupt() {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         tx.send(7).unwrap();
-        assert_eq!(wait_on(&rx, None, &mut || false), Waited::Got(7));
-        assert_eq!(wait_on(&rx, Some(Duration::from_millis(1)), &mut || false), Waited::TimedOut);
-        assert_eq!(wait_on(&rx, None, &mut || true), Waited::Interrupted);
+        assert_eq!(wait_on(&rx, None, &Interrupt::never()), Waited::Got(7));
+        assert_eq!(wait_on(&rx, Some(Duration::from_millis(1)), &Interrupt::never()), Waited::TimedOut);
+        assert_eq!(wait_on(&rx, None, &Interrupt::new(|| true)), Waited::Interrupted);
         drop(tx);
-        assert_eq!(wait_on(&rx, None, &mut || false), Waited::Gone);
+        assert_eq!(wait_on(&rx, None, &Interrupt::never()), Waited::Gone);
     }
 
     #[test]

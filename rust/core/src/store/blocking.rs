@@ -8,9 +8,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::error::{Result, StoreError};
-
-/// How often a blocked wait asks its interrupt check (Python's Ctrl-C) at the latest.
-pub const INTERRUPT_CHECK_EVERY: Duration = Duration::from_millis(100);
+use crate::interrupt::{Interrupt, CHECK_EVERY};
 
 /// Keys and values are opaque bytes, as the user gave them (the file store adds torch's key
 /// prefix in its file only). Every method may be called from several threads at once.
@@ -37,19 +35,19 @@ pub trait BlockingStore: Send + Sync {
     /// that matters to `keys`. Spurious returns are fine: callers re-check.
     fn wait_for_change(&self, keys: &[&[u8]], slice: Duration) -> Result<()>;
 
-    /// Blocks until every key exists, up to `timeout` (`None`: no limit). `interrupted` is
-    /// asked at least every [`INTERRUPT_CHECK_EVERY`]; returning true ends the wait with
+    /// Blocks until every key exists, up to `timeout` (`None`: no limit). `interrupt` is
+    /// asked at least every [`CHECK_EVERY`]; returning true ends the wait with
     /// [`StoreError::Interrupted`].
-    fn wait(&self, keys: &[&[u8]], timeout: Option<Duration>, interrupted: &mut dyn FnMut() -> bool) -> Result<()> {
+    fn wait(&self, keys: &[&[u8]], timeout: Option<Duration>, interrupt: &Interrupt) -> Result<()> {
         let start = Instant::now();
         loop {
             if self.check(keys)? {
                 return Ok(());
             }
             let slice = match timeout {
-                None => INTERRUPT_CHECK_EVERY,
+                None => CHECK_EVERY,
                 Some(timeout) => match timeout.checked_sub(start.elapsed()) {
-                    Some(left) if !left.is_zero() => left.min(INTERRUPT_CHECK_EVERY),
+                    Some(left) if !left.is_zero() => left.min(CHECK_EVERY),
                     _ => {
                         return Err(StoreError::WaitTimeout {
                             timeout,
@@ -59,16 +57,16 @@ pub trait BlockingStore: Send + Sync {
                 },
             };
             self.wait_for_change(keys, slice)?;
-            if interrupted() {
+            if interrupt.raised() {
                 return Err(StoreError::Interrupted);
             }
         }
     }
 
     /// Waits for `key`, then reads it.
-    fn get(&self, key: &[u8], timeout: Option<Duration>, interrupted: &mut dyn FnMut() -> bool) -> Result<Bytes> {
+    fn get(&self, key: &[u8], timeout: Option<Duration>, interrupt: &Interrupt) -> Result<Bytes> {
         loop {
-            self.wait(&[key], timeout, interrupted)?;
+            self.wait(&[key], timeout, interrupt)?;
             // deleted again between the wait and the read: wait again
             if let Some(value) = self.get_now(key)? {
                 return Ok(value);
@@ -77,24 +75,13 @@ pub trait BlockingStore: Send + Sync {
     }
 
     /// Waits for every key, then reads them all.
-    fn multi_get(
-        &self,
-        keys: &[&[u8]],
-        timeout: Option<Duration>,
-        interrupted: &mut dyn FnMut() -> bool,
-    ) -> Result<Vec<Bytes>> {
-        self.wait(keys, timeout, interrupted)?;
+    fn multi_get(&self, keys: &[&[u8]], timeout: Option<Duration>, interrupt: &Interrupt) -> Result<Vec<Bytes>> {
+        self.wait(keys, timeout, interrupt)?;
         keys.iter().map(|key| Ok(self.get_now(key)?.unwrap_or_default())).collect()
     }
 
     /// Pops the oldest item; a blocking pop waits for one first.
-    fn queue_pop(
-        &self,
-        key: &[u8],
-        block: bool,
-        timeout: Option<Duration>,
-        interrupted: &mut dyn FnMut() -> bool,
-    ) -> Result<Bytes> {
+    fn queue_pop(&self, key: &[u8], block: bool, timeout: Option<Duration>, interrupt: &Interrupt) -> Result<Bytes> {
         let start = Instant::now();
         loop {
             if let Some(item) = self.queue_pop_now(key)? {
@@ -105,7 +92,7 @@ pub trait BlockingStore: Send + Sync {
             }
             // another consumer may take the item we were woken for: wait again, same deadline
             let left = timeout.map(|t| t.saturating_sub(start.elapsed()));
-            self.wait(&[key], left, interrupted).map_err(|err| match err {
+            self.wait(&[key], left, interrupt).map_err(|err| match err {
                 StoreError::WaitTimeout { keys, .. } => {
                     StoreError::WaitTimeout { timeout: timeout.unwrap_or_default(), keys }
                 }

@@ -108,16 +108,13 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-
-    fn never() -> impl FnMut() -> bool {
-        || false
-    }
+    use crate::interrupt::Interrupt;
 
     #[test]
     fn operations_follow_the_shared_rules() {
         let store = LocalStore::new();
         store.set(b"k", b"v").unwrap();
-        assert_eq!(store.get(b"k", None, &mut never()).unwrap(), "v");
+        assert_eq!(store.get(b"k", None, &Interrupt::never()).unwrap(), "v");
         assert_eq!(store.add(b"n", 2).unwrap(), 2);
         assert_eq!(store.compare_set(b"k", b"v", b"w").unwrap(), "w");
         assert_eq!(store.num_keys().unwrap(), 2);
@@ -135,24 +132,20 @@ mod tests {
             std::thread::sleep(Duration::from_millis(30));
             setter.set(b"late", b"here").unwrap();
         });
-        assert_eq!(store.get(b"late", Some(Duration::from_secs(30)), &mut never()).unwrap(), "here");
+        assert_eq!(store.get(b"late", Some(Duration::from_secs(30)), &Interrupt::never()).unwrap(), "here");
         thread.join().unwrap();
     }
 
     #[test]
     fn timeouts_and_interrupts_end_waits() {
         let store = LocalStore::new();
-        let err = store.wait(&[b"nokey"], Some(Duration::from_millis(50)), &mut never()).unwrap_err();
+        let err = store.wait(&[b"nokey"], Some(Duration::from_millis(50)), &Interrupt::never()).unwrap_err();
         assert_eq!(err.to_string(), "wait timeout after 50ms, keys: nokey");
-        let mut asked = 0;
-        let err = store
-            .wait(&[b"nokey"], None, &mut || {
-                asked += 1;
-                asked == 2
-            })
-            .unwrap_err();
+        let asked = std::sync::atomic::AtomicU32::new(0);
+        let second_ask = Interrupt::new(move || asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 1);
+        let err = store.wait(&[b"nokey"], None, &second_ask).unwrap_err();
         assert!(matches!(err, StoreError::Interrupted));
-        let err = store.queue_pop(b"q", false, None, &mut never()).unwrap_err();
+        let err = store.queue_pop(b"q", false, None, &Interrupt::never()).unwrap_err();
         assert!(matches!(err, StoreError::QueueEmpty));
     }
 
@@ -164,7 +157,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
             pusher.queue_push(b"q", b"item").unwrap();
         });
-        assert_eq!(store.queue_pop(b"q", true, Some(Duration::from_secs(30)), &mut never()).unwrap(), "item");
+        assert_eq!(store.queue_pop(b"q", true, Some(Duration::from_secs(30)), &Interrupt::never()).unwrap(), "item");
         thread.join().unwrap();
     }
 }

@@ -10,11 +10,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::client::{Client, ConnectOptions, InterruptCheck};
+use super::client::{Client, ConnectOptions};
 use super::error::{Result, StoreError};
 use super::protocol::INIT_KEY;
 use super::server::{BackgroundServer, ServerConfig};
 use crate::auth::{PlainClients, Secret};
+use crate::interrupt::Interrupt;
 
 /// Threads of an in-process server: enough to serve a job's workers, few enough to stay out
 /// of the training process's way.
@@ -144,8 +145,9 @@ impl TcpStore {
         self.client.set_reply_timeout(timeout);
     }
 
-    pub fn set_interrupt_check(&mut self, check: Option<InterruptCheck>) {
-        self.client.set_interrupt_check(check);
+    /// What lets a caller (Python's Ctrl-C) end this store's waits early.
+    pub fn set_interrupt(&mut self, interrupt: Interrupt) {
+        self.client.set_interrupt(interrupt);
     }
 
     pub fn client(&self) -> &Client {

@@ -147,7 +147,7 @@ impl RpcEndpoint {
         let request = request(to, op, payload, buffers, rref, fork)?;
         let endpoint = &self.endpoint;
         let pending = &self.pending;
-        let result = py.detach(|| endpoint.call_sync(request, timeout, &mut || pending.raised()));
+        let result = py.detach(|| endpoint.call_sync(request, timeout, &pending.interrupt()));
         answer(py, result.map_err(|err| call_error(err, &self.pending))?)
     }
 
@@ -235,7 +235,7 @@ impl RpcEndpoint {
     fn owner_value(&self, py: Python<'_>, rref: GidTuple, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
         let timeout = from_seconds(timeout)?;
         let pending = &self.pending;
-        py.detach(|| self.endpoint.wait_value(gid(rref), timeout, &mut || pending.raised()))
+        py.detach(|| self.endpoint.wait_value(gid(rref), timeout, &pending.interrupt()))
             .map_err(|err| value_error(err, &self.pending))?;
         let value = self.endpoint.with_value(gid(rref), |value| value.downcast_ref::<PyValue>().map(|v| v.get(py)));
         value.flatten().ok_or_else(|| value_error(ValueError::Deleted, &self.pending))

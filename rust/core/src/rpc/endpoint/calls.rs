@@ -8,6 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::{lock, Completion, Endpoint, Message};
+use crate::interrupt::Interrupt;
 use crate::rpc::frame::{op, Frame, Kind};
 use crate::rpc::ids::{Gid, WorkerId};
 use crate::rpc::queue::{wait_on, Waited};
@@ -80,19 +81,19 @@ impl Endpoint {
         id
     }
 
-    /// Sends `request` and waits for its answer, up to `timeout`; `interrupted` is asked now
+    /// Sends `request` and waits for its answer, up to `timeout`; `interrupt` is asked now
     /// and then whether to give up (Ctrl-C).
     pub fn call_sync(
         self: &Arc<Self>,
         request: Request,
         timeout: Option<Duration>,
-        interrupted: &mut dyn FnMut() -> bool,
+        interrupt: &Interrupt,
     ) -> Result<Message, CallError> {
         self.check_target(request.to)?;
         let to = request.to;
         let (tx, rx) = sync_channel(1);
         let id = self.register(request, Deliver::Sync(tx));
-        let gave_up = match wait_on(&rx, timeout, interrupted) {
+        let gave_up = match wait_on(&rx, timeout, interrupt) {
             Waited::Got(result) => return result,
             Waited::Gone => return Err(CallError::Shutdown("RPC was shut down on this worker".into())),
             Waited::TimedOut => self.timeout_error(to, timeout.unwrap_or_default()),

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{drop_slots, lock, Endpoint, Responder, Value, Waiter};
+use crate::interrupt::Interrupt;
 use crate::rpc::ids::{ForkId, RRefId, WorkerId};
 use crate::rpc::queue::{wait_on, Waited};
 use crate::rpc::refs::{ForkData, Handle, RefError, Stats};
@@ -81,12 +82,7 @@ impl Endpoint {
     }
 
     /// Waits until the OwnerRRef `rref` has its value.
-    pub fn wait_value(
-        &self,
-        rref: RRefId,
-        timeout: Option<Duration>,
-        interrupted: &mut dyn FnMut() -> bool,
-    ) -> Result<(), ValueError> {
+    pub fn wait_value(&self, rref: RRefId, timeout: Option<Duration>, interrupt: &Interrupt) -> Result<(), ValueError> {
         let (tx, rx) = sync_channel(1);
         {
             let mut refs = lock(&self.refs);
@@ -97,7 +93,7 @@ impl Endpoint {
                 return Ok(());
             }
         }
-        match wait_on(&rx, timeout, interrupted) {
+        match wait_on(&rx, timeout, interrupt) {
             Waited::Got(()) => Ok(()),
             Waited::Gone => Err(ValueError::Deleted),
             Waited::TimedOut => Err(ValueError::TimedOut(timeout.unwrap_or_default().as_secs_f64())),

@@ -26,20 +26,13 @@ use super::linger::OwnClient;
 use super::protocol::{CHECK_NOT_READY, CHECK_READY, STOP_WAITING, WAIT_CANCELED};
 use super::request::Request;
 use super::transport::Transport;
+use crate::interrupt::Interrupt;
 
 /// Replies longer than this are taken as a broken server rather than allocated.
 const MAX_REPLY_LEN: u64 = 1 << 30;
 
 /// Default bound on waiting for an ordinary (non-wait) reply: torch's default store timeout.
 pub const DEFAULT_REPLY_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// Called periodically while a wait blocks; returning true ends the wait with
-/// [`StoreError::Interrupted`] (after cancelling it on the server). Python uses this to let
-/// Ctrl-C through.
-pub struct InterruptCheck {
-    pub every: Duration,
-    pub check: Box<dyn FnMut() -> bool + Send>,
-}
 
 enum State {
     Ready,
@@ -63,7 +56,9 @@ pub struct Client {
     read_buf: BytesMut,
     state: State,
     reply_timeout: Option<Duration>,
-    interrupt: Option<InterruptCheck>,
+    /// Asked while a wait blocks: stopping ends it with [`StoreError::Interrupted`] (after
+    /// cancelling it on the server).
+    interrupt: Interrupt,
     /// Tells this process's exit that this connection is its own (see [`crate::store::linger`]).
     _own: OwnClient,
 }
@@ -81,7 +76,7 @@ impl Client {
             read_buf: BytesMut::with_capacity(4096),
             state: State::Ready,
             reply_timeout: Some(DEFAULT_REPLY_TIMEOUT),
-            interrupt: None,
+            interrupt: Interrupt::never(),
             _own: own,
         })
     }
@@ -110,8 +105,9 @@ impl Client {
         self.reply_timeout = timeout;
     }
 
-    pub fn set_interrupt_check(&mut self, check: Option<InterruptCheck>) {
-        self.interrupt = check;
+    /// What lets a caller (Python's Ctrl-C) end this connection's waits early.
+    pub fn set_interrupt(&mut self, interrupt: Interrupt) {
+        self.interrupt = interrupt;
     }
 
     /// False once the connection broke or an operation on it was abandoned midway.
@@ -395,7 +391,7 @@ impl Client {
                     None => pending().await,
                 }
             };
-            let interrupted = interrupted(&mut self.interrupt);
+            let interrupted = self.interrupt.wait();
             tokio::select! {
                 biased;
                 reply = reply => reply.map(|()| None),
@@ -442,14 +438,4 @@ async fn fill_buffer(stream: &mut Transport, buf: &mut BytesMut, n: usize) -> io
         }
     }
     Ok(())
-}
-
-async fn interrupted(check: &mut Option<InterruptCheck>) {
-    let Some(check) = check else { return pending().await };
-    loop {
-        tokio::time::sleep(check.every).await;
-        if (check.check)() {
-            return;
-        }
-    }
 }

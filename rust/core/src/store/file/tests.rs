@@ -5,10 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::*;
-
-fn never() -> impl FnMut() -> bool {
-    || false
-}
+use crate::interrupt::Interrupt;
 
 /// A path in the temp directory, unique per process and test, removed when dropped (declare it
 /// before the stores on it, so that it drops after them).
@@ -63,7 +60,7 @@ fn operations_follow_the_shared_rules() {
     let store = path.open(None);
     assert_eq!(store.num_keys().unwrap(), 1, "torch's refcount counter is a key");
     store.set(b"k", b"v").unwrap();
-    assert_eq!(store.get(b"k", None, &mut never()).unwrap(), "v");
+    assert_eq!(store.get(b"k", None, &Interrupt::never()).unwrap(), "v");
     assert_eq!(store.add(b"n", 2).unwrap(), 2);
     assert_eq!(store.compare_set(b"k", b"v", b"w").unwrap(), "w");
     assert_eq!(store.compare_set(b"k", b"v", b"x").unwrap(), "w");
@@ -185,7 +182,7 @@ fn a_waiter_is_woken_by_a_set_from_another_handle() {
         std::thread::sleep(Duration::from_millis(30));
         setter.set(b"late", b"here").unwrap();
     });
-    assert_eq!(waiter.get(b"late", Some(Duration::from_secs(30)), &mut never()).unwrap(), "here");
+    assert_eq!(waiter.get(b"late", Some(Duration::from_secs(30)), &Interrupt::never()).unwrap(), "here");
     thread.join().unwrap();
 }
 
@@ -198,7 +195,7 @@ fn a_blocking_pop_gets_an_item_pushed_by_another_handle() {
         std::thread::sleep(Duration::from_millis(20));
         pusher.queue_push(b"q", b"item").unwrap();
     });
-    let item = popper.queue_pop(b"q", true, Some(Duration::from_secs(30)), &mut never()).unwrap();
+    let item = popper.queue_pop(b"q", true, Some(Duration::from_secs(30)), &Interrupt::never()).unwrap();
     assert_eq!(item, "item");
     thread.join().unwrap();
 }
@@ -443,20 +440,16 @@ fn timeouts_and_interrupts_end_waits() {
     let path = TempPath::new("timeouts");
     let store = path.open(None);
     let start = Instant::now();
-    let err = store.wait(&[b"nokey"], Some(Duration::from_millis(50)), &mut never()).unwrap_err();
+    let err = store.wait(&[b"nokey"], Some(Duration::from_millis(50)), &Interrupt::never()).unwrap_err();
     assert_eq!(err.to_string(), "wait timeout after 50ms, keys: nokey");
     assert!(start.elapsed() >= Duration::from_millis(50));
-    let mut asked = 0;
-    let err = store
-        .wait(&[b"nokey"], None, &mut || {
-            asked += 1;
-            asked == 2
-        })
-        .unwrap_err();
+    let asked = std::sync::atomic::AtomicU32::new(0);
+    let second_ask = Interrupt::new(move || asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 1);
+    let err = store.wait(&[b"nokey"], None, &second_ask).unwrap_err();
     assert!(matches!(err, StoreError::Interrupted));
-    let err = store.queue_pop(b"q", false, None, &mut never()).unwrap_err();
+    let err = store.queue_pop(b"q", false, None, &Interrupt::never()).unwrap_err();
     assert!(matches!(err, StoreError::QueueEmpty));
-    let err = store.queue_pop(b"q", true, Some(Duration::from_millis(20)), &mut never()).unwrap_err();
+    let err = store.queue_pop(b"q", true, Some(Duration::from_millis(20)), &Interrupt::never()).unwrap_err();
     assert!(matches!(err, StoreError::WaitTimeout { .. }), "{err}");
 }
 
