@@ -121,24 +121,8 @@ fn drive(
     go: &str,
     start: Instant,
 ) -> Result<(Phases, Vec<TcpStream>), String> {
-    let mut add = Vec::new();
-    wire::add(&mut add, count.as_bytes(), 1);
-    let mut wait = Vec::new();
-    wire::wait(&mut wait, go.as_bytes());
-    let mut release = Vec::new();
-    wire::set(&mut release, go.as_bytes(), b"1");
-    release.extend_from_slice(&wait);
-
-    let mut clients = Vec::with_capacity(share);
-    for id in 0..share {
-        let fail = |what: &str, e: io::Error| format!("client {id}: {what}: {e}");
-        let stream = connect(addr, from(id)).map_err(|e| fail("connect", e))?;
-        stream.set_nodelay(true).map_err(|e| fail("TCP_NODELAY", e))?;
-        (&stream).write_all(&wire::VALIDATE).map_err(|e| fail("VALIDATE", e))?;
-        (&stream).write_all(&wire::ping(id as u32)).map_err(|e| fail("PING", e))?;
-        stream.set_nonblocking(true).map_err(|e| fail("non-blocking", e))?;
-        clients.push(Client { stream, expect: Expect::Echo, reply: [0; 8], got: 0 });
-    }
+    let requests = Requests::new(count, go);
+    let mut clients = connect_share(addr, share, from)?;
     let mut phases = Phases { connected: start.elapsed(), ..Phases::default() };
     let poller = Poller::new().map_err(|e| format!("epoll: {e}"))?;
     for (index, client) in clients.iter().enumerate() {
@@ -154,64 +138,117 @@ fn drive(
         let ready = poller.wait(&mut events, 100).map_err(|e| format!("epoll_wait: {e}"))?;
         for event in &events[..ready] {
             let index = token(event);
-            let client = &mut clients[index];
-            let want = match client.expect {
-                Expect::Echo => 4,
-                Expect::Count => 8,
-                Expect::Released => 1,
-                Expect::Done => return Err(format!("client {index}: bytes after its release")),
-            };
-            match client.stream.read(&mut client.reply[client.got..want]) {
-                Ok(0) => return Err(format!("client {index}: the server closed the connection")),
-                Ok(n) => client.got += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(format!("client {index}: read: {e}")),
-            }
-            if client.got < want {
+            if !read_reply(&mut clients[index], index)? {
                 continue;
             }
-            client.got = 0;
-            let fail = |e: io::Error| format!("client {index}: write: {e}");
-            match client.expect {
-                Expect::Echo => {
-                    if client.reply[..4] != (index as u32).to_le_bytes() {
-                        return Err(format!("client {index}: PING echoed {:02x?}", &client.reply[..4]));
-                    }
-                    write_all(&client.stream, &add).map_err(fail)?;
-                    client.expect = Expect::Count;
-                    left[0] -= 1;
-                    if left[0] == 0 {
-                        phases.validated = start.elapsed();
-                    }
-                }
-                Expect::Count => {
-                    let value = i64::from_le_bytes(client.reply);
-                    if !(1..=total).contains(&value) {
-                        return Err(format!("client {index}: ADD returned {value}, outside 1..={total}"));
-                    }
-                    write_all(&client.stream, if value == total { &release } else { &wait }).map_err(fail)?;
-                    client.expect = Expect::Released;
-                    left[1] -= 1;
-                    if left[1] == 0 {
-                        phases.added = start.elapsed();
-                    }
-                }
-                Expect::Released => {
-                    if client.reply[0] != 0 {
-                        return Err(format!(
-                            "client {index}: WAIT answered {:#04x}, not STOP_WAITING",
-                            client.reply[0]
-                        ));
-                    }
-                    client.expect = Expect::Done;
-                    left[2] -= 1;
-                }
-                Expect::Done => unreachable!("refused above"),
+            let stage = answer(&mut clients[index], index, &requests, total)?;
+            left[stage] -= 1;
+            match stage {
+                0 if left[0] == 0 => phases.validated = start.elapsed(),
+                1 if left[1] == 0 => phases.added = start.elapsed(),
+                _ => {}
             }
         }
     }
     phases.released = start.elapsed();
     Ok((phases, clients.into_iter().map(|client| client.stream).collect()))
+}
+
+/// What every client sends, encoded once: its arrival (ADD), its wait, and the last
+/// arrival's release (SET, then its own wait).
+struct Requests {
+    add: Vec<u8>,
+    wait: Vec<u8>,
+    release: Vec<u8>,
+}
+
+impl Requests {
+    fn new(count: &str, go: &str) -> Requests {
+        let mut add = Vec::new();
+        wire::add(&mut add, count.as_bytes(), 1);
+        let mut wait = Vec::new();
+        wire::wait(&mut wait, go.as_bytes());
+        let mut release = Vec::new();
+        wire::set(&mut release, go.as_bytes(), b"1");
+        release.extend_from_slice(&wait);
+        Requests { add, wait, release }
+    }
+}
+
+/// `share` clients connected, validated and pinged, non-blocking.
+fn connect_share(
+    addr: SocketAddr,
+    share: usize,
+    from: impl Fn(usize) -> Option<Ipv4Addr>,
+) -> Result<Vec<Client>, String> {
+    let mut clients = Vec::with_capacity(share);
+    for id in 0..share {
+        let fail = |what: &str, e: io::Error| format!("client {id}: {what}: {e}");
+        let stream = connect(addr, from(id)).map_err(|e| fail("connect", e))?;
+        stream.set_nodelay(true).map_err(|e| fail("TCP_NODELAY", e))?;
+        (&stream).write_all(&wire::VALIDATE).map_err(|e| fail("VALIDATE", e))?;
+        (&stream).write_all(&wire::ping(id as u32)).map_err(|e| fail("PING", e))?;
+        stream.set_nonblocking(true).map_err(|e| fail("non-blocking", e))?;
+        clients.push(Client { stream, expect: Expect::Echo, reply: [0; 8], got: 0 });
+    }
+    Ok(clients)
+}
+
+/// Reads what is there of the reply client `index` expects; true once it is whole.
+fn read_reply(client: &mut Client, index: usize) -> Result<bool, String> {
+    let want = match client.expect {
+        Expect::Echo => 4,
+        Expect::Count => 8,
+        Expect::Released => 1,
+        Expect::Done => return Err(format!("client {index}: bytes after its release")),
+    };
+    match client.stream.read(&mut client.reply[client.got..want]) {
+        Ok(0) => Err(format!("client {index}: the server closed the connection")),
+        Ok(n) => {
+            client.got += n;
+            let whole = client.got == want;
+            if whole {
+                client.got = 0;
+            }
+            Ok(whole)
+        }
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
+        Err(e) => Err(format!("client {index}: read: {e}")),
+    }
+}
+
+/// Checks client `index`'s whole reply and sends its next request; returns the stage it
+/// finished (0: echoed, 1: counted, 2: released).
+fn answer(client: &mut Client, index: usize, requests: &Requests, total: i64) -> Result<usize, String> {
+    let fail = |e: io::Error| format!("client {index}: write: {e}");
+    match client.expect {
+        Expect::Echo => {
+            if client.reply[..4] != (index as u32).to_le_bytes() {
+                return Err(format!("client {index}: PING echoed {:02x?}", &client.reply[..4]));
+            }
+            write_all(&client.stream, &requests.add).map_err(fail)?;
+            client.expect = Expect::Count;
+            Ok(0)
+        }
+        Expect::Count => {
+            let value = i64::from_le_bytes(client.reply);
+            if !(1..=total).contains(&value) {
+                return Err(format!("client {index}: ADD returned {value}, outside 1..={total}"));
+            }
+            let next = if value == total { &requests.release } else { &requests.wait };
+            write_all(&client.stream, next).map_err(fail)?;
+            client.expect = Expect::Released;
+            Ok(1)
+        }
+        Expect::Released => {
+            if client.reply[0] != 0 {
+                return Err(format!("client {index}: WAIT answered {:#04x}, not STOP_WAITING", client.reply[0]));
+            }
+            client.expect = Expect::Done;
+            Ok(2)
+        }
+        Expect::Done => unreachable!("refused by read_reply"),
+    }
 }
 
 /// The source address of client `i` among `sources` (`None`: the kernel's choice).

@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from .rdzv_conf import rdzv_conf_values
 from .signals import parse_signals
+from .standby import standby_env
 
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
@@ -214,8 +215,6 @@ def _standby(
     can_restart = max_restarts > 0 or (backend != "static" and max_nodes > 1)
     if not (wanted and can_restart):
         return None
-    from .standby import standby_env
-
     return standby_env([str(arg) for arg in args], env)
 
 

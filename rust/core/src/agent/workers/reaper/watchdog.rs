@@ -167,13 +167,37 @@ impl<const N: usize> Set<N> {
     }
 }
 
-/// The watchdog's life, in the twice-forked child.
+/// The watchdog's life, in the twice-forked child: it leaves the agent's session, reads what
+/// to watch until the agent is gone, then kills and removes all of it.
 ///
 /// # Safety
 /// Runs only in a child of fork(2): every call below is async-signal-safe (setsid, signal,
 /// chdir, dup2, open, close, close_range, getpid, write, read, kill, unlink, rmdir, nanosleep,
 /// _exit), buffers are on the stack, nothing allocates, and it never returns.
 unsafe fn watch(socket: RawFd, job_dir: Option<&[u8]>, secret_dir: Option<&[u8]>) -> ! {
+    let mut groups = Set::<GROUP_CAPACITY>::new();
+    let mut leaves = Set::<LEAF_CAPACITY>::new();
+    // SAFETY: the function's contract, which each step's is.
+    unsafe {
+        detach(socket);
+        follow(&mut groups, &mut leaves);
+        kill_groups(&groups);
+        if let Some(dir) = job_dir {
+            remove_cgroups(dir, &leaves);
+        }
+        if let Some(dir) = secret_dir {
+            remove_secret(dir);
+        }
+        libc::_exit(0)
+    }
+}
+
+/// Leaves the agent's session, signals and descriptors (but `socket`, which becomes stdin),
+/// then says it is ready (its pid, on the socket).
+///
+/// # Safety
+/// As [`watch`]'s.
+unsafe fn detach(socket: RawFd) {
     // SAFETY: the function's contract; each call gets valid pointers to stack buffers or
     // static NUL-terminated strings.
     unsafe {
@@ -207,12 +231,19 @@ unsafe fn watch(socket: RawFd, job_dir: Option<&[u8]>, secret_dir: Option<&[u8]>
             libc::dup2(null, 2);
         }
         close_from(3);
-        // ready
         let pid = libc::getpid().to_ne_bytes();
         libc::write(0, pid.as_ptr().cast(), pid.len());
+    }
+}
 
-        let mut groups = Set::<GROUP_CAPACITY>::new();
-        let mut leaves = Set::<LEAF_CAPACITY>::new();
+/// Reads the agent's records from stdin until end-of-file (the agent is gone), keeping the
+/// process groups and cgroup leaves it watches now.
+///
+/// # Safety
+/// As [`watch`]'s.
+unsafe fn follow(groups: &mut Set<GROUP_CAPACITY>, leaves: &mut Set<LEAF_CAPACITY>) {
+    // SAFETY: the function's contract; read gets a stack buffer of its length.
+    unsafe {
         loop {
             let mut record = [0u8; 8];
             let n = libc::read(0, record.as_mut_ptr().cast(), record.len());
@@ -220,7 +251,7 @@ unsafe fn watch(socket: RawFd, job_dir: Option<&[u8]>, secret_dir: Option<&[u8]>
                 continue;
             }
             if n <= 0 {
-                break; // end-of-file: the agent is gone
+                return;
             }
             if n as usize != record.len() {
                 continue;
@@ -233,37 +264,58 @@ unsafe fn watch(socket: RawFd, job_dir: Option<&[u8]>, secret_dir: Option<&[u8]>
                 _ => {}
             }
         }
-        for pgid in groups.iter() {
-            libc::kill(-pgid, libc::SIGKILL);
+    }
+}
+
+/// # Safety
+/// As [`watch`]'s.
+unsafe fn kill_groups(groups: &Set<GROUP_CAPACITY>) {
+    for pgid in groups.iter() {
+        // SAFETY: kill is async-signal-safe and takes plain integers.
+        unsafe { libc::kill(-pgid, libc::SIGKILL) };
+    }
+}
+
+/// Kills what is left in the job's cgroup `dir` and removes its leaves and itself.
+///
+/// # Safety
+/// As [`watch`]'s.
+unsafe fn remove_cgroups(dir: &[u8], leaves: &Set<LEAF_CAPACITY>) {
+    let mut path = PathBuf::new();
+    // SAFETY: the function's contract; `path` is NUL-terminated whenever `set` succeeds.
+    unsafe {
+        if path.set(dir, None, Some(b"cgroup.kill")) {
+            let fd = libc::open(path.as_ptr(), libc::O_WRONLY);
+            if fd >= 0 {
+                libc::write(fd, b"1".as_ptr().cast(), 1);
+                libc::close(fd);
+            }
         }
-        if let Some(dir) = job_dir {
-            let mut path = PathBuf::new();
-            if path.set(dir, None, Some(b"cgroup.kill")) {
-                let fd = libc::open(path.as_ptr(), libc::O_WRONLY);
-                if fd >= 0 {
-                    libc::write(fd, b"1".as_ptr().cast(), 1);
-                    libc::close(fd);
-                }
-            }
-            for leaf in leaves.iter() {
-                if path.set(dir, Some(leaf as u32), None) {
-                    remove_dir(&path);
-                }
-            }
-            if path.set(dir, None, None) {
+        for leaf in leaves.iter() {
+            if path.set(dir, Some(leaf as u32), None) {
                 remove_dir(&path);
             }
         }
-        if let Some(dir) = secret_dir {
-            let mut path = PathBuf::new();
-            if path.set(dir, None, Some(crate::auth::secret::PRIVATE_COPY_NAME.as_bytes())) {
-                libc::unlink(path.as_ptr());
-            }
-            if path.set(dir, None, None) {
-                libc::rmdir(path.as_ptr());
-            }
+        if path.set(dir, None, None) {
+            remove_dir(&path);
         }
-        libc::_exit(0)
+    }
+}
+
+/// Removes the private copy of the job secret and its directory `dir`.
+///
+/// # Safety
+/// As [`watch`]'s.
+unsafe fn remove_secret(dir: &[u8]) {
+    let mut path = PathBuf::new();
+    // SAFETY: the function's contract; `path` is NUL-terminated whenever `set` succeeds.
+    unsafe {
+        if path.set(dir, None, Some(crate::auth::secret::PRIVATE_COPY_NAME.as_bytes())) {
+            libc::unlink(path.as_ptr());
+        }
+        if path.set(dir, None, None) {
+            libc::rmdir(path.as_ptr());
+        }
     }
 }
 
