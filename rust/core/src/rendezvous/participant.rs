@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use super::config::settings::RendezvousSettings;
-use super::error::Result;
+use super::error::{RendezvousError, Result};
 use super::node::NodeDesc;
 use super::presence::Presence;
 use crate::auth::Secret;
@@ -42,6 +42,14 @@ impl Participant {
     /// The job secret every store connection of this node proves.
     pub fn secret(&self) -> Option<&Secret> {
         self.settings.secret.as_ref()
+    }
+
+    /// The error of a close that took longer than its `close_timeout`.
+    pub fn close_timed_out(&self) -> RendezvousError {
+        RendezvousError::Timeout(format!(
+            "closing rendezvous {:?} took longer than {:?} (close_timeout)",
+            self.settings.run_id, self.settings.close_timeout
+        ))
     }
 
     /// How long a member may be silent before the others count it lost.

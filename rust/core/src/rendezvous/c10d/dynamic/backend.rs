@@ -118,10 +118,7 @@ impl<S: RendezvousStore> Backend for DynamicRendezvous<S> {
                 Ok(result) => result,
                 Err(_) => {
                     self.conn = None;
-                    Err(RendezvousError::Timeout(format!(
-                        "closing rendezvous {:?} took longer than {close_timeout:?} (close_timeout)",
-                        self.me.settings.run_id
-                    )))
+                    Err(self.me.close_timed_out())
                 }
             }
         })

@@ -125,10 +125,7 @@ impl Backend for EtcdRendezvous {
                     }
                     Ok(())
                 }
-                Err(_) => Err(RendezvousError::Timeout(format!(
-                    "closing rendezvous {:?} took longer than {close_timeout:?} (close_timeout)",
-                    self.me.settings.run_id
-                ))),
+                Err(_) => Err(self.me.close_timed_out()),
             }
         })
     }
