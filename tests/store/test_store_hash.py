@@ -51,3 +51,26 @@ def test_timeouts():
     with pytest.raises(store_deadline()):
         store.wait(["missing"], timedelta(milliseconds=30))
     store.barrier("b", 1)
+
+
+def test_bad_input_is_refused_with_a_clear_error():
+    store = elastix.HashStore()
+    with pytest.raises(elastix.DistStoreError, match="multi_set got 2 keys but 1 values"):
+        store.multi_set(["a", "b"], ["only one"])
+    assert store.num_keys() == 0  # nothing half-written
+    # the native handle's TCP-only members say so on the other stores
+    with pytest.raises(TypeError, match="only a TCPStore has one"):
+        store._core.ping()
+    with pytest.raises(TypeError, match="only a TCPStore has one"):
+        _ = store._core.host
+
+
+def test_a_clone_keeps_the_timeout_and_shares_the_data():
+    store = elastix.HashStore()
+    store.set_timeout(timedelta(seconds=42))
+    other = store.clone()
+    assert other.timeout == timedelta(seconds=42)
+    other.set_timeout(timedelta(seconds=7))
+    assert store.timeout == timedelta(seconds=42)  # each handle its own timeout
+    other.set("shared", "yes")
+    assert store.get("shared") == b"yes"

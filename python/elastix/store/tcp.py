@@ -5,21 +5,11 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import List, Optional, Sequence
+from typing import Optional
 
 from .. import _core
-from .base import (
-    DEFAULT_TIMEOUT,
-    Key,
-    Store,
-    Value,
-    decode_key,
-    encode_key,
-    encode_keys,
-    encode_value,
-    to_seconds,
-    to_timedelta,
-)
+from .base import DEFAULT_TIMEOUT, Key, Value, encode_key, to_seconds
+from .native import NativeStore
 
 
 def _agent_hosts_store_on(port: int) -> bool:
@@ -29,7 +19,7 @@ def _agent_hosts_store_on(port: int) -> bool:
     return use_agent_store and os.environ.get("MASTER_PORT") == str(port)
 
 
-class TCPStore(Store):
+class TCPStore(NativeStore):
     """A store served over TCP, with torch's signature and semantics.
 
     ``is_master=True`` starts the server in this process (port 0 picks a free port, read it
@@ -49,11 +39,11 @@ class TCPStore(Store):
         master_listen_fd: Optional[int] = None,
         use_libuv: bool = True,
         *,
-        _core_store: Optional[_core.TcpStoreCore] = None,
+        _core_store: Optional[_core.StoreCore] = None,
     ) -> None:
         self._use_libuv = bool(use_libuv)
         if _core_store is not None:  # clone()
-            self._core = _core_store
+            super().__init__(_core_store)
             return
         if not isinstance(host_name, str):
             raise TypeError(f"host_name must be str, not {type(host_name).__name__}")
@@ -68,7 +58,7 @@ class TCPStore(Store):
                 raise ValueError("TCPStore world size cannot be 0")
             if world_size < 0:
                 world_size = None
-        self._core = _core.TcpStoreCore(
+        core = _core.StoreCore(
             host_name,
             port,
             world_size=world_size,
@@ -79,6 +69,7 @@ class TCPStore(Store):
             listen_fd=master_listen_fd,
             client_if_port_taken=is_master and _agent_hosts_store_on(port),
         )
+        super().__init__(core)
 
     @property
     def host(self) -> str:
@@ -92,13 +83,6 @@ class TCPStore(Store):
     def libuvBackend(self) -> bool:
         return self._use_libuv
 
-    @property
-    def timeout(self) -> timedelta:
-        return to_timedelta(self._core.timeout)
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._core.set_timeout(to_seconds(timeout))
-
     def clone(self) -> "TCPStore":
         return TCPStore("", 0, use_libuv=self._use_libuv, _core_store=self._core.duplicate())
 
@@ -107,61 +91,21 @@ class TCPStore(Store):
         client = f"TCPClient(addr={self._core.local_addr}, remote={self._core.remote_addr})"
         return f"TCPStore(client={client}, server={server})"
 
-    def set(self, key: Key, value: Value) -> None:
-        self._core.set(encode_key(key), encode_value(value))
-
-    def get(self, key: Key) -> bytes:
-        return self._core.get(encode_key(key))
-
-    def add(self, key: Key, amount: int) -> int:
-        return self._core.add(encode_key(key), int(amount))
-
-    def compare_set(self, key: Key, expected_value: Value, desired_value: Value) -> bytes:
-        return self._core.compare_set(encode_key(key), encode_value(expected_value), encode_value(desired_value))
-
-    def check(self, keys: Sequence[Key]) -> bool:
-        return self._core.check(encode_keys(keys))
-
-    def wait(self, keys: Sequence[Key], timeout: Optional[timedelta] = None) -> None:
-        seconds = self._core.timeout if timeout is None else to_seconds(timeout)
-        self._core.wait(encode_keys(keys), seconds)
-
-    def delete_key(self, key: Key) -> bool:
-        return self._core.delete_key(encode_key(key))
-
-    def num_keys(self) -> int:
-        return self._core.num_keys()
-
-    def append(self, key: Key, value: Value) -> None:
-        self._core.append(encode_key(key), encode_value(value))
-
-    def multi_get(self, keys: Sequence[Key]) -> List[bytes]:
-        return self._core.multi_get(encode_keys(keys))
-
-    def multi_set(self, keys: Sequence[Key], values: Sequence[Value]) -> None:
-        self._core.multi_set(encode_keys(keys), [encode_value(value) for value in values])
-
     def _check_queues(self) -> None:
         if not self._use_libuv:
             raise NotImplementedError("queues not implemented on legacy TCPStore backend")
 
     def queue_push(self, key: Key, value: Value) -> None:
         self._check_queues()
-        self._core.queue_push(encode_key(key), encode_value(value))
+        super().queue_push(key, value)
 
     def queue_pop(self, key: Key, block: bool = True) -> bytes:
         self._check_queues()
-        return self._core.queue_pop(encode_key(key), bool(block))
+        return super().queue_pop(key, block)
 
     def queue_len(self, key: Key) -> int:
         self._check_queues()
-        return self._core.queue_len(encode_key(key))
-
-    def has_extended_api(self) -> bool:
-        return True
-
-    def list_keys(self) -> List[str]:
-        return [decode_key(key) for key in self._core.list_keys()]
+        return super().queue_len(key)
 
     def barrier(self, key: Key, world_size: int, timeout: Optional[timedelta] = None) -> None:
         seconds = self._core.timeout if timeout is None else to_seconds(timeout)

@@ -16,7 +16,10 @@ pub fn to_py(err: StoreError, pending: &PendingSignal) -> PyErr {
         }
         StoreError::ConnectTimeout { .. } | StoreError::ReplyTimeout { .. } => "NetworkTimeoutError",
         StoreError::ConnectionLost { .. } | StoreError::NotAStore { .. } | StoreError::Listen(_) => "DistNetworkError",
-        StoreError::Protocol { .. } | StoreError::InvalidArgument(_) | StoreError::File { .. } => "DistStoreError",
+        StoreError::Protocol { .. }
+        | StoreError::InvalidArgument(_)
+        | StoreError::File { .. }
+        | StoreError::Runtime(_) => "DistStoreError",
         StoreError::QueueEmpty => "QueueEmptyError",
         StoreError::Auth { .. } => "AuthenticationError",
         StoreError::Interrupted => {

@@ -4,7 +4,6 @@
 
 mod agent;
 mod auth;
-mod blocking_store;
 mod collectives;
 mod errors;
 mod exit_gate;
@@ -15,8 +14,8 @@ mod rpc;
 mod runtimes;
 mod shm;
 mod status;
+mod store;
 mod store_cli;
-mod tcp_store;
 mod timeout;
 
 use pyo3::prelude::*;
@@ -32,8 +31,7 @@ fn _core(module: &Bound<'_, PyModule>) -> PyResult<()> {
         .add("RENDEZVOUS_BACKENDS", pyo3::types::PyTuple::new(module.py(), elastix_core::agent::config::BACKENDS)?)?;
     module
         .add("COLLECTIVE_KINDS", pyo3::types::PyTuple::new(module.py(), elastix_core::agent::hangs::flight::KINDS)?)?;
-    module.add_class::<tcp_store::TcpStoreCore>()?;
-    module.add_class::<blocking_store::BlockingStoreCore>()?;
+    module.add_class::<store::StoreCore>()?;
     module.add_class::<rendezvous::RendezvousCore>()?;
     module.add_function(wrap_pyfunction!(store_cli::run_store_cli, module)?)?;
     module.add_function(wrap_pyfunction!(agent::run_agent, module)?)?;

@@ -1,9 +1,9 @@
 //! Every tokio runtime the bindings make, under one policy:
 //!
 //! * A call that needs no task running between Python calls runs on a current-thread runtime
-//!   on the calling thread ([`calling_thread`]), with the GIL released: a TCPStore object's
-//!   requests (the object owns its runtime, whose I/O driver its socket belongs to), a status
-//!   or dump query (a runtime for the query).
+//!   on the calling thread ([`calling_thread`]), with the GIL released: a status or dump
+//!   query (a runtime for the query). A TCPStore connection is the same, its runtime made by
+//!   the core (`elastix_core::store::BlockingTcpStore`), since its socket belongs to it.
 //! * Handlers whose background tasks (heartbeats, watchers) must run between Python calls
 //!   share one multi-thread runtime ([`shared`], two threads, made on first use).
 //! * A long-lived engine gets a multi-thread runtime of its own ([`own`]), sized for its work

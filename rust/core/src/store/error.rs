@@ -66,6 +66,11 @@ pub enum StoreError {
     #[error("{0}")]
     Listen(io::Error),
 
+    /// The runtime that drives a blocking TCPStore connection could not be started (no
+    /// threads or descriptors left).
+    #[error("cannot start the runtime of a store connection: {0}")]
+    Runtime(io::Error),
+
     /// A file store's file could not be opened, locked, read or written, or holds something
     /// other than a store.
     #[error("file store {}: {reason}", path.display())]

@@ -5,10 +5,12 @@
 //! * [`waiters`], [`execute`]: blocking waits and the execution of requests on a server.
 //! * [`server`]: the tokio server; [`client`]: the tokio client; [`tcp_store`]: torch's
 //!   TCPStore semantics over them.
-//! * [`blocking`], [`local`], [`file`]: stores for plain threads (in-process, file-backed).
+//! * [`blocking`], [`local`], [`file`], [`blocking_tcp`]: stores for plain threads
+//!   (in-process, file-backed, and a TCPStore connection driven on the calling thread).
 //! * [`linger`]: a process that serves a store lets the others finish before it exits.
 
 pub mod blocking;
+pub mod blocking_tcp;
 pub mod client;
 pub mod counter;
 pub mod data;
@@ -26,6 +28,7 @@ pub mod transport;
 pub mod waiters;
 
 pub use blocking::BlockingStore;
+pub use blocking_tcp::BlockingTcpStore;
 pub use client::{Client, ConnectOptions};
 pub use error::StoreError;
 pub use file::FileStore;

@@ -164,7 +164,12 @@ impl TcpStore {
     }
 
     pub async fn get(&mut self, key: &[u8]) -> Result<Bytes> {
-        self.client.get(&wire_key(key), self.timeout).await
+        self.get_within(key, self.timeout).await
+    }
+
+    /// [`Self::get`], waiting for the key up to `timeout` (`None`: no limit).
+    pub async fn get_within(&mut self, key: &[u8], timeout: Option<Duration>) -> Result<Bytes> {
+        self.client.get(&wire_key(key), timeout).await
     }
 
     pub async fn add(&mut self, key: &[u8], delta: i64) -> Result<i64> {
@@ -201,8 +206,13 @@ impl TcpStore {
     }
 
     pub async fn multi_get(&mut self, keys: &[&[u8]]) -> Result<Vec<Bytes>> {
+        self.multi_get_within(keys, self.timeout).await
+    }
+
+    /// [`Self::multi_get`], waiting for the keys up to `timeout` (`None`: no limit).
+    pub async fn multi_get_within(&mut self, keys: &[&[u8]], timeout: Option<Duration>) -> Result<Vec<Bytes>> {
         let keys = wire_keys(keys);
-        self.client.multi_get(&as_slices(&keys), self.timeout).await
+        self.client.multi_get(&as_slices(&keys), timeout).await
     }
 
     pub async fn multi_set(&mut self, keys: &[&[u8]], values: &[&[u8]]) -> Result<()> {
@@ -223,7 +233,12 @@ impl TcpStore {
     }
 
     pub async fn queue_pop(&mut self, key: &[u8], block: bool) -> Result<Bytes> {
-        self.client.queue_pop(&wire_key(key), block, self.timeout).await
+        self.queue_pop_within(key, block, self.timeout).await
+    }
+
+    /// [`Self::queue_pop`], a blocking pop waiting up to `timeout` (`None`: no limit).
+    pub async fn queue_pop_within(&mut self, key: &[u8], block: bool, timeout: Option<Duration>) -> Result<Bytes> {
+        self.client.queue_pop(&wire_key(key), block, timeout).await
     }
 
     pub async fn queue_len(&mut self, key: &[u8]) -> Result<i64> {
