@@ -1,7 +1,7 @@
 """The house rules a reader relies on (see the README's development section), checked on the
-sources themselves: no Rust file over 600 lines of code outside its tests, no Rust function
-over 80 lines, the core's modules in layers that import only downwards, and no circle of
-imports among the Python package's modules."""
+sources themselves: no Rust file over 600 lines of code outside its tests, no function over 80
+lines (Rust or Python), the core's modules in layers that import only downwards, and no circle
+of imports among the Python package's modules."""
 
 from __future__ import annotations
 
@@ -90,6 +90,26 @@ def test_rust_files_and_functions_are_short() -> None:
     assert not too_long, "\n".join(too_long)
 
 
+def long_python_functions(source: str) -> List[Tuple[str, int, int]]:
+    """The functions of a Python source over the limit: name, first line, length."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length > MAX_FN_LINES:
+                found.append((node.name, node.lineno, length))
+    return found
+
+
+def test_python_functions_are_short() -> None:
+    too_long = [
+        f"{path.relative_to(ROOT)}:{line}: def {name} is {length} lines (at most {MAX_FN_LINES})"
+        for path in sorted((ROOT / "python" / "elastix").rglob("*.py"))
+        for name, line, length in long_python_functions(path.read_text())
+    ]
+    assert not too_long, "\n".join(too_long)
+
+
 def test_the_length_checks_see_a_long_function_and_file(tmp_path: Path) -> None:
     body = ["    let x = 1;"] * (MAX_FN_LINES + 1)
     lines = ["pub async fn long() {", *body, "}", "fn short() -> &'static str {", '    "{"', "}"]
@@ -98,6 +118,8 @@ def test_the_length_checks_see_a_long_function_and_file(tmp_path: Path) -> None:
     source = tmp_path / "big.rs"
     source.write_text("\n".join(["// x"] * (MAX_FILE_LINES + 1) + ["#[cfg(test)]", "mod tests {}"]))
     assert len(code_lines(source)) == MAX_FILE_LINES + 1
+    python = "def long():\n" + "    x = 1\n" * MAX_FN_LINES + "\ndef short():\n    pass\n"
+    assert long_python_functions(python) == [("long", 1, MAX_FN_LINES + 1)]
 
 
 def core_uses() -> Dict[str, Set[str]]:

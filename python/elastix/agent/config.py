@@ -126,36 +126,16 @@ def build(
     with the arguments it built. ``standby_workers``: keep warm interpreters ready for the
     next restart when one can happen. ``numa_binding``: each local rank's CPUs
     (``elastix.agent.numa.agent_binding``)."""
-    check_nnodes(int(min_nodes), int(max_nodes))
-    if rdzv_backend == "static":
-        node_rank = 0 if node_rank is None else int(node_rank)
-        if min_nodes != max_nodes:
-            warn(f"the static rendezvous is not elastic: it waits for all {max_nodes} nodes")
-    else:
-        node_rank = None
-        master_addr = master_port = None  # torch uses them for static only
-    if log_dir is not None and log_dir != os.devnull:  # torch: /dev/null means no log files
-        log_dir = os.path.abspath(os.path.expanduser(log_dir))
-    if python_workers:
-        from .worker_site import with_worker_site
-
-        env = with_worker_site(env or {})
+    worker_env = _worker_env(env or {}, python_workers)
     config = {
         "run_id": str(run_id),
         "role": str(role),
         "local_world_size": int(local_world_size),
         "entrypoint": str(entrypoint),
         "args": [str(arg) for arg in args],
-        "env": {str(k): str(v) for k, v in (env or {}).items()},
-        "rdzv_backend": rdzv_backend,
-        "rdzv_endpoint": str(rdzv_endpoint),
-        "rdzv_conf": rdzv_conf_values(rdzv_conf),
-        "min_nodes": int(min_nodes),
-        "max_nodes": int(max_nodes),
-        "node_rank": None if node_rank is None else whole_number("--node-rank", node_rank),
-        "local_addr": local_addr or None,
-        "master_addr": master_addr,
-        "master_port": None if master_port is None else _port("--master-port", master_port),
+        "env": worker_env,
+        **_rendezvous(rdzv_backend, rdzv_endpoint, rdzv_conf, min_nodes, max_nodes, node_rank, warn),
+        **_static_master(rdzv_backend, local_addr, master_addr, master_port),
         "max_restarts": whole_number("--max-restarts", max_restarts),
         "signals_to_handle": parse_signals(signals_to_handle),
         "shutdown_timeout": parse_seconds("--shutdown-timeout", shutdown_timeout),
@@ -163,27 +143,94 @@ def build(
         "worker_timeout": None if worker_timeout is None else parse_seconds("--worker-timeout", worker_timeout),
         "event_log": _event_log_path(event_log),
         "event_log_stderr": bool(event_log_stderr),
-        "log_dir": log_dir,
-        "redirects": [int(mask) for mask in redirects],
-        "tee": [int(mask) for mask in tee],
-        "local_ranks_filter": local_ranks_filter,
-        "line_prefix": line_prefix,
-        "virtual_local_rank": bool(virtual_local_rank),
+        **_output(log_dir, redirects, tee, local_ranks_filter, line_prefix),
         "duplicate_stdout_filters": _duplicate_filters(duplicate_stdout_filters, tee, 1, "stdout", warn),
         "duplicate_stderr_filters": _duplicate_filters(duplicate_stderr_filters, tee, 2, "stderr", warn),
+        "virtual_local_rank": bool(virtual_local_rank),
         # what the failure summary calls the job (the agent names the program otherwise)
         "name": name,
         "metrics_port": None if metrics_port is None else _port("--metrics-port", metrics_port),
         "metrics_addr": metrics_addr or None,
         "numa_binding": numa_binding,
         "standby": _standby(
-            python_workers and standby_workers, args, env or {}, rdzv_backend, int(max_nodes), int(max_restarts)
+            python_workers and standby_workers, args, worker_env, rdzv_backend, int(max_nodes), int(max_restarts)
         ),
     }
     from .. import _core
 
     _core.check_agent_config(json.dumps(config))
     return config
+
+
+def _rendezvous(
+    backend: str,
+    endpoint: str,
+    conf: Union[str, Mapping[str, object], None],
+    min_nodes: int,
+    max_nodes: int,
+    node_rank: Optional[int],
+    warn: Callable[[str], None],
+) -> Dict[str, Any]:
+    """How the node meets the others: a static rendezvous has a node rank (0 by default) and
+    is not elastic; the others have none."""
+    check_nnodes(int(min_nodes), int(max_nodes))
+    if backend == "static":
+        node_rank = 0 if node_rank is None else int(node_rank)
+        if min_nodes != max_nodes:
+            warn(f"the static rendezvous is not elastic: it waits for all {max_nodes} nodes")
+    else:
+        node_rank = None
+    return {
+        "rdzv_backend": backend,
+        "rdzv_endpoint": str(endpoint),
+        "rdzv_conf": rdzv_conf_values(conf),
+        "min_nodes": int(min_nodes),
+        "max_nodes": int(max_nodes),
+        "node_rank": None if node_rank is None else whole_number("--node-rank", node_rank),
+    }
+
+
+def _output(
+    log_dir: Optional[str],
+    redirects: List[int],
+    tee: List[int],
+    local_ranks_filter: Optional[List[int]],
+    line_prefix: Optional[str],
+) -> Dict[str, Any]:
+    """Where the workers' output goes: log files (an absolute directory; torch's /dev/null
+    means none), redirected and tee'd streams per local rank, the console's ranks and prefix."""
+    if log_dir is not None and log_dir != os.devnull:
+        log_dir = os.path.abspath(os.path.expanduser(log_dir))
+    return {
+        "log_dir": log_dir,
+        "redirects": [int(mask) for mask in redirects],
+        "tee": [int(mask) for mask in tee],
+        "local_ranks_filter": local_ranks_filter,
+        "line_prefix": line_prefix,
+    }
+
+
+def _static_master(
+    backend: str, local_addr: Optional[str], master_addr: Optional[str], master_port: Optional[int]
+) -> Dict[str, Any]:
+    """This node's address, and the master's that a static rendezvous meets at (torch uses
+    them for static only)."""
+    static = backend == "static"
+    return {
+        "local_addr": local_addr or None,
+        "master_addr": master_addr if static else None,
+        "master_port": _port("--master-port", master_port) if static and master_port is not None else None,
+    }
+
+
+def _worker_env(env: Mapping[str, str], python_workers: bool) -> Dict[str, str]:
+    """The variables the workers get on top of the agent's: the configured ones, and, for
+    Python workers, elastix's worker site on ``PYTHONPATH``."""
+    if python_workers:
+        from .worker_site import with_worker_site
+
+        env = with_worker_site(dict(env))
+    return {str(k): str(v) for k, v in env.items()}
 
 
 def _event_log_path(path: Optional[str]) -> Optional[str]:

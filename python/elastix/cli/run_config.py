@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .._logging import LOGGER
 from ..agent import config as agent_config
@@ -32,45 +32,9 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = age
     derived = scheduler_flags.derive(args, os.environ, warn)
     if derived:
         LOGGER.info("%s", derived)
-    given = lambda dest: is_given(args, dest)  # noqa: E731
-    on_cli = lambda dest: source_of(args, dest) == "cli"  # noqa: E731
-
     min_nodes, max_nodes = agent_config.parse_nnodes(args.nnodes)
-    backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
-    if args.standalone:
-        flags = ("rdzv_backend", "rdzv_endpoint", "rdzv_id")
-        ignored = [f"--{d.replace('_', '-')}" for d in flags if on_cli(d)]
-        if ignored:
-            warn(f"--standalone ignores {', '.join(ignored)}")
-        if min_nodes > 1:
-            raise ValueError(f"--standalone runs a single node, but --nnodes asks for at least {min_nodes}")
-        backend, endpoint, run_id = _standalone()
-    elif (backend == "static" and not endpoint and max_nodes == 1
-          and not (given("master_port") or given("master_addr"))):  # fmt: skip
-        # newer torchrun: a one-node static job with nothing to meet at is standalone, which
-        # avoids a fixed port 29500 colliding between jobs on one host (torch checks the port
-        # only; a master address given on purpose also keeps the static rendezvous here)
-        backend, endpoint, run_id = _standalone()
-    elif backend == "static" and endpoint and not given("rdzv_backend") and not given("node_rank"):
-        # torchrun's static default needs --node-rank on every node; with an endpoint to meet
-        # at and no rank, c10d forms the job by itself
-        LOGGER.info(
-            "--rdzv-endpoint %s without --node-rank: the nodes meet there with the c10d rendezvous "
-            "(torchrun's default, static, would need --node-rank on each node)",
-            endpoint,
-        )
-        backend = "c10d"
-
-    master_addr = args.master_addr if args.master_addr is not None else DEFAULT_MASTER_ADDR
-    master_port = args.master_port if args.master_port is not None else DEFAULT_MASTER_PORT
-    if backend != "static":
-        for dest in ("master_addr", "master_port", "node_rank"):
-            if on_cli(dest):
-                warn(f"--{dest.replace('_', '-')} only applies to --rdzv-backend static; ignored")
-    elif endpoint:
-        for dest in ("master_addr", "master_port"):
-            if on_cli(dest):
-                warn(f"--{dest.replace('_', '-')} is ignored: --rdzv-endpoint {endpoint} is given")
+    backend, endpoint, run_id = _rendezvous(args, min_nodes, max_nodes, warn)
+    master_addr, master_port = _master(args, backend, endpoint, warn)
 
     if agent_config.parse_seconds("--monitor-interval", args.monitor_interval) <= 0:
         raise ValueError(f"--monitor-interval must be > 0, got {args.monitor_interval}")
@@ -124,6 +88,57 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = age
     if env:
         LOGGER.info("%s", OMP_NOTE)
     return config
+
+
+def _rendezvous(
+    args: argparse.Namespace, min_nodes: int, max_nodes: int, warn: Callable[[str], None]
+) -> Tuple[str, str, str]:
+    """The rendezvous backend, endpoint and run ID the flags mean (torchrun's rules for
+    --standalone and a one-node static job, and c10d where static could not form the job)."""
+    given = lambda dest: is_given(args, dest)  # noqa: E731
+    on_cli = lambda dest: source_of(args, dest) == "cli"  # noqa: E731
+    backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
+    if args.standalone:
+        flags = ("rdzv_backend", "rdzv_endpoint", "rdzv_id")
+        ignored = [f"--{d.replace('_', '-')}" for d in flags if on_cli(d)]
+        if ignored:
+            warn(f"--standalone ignores {', '.join(ignored)}")
+        if min_nodes > 1:
+            raise ValueError(f"--standalone runs a single node, but --nnodes asks for at least {min_nodes}")
+        backend, endpoint, run_id = _standalone()
+    elif (backend == "static" and not endpoint and max_nodes == 1
+          and not (given("master_port") or given("master_addr"))):  # fmt: skip
+        # newer torchrun: a one-node static job with nothing to meet at is standalone, which
+        # avoids a fixed port 29500 colliding between jobs on one host (torch checks the port
+        # only; a master address given on purpose also keeps the static rendezvous here)
+        backend, endpoint, run_id = _standalone()
+    elif backend == "static" and endpoint and not given("rdzv_backend") and not given("node_rank"):
+        # torchrun's static default needs --node-rank on every node; with an endpoint to meet
+        # at and no rank, c10d forms the job by itself
+        LOGGER.info(
+            "--rdzv-endpoint %s without --node-rank: the nodes meet there with the c10d rendezvous "
+            "(torchrun's default, static, would need --node-rank on each node)",
+            endpoint,
+        )
+        backend = "c10d"
+    return backend, endpoint, run_id
+
+
+def _master(args: argparse.Namespace, backend: str, endpoint: str, warn: Callable[[str], None]) -> Tuple[str, int]:
+    """MASTER_ADDR and MASTER_PORT for a static rendezvous; a warning for each flag that the
+    chosen rendezvous ignores."""
+    on_cli = lambda dest: source_of(args, dest) == "cli"  # noqa: E731
+    master_addr = args.master_addr if args.master_addr is not None else DEFAULT_MASTER_ADDR
+    master_port = args.master_port if args.master_port is not None else DEFAULT_MASTER_PORT
+    if backend != "static":
+        for dest in ("master_addr", "master_port", "node_rank"):
+            if on_cli(dest):
+                warn(f"--{dest.replace('_', '-')} only applies to --rdzv-backend static; ignored")
+    elif endpoint:
+        for dest in ("master_addr", "master_port"):
+            if on_cli(dest):
+                warn(f"--{dest.replace('_', '-')} is ignored: --rdzv-endpoint {endpoint} is given")
+    return master_addr, master_port
 
 
 STANDALONE_ENDPOINT = "localhost:0"
