@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from .. import _core
+from .._core import StoreCore
 from .base import DEFAULT_TIMEOUT, to_seconds
 from .native import NativeStore
 
@@ -14,7 +14,7 @@ class HashStore(NativeStore):
     """An in-memory store shared by the threads of one process (torch's HashStore)."""
 
     def __init__(self) -> None:
-        super().__init__(_core.StoreCore.local(to_seconds(DEFAULT_TIMEOUT)))
+        super().__init__(StoreCore.local(to_seconds(DEFAULT_TIMEOUT)))
 
     def clone(self) -> "HashStore":
         """Another handle on the same data, with this one's timeout."""
@@ -40,7 +40,7 @@ class FileStore(NativeStore):
         path = os.fspath(file_name)
         if isinstance(world_size, bool) or not isinstance(world_size, int):
             raise TypeError(f"world_size must be an int, got {world_size!r}")
-        core = _core.StoreCore.file(path, None if world_size < 0 else world_size, to_seconds(DEFAULT_TIMEOUT))
+        core = StoreCore.file(path, None if world_size < 0 else world_size, to_seconds(DEFAULT_TIMEOUT))
         super().__init__(core)
         self._path = path
         self._world_size = world_size
@@ -54,7 +54,7 @@ class FileStore(NativeStore):
         default timeout."""
         copy = FileStore._blank()
         world_size = None if self._world_size < 0 else self._world_size
-        NativeStore.__init__(copy, _core.StoreCore.file(self._path, world_size, to_seconds(DEFAULT_TIMEOUT)))
+        NativeStore.__init__(copy, StoreCore.file(self._path, world_size, to_seconds(DEFAULT_TIMEOUT)))
         copy._path = self._path
         copy._world_size = self._world_size
         return copy

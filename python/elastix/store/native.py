@@ -1,4 +1,4 @@
-"""The operations every elastix store has, over one handle of the core (``_core.StoreCore``):
+"""The operations every elastix store has, over one handle of the core (``StoreCore``):
 a TCPStore connection, the in-process store or the file store. Each handle keeps its timeout,
 which ``get``, ``multi_get``, a blocking ``queue_pop`` and a ``wait`` without one wait for."""
 
@@ -7,14 +7,14 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import List, Optional, Sequence
 
-from .. import _core
+from .._core import StoreCore
 from .base import Key, Store, Value, decode_key, encode_key, encode_keys, encode_value, to_seconds, to_timedelta
 
 
 class NativeStore(Store):
     """A store whose operations are elastix-core's, run with the GIL released."""
 
-    def __init__(self, core: _core.StoreCore) -> None:
+    def __init__(self, core: StoreCore) -> None:
         self._core = core
 
     @property

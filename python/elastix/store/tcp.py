@@ -7,7 +7,7 @@ import os
 from datetime import timedelta
 from typing import Optional
 
-from .. import _core
+from .._core import StoreCore
 from .base import DEFAULT_TIMEOUT, Key, Value, encode_key, to_seconds
 from .native import NativeStore
 
@@ -39,7 +39,7 @@ class TCPStore(NativeStore):
         master_listen_fd: Optional[int] = None,
         use_libuv: bool = True,
         *,
-        _core_store: Optional[_core.StoreCore] = None,
+        _core_store: Optional[StoreCore] = None,
     ) -> None:
         self._use_libuv = bool(use_libuv)
         if _core_store is not None:  # clone()
@@ -58,7 +58,7 @@ class TCPStore(NativeStore):
                 raise ValueError("TCPStore world size cannot be 0")
             if world_size < 0:
                 world_size = None
-        core = _core.StoreCore(
+        core = StoreCore(
             host_name,
             port,
             world_size=world_size,
