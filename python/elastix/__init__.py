@@ -62,19 +62,25 @@ _LAZY = {
 }
 
 
+# Subpackages that load on first use too: `elastix.checkpoint.open()` after `import elastix`.
+_LAZY_MODULES = {"checkpoint"}
+
+
 def __getattr__(name: str) -> object:
+    import importlib
+
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'elastix' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> "list[str]":
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | _LAZY_MODULES)
 
 
 __all__ = [
@@ -105,4 +111,5 @@ __all__ = [
     "ProcessFailure",
     "ChildFailedError",
     "reset_log_cache",
+    "checkpoint",
 ]

@@ -266,6 +266,16 @@ def test_everything_after_the_script_belongs_to_it(script):
     assert config["args"] == ["-u", script, "--nproc-per-node", "5", "-h", "--", "-m"]
 
 
+def test_the_programs_flags_are_its_own_even_where_they_abbreviate_ours(script):
+    """`--checkpoint` abbreviates both --checkpoint-dir and --checkpoint-keep: after the
+    program it is the program's, never an ambiguous option of elastix run's."""
+    config = parse(["--checkpoint-dir", "/tmp/c", "--max-restarts=1", "-r3", script, "--checkpoint", "x", "--max", "2"])
+    assert config["args"] == ["-u", script, "--checkpoint", "x", "--max", "2"]
+    assert config["checkpoint_dir"] == "/tmp/c" and config["max_restarts"] == 1
+    config = parse(["--", script, "--checkpoint-dir", "y"])
+    assert config["args"] == ["-u", script, "--checkpoint-dir", "y"] and config["checkpoint_dir"] is None
+
+
 def test_contradictory_program_flags(script, capsys):
     code, out = exit_of(["--no-python", "-m", "pkg"], capsys)
     assert code == 2 and "--no-python and -m/--module" in out.err

@@ -119,13 +119,14 @@ def build(
     standby_workers: bool = True,
     metrics_port: Optional[int] = None,
     metrics_addr: Optional[str] = None,
+    checkpoint_dir: Optional[str] = None,
+    checkpoint_keep: int = 2,
     numa_binding: Optional[Dict[str, Any]] = None,
     warn: Callable[[str], None] = warn,
 ) -> Dict[str, Any]:
-    """``python_workers``: the entrypoint is the Python interpreter the launcher chose, run
-    with the arguments it built. ``standby_workers``: keep warm interpreters ready for the
-    next restart when one can happen. ``numa_binding``: each local rank's CPUs
-    (``elastix.agent.numa.agent_binding``)."""
+    """``python_workers``: the entrypoint is the launcher's Python, with the arguments it built.
+    ``standby_workers``: warm interpreters ready for the next restart, when one can happen.
+    ``numa_binding``: each local rank's CPUs (``elastix.agent.numa.agent_binding``)."""
     worker_env = _worker_env(env or {}, python_workers)
     config = {
         "run_id": str(run_id),
@@ -151,6 +152,7 @@ def build(
         "name": name,
         "metrics_port": None if metrics_port is None else _port("--metrics-port", metrics_port),
         "metrics_addr": metrics_addr or None,
+        **_checkpoints(checkpoint_dir, checkpoint_keep),
         "numa_binding": numa_binding,
         "standby": _standby(
             python_workers and standby_workers, args, worker_env, rdzv_backend, int(max_nodes), int(max_restarts)
@@ -220,6 +222,15 @@ def _static_master(
         "local_addr": local_addr or None,
         "master_addr": master_addr if static else None,
         "master_port": _port("--master-port", master_port) if static and master_port is not None else None,
+    }
+
+
+def _checkpoints(directory: Optional[str], keep: int) -> Dict[str, Any]:
+    """Where the agent persists the workers' checkpoints (absolute; none: memory only), and
+    how many steps it keeps there."""
+    return {
+        "checkpoint_dir": None if directory is None else os.path.abspath(os.path.expanduser(directory)),
+        "checkpoint_keep": whole_number("--checkpoint-keep", keep),
     }
 
 

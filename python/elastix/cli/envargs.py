@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Dict, List, NoReturn, Sequence, Tuple
+import sys
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 SOURCES = "_sources"  # namespace attribute: dest -> "cli", an env variable name, or "default"
 
@@ -102,9 +103,40 @@ class EnvArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n{self.prog}: see `{self.prog} --help` for every flag\n")
 
     def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        remainder = next((action for action in self._actions if action.nargs == argparse.REMAINDER), None)
+        program_args = None
+        if remainder is not None:
+            at = self._program_index(args)
+            if at is not None:
+                args, program_args = args[: at + 1], args[at + 1 :]
         namespace, extras = super().parse_known_args(args, namespace)
+        if remainder is not None and program_args is not None:
+            # the program's own flags, as given: never taken for (abbreviations of) ours
+            setattr(namespace, remainder.dest, program_args)
         self._apply_env(namespace)
         return namespace, extras
+
+    def _program_index(self, args: List[str]) -> Optional[int]:
+        """Where the program is among ``args``: the first argument that is neither one of our
+        options nor an option's value (None: no program, argparse says so)."""
+        at = 0
+        while at < len(args):
+            arg = args[at]
+            if arg == "--":
+                return at + 1 if at + 1 < len(args) else None
+            if not arg.startswith("-") or arg == "-":
+                return at
+            name, attached = arg.split("=", 1)[0], "=" in arg
+            if not arg.startswith("--") and len(arg) > 2:
+                name, attached = arg[:2], True  # -r3: a short option with its value
+            found = self._option_string_actions.get(name)
+            if found is None and name.startswith("--"):
+                matches = self._get_option_tuples(name)
+                found = matches[0][0] if len(matches) == 1 else None
+            takes_value = found is not None and found.nargs != 0 and not attached
+            at += 2 if takes_value else 1
+        return None
 
     def _apply_env(self, namespace: argparse.Namespace) -> None:
         for action in self._actions:

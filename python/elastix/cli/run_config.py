@@ -82,6 +82,8 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = age
         standby_workers=not args.no_standby_workers,
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_keep=args.checkpoint_keep,
         numa_binding=agent_binding(args.numa_binding, nproc, what="--numa-binding", warn=warn),
         warn=warn,
     )

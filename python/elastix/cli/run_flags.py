@@ -397,6 +397,29 @@ GROUPS = [
         ],
     ),
     Group(
+        "checkpoints (elastix.checkpoint)",
+        "workers save into memory this agent holds; a restarted worker restores from it",
+        [
+            Flag(
+                "--checkpoint-dir",
+                type=str,
+                default=None,
+                pet=False,
+                metavar="DIR",
+                help="[elastix] persist the newest checkpoint of every rank under DIR/<run ID>, in the background "
+                "and when the run ends (default: memory only)",
+            ),
+            Flag(
+                "--checkpoint-keep",
+                type=int,
+                default=2,
+                pet=False,
+                metavar="N",
+                help="[elastix] how many of the newest steps stay in --checkpoint-dir (default: 2)",
+            ),
+        ],
+    ),
+    Group(
         "torchrun options elastix implements in part (each says what it accepts)",
         [
             Flag(

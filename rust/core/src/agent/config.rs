@@ -100,6 +100,17 @@ pub struct AgentConfig {
     /// workers run where the agent may.
     #[serde(default)]
     pub numa_binding: Option<NumaBinding>,
+    /// `--checkpoint-dir`: where the workers' checkpoints are persisted (under the run ID);
+    /// `None`: they are held in memory only.
+    #[serde(default)]
+    pub checkpoint_dir: Option<String>,
+    /// `--checkpoint-keep`: how many of the newest steps stay on disk.
+    #[serde(default = "default_checkpoint_keep")]
+    pub checkpoint_keep: u32,
+}
+
+fn default_checkpoint_keep() -> u32 {
+    2
 }
 
 /// torch's modes of `--numa-binding` (`AffinityMode`).
@@ -143,6 +154,9 @@ impl AgentConfig {
             )));
         }
         self.check_backend()?;
+        if self.checkpoint_keep == 0 {
+            return Err(AgentError::Config("--checkpoint-keep must be at least 1 (the newest step), got 0".into()));
+        }
         if self.rdzv_backend == "static" {
             // the static rendezvous waits for exactly max_nodes nodes, ranked 0..max_nodes-1
             match self.node_rank {

@@ -8,8 +8,10 @@
 //! * [`failure`]: what a failure left behind, the root-cause rule and the summary;
 //!   [`progress`]: the workers' progress for `elastix status`; [`events`]: the event log of
 //!   every state change; [`finished`]: what a job leaves on its machines once it ended.
+//! * [`checkpoints`]: the workers' checkpoints, held in memory and persisted by the agent.
 //! * [`config`]: what the agent is told; [`signals`], [`result`], [`error`].
 
+pub mod checkpoints;
 pub mod config;
 pub mod error;
 pub mod events;

@@ -1,7 +1,10 @@
 //! The agent: what it holds for the whole run, and how it is set up (signals first, then the
 //! metrics endpoint, the log directories, the rendezvous and the warm standbys).
 
+use std::path::Path;
+
 use super::report::Report;
+use crate::agent::checkpoints::Checkpoints;
 use crate::agent::config::AgentConfig;
 use crate::agent::error::{AgentError, Result};
 use crate::agent::events::EventLog;
@@ -40,6 +43,8 @@ pub(super) struct Agent {
     /// Rounds in a row whose start lost the store: bounded, so that a store that keeps failing
     /// right after each rendezvous ends the run instead of cycling forever.
     pub(super) lost_starts: u32,
+    /// The workers' checkpoints in memory (`None`: shared memory could not be set up).
+    pub(super) checkpoints: Option<Checkpoints>,
 }
 
 impl Agent {
@@ -73,6 +78,7 @@ impl Agent {
         };
         let host = config.local_addr.clone().unwrap_or_else(host_name);
         point_workers_at_the_secret(&mut config, rdzv.secret(), &host)?;
+        let checkpoints = hold_checkpoints(&mut config);
         let outputs = worker_outputs(&config, console::on_terminal());
         if outputs.contains(&Output::Shared) {
             tracing::info!(
@@ -104,6 +110,7 @@ impl Agent {
             round: 0,
             round_seen: None,
             lost_starts: 0,
+            checkpoints,
         })
     }
 
@@ -117,6 +124,22 @@ impl Agent {
             _ => self.config.rdzv_endpoint.clone(),
         };
         format!("run ID {run_id}; to watch the job: elastix status --rdzv-backend {backend} --rdzv-endpoint {endpoint} --rdzv-id {run_id}")
+    }
+}
+
+/// Sets up the memory the workers save checkpoints into, and tells them where it is (and
+/// where the job persists); without it, `elastix.checkpoint` says why.
+fn hold_checkpoints(config: &mut AgentConfig) -> Option<Checkpoints> {
+    let dir = config.checkpoint_dir.as_deref().map(Path::new);
+    match Checkpoints::start(&config.run_id, dir, config.checkpoint_keep as usize) {
+        Ok(checkpoints) => {
+            config.env.extend(checkpoints.worker_env(&config.run_id, dir));
+            Some(checkpoints)
+        }
+        Err(err) => {
+            tracing::warn!("no shared memory for checkpoints ({err}): elastix.checkpoint cannot save in this job");
+            None
+        }
     }
 }
 

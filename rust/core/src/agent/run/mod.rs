@@ -132,6 +132,10 @@ pub async fn run_agent(config: AgentConfig) -> AgentResult {
     };
     crate::auth::remove_children_file();
     if let Some(agent) = agent.as_mut() {
+        if let Some(checkpoints) = agent.checkpoints.as_mut() {
+            // whatever ended the run, what the workers saved reaches the disk before the memory goes
+            checkpoints.flush(agent.config.shutdown_timeout()).await;
+        }
         agent.store = None;
         if !matches!(end, End::Interrupted(_)) {
             // the job is over: the other nodes may still be reading how from the store hosted here

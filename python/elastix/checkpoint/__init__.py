@@ -1,0 +1,127 @@
+"""Checkpoints held in memory by the node's elastix agent.
+
+::
+
+    ckpt = elastix.checkpoint.open()
+    state = ckpt.load()                # the newest step every rank has, or None on a first start
+    start = 0 if state is None else ckpt.step + 1
+    for step in range(start, steps):
+        ...
+        ckpt.save(step, {"model": weights, "optimizer": moments, "step": step})
+
+``save`` copies the state into shared memory that the agent owns and returns: training waits
+for the copy only, never for a disk. The agent persists the newest step to
+``--checkpoint-dir`` in the background, and once more when the run ends; a worker restarted on
+the same node restores from the agent's memory. ``load`` takes the newest step that every
+rank of the job can get (from memory or disk), never mixing steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, List, Optional, Set
+
+from .errors import CheckpointError
+from .storage import Disk, Memory
+from .tree import first_difference, flatten, rebuild
+
+__all__ = ["Checkpoint", "CheckpointError", "open"]
+
+MEMORY_VAR = "ELASTIX_CHECKPOINT_MEMORY"
+DIR_VAR = "ELASTIX_CHECKPOINT_DIR"
+
+
+class Checkpoint:
+    """This rank's checkpoints: see the module's documentation."""
+
+    def __init__(self, memory: str, directory: Optional[str], rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._memory = Memory(memory, rank)
+        self._disk = Disk(directory, rank)
+        self._loads = 0
+        #: The step of what :meth:`load` returned (None before, or when nothing was saved).
+        self.step: Optional[int] = None
+        #: Where it came from: "memory" (the agent's) or "disk" (``--checkpoint-dir``).
+        self.source: Optional[str] = None
+
+    def save(self, step: int, state: Any) -> None:
+        """Copies ``state`` (its step ``step``) into the agent's memory, and returns."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+        structure, flat = flatten(state)
+        self._memory.save(step, self.world_size, structure, flat)
+
+    def load(self, like: Any = None) -> Any:
+        """The newest state every rank can restore, or None when there is none. With ``like``
+        (a state as the program builds it now), a saved state of another structure is refused,
+        naming the first difference."""
+        self._loads += 1
+        refused: Set[int] = set()
+        for attempt in range(1 + len(self._available())):
+            mine = [step for step in self._available() if step not in refused]
+            every = self._exchange(f"{attempt}/steps", mine)
+            step = max(set(every[0]).intersection(*every[1:]), default=None)
+            if step is None:
+                self.step = self.source = None
+                return None
+            found, source = self._memory.read(step), "memory"
+            if found is None:
+                found, source = self._disk.read(step), "disk"
+            # a torn or corrupt file anywhere: the step before, everywhere
+            if not all(self._exchange(f"{attempt}/read", found is not None)):
+                refused.add(step)
+                continue
+            assert found is not None
+            manifest, read = found
+            if like is not None:
+                difference = first_difference(manifest["structure"], flatten(like)[0])
+                if difference:
+                    raise CheckpointError(f"the checkpoint of step {step} does not fit the state now: {difference}")
+            self.step, self.source = step, source
+            return rebuild(manifest["structure"], read)
+        raise CheckpointError(f"no saved step could be read by every rank (refused: {sorted(refused)})")
+
+    def _available(self) -> List[int]:
+        return sorted(set(self._memory.steps()) | set(self._disk.steps()))
+
+    def _exchange(self, what: str, value: Any) -> List[Any]:
+        """Every rank's ``value``, in rank order (through the job's store, with several)."""
+        if self.world_size == 1:
+            return [value]
+        return _store_exchange()(f"{self._loads}/{what}", self.rank, self.world_size, value)
+
+
+def _store_exchange() -> Callable[[str, int, int, Any], List[Any]]:
+    """Each rank's value, through the workers' store (MASTER_ADDR, MASTER_PORT)."""
+    from ..store import TCPStore
+
+    try:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError) as err:
+        raise CheckpointError(f"the ranks agree on a step through the job's store, but {err} is not set") from None
+    restarts = os.environ.get("ELASTIX_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def exchange(what: str, rank: int, world_size: int, value: Any) -> List[Any]:
+        store = TCPStore(host, port, is_master=False)
+        prefix = f"elastix/checkpoint/{restarts}/{what}"
+        store.set(f"{prefix}/{rank}", json.dumps(value))
+        return [json.loads(got) for got in store.multi_get([f"{prefix}/{other}" for other in range(world_size)])]
+
+    return exchange
+
+
+def open(memory: Optional[str] = None, directory: Optional[str] = None) -> Checkpoint:
+    """This rank's checkpoints: in the memory its agent holds (``elastix run`` says where), or
+    in ``memory`` (a directory of your own, for a program run without the agent), with the
+    persisted steps in ``directory`` (default: the agent's ``--checkpoint-dir``)."""
+    memory = memory or os.environ.get(MEMORY_VAR)
+    if not memory:
+        raise CheckpointError(
+            "elastix.checkpoint keeps checkpoints in the memory of the node's elastix agent: run the program with "
+            "`elastix run`, or give elastix.checkpoint.open(memory=DIR) a directory of your own"
+        )
+    directory = directory or os.environ.get(DIR_VAR)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return Checkpoint(memory, directory, rank, world_size)

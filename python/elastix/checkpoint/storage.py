@@ -1,0 +1,151 @@
+"""Where a rank's saved steps are: the two slots in the agent's memory, and the steps the
+agent persisted (the layout of rust/core/src/agent/checkpoints/layout.rs)."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+import zlib
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from .errors import CheckpointError
+from .tree import Flat
+
+FORMAT_VERSION = 1
+SLOTS = (0, 1)
+
+
+def _read_json(path: str) -> Optional[Dict[str, Any]]:
+    try:
+        with open(path, "rb") as f:
+            manifest: Dict[str, Any] = json.load(f)
+        return manifest if manifest.get("v") == FORMAT_VERSION else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: str, manifest: Dict[str, Any]) -> None:
+    temporary = path + ".tmp"
+    with open(temporary, "w") as f:
+        json.dump(manifest, f)
+    os.replace(temporary, path)
+
+
+def _array(buffer: Any, leaf: Dict[str, Any]) -> np.ndarray:
+    """A copy of the array ``leaf`` describes, out of ``buffer``."""
+    dtype = np.dtype(leaf["dtype"])
+    count = leaf["nbytes"] // dtype.itemsize if dtype.itemsize else 0
+    view = np.frombuffer(buffer, dtype=dtype, count=count, offset=leaf["offset"])
+    return view.reshape(leaf["shape"]).copy()
+
+
+class Memory:
+    """A rank's two slots in the agent's memory directory."""
+
+    def __init__(self, root: str, rank: int) -> None:
+        self.dir = os.path.join(root, f"rank-{rank}")
+        self.rank = rank
+
+    def _paths(self, slot: int) -> tuple[str, str]:
+        base = os.path.join(self.dir, f"slot-{slot}")
+        return base + ".data", base + ".json"
+
+    def manifests(self) -> Dict[int, Dict[str, Any]]:
+        """The whole slots: slot -> manifest."""
+        found = {slot: _read_json(self._paths(slot)[1]) for slot in SLOTS}
+        return {slot: manifest for slot, manifest in found.items() if manifest and manifest["rank"] == self.rank}
+
+    def steps(self) -> Dict[int, int]:
+        """step -> slot of the whole slots."""
+        return {manifest["step"]: slot for slot, manifest in self.manifests().items()}
+
+    def save(self, step: int, world_size: int, structure: Any, flat: Flat) -> None:
+        """Writes into the slot that does not hold the newest step: the manifest goes first
+        (the slot is not whole while it is written) and comes back last."""
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        held = self.manifests()
+        newest = max(held, key=lambda slot: held[slot]["step"], default=1)
+        slot = 1 - newest
+        data, manifest = self._paths(slot)
+        if os.path.exists(manifest):
+            os.unlink(manifest)
+        self._check_room(data, flat.size)
+        with open(data, "a+b") as f:
+            if os.fstat(f.fileno()).st_size != max(flat.size, 1):
+                f.truncate(max(flat.size, 1))
+            with mmap.mmap(f.fileno(), max(flat.size, 1)) as memory:
+                for offset, array in flat.arrays:
+                    target = np.frombuffer(memory, dtype=np.uint8, count=array.nbytes, offset=offset)
+                    target[...] = array.reshape(-1).view(np.uint8)
+                    del target
+        _write_json(manifest, {
+            "v": FORMAT_VERSION, "step": int(step), "rank": self.rank, "world_size": int(world_size),
+            "size": flat.size, "generation": time.time_ns(), "saved": time.time(), "structure": structure,
+        })  # fmt: skip
+
+    def _check_room(self, data: str, size: int) -> None:
+        """Refuses a state the shared memory cannot hold (writing it would kill the process)."""
+        have = os.path.getsize(data) if os.path.exists(data) else 0
+        stats = os.statvfs(self.dir)
+        free = stats.f_bavail * stats.f_frsize
+        if size - have > free:
+            raise CheckpointError(
+                f"shared memory too small for this checkpoint: {size} bytes needed, {free + have} available in "
+                f"{os.path.dirname(self.dir)}; raise it (mount -o remount,size=<bytes> /dev/shm; in a container: "
+                "docker run --shm-size, or a memory-backed emptyDir on Kubernetes)"
+            )
+
+    def read(self, step: int) -> Optional[tuple[Dict[str, Any], Any]]:
+        """The manifest of ``step`` and a function that copies an array out, if a slot holds it."""
+        for slot, manifest in self.manifests().items():
+            if manifest["step"] == step:
+                with open(self._paths(slot)[0], "rb") as f:
+                    contents = f.read(manifest["size"])
+                if len(contents) != manifest["size"]:
+                    return None
+                return manifest, _reader(contents)
+        return None
+
+
+def _reader(contents: bytes) -> Any:
+    return lambda leaf: _array(contents, leaf)
+
+
+class Disk:
+    """A rank's steps persisted by the agent under the job's checkpoint directory."""
+
+    def __init__(self, run_dir: Optional[str], rank: int) -> None:
+        self.run_dir = run_dir
+        self.rank = rank
+
+    def _paths(self, step: int) -> tuple[str, str]:
+        base = os.path.join(self.run_dir or "", f"step-{step:012d}", f"rank-{self.rank}")
+        return base + ".data", base + ".json"
+
+    def steps(self) -> List[int]:
+        if not self.run_dir or not os.path.isdir(self.run_dir):
+            return []
+        steps = []
+        for name in os.listdir(self.run_dir):
+            if name.startswith("step-") and name[5:].isdigit() and os.path.exists(self._paths(int(name[5:]))[1]):
+                steps.append(int(name[5:]))
+        return sorted(steps)
+
+    def read(self, step: int) -> Optional[tuple[Dict[str, Any], Any]]:
+        """Like :meth:`Memory.read`; None for a file whose checksum or size is wrong."""
+        data, manifest_path = self._paths(step)
+        manifest = _read_json(manifest_path)
+        if manifest is None or manifest.get("rank") != self.rank:
+            return None
+        try:
+            with open(data, "rb") as f:
+                contents = f.read()
+        except OSError:
+            return None
+        if len(contents) != manifest["size"] or zlib.crc32(contents) != manifest["crc32"]:
+            return None
+        return manifest, _reader(contents)

@@ -1,0 +1,81 @@
+//! Where checkpoints live, in memory and on disk, and what their manifests say. The Python
+//! side (`python/elastix/checkpoint/`) writes and reads the same layout:
+//!
+//! ```text
+//! <memory>/rank-<r>/slot-<k>.data   a saved state's bytes (k = 0, 1: the worker writes into
+//! <memory>/rank-<r>/slot-<k>.json   the slot not holding its newest step); the manifest is
+//!                                   written last and removed first, so a slot with one is whole
+//! <dir>/<run_id>/step-<n>/rank-<r>.data   persisted by the agent, the manifest last, with the
+//! <dir>/<run_id>/step-<n>/rank-<r>.json   data's CRC-32
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// The format both sides write.
+pub const FORMAT_VERSION: u32 = 1;
+/// Slots per rank in memory: the newest whole step and the one being written.
+pub const SLOTS: u32 = 2;
+
+/// A slot's manifest, as the worker wrote it (the structure is the worker's business).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SlotManifest {
+    pub v: u32,
+    pub step: u64,
+    pub rank: u32,
+    pub world_size: u32,
+    /// Bytes of the data file that belong to the state.
+    pub size: u64,
+    /// Changes with every save into the slot: a copy made while it changed is not kept.
+    pub generation: u64,
+    /// When the worker saved it (seconds since the epoch).
+    pub saved: f64,
+    pub structure: Value,
+}
+
+/// A persisted rank's manifest: the slot's, with the data's checksum and when it was written.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DiskManifest {
+    #[serde(flatten)]
+    pub slot: SlotManifest,
+    pub crc32: u32,
+    pub persisted: f64,
+}
+
+pub fn rank_dir(memory: &Path, rank: u32) -> PathBuf {
+    memory.join(format!("rank-{rank}"))
+}
+
+pub fn slot_paths(rank_dir: &Path, slot: u32) -> (PathBuf, PathBuf) {
+    (rank_dir.join(format!("slot-{slot}.data")), rank_dir.join(format!("slot-{slot}.json")))
+}
+
+pub fn step_dir(run_dir: &Path, step: u64) -> PathBuf {
+    run_dir.join(format!("step-{step:012}"))
+}
+
+/// The step a `step-<n>` directory holds.
+pub fn step_of(name: &str) -> Option<u64> {
+    name.strip_prefix("step-")?.parse().ok()
+}
+
+/// The rank a `rank-<r>` directory belongs to.
+pub fn rank_of(name: &str) -> Option<u32> {
+    name.strip_prefix("rank-")?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_read_back() {
+        let dir = step_dir(Path::new("/x"), 42);
+        assert_eq!(step_of(dir.file_name().unwrap().to_str().unwrap()), Some(42));
+        assert_eq!(rank_of("rank-3"), Some(3));
+        assert_eq!(rank_of("rank-x"), None);
+        assert_eq!(step_of("steps"), None);
+    }
+}

@@ -1,0 +1,140 @@
+//! Checkpoints held by the agent: the workers save into shared memory that the agent owns
+//! (`elastix.checkpoint`), so a save blocks training for the copy only, and what was saved
+//! outlives the worker that saved it: a worker restarted on this node restores from it. The
+//! agent persists the newest whole step of each local rank to `--checkpoint-dir` in the
+//! background ([`persist`]), once more when the run ends (a failure, a stop signal), and
+//! removes the memory when it exits.
+//!
+//! * [`layout`]: the files, in memory and on disk, and their manifests.
+//! * [`persist`]: copying the newest steps to disk, keeping the newest few.
+
+pub mod layout;
+pub mod persist;
+
+use std::fs;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+
+use self::persist::{PersistError, Persister};
+
+/// The variable that tells a worker where its agent keeps checkpoints in memory.
+pub const MEMORY_VAR: &str = "ELASTIX_CHECKPOINT_MEMORY";
+/// The variable that tells a worker where the job's checkpoints are persisted.
+pub const DIR_VAR: &str = "ELASTIX_CHECKPOINT_DIR";
+/// How often the agent looks for a newer step to persist.
+const PERSIST_EVERY: Duration = Duration::from_millis(500);
+
+/// This agent's checkpoint memory, and the task that persists it.
+pub struct Checkpoints {
+    memory: PathBuf,
+    persister: Option<Arc<Mutex<Persister>>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Checkpoints {
+    /// Makes this agent's memory directory (under /dev/shm, for the job `run_id`, readable by
+    /// this user only) and, with `dir`, starts persisting into `dir/<run_id>` keeping `keep`
+    /// steps. Must run inside a tokio runtime.
+    pub fn start(run_id: &str, dir: Option<&Path>, keep: usize) -> std::io::Result<Checkpoints> {
+        let memory = shared_memory_root().join(format!("elastix-ckpt-{}-{}", sanitized(run_id), std::process::id()));
+        fs::DirBuilder::new().recursive(true).mode(0o700).create(&memory)?;
+        let persister = dir.map(|dir| Arc::new(Mutex::new(Persister::new(memory.clone(), dir.join(run_id), keep))));
+        let task = persister.clone().map(|persister| tokio::spawn(persist_now_and_then(persister)));
+        Ok(Checkpoints { memory, persister, task })
+    }
+
+    /// What the workers are told: where the memory is, and where the job persists.
+    pub fn worker_env(&self, run_id: &str, dir: Option<&Path>) -> Vec<(String, String)> {
+        let mut env = vec![(MEMORY_VAR.to_owned(), self.memory.to_string_lossy().into_owned())];
+        if let Some(dir) = dir {
+            env.push((DIR_VAR.to_owned(), dir.join(run_id).to_string_lossy().into_owned()));
+        }
+        env
+    }
+
+    /// Persists what is in memory now, up to `within` (the run is ending: a failure, a stop
+    /// signal, success), then stops persisting.
+    pub async fn flush(&mut self, within: Duration) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+        let Some(persister) = self.persister.take() else { return };
+        tracing::debug!("persisting the checkpoints in memory, for at most {within:?}");
+        let pass = tokio::task::spawn_blocking(move || lock(&persister).pass());
+        match tokio::time::timeout(within, pass).await {
+            Ok(Ok(outcomes)) => report(outcomes),
+            Ok(Err(err)) => tracing::warn!("persisting the checkpoints failed: {err}"),
+            Err(_) => tracing::warn!("the checkpoints in memory were not all persisted within {within:?}"),
+        }
+    }
+}
+
+impl Drop for Checkpoints {
+    fn drop(&mut self) {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+        if let Err(err) = fs::remove_dir_all(&self.memory) {
+            if err.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!("cannot remove the checkpoint memory {}: {err}", self.memory.display());
+            }
+        }
+    }
+}
+
+/// Persists every [`PERSIST_EVERY`], on a blocking thread.
+async fn persist_now_and_then(persister: Arc<Mutex<Persister>>) {
+    let mut every = tokio::time::interval(PERSIST_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let persister = persister.clone();
+        match tokio::task::spawn_blocking(move || lock(&persister).pass()).await {
+            Ok(outcomes) => report(outcomes),
+            Err(err) => tracing::warn!("persisting the checkpoints failed: {err}"),
+        }
+    }
+}
+
+fn lock(persister: &Mutex<Persister>) -> std::sync::MutexGuard<'_, Persister> {
+    persister.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Logs each rank's step persisted (DEBUG) or why not (WARN: the memory copy is kept and
+/// training goes on; a step saved meanwhile is no fault).
+fn report(outcomes: Vec<Result<persist::Persisted, PersistError>>) {
+    for outcome in outcomes {
+        match outcome {
+            Ok(done) => tracing::debug!(
+                rank = done.rank,
+                step = done.step,
+                "checkpoint persisted: {} bytes in {:.0?}",
+                done.bytes,
+                done.took
+            ),
+            Err(changed @ PersistError::Changed { .. }) => {
+                tracing::debug!("{changed}; the next pass takes the newer step")
+            }
+            Err(err) => tracing::warn!("{err}; the copy in memory is kept and training goes on"),
+        }
+    }
+}
+
+/// Where shared memory lives: /dev/shm, else the temporary directory.
+fn shared_memory_root() -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() {
+        shm.to_owned()
+    } else {
+        std::env::temp_dir()
+    }
+}
+
+/// `run_id` as a file name.
+fn sanitized(run_id: &str) -> String {
+    run_id.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
+}

@@ -1,0 +1,274 @@
+//! Persisting what the workers saved in memory: the newest whole step of each local rank is
+//! copied to the checkpoint directory (data first, then the manifest with its checksum, each
+//! through a temporary name), and only the newest `keep` steps are kept. Plain blocking file
+//! I/O: the agent runs a pass on a blocking thread, never on its control loop.
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use super::layout::{
+    rank_dir, rank_of, slot_paths, step_dir, step_of, DiskManifest, SlotManifest, FORMAT_VERSION, SLOTS,
+};
+
+/// Bytes copied per read.
+const CHUNK: usize = 4 << 20;
+
+/// One rank's step, written to disk.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Persisted {
+    pub rank: u32,
+    pub step: u64,
+    pub bytes: u64,
+    pub took: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PersistError {
+    #[error("cannot write rank {rank}'s step {step} to {}: {source}", path.display())]
+    Write { rank: u32, step: u64, path: PathBuf, source: io::Error },
+    /// The worker saved into the slot while it was copied: the next pass takes the newer step.
+    #[error("rank {rank}'s step {step} changed while it was copied")]
+    Changed { rank: u32, step: u64 },
+}
+
+pub struct Persister {
+    memory: PathBuf,
+    run_dir: PathBuf,
+    keep: usize,
+    /// The newest step persisted (or found changed) per rank.
+    done: HashMap<u32, u64>,
+}
+
+impl Persister {
+    /// Persists what is saved under `memory` into `run_dir`, keeping the newest `keep` steps.
+    pub fn new(memory: PathBuf, run_dir: PathBuf, keep: usize) -> Persister {
+        Persister { memory, run_dir, keep: keep.max(1), done: HashMap::new() }
+    }
+
+    /// One pass: every rank whose newest whole step is not on disk yet gets it there.
+    pub fn pass(&mut self) -> Vec<Result<Persisted, PersistError>> {
+        let mut outcomes = Vec::new();
+        for (rank, manifest, data) in newest_slots(&self.memory) {
+            if self.done.get(&rank).is_some_and(|done| *done >= manifest.step) {
+                continue;
+            }
+            let outcome = self.persist(rank, &manifest, &data);
+            if outcome.is_ok() {
+                self.done.insert(rank, manifest.step);
+            }
+            outcomes.push(outcome);
+        }
+        if outcomes.iter().any(Result::is_ok) {
+            self.prune();
+        }
+        outcomes
+    }
+
+    fn persist(&self, rank: u32, manifest: &SlotManifest, data: &Path) -> Result<Persisted, PersistError> {
+        let started = Instant::now();
+        let dir = step_dir(&self.run_dir, manifest.step);
+        let target = dir.join(format!("rank-{rank}.data"));
+        let failed = |source: io::Error, path: &Path| PersistError::Write {
+            rank,
+            step: manifest.step,
+            path: path.to_owned(),
+            source,
+        };
+        fs::create_dir_all(&dir).map_err(|err| failed(err, &dir))?;
+        let crc32 = copy_with_checksum(data, &target, manifest.size).map_err(|err| failed(err, &target))?;
+        // the slot was saved into meanwhile: what was copied may be torn
+        if slot_generation(&self.memory, rank, manifest) != Some(manifest.generation) {
+            let _ = fs::remove_file(&target);
+            return Err(PersistError::Changed { rank, step: manifest.step });
+        }
+        let disk = DiskManifest { slot: manifest.clone(), crc32, persisted: now() };
+        let json = dir.join(format!("rank-{rank}.json"));
+        let bytes = serde_json::to_vec(&disk).expect("a manifest serializes");
+        write_atomically(&json, &bytes).map_err(|err| failed(err, &json))?;
+        Ok(Persisted { rank, step: manifest.step, bytes: manifest.size, took: started.elapsed() })
+    }
+
+    /// Removes all but the newest `keep` step directories.
+    fn prune(&self) {
+        let Ok(entries) = fs::read_dir(&self.run_dir) else { return };
+        let mut steps: Vec<(u64, PathBuf)> =
+            entries.flatten().filter_map(|entry| Some((step_of(entry.file_name().to_str()?)?, entry.path()))).collect();
+        steps.sort_unstable_by_key(|(step, _)| std::cmp::Reverse(*step));
+        for (step, path) in steps.into_iter().skip(self.keep) {
+            if let Err(err) = fs::remove_dir_all(&path) {
+                tracing::warn!("cannot remove the old checkpoint of step {step} ({}): {err}", path.display());
+            }
+        }
+    }
+}
+
+/// Each rank's newest whole slot under `memory`: its rank, manifest and data file.
+pub fn newest_slots(memory: &Path) -> Vec<(u32, SlotManifest, PathBuf)> {
+    let Ok(entries) = fs::read_dir(memory) else { return Vec::new() };
+    let mut found = Vec::new();
+    for entry in entries.flatten() {
+        let Some(rank) = entry.file_name().to_str().and_then(rank_of) else { continue };
+        let newest = (0..SLOTS)
+            .filter_map(|slot| {
+                let (data, json) = slot_paths(&entry.path(), slot);
+                let manifest: SlotManifest = serde_json::from_slice(&fs::read(json).ok()?).ok()?;
+                (manifest.v == FORMAT_VERSION && manifest.rank == rank).then_some((manifest, data))
+            })
+            .max_by_key(|(manifest, _)| manifest.step);
+        if let Some((manifest, data)) = newest {
+            found.push((rank, manifest, data));
+        }
+    }
+    found.sort_unstable_by_key(|(rank, _, _)| *rank);
+    found
+}
+
+/// The generation of the slot that held `manifest`'s step, if it still holds it.
+fn slot_generation(memory: &Path, rank: u32, manifest: &SlotManifest) -> Option<u64> {
+    (0..SLOTS).find_map(|slot| {
+        let (_, json) = slot_paths(&rank_dir(memory, rank), slot);
+        let now: SlotManifest = serde_json::from_slice(&fs::read(json).ok()?).ok()?;
+        (now.step == manifest.step).then_some(now.generation)
+    })
+}
+
+/// Copies the first `size` bytes of `from` to `to` (through a temporary name, synced) and
+/// returns their CRC-32.
+fn copy_with_checksum(from: &Path, to: &Path, size: u64) -> io::Result<u32> {
+    let mut source = File::open(from)?.take(size);
+    let temporary = to.with_extension("data.tmp");
+    let mut target = File::create(&temporary)?;
+    let mut hasher = crc32fast::Hasher::new();
+    let mut buffer = vec![0u8; CHUNK];
+    let mut copied = 0u64;
+    loop {
+        let n = source.read(&mut buffer)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buffer[..n]);
+        target.write_all(&buffer[..n])?;
+        copied += n as u64;
+    }
+    if copied != size {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("{copied} of {size} bytes in memory")));
+    }
+    target.sync_all()?;
+    fs::rename(&temporary, to)?;
+    Ok(hasher.finalize())
+}
+
+/// Writes `bytes` to `path` through a temporary name, synced, so a reader sees all or nothing.
+fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let temporary = path.with_extension("json.tmp");
+    let mut file = File::create(&temporary)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    fs::rename(&temporary, path)?;
+    if let Some(dir) = path.parent() {
+        File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+fn now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |since| since.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    /// A directory of the test's own, removed when dropped.
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(name: &str) -> Scratch {
+            let dir = std::env::temp_dir().join(format!("elastix-ckpt-test-{name}-{}", std::process::id()));
+            let _ = fs::remove_dir_all(&dir);
+            fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+
+        fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn save(memory: &Path, rank: u32, slot: u32, step: u64, data: &[u8]) {
+        let dir = rank_dir(memory, rank);
+        fs::create_dir_all(&dir).unwrap();
+        let (data_path, json) = slot_paths(&dir, slot);
+        fs::write(data_path, data).unwrap();
+        let manifest = SlotManifest {
+            v: FORMAT_VERSION,
+            step,
+            rank,
+            world_size: 2,
+            size: data.len() as u64,
+            generation: step,
+            saved: 0.0,
+            structure: json!({"w": "leaf"}),
+        };
+        fs::write(json, serde_json::to_vec(&manifest).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn the_newest_whole_step_of_each_rank_reaches_disk_with_its_checksum() {
+        let root = Scratch::new("newest");
+        let (memory, run_dir) = (root.path().join("memory"), root.path().join("run"));
+        save(&memory, 0, 0, 3, b"three");
+        save(&memory, 0, 1, 4, b"four");
+        save(&memory, 1, 0, 4, b"FOUR");
+        // a slot being written has no manifest: it does not count
+        fs::write(slot_paths(&rank_dir(&memory, 1), 1).0, b"half").unwrap();
+        let mut persister = Persister::new(memory.clone(), run_dir.clone(), 2);
+        let done: Vec<_> = persister.pass().into_iter().map(Result::unwrap).map(|p| (p.rank, p.step)).collect();
+        assert_eq!(done, [(0, 4), (1, 4)]);
+        let dir = step_dir(&run_dir, 4);
+        assert_eq!(fs::read(dir.join("rank-0.data")).unwrap(), b"four");
+        let manifest: DiskManifest = serde_json::from_slice(&fs::read(dir.join("rank-1.json")).unwrap()).unwrap();
+        assert_eq!(manifest.crc32, crc32fast::hash(b"FOUR"));
+        assert_eq!(manifest.slot.step, 4);
+        // nothing new: nothing written again
+        assert!(persister.pass().is_empty());
+    }
+
+    #[test]
+    fn only_the_newest_steps_are_kept() {
+        let root = Scratch::new("keep");
+        let (memory, run_dir) = (root.path().join("memory"), root.path().join("run"));
+        let mut persister = Persister::new(memory.clone(), run_dir.clone(), 2);
+        for step in 1..=4 {
+            save(&memory, 0, (step % 2) as u32, step, format!("step {step}").as_bytes());
+            assert!(persister.pass().into_iter().all(|outcome| outcome.is_ok()));
+        }
+        let mut left: Vec<_> = fs::read_dir(&run_dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        left.sort();
+        assert_eq!(left, ["step-000000000003", "step-000000000004"]);
+    }
+
+    #[test]
+    fn an_unwritable_directory_is_an_error_and_the_memory_copy_stays() {
+        let root = Scratch::new("unwritable");
+        let memory = root.path().join("memory");
+        save(&memory, 0, 0, 1, b"one");
+        let blocker = root.path().join("not-a-dir");
+        fs::write(&blocker, b"a file").unwrap();
+        let mut persister = Persister::new(memory.clone(), blocker.join("run"), 2);
+        let outcome = persister.pass().pop().unwrap();
+        assert!(matches!(outcome, Err(PersistError::Write { rank: 0, step: 1, .. })), "{outcome:?}");
+        assert_eq!(newest_slots(&memory).len(), 1, "the memory copy is kept");
+    }
+}

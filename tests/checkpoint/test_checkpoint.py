@@ -1,0 +1,133 @@
+"""elastix.checkpoint on its own files (a memory directory of the test's own, no agent): what
+a state may hold, what comes back, and the refusals."""
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import elastix
+from elastix.checkpoint import Checkpoint, CheckpointError
+
+
+def state(step):
+    return {
+        "model": {"w": np.full((3, 4), step, dtype=np.float32), "b": np.arange(4, dtype=np.int64)},
+        "optimizer": [np.zeros(2, dtype=np.float64), (np.float32(0.5), "adam")],
+        "step": step,
+        "note": None,
+        "raw": b"\x00\x01",
+    }
+
+
+def same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (np.ndarray, np.generic)):
+        return np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(a, b)
+    return a == b
+
+
+def test_a_first_start_loads_nothing_and_a_save_comes_back(tmp_path):
+    ckpt = elastix.checkpoint.open(memory=str(tmp_path / "memory"))
+    assert ckpt.load() is None and ckpt.step is None
+    for step in range(3):
+        ckpt.save(step, state(step))
+    again = elastix.checkpoint.open(memory=str(tmp_path / "memory"))
+    loaded = again.load()
+    assert again.step == 2 and again.source == "memory"
+    assert same(loaded, state(2))
+
+
+def test_a_slot_torn_by_a_crash_mid_save_is_not_used(tmp_path):
+    memory = tmp_path / "memory"
+    ckpt = elastix.checkpoint.open(memory=str(memory))
+    ckpt.save(1, state(1))
+    ckpt.save(2, state(2))
+    # the next save goes into the slot of step 1; a crash in the middle leaves it without manifest
+    slots = sorted((memory / "rank-0").glob("slot-*.json"), key=lambda p: json.loads(p.read_text())["step"])
+    slots[0].unlink()
+    (memory / "rank-0" / slots[0].name.replace(".json", ".data")).write_bytes(b"torn")
+    loaded = elastix.checkpoint.open(memory=str(memory)).load()
+    assert same(loaded, state(2))
+
+
+def test_a_changed_structure_is_refused_naming_the_first_difference(tmp_path):
+    ckpt = elastix.checkpoint.open(memory=str(tmp_path / "memory"))
+    ckpt.save(4, state(4))
+    now = state(0)
+    now["model"]["w"] = np.zeros((3, 5), dtype=np.float32)
+    with pytest.raises(CheckpointError, match=r"state\['model'\]\['w'\]: saved with shape \[3, 4\], now \[3, 5\]"):
+        ckpt.load(like=now)
+    del now["note"]
+    with pytest.raises(CheckpointError, match=r"gone: \['note'\]"):
+        ckpt.load(like=now)
+    assert same(ckpt.load(like=state(0)), state(4))
+
+
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ({"f": lambda: 0}, r"state\['f'\]: cannot save a builtins.function"),
+        ({1: np.zeros(1)}, "keys must be str"),
+        ({"o": np.array([object()])}, "array of Python objects"),
+    ],
+)
+def test_what_cannot_be_saved_is_named_and_nothing_is_written(tmp_path, bad, says):
+    ckpt = elastix.checkpoint.open(memory=str(tmp_path / "memory"))
+    with pytest.raises(CheckpointError, match=says):
+        ckpt.save(0, bad)
+    assert ckpt.load() is None
+
+
+def test_without_an_agent_open_says_how_to_run(monkeypatch):
+    monkeypatch.delenv("ELASTIX_CHECKPOINT_MEMORY", raising=False)
+    with pytest.raises(CheckpointError, match="elastix run"):
+        elastix.checkpoint.open()
+    with pytest.raises(CheckpointError, match="step must be an int"):
+        Checkpoint("/nonexistent", None, 0, 1).save(-1, {})
+
+
+def test_a_persisted_step_is_read_from_disk_and_a_corrupt_one_is_passed_over(tmp_path):
+    """The disk layout as the agent writes it (rust/core/src/agent/checkpoints/persist.rs):
+    the newest step's file corrupt, the one before is taken."""
+    import zlib
+
+    run_dir = tmp_path / "ckpt" / "run"
+    for step in (5, 6):
+        source = elastix.checkpoint.open(memory=str(tmp_path / f"m{step}"))
+        source.save(step, state(step))
+        slot = next((tmp_path / f"m{step}" / "rank-0").glob("slot-*.json"))
+        manifest = json.loads(slot.read_text())
+        data = (slot.parent / slot.name.replace(".json", ".data")).read_bytes()[: manifest["size"]]
+        target = run_dir / f"step-{step:012d}"
+        target.mkdir(parents=True)
+        (target / "rank-0.data").write_bytes(data)
+        (target / "rank-0.json").write_text(json.dumps({**manifest, "crc32": zlib.crc32(data), "persisted": 0.0}))
+    fresh = elastix.checkpoint.open(memory=str(tmp_path / "empty"), directory=str(run_dir))
+    assert same(fresh.load(), state(6)) and fresh.source == "disk"
+    newest = run_dir / f"step-{6:012d}" / "rank-0.data"
+    newest.write_bytes(b"\xff" + newest.read_bytes()[1:])
+    fresh = elastix.checkpoint.open(memory=str(tmp_path / "empty"), directory=str(run_dir))
+    assert same(fresh.load(), state(5)) and fresh.step == 5
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_shared_memory_too_small_says_the_size_needed_and_how_to_raise_it(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], check=True)
+    try:
+        ckpt = elastix.checkpoint.open(memory=str(small))
+        with pytest.raises(
+            CheckpointError, match=r"shared memory too small for this checkpoint: 1048576 bytes needed.*--shm-size"
+        ):
+            ckpt.save(0, {"w": np.zeros(1 << 20, dtype=np.uint8)})
+        ckpt.save(0, {"w": np.zeros(8, dtype=np.uint8)})  # a state that fits still saves
+        assert ckpt.load()["w"].shape == (8,)
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
