@@ -12,7 +12,12 @@ computes the gradient sum over its share of it, ``all_reduce`` adds the shares u
 rank applies the same update, so the replicas stay identical and the run computes what one
 process would (up to the order of floating-point additions).
 
-Checkpoints: with ``--checkpoint PATH`` rank 0 writes one every ``--checkpoint-every`` steps
+Checkpoints, every step: under ``elastix run`` each rank saves its replica after every step
+through ``elastix.checkpoint`` into memory its agent holds (a copy: training does not wait for
+a disk), and a restart within the job (a worker died) resumes from the newest step every rank
+holds there, losing no step. ``elastix run --checkpoint-dir DIR`` persists them too.
+
+Checkpoint files: with ``--checkpoint PATH`` rank 0 writes one every ``--checkpoint-every`` steps
 (atomically), with the run ID of the job that wrote it (``TORCHELASTIC_RUN_ID``: a fresh UUID
 for every ``--standalone`` launch, the ``--rdzv-id`` otherwise). When the job restarts its
 workers (a worker died, nodes joined or left), they find their job's checkpoint and resume
@@ -214,6 +219,27 @@ def resume_from(args, config: dict, rank: int, world: int):
     return ckpt
 
 
+def memory_checkpoints():
+    """This rank's checkpoints in its agent's memory (under `elastix run`), else None."""
+    if "ELASTIX_CHECKPOINT_MEMORY" not in os.environ:
+        return None
+    import elastix
+
+    return elastix.checkpoint.open()
+
+
+def resume_from_memory(memory, params_like: np.ndarray, rank: int):
+    """The step to start at, with the replica and momentum, from the agent's memory (the
+    newest step every rank holds), or None when this job saved nothing there yet."""
+    like = {"params": params_like, "velocity": params_like}
+    state = memory.load(like=like)
+    if state is None:
+        return None
+    if rank == 0:
+        print(f"resuming at step {memory.step + 1} from the agent's memory (every step is kept there)", flush=True)
+    return {"step": memory.step + 1, "params": state["params"], "velocity": state["velocity"]}
+
+
 def fail(message: str):
     print(f"train_digits.py: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
@@ -242,7 +268,9 @@ def main(argv=None) -> int:
     rank, world = (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))) if distributed else (0, 1)
     x, y, name = load_data(args.dataset)
     config = {"hidden": args.hidden, "batch": args.batch, "seed": args.seed, "dataset": name}
-    ckpt = resume_from(args, config, rank, world)
+    memory = memory_checkpoints()
+    held = memory and resume_from_memory(memory, init_params(args.hidden, args.seed), rank)
+    ckpt = held or resume_from(args, config, rank, world)
     if distributed:
         import elastix.collectives as ec
 
@@ -305,6 +333,8 @@ def main(argv=None) -> int:
         stop[0] = 1.0 if preempted else 0.0
         if ec is not None:
             ec.all_reduce(stop, ec.ReduceOp.MAX)
+        if memory is not None:
+            memory.save(step, {"params": params, "velocity": velocity})
         due = (step + 1) % args.checkpoint_every == 0 or step + 1 == total
         if args.checkpoint and rank == 0 and (due or stop[0]):
             save(args.checkpoint, step + 1, params, velocity, world, config)
