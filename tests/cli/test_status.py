@@ -362,10 +362,13 @@ def test_status_authenticates_as_the_agents_do(tmp_path, marker, monkeypatch):
 PROGRESS = """
 import os, threading, time
 if os.environ["RANK"] == "0":
+    import numpy as np
     import elastix
 
-    for step in range(100000):  # beats with its step until the test stops it
+    ckpt = elastix.checkpoint.open()
+    for step in range(100000):  # beats with its step, and saves it, until the test stops it
         elastix.heartbeat(step=step)
+        ckpt.save(step, {"w": np.zeros(512, dtype=np.float64)})
         time.sleep(0.01)
         if os.path.exists(os.path.join(os.environ["OUT_DIR"], "stop")):
             break
@@ -397,19 +400,25 @@ def test_each_workers_progress_is_shown_beats_step_and_last_seen(tmp_path, marke
         def stepping():
             done = status(*command, "--json")
             workers = json.loads(done.stdout)["members"][0]["workers"] if done.returncode == HEALTHY else []
-            return workers if len(workers) == 2 and workers[0]["step"] else None
+            ranks = {worker["rank"]: worker for worker in workers}
+            return workers if len(workers) == 2 and ranks[0]["step"] and ranks[0].get("checkpoint") else None
 
         beating, plain = sorted(wait_for(stepping, what="rank 0's steps in the status"), key=lambda w: w["rank"])
         assert beating["beats"] >= 1 and beating["step"] >= 1 and beating["seen_age_s"] < 30, beating
-        assert plain["beats"] == 0 and plain["step"] is None, plain
+        assert plain["beats"] == 0 and plain["step"] is None and plain["checkpoint"] is None, plain
+        # the checkpoint its agent holds: the step saved, its size, how fresh
+        held = beating["checkpoint"]
+        assert held["step"] >= 1 and held["bytes"] == 512 * 8 and held["saved_age_s"] < 30, held
         # the plain program is seen through the kernel: its main thread wakes every 50 ms
         assert plain["seen_age_s"] is not None and plain["doing"] in ("running", "waiting"), plain
         human = status(*command).stdout
         table = human.split("  workers:\n")[1].splitlines()
-        header = ["RANK", "GROUP", "RANK", "BEATS", "STEP", "LAST", "SEEN", "MAIN", "THREAD"]
+        header = ["RANK", "GROUP", "RANK", "BEATS", "STEP", "LAST", "SEEN", "MAIN", "THREAD", "CHECKPOINT"]
         assert table[0].split() == header, human
-        assert table[1].split()[:2] == ["0", "0"] and " ago " in table[1], human
-        assert table[2].split()[:4] == ["1", "0", "0", "-"] and table[2].split()[-1] in ("running", "waiting"), human
+        assert table[1].split()[:2] == ["0", "0"] and " ago " in table[1] and "step " in table[1], human
+        assert "4.0KB" in table[1], human
+        assert table[2].split()[:4] == ["1", "0", "0", "-"] and table[2].split()[-2] in ("running", "waiting"), human
+        assert table[2].split()[-1] == "-", human
     finally:
         (tmp_path / "stop").touch()
         assert a.finish() == 0, a.output()

@@ -33,6 +33,25 @@ def _age(seconds: Optional[float]) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s ago"
 
 
+def _size(count: int) -> str:
+    size = float(count)
+    for unit in ("B", "KB", "MB"):
+        if size < 1024:
+            return f"{count}B" if unit == "B" else f"{size:.1f}{unit}"
+        size /= 1024
+    return f"{size:.1f}GB"
+
+
+def _checkpoint(held: Optional[Dict[str, Any]]) -> str:
+    """A worker's newest checkpoint in its agent's memory, and the newest on disk."""
+    if not held:
+        return "-"
+    shown = f"step {held['step']}, {_size(held['bytes'])}, {_age(held['saved_age_s'])}"
+    if held.get("persisted_step") is not None:
+        shown += f"; disk: step {held['persisted_step']}"
+    return shown
+
+
 def _uptime(seconds: Optional[float]) -> str:
     if seconds is None:
         return "-"
@@ -68,11 +87,12 @@ def _workers(members: List[Dict[str, Any]]) -> List[str]:
         shown = sorted(workers, key=lambda mw: never if mw[1]["seen_age_s"] is None else mw[1]["seen_age_s"])
         shown = shown[-WORKERS_SHOWN:]
         more = f" (the {WORKERS_SHOWN} seen longest ago of {len(workers)}; --json lists all)"
-    rows = [["RANK", "GROUP RANK", "BEATS", "STEP", "LAST SEEN", "MAIN THREAD"]]
+    rows = [["RANK", "GROUP RANK", "BEATS", "STEP", "LAST SEEN", "MAIN THREAD", "CHECKPOINT"]]
     for group_rank, w in sorted(shown, key=lambda mw: mw[1]["rank"]):
         step = "-" if w["step"] is None else str(w["step"])
         doing = DOING.get(w.get("doing") or "", "-")
-        rows.append([str(w["rank"]), str(group_rank), str(w["beats"]), step, _age(w["seen_age_s"]), doing])
+        held = _checkpoint(w.get("checkpoint"))
+        rows.append([str(w["rank"]), str(group_rank), str(w["beats"]), step, _age(w["seen_age_s"]), doing, held])
     return [f"  workers{more}:", *_table(rows)]
 
 

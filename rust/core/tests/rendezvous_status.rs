@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use elastix_core::rendezvous::c10d::keys::run_prefix;
 use elastix_core::rendezvous::job_status;
-use elastix_core::rendezvous::records::{now_ms, AgentFacts, Doing, FailureRecord, WorkerProgress, FORMAT_VERSION};
+use elastix_core::rendezvous::records::{
+    now_ms, AgentFacts, Doing, FailureRecord, HeldCheckpoint, WorkerProgress, FORMAT_VERSION,
+};
 use elastix_core::rendezvous::status::{Health, State, StatusQuery};
 use elastix_core::rendezvous::store::TcpRendezvousStore;
 use elastix_core::rendezvous::{Backend, ConfInput, DynamicRendezvous, RendezvousSettings};
@@ -83,9 +85,17 @@ async fn status_shows_the_members_their_ranks_and_the_end() {
 
     // the agent's own task republishes a member's status with its workers' progress
     let writer = second.status_writer().expect("a member of a round has one");
+    let held = HeldCheckpoint { step: 4, bytes: 4096, saved_ms: now_ms(), persisted_step: Some(3), persisted_ms: None };
     let workers = vec![
-        WorkerProgress { rank: 2, beats: 5, step: Some(4), seen_ms: Some(now_ms()), doing: Some(Doing::BlockedBusy) },
-        WorkerProgress { rank: 3, beats: 0, step: None, seen_ms: None, doing: None },
+        WorkerProgress {
+            rank: 2,
+            beats: 5,
+            step: Some(4),
+            seen_ms: Some(now_ms()),
+            doing: Some(Doing::BlockedBusy),
+            checkpoint: Some(held),
+        },
+        WorkerProgress { rank: 3, beats: 0, step: None, seen_ms: None, doing: None, checkpoint: None },
     ];
     writer(AgentFacts { workers, ..facts(2) }).await.unwrap();
     let status = job_status(&query(server.port(), run_id)).await.unwrap().unwrap();
@@ -93,6 +103,9 @@ async fn status_shows_the_members_their_ranks_and_the_end() {
     assert_eq!(shown.iter().map(|w| (w.rank, w.beats, w.step)).collect::<Vec<_>>(), [(2, 5, Some(4)), (3, 0, None)]);
     assert!(shown[0].seen_age_s.is_some_and(|age| age < 5.0) && shown[1].seen_age_s.is_none(), "{shown:?}");
     assert_eq!((shown[0].doing, shown[1].doing), (Some(Doing::BlockedBusy), None));
+    let checkpoint = shown[0].checkpoint.as_ref().expect("rank 2 saved one");
+    assert_eq!((checkpoint.step, checkpoint.bytes, checkpoint.persisted_step), (4, 4096, Some(3)));
+    assert!(checkpoint.saved_age_s < 5.0 && shown[1].checkpoint.is_none(), "{shown:?}");
     assert!(status.members[0].workers.is_empty(), "the other member published none");
 
     let failure = FailureRecord {

@@ -3,6 +3,7 @@
 //! wait), and a task of the agent's own republishes the member's status with it at most
 //! every [`PUBLISH_EVERY`]: the control loop never waits on the store for it.
 
+use std::collections::HashMap;
 use std::time::{Duration, UNIX_EPOCH};
 
 use tokio::sync::watch;
@@ -11,7 +12,10 @@ use tokio::task::JoinHandle;
 use crate::agent::hangs::activity::Activity;
 use crate::agent::hangs::heartbeats::{self, Slot};
 use crate::rendezvous::backend::StatusWriter;
-use crate::rendezvous::records::{AgentFacts, WorkerProgress};
+use crate::rendezvous::records::{AgentFacts, HeldCheckpoint, WorkerProgress};
+
+/// What the agent holds of each global rank's checkpoints now.
+pub type HeldView = std::sync::Arc<dyn Fn() -> HashMap<u32, HeldCheckpoint> + Send + Sync>;
 
 /// How often a member's progress reaches the store at most: `elastix status` is read by
 /// people, and a job of thousands of nodes must not turn it into load.
@@ -28,12 +32,23 @@ pub struct ProgressPublisher {
 }
 
 impl ProgressPublisher {
-    /// Republishes `facts` with the workers' progress whenever the returned sender has news.
-    pub fn start(writer: StatusWriter, facts: AgentFacts) -> (ProgressPublisher, watch::Sender<Vec<WorkerProgress>>) {
-        let (sender, mut news) = watch::channel(Vec::new());
+    /// Republishes `facts` with the workers' progress whenever the returned sender has news,
+    /// and with their checkpoints as `held` shows them then.
+    pub fn start(
+        writer: StatusWriter,
+        facts: AgentFacts,
+        held: Option<HeldView>,
+    ) -> (ProgressPublisher, watch::Sender<Vec<WorkerProgress>>) {
+        let (sender, mut news) = watch::channel(Vec::<WorkerProgress>::new());
         let task = tokio::spawn(async move {
             while news.changed().await.is_ok() {
-                let workers = news.borrow_and_update().clone();
+                let mut workers = news.borrow_and_update().clone();
+                if let Some(held) = &held {
+                    let checkpoints = held();
+                    for worker in &mut workers {
+                        worker.checkpoint = checkpoints.get(&worker.rank).cloned();
+                    }
+                }
                 let write = writer(AgentFacts { workers, ..facts.clone() });
                 match tokio::time::timeout(WRITE_TIMEOUT, write).await {
                     Ok(Ok(())) => {}
@@ -60,7 +75,7 @@ pub fn progress_of(rank: u32, slot: &Slot, activity: &Activity, now: u64, blocke
     let seen = heartbeats::wall_time(slot.last_beat.max(activity.main_ran_at()));
     let seen_ms = seen.and_then(|at| at.duration_since(UNIX_EPOCH).ok()).map(|since| since.as_millis() as u64);
     let doing = activity.doing(now, blocked_after);
-    WorkerProgress { rank, beats: slot.beats, step: slot.step, seen_ms, doing }
+    WorkerProgress { rank, beats: slot.beats, step: slot.step, seen_ms, doing, checkpoint: None }
 }
 
 #[cfg(test)]

@@ -116,6 +116,21 @@ pub struct WorkerProgress {
     /// worker, or an older agent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub doing: Option<Doing>,
+    /// Its newest checkpoint in its agent's memory (`elastix.checkpoint`), if it saved one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<HeldCheckpoint>,
+}
+
+/// A worker's newest checkpoint as its agent holds it: in memory, and what reached the disk.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldCheckpoint {
+    pub step: u64,
+    pub bytes: u64,
+    /// When the worker saved it, ms since the epoch (the worker's clock, on the agent's machine).
+    pub saved_ms: u64,
+    /// The newest step persisted to `--checkpoint-dir`, and when (`None`: none yet, or memory only).
+    pub persisted_step: Option<u64>,
+    pub persisted_ms: Option<u64>,
 }
 
 /// How a worker's main thread and CPU use looked to its agent (`agent::activity`), for

@@ -128,6 +128,19 @@ pub struct WorkerStatus {
     pub seen_age_s: Option<f64>,
     /// What its main thread and processes were doing (`None`: not watched).
     pub doing: Option<Doing>,
+    /// Its newest checkpoint held by its agent (`elastix.checkpoint`), if any.
+    pub checkpoint: Option<CheckpointStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CheckpointStatus {
+    pub step: u64,
+    pub bytes: u64,
+    /// Seconds since it was saved.
+    pub saved_age_s: f64,
+    /// The newest step on disk, and how long ago it got there (`None`: none yet).
+    pub persisted_step: Option<u64>,
+    pub persisted_age_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -191,6 +204,13 @@ impl From<&WorkerProgress> for WorkerStatus {
             step: progress.step,
             seen_age_s: progress.seen_ms.map(|seen| seconds_between(seen, now_ms())),
             doing: progress.doing,
+            checkpoint: progress.checkpoint.as_ref().map(|held| CheckpointStatus {
+                step: held.step,
+                bytes: held.bytes,
+                saved_age_s: seconds_between(held.saved_ms, now_ms()),
+                persisted_step: held.persisted_step,
+                persisted_age_s: held.persisted_ms.map(|at| seconds_between(at, now_ms())),
+            }),
         }
     }
 }

@@ -11,6 +11,7 @@
 pub mod layout;
 pub mod persist;
 
+use std::collections::HashMap;
 use std::fs;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
@@ -20,6 +21,8 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 
 use self::persist::{PersistError, Persister};
+use crate::agent::progress::HeldView;
+use crate::rendezvous::records::HeldCheckpoint;
 
 /// The variable that tells a worker where its agent keeps checkpoints in memory.
 pub const MEMORY_VAR: &str = "ELASTIX_CHECKPOINT_MEMORY";
@@ -32,6 +35,8 @@ const PERSIST_EVERY: Duration = Duration::from_millis(500);
 pub struct Checkpoints {
     memory: PathBuf,
     persister: Option<Arc<Mutex<Persister>>>,
+    /// Each rank's newest step persisted, and when.
+    persisted: Arc<Mutex<HashMap<u32, (u64, u64)>>>,
     task: Option<JoinHandle<()>>,
 }
 
@@ -42,9 +47,35 @@ impl Checkpoints {
     pub fn start(run_id: &str, dir: Option<&Path>, keep: usize) -> std::io::Result<Checkpoints> {
         let memory = shared_memory_root().join(format!("elastix-ckpt-{}-{}", sanitized(run_id), std::process::id()));
         fs::DirBuilder::new().recursive(true).mode(0o700).create(&memory)?;
-        let persister = dir.map(|dir| Arc::new(Mutex::new(Persister::new(memory.clone(), dir.join(run_id), keep))));
+        let persister = dir.map(|dir| Persister::new(memory.clone(), dir.join(run_id), keep));
+        let persisted = persister.as_ref().map_or_else(Arc::default, Persister::record);
+        let persister = persister.map(|persister| Arc::new(Mutex::new(persister)));
         let task = persister.clone().map(|persister| tokio::spawn(persist_now_and_then(persister)));
-        Ok(Checkpoints { memory, persister, task })
+        Ok(Checkpoints { memory, persister, persisted, task })
+    }
+
+    /// What `elastix status` shows of each global rank's checkpoints: its newest step in
+    /// memory (size, when saved) and the newest that reached the disk. Reads the slots'
+    /// manifests (small files in shared memory) when called.
+    pub fn view(&self) -> HeldView {
+        let (memory, persisted) = (self.memory.clone(), self.persisted.clone());
+        Arc::new(move || {
+            let persisted = persisted.lock().unwrap_or_else(PoisonError::into_inner).clone();
+            persist::newest_slots(&memory)
+                .into_iter()
+                .map(|(rank, manifest, _)| {
+                    let disk = persisted.get(&rank).copied();
+                    let held = HeldCheckpoint {
+                        step: manifest.step,
+                        bytes: manifest.size,
+                        saved_ms: (manifest.saved * 1000.0) as u64,
+                        persisted_step: disk.map(|(step, _)| step),
+                        persisted_ms: disk.map(|(_, at)| at),
+                    };
+                    (rank, held)
+                })
+                .collect::<HashMap<_, _>>()
+        })
     }
 
     /// What the workers are told: where the memory is, and where the job persists.

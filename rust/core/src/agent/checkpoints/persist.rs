@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::layout::{
@@ -38,14 +39,21 @@ pub struct Persister {
     memory: PathBuf,
     run_dir: PathBuf,
     keep: usize,
-    /// The newest step persisted (or found changed) per rank.
+    /// The newest step persisted per rank.
     done: HashMap<u32, u64>,
+    /// The same, with when (ms since the epoch), for `elastix status`.
+    record: Arc<Mutex<HashMap<u32, (u64, u64)>>>,
 }
 
 impl Persister {
     /// Persists what is saved under `memory` into `run_dir`, keeping the newest `keep` steps.
     pub fn new(memory: PathBuf, run_dir: PathBuf, keep: usize) -> Persister {
-        Persister { memory, run_dir, keep: keep.max(1), done: HashMap::new() }
+        Persister { memory, run_dir, keep: keep.max(1), done: HashMap::new(), record: Arc::default() }
+    }
+
+    /// Each rank's newest step persisted, and when (ms since the epoch), kept up to date.
+    pub fn record(&self) -> Arc<Mutex<HashMap<u32, (u64, u64)>>> {
+        self.record.clone()
     }
 
     /// One pass: every rank whose newest whole step is not on disk yet gets it there.
@@ -58,6 +66,8 @@ impl Persister {
             let outcome = self.persist(rank, &manifest, &data);
             if outcome.is_ok() {
                 self.done.insert(rank, manifest.step);
+                let at = (now() * 1000.0) as u64;
+                self.record.lock().unwrap_or_else(PoisonError::into_inner).insert(rank, (manifest.step, at));
             }
             outcomes.push(outcome);
         }

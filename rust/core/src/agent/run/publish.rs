@@ -36,7 +36,8 @@ impl Agent {
             Err(_) => tracing::debug!("publishing this node's status took over {PUBLISH_TIMEOUT:?}; skipped"),
         }
         self.rdzv.status_writer().map(|writer| {
-            let (publisher, notes) = ProgressPublisher::start(writer, facts);
+            let held = self.checkpoints.as_ref().map(|checkpoints| checkpoints.view());
+            let (publisher, notes) = ProgressPublisher::start(writer, facts, held);
             group.note_progress_in(notes);
             publisher
         })
