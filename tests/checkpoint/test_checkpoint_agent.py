@@ -158,3 +158,48 @@ def test_a_stop_signal_persists_the_newest_step_before_the_agent_exits(tmp_path,
     assert newest.name == f"step-{last:012d}", (newest.name, last)
     assert read(newest / "rank-0.json")["step"] == last
     assert_nothing_left(marker)
+
+
+FILLS_THE_DISK = textwrap.dedent(
+    """
+    import json, os
+    import numpy as np
+    import elastix
+
+    ckpt = elastix.checkpoint.open()
+    state = ckpt.load()
+    restart, out = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["OUT_DIR"]
+    with open(os.path.join(out, f"start_{restart}.json"), "w") as f:
+        json.dump({"step": ckpt.step, "source": ckpt.source}, f)
+    for step in range(0 if state is None else ckpt.step + 1, 200):
+        ckpt.save(step, {"w": np.full(32 * 1024, step, dtype=np.float32)})  # 128 KiB
+        if restart == "0" and step == 100:
+            os._exit(5)
+    """
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs as the full disk needs root")
+def test_a_full_disk_is_said_once_and_training_goes_on_from_memory(tmp_path, marker):
+    import subprocess
+
+    script = tmp_path / "fills.py"
+    script.write_text(FILLS_THE_DISK)
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], check=True)
+    try:
+        proc = elastix_run(
+            "--standalone", "--max-restarts", 1, "--checkpoint-dir", full, script, out_dir=tmp_path, marker=marker
+        )
+        code, _out, err = finish(proc)
+        assert code == 0, err
+        warnings = [line for line in err.splitlines() if "WARN" in line and "cannot write rank 0's step" in line]
+        # said when the disk first refused, and once more at the end (the last flush); never a flood
+        assert 1 <= len(warnings) <= 3 and "No space left on device" in warnings[0], err
+        assert "the copy in memory is kept and training goes on" in warnings[0]
+        assert read(tmp_path / "start_1.json") == {"step": 100, "source": "memory"}
+        assert not list(full.rglob("*.tmp")), "no half-written file is left on the full disk"
+    finally:
+        subprocess.run(["umount", str(full)], check=True)
+    assert_nothing_left(marker)

@@ -11,7 +11,7 @@
 pub mod layout;
 pub mod persist;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
@@ -97,7 +97,7 @@ impl Checkpoints {
         tracing::debug!("persisting the checkpoints in memory, for at most {within:?}");
         let pass = tokio::task::spawn_blocking(move || lock(&persister).pass());
         match tokio::time::timeout(within, pass).await {
-            Ok(Ok(outcomes)) => report(outcomes),
+            Ok(Ok(outcomes)) => report(outcomes, &mut HashSet::new()),
             Ok(Err(err)) => tracing::warn!("persisting the checkpoints failed: {err}"),
             Err(_) => tracing::warn!("the checkpoints in memory were not all persisted within {within:?}"),
         }
@@ -121,11 +121,12 @@ impl Drop for Checkpoints {
 async fn persist_now_and_then(persister: Arc<Mutex<Persister>>) {
     let mut every = tokio::time::interval(PERSIST_EVERY);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing = HashSet::new();
     loop {
         every.tick().await;
         let persister = persister.clone();
         match tokio::task::spawn_blocking(move || lock(&persister).pass()).await {
-            Ok(outcomes) => report(outcomes),
+            Ok(outcomes) => report(outcomes, &mut failing),
             Err(err) => tracing::warn!("persisting the checkpoints failed: {err}"),
         }
     }
@@ -135,22 +136,35 @@ fn lock(persister: &Mutex<Persister>) -> std::sync::MutexGuard<'_, Persister> {
     persister.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Logs each rank's step persisted (DEBUG) or why not (WARN: the memory copy is kept and
-/// training goes on; a step saved meanwhile is no fault).
-fn report(outcomes: Vec<Result<persist::Persisted, PersistError>>) {
+/// Logs each rank's step persisted (DEBUG) or why not: a write that fails is a WARN once
+/// (the memory copy is kept and training goes on), again at DEBUG while it keeps failing, and
+/// its recovery an INFO; `failing` holds the ranks whose writes fail. A step saved while it
+/// was copied is no fault.
+fn report(outcomes: Vec<Result<persist::Persisted, PersistError>>, failing: &mut HashSet<u32>) {
     for outcome in outcomes {
         match outcome {
-            Ok(done) => tracing::debug!(
-                rank = done.rank,
-                step = done.step,
-                "checkpoint persisted: {} bytes in {:.0?}",
-                done.bytes,
-                done.took
-            ),
+            Ok(done) => {
+                if failing.remove(&done.rank) {
+                    tracing::info!("rank {}'s checkpoints reach the disk again (step {})", done.rank, done.step);
+                }
+                tracing::debug!(
+                    rank = done.rank,
+                    step = done.step,
+                    "checkpoint persisted: {} bytes in {:.0?}",
+                    done.bytes,
+                    done.took
+                )
+            }
             Err(changed @ PersistError::Changed { .. }) => {
                 tracing::debug!("{changed}; the next pass takes the newer step")
             }
-            Err(err) => tracing::warn!("{err}; the copy in memory is kept and training goes on"),
+            Err(err @ PersistError::Write { rank, .. }) => {
+                if failing.insert(rank) {
+                    tracing::warn!("{err}; the copy in memory is kept and training goes on");
+                } else {
+                    tracing::debug!("{err} (still)");
+                }
+            }
         }
     }
 }

@@ -88,7 +88,10 @@ impl Persister {
             source,
         };
         fs::create_dir_all(&dir).map_err(|err| failed(err, &dir))?;
-        let crc32 = copy_with_checksum(data, &target, manifest.size).map_err(|err| failed(err, &target))?;
+        let crc32 = copy_with_checksum(data, &target, manifest.size).map_err(|err| {
+            let _ = fs::remove_file(target.with_extension("data.tmp")); // a full disk keeps no half file
+            failed(err, &target)
+        })?;
         // the slot was saved into meanwhile: what was copied may be torn
         if slot_generation(&self.memory, rank, manifest) != Some(manifest.generation) {
             let _ = fs::remove_file(&target);
