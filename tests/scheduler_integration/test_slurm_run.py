@@ -152,7 +152,8 @@ def test_the_example_checkpoints_when_preempted_and_resumes_after(slurm, marker,
 
 def test_an_elastic_job_re_forms_without_a_host_that_died(slurm, marker, tmp_path):
     # --nnodes 1:2 under `srun --no-kill`: host n2 dies mid-training (its slurmd and every
-    # process on it); n1's agent re-forms the job alone and finishes it from the checkpoint
+    # process on it); n1's agent re-forms the job alone and finishes it from the step its own
+    # ranks held in its memory (elastix.checkpoint: the replicas are the same on every rank)
     checkpoint = tmp_path / "digits.npz"
     train = ("examples/train_digits.py", "--checkpoint", str(checkpoint), "--epochs", "12", "--step-delay", "0.02")
     argv = ("--no-kill", *elastix_run("--nnodes", "1:2", "--rdzv-conf", "last_call_timeout=1", *train))
@@ -165,7 +166,7 @@ def test_an_elastic_job_re_forms_without_a_host_that_died(slurm, marker, tmp_pat
         slurm.kill_node(1)
         wait_for(lambda: "final test accuracy" in text() or step.poll() is not None, 90, "the job finished on n1")
         assert "final test accuracy" in text(), text()
-        assert "resuming from" in text() and "2 rank(s)" in text(), text()  # re-formed as 1 node of 2 ranks
+        assert "from the agent's memory" in text() and "2 rank(s)" in text(), text()  # as 1 node of 2 ranks
     finally:
         # the step may still wait for the dead host: bring it back, so the job can end
         slurm.start_node(1)
