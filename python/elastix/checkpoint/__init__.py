@@ -57,10 +57,14 @@ class Checkpoint:
         (a state as the program builds it now), a saved state of another structure is refused,
         naming the first difference."""
         self._loads += 1
+        exchange = self._exchanger()
+        available = sorted(set(self._memory.steps()) | set(self._disk.steps()))
         refused: Set[int] = set()
-        for attempt in range(1 + len(self._available())):
-            mine = [step for step in self._available() if step not in refused]
-            every = self._exchange(f"{attempt}/steps", mine)
+        # every attempt refuses the newest common step, which all ranks see alike: they run out
+        # of steps together, within one attempt more than any rank has steps
+        for attempt in range(1 + len(available)):
+            mine = [step for step in available if step not in refused]
+            every = exchange(f"{attempt}/steps", mine)
             step = max(set(every[0]).intersection(*every[1:]), default=None)
             if step is None:
                 self.step = self.source = None
@@ -69,7 +73,7 @@ class Checkpoint:
             if found is None:
                 found, source = self._disk.read(step), "disk"
             # a torn or corrupt file anywhere: the step before, everywhere
-            if not all(self._exchange(f"{attempt}/read", found is not None)):
+            if not all(exchange(f"{attempt}/read", found is not None)):
                 refused.add(step)
                 continue
             assert found is not None
@@ -82,33 +86,27 @@ class Checkpoint:
             return rebuild(manifest["structure"], read)
         raise CheckpointError(f"no saved step could be read by every rank (refused: {sorted(refused)})")
 
-    def _available(self) -> List[int]:
-        return sorted(set(self._memory.steps()) | set(self._disk.steps()))
-
-    def _exchange(self, what: str, value: Any) -> List[Any]:
-        """Every rank's ``value``, in rank order (through the job's store, with several)."""
+    def _exchanger(self) -> Callable[[str, Any], List[Any]]:
+        """What gives every rank's value for a question, in rank order: alone, its own; with
+        several, through the job's store (MASTER_ADDR, MASTER_PORT), one connection per load."""
         if self.world_size == 1:
-            return [value]
-        return _store_exchange()(f"{self._loads}/{what}", self.rank, self.world_size, value)
+            return lambda what, value: [value]
+        from ..store import TCPStore
 
-
-def _store_exchange() -> Callable[[str, int, int, Any], List[Any]]:
-    """Each rank's value, through the workers' store (MASTER_ADDR, MASTER_PORT)."""
-    from ..store import TCPStore
-
-    try:
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    except (KeyError, ValueError) as err:
-        raise CheckpointError(f"the ranks agree on a step through the job's store, but {err} is not set") from None
-    restarts = os.environ.get("ELASTIX_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-    def exchange(what: str, rank: int, world_size: int, value: Any) -> List[Any]:
+        try:
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        except (KeyError, ValueError) as err:
+            raise CheckpointError(f"the ranks agree on a step through the job's store, but {err} is not set") from None
+        restarts = os.environ.get("ELASTIX_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         store = TCPStore(host, port, is_master=False)
-        prefix = f"elastix/checkpoint/{restarts}/{what}"
-        store.set(f"{prefix}/{rank}", json.dumps(value))
-        return [json.loads(got) for got in store.multi_get([f"{prefix}/{other}" for other in range(world_size)])]
 
-    return exchange
+        def exchange(what: str, value: Any) -> List[Any]:
+            prefix = f"elastix/checkpoint/{restarts}/{self._loads}/{what}"
+            store.set(f"{prefix}/{self.rank}", json.dumps(value))
+            keys = [f"{prefix}/{rank}" for rank in range(self.world_size)]
+            return [json.loads(got) for got in store.multi_get(keys)]
+
+        return exchange
 
 
 def open(memory: Optional[str] = None, directory: Optional[str] = None) -> Checkpoint:
