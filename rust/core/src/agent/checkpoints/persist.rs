@@ -39,16 +39,15 @@ pub struct Persister {
     memory: PathBuf,
     run_dir: PathBuf,
     keep: usize,
-    /// The newest step persisted per rank.
-    done: HashMap<u32, u64>,
-    /// The same, with when (ms since the epoch), for `elastix status`.
+    /// The newest step persisted per rank, and when (ms since the epoch): what a pass skips,
+    /// and what `elastix status` shows.
     record: Arc<Mutex<HashMap<u32, (u64, u64)>>>,
 }
 
 impl Persister {
     /// Persists what is saved under `memory` into `run_dir`, keeping the newest `keep` steps.
     pub fn new(memory: PathBuf, run_dir: PathBuf, keep: usize) -> Persister {
-        Persister { memory, run_dir, keep: keep.max(1), done: HashMap::new(), record: Arc::default() }
+        Persister { memory, run_dir, keep: keep.max(1), record: Arc::default() }
     }
 
     /// Each rank's newest step persisted, and when (ms since the epoch), kept up to date.
@@ -60,12 +59,11 @@ impl Persister {
     pub fn pass(&mut self) -> Vec<Result<Persisted, PersistError>> {
         let mut outcomes = Vec::new();
         for (rank, manifest, data) in newest_slots(&self.memory) {
-            if self.done.get(&rank).is_some_and(|done| *done >= manifest.step) {
+            if self.persisted(rank).is_some_and(|done| done >= manifest.step) {
                 continue;
             }
             let outcome = self.persist(rank, &manifest, &data);
             if outcome.is_ok() {
-                self.done.insert(rank, manifest.step);
                 let at = (now() * 1000.0) as u64;
                 self.record.lock().unwrap_or_else(PoisonError::into_inner).insert(rank, (manifest.step, at));
             }
@@ -75,6 +73,10 @@ impl Persister {
             self.prune();
         }
         outcomes
+    }
+
+    fn persisted(&self, rank: u32) -> Option<u64> {
+        self.record.lock().unwrap_or_else(PoisonError::into_inner).get(&rank).map(|(step, _)| *step)
     }
 
     fn persist(&self, rank: u32, manifest: &SlotManifest, data: &Path) -> Result<Persisted, PersistError> {
