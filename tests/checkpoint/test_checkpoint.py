@@ -131,3 +131,42 @@ def test_shared_memory_too_small_says_the_size_needed_and_how_to_raise_it(tmp_pa
         assert ckpt.load()["w"].shape == (8,)
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def slot_steps(memory, rank=0):
+    return sorted(json.loads(p.read_text())["step"] for p in (memory / f"rank-{rank}").glob("slot-*.json"))
+
+
+def test_saves_keep_the_steps_the_agent_pinned_and_two_slots_without_pins(tmp_path):
+    memory = tmp_path / "memory"
+    ckpt = elastix.checkpoint.open(memory=str(memory))
+    for step in range(5):
+        ckpt.save(step, state(step))
+    assert slot_steps(memory) == [3, 4], "without pins: the newest step and the one before"
+    # the agent copies step 4 to a peer, and step 2 is the job's safe step: both are kept
+    (memory / "pinned.json").write_text(json.dumps({"v": 1, "steps": [4]}))
+    for step in range(5, 9):
+        ckpt.save(step, state(step))
+    assert slot_steps(memory) == [4, 7, 8]
+    (memory / "pinned.json").write_text(json.dumps({"v": 1, "steps": [4, 8]}))
+    for step in range(9, 12):
+        ckpt.save(step, state(step))
+    assert slot_steps(memory) == [4, 8, 10, 11]
+    assert same(elastix.checkpoint.open(memory=str(memory)).load(), state(11))
+
+
+def test_a_grown_world_restores_each_new_rank_from_a_replica_and_a_peer_s_copy_is_read(tmp_path):
+    memory = tmp_path / "memory"
+    Checkpoint(str(memory), None, 1, 1).save(6, state(6))
+    # the world grew from 2 to 4 ranks: rank 3 restores rank 1's state
+    grown = Checkpoint(str(memory), None, 3, 1, saved_world=2)
+    assert grown.source_rank == 1
+    assert same(grown.load(), state(6)) and grown.source == "memory"
+    # a copy another node's agent sent is under peers/ and says so
+    os.makedirs(memory / "peers")
+    os.rename(memory / "rank-1", memory / "peers" / "rank-1")
+    again = Checkpoint(str(memory), None, 1, 1)
+    assert same(again.load(), state(6)) and again.source == "peer"
+    # what was restored is told to the agent (elastix status shows it)
+    restored = json.loads((memory / "rank-1" / "restored.json").read_text())
+    assert (restored["step"], restored["source"]) == (6, "peer")

@@ -119,8 +119,7 @@ def build(
     standby_workers: bool = True,
     metrics_port: Optional[int] = None,
     metrics_addr: Optional[str] = None,
-    checkpoint_dir: Optional[str] = None,
-    checkpoint_keep: int = 2,
+    checkpoints: Optional[Mapping[str, Any]] = None,
     numa_binding: Optional[Dict[str, Any]] = None,
     warn: Callable[[str], None] = warn,
 ) -> Dict[str, Any]:
@@ -152,7 +151,7 @@ def build(
         "name": name,
         "metrics_port": None if metrics_port is None else _port("--metrics-port", metrics_port),
         "metrics_addr": metrics_addr or None,
-        **_checkpoints(checkpoint_dir, checkpoint_keep),
+        **_checkpoints(**(checkpoints or {})),
         "numa_binding": numa_binding,
         "standby": _standby(
             python_workers and standby_workers, args, worker_env, rdzv_backend, int(max_nodes), int(max_restarts)
@@ -225,12 +224,14 @@ def _static_master(
     }
 
 
-def _checkpoints(directory: Optional[str], keep: int) -> Dict[str, Any]:
-    """Where the agent persists the workers' checkpoints (absolute; none: memory only), and
-    how many steps it keeps there."""
+def _checkpoints(directory: Optional[str] = None, keep: int = 2, copy_rate: int = 1000) -> Dict[str, Any]:
+    """The ``--checkpoint-*`` flags: where the agent persists the workers' checkpoints
+    (absolute; none: memory only), how many steps it keeps there, and how fast it copies them
+    to its buddy (MB/s, 0: unlimited)."""
     return {
         "checkpoint_dir": None if directory is None else os.path.abspath(os.path.expanduser(directory)),
         "checkpoint_keep": whole_number("--checkpoint-keep", keep),
+        "checkpoint_copy_rate": whole_number("--checkpoint-copy-rate", copy_rate),
     }
 
 

@@ -13,7 +13,7 @@
 for the copy only, never for a disk. The agent persists the newest step to
 ``--checkpoint-dir`` in the background, and once more when the run ends; a worker restarted on
 the same node restores from the agent's memory. ``load`` takes the newest step that every
-rank of the job can get (from memory or disk), never mixing steps.
+rank of the job can get (from memory, a copy a peer's agent held, or disk), never mixing steps.
 """
 
 from __future__ import annotations
@@ -30,19 +30,27 @@ __all__ = ["Checkpoint", "CheckpointError", "open"]
 
 MEMORY_VAR = "ELASTIX_CHECKPOINT_MEMORY"
 DIR_VAR = "ELASTIX_CHECKPOINT_DIR"
+#: The world size the newest step was saved in, as the agent found it when the round formed.
+SAVED_WORLD_VAR = "ELASTIX_CHECKPOINT_SAVED_WORLD"
 
 
 class Checkpoint:
     """This rank's checkpoints: see the module's documentation."""
 
-    def __init__(self, memory: str, directory: Optional[str], rank: int, world_size: int) -> None:
+    def __init__(
+        self, memory: str, directory: Optional[str], rank: int, world_size: int, saved_world: Optional[int] = None
+    ) -> None:
         self.rank, self.world_size = rank, world_size
-        self._memory = Memory(memory, rank)
-        self._disk = Disk(directory, rank)
+        #: The rank whose saved state this one restores: itself, unless the world grew since
+        #: the save (then a replica's: ``rank % saved world size``).
+        self.source_rank = rank % saved_world if saved_world else rank
+        self._memory = Memory(memory, rank, self.source_rank)
+        self._disk = Disk(directory, self.source_rank)
         self._loads = 0
         #: The step of what :meth:`load` returned (None before, or when nothing was saved).
         self.step: Optional[int] = None
-        #: Where it came from: "memory" (the agent's) or "disk" (``--checkpoint-dir``).
+        #: Where it came from: "memory" (the agent's), "peer" (a copy another node's agent held)
+        #: or "disk" (``--checkpoint-dir``).
         self.source: Optional[str] = None
 
     def save(self, step: int, state: Any) -> None:
@@ -69,9 +77,9 @@ class Checkpoint:
             if step is None:
                 self.step = self.source = None
                 return None
-            found, source = self._memory.read(step), "memory"
-            if found is None:
-                found, source = self._disk.read(step), "disk"
+            held = self._memory.read(step)
+            found = held[1:] if held else self._disk.read(step)
+            source = held[0] if held else "disk"
             # a torn or corrupt file anywhere: the step before, everywhere
             if not all(exchange(f"{attempt}/read", found is not None)):
                 refused.add(step)
@@ -83,7 +91,9 @@ class Checkpoint:
                 if difference:
                     raise CheckpointError(f"the checkpoint of step {step} does not fit the state now: {difference}")
             self.step, self.source = step, source
-            return rebuild(manifest["structure"], read)
+            state = rebuild(manifest["structure"], read)
+            self._memory.restored(step, source)
+            return state
         raise CheckpointError(f"no saved step could be read by every rank (refused: {sorted(refused)})")
 
     def _exchanger(self) -> Callable[[str, Any], List[Any]]:
@@ -122,4 +132,5 @@ def open(memory: Optional[str] = None, directory: Optional[str] = None) -> Check
     directory = directory or os.environ.get(DIR_VAR)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    return Checkpoint(memory, directory, rank, world_size)
+    saved_world = int(os.environ.get(SAVED_WORLD_VAR, "0")) or None
+    return Checkpoint(memory, directory, rank, world_size, saved_world)

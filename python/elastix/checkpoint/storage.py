@@ -16,7 +16,10 @@ from .errors import CheckpointError
 from .tree import Flat
 
 FORMAT_VERSION = 1
-SLOTS = (0, 1)
+#: A rank's slots: the newest step, the one being written, and the steps the agent pins while
+#: it copies them to a peer (``pinned.json``: at most two).
+SLOTS = (0, 1, 2, 3)
+PINNED = "pinned.json"
 
 
 def _read_json(path: str) -> Optional[Dict[str, Any]]:
@@ -43,12 +46,14 @@ def _array(buffer: Any, leaf: Dict[str, Any]) -> np.ndarray:
     return view.reshape(leaf["shape"]).copy()
 
 
-class Memory:
-    """A rank's two slots in the agent's memory directory."""
+class Slots:
+    """A rank's two slots in a directory (``<memory>/rank-<r>``, or a peer's copies in
+    ``<memory>/peers/rank-<r>``)."""
 
-    def __init__(self, root: str, rank: int) -> None:
-        self.dir = os.path.join(root, f"rank-{rank}")
+    def __init__(self, directory: str, rank: int, pinned: Optional[str] = None) -> None:
+        self.dir = directory
         self.rank = rank
+        self._pinned = pinned
 
     def _paths(self, slot: int) -> tuple[str, str]:
         base = os.path.join(self.dir, f"slot-{slot}")
@@ -63,13 +68,27 @@ class Memory:
         """step -> slot of the whole slots."""
         return {manifest["step"]: slot for slot, manifest in self.manifests().items()}
 
-    def save(self, step: int, world_size: int, structure: Any, flat: Flat) -> None:
-        """Writes into the slot that does not hold the newest step: the manifest goes first
-        (the slot is not whole while it is written) and comes back last."""
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+    def _slot_to_write(self) -> int:
+        """The slot holding the oldest step that is neither the newest nor pinned by the agent;
+        a new slot only when there is none (the agent pins the steps it copies to a peer)."""
         held = self.manifests()
-        newest = max(held, key=lambda slot: held[slot]["step"], default=1)
-        slot = 1 - newest
+        newest = max((manifest["step"] for manifest in held.values()), default=None)
+        keep = {newest, *self._pinned_steps()}
+        free = sorted((manifest["step"], slot) for slot, manifest in held.items() if manifest["step"] not in keep)
+        if free:
+            return free[0][1]
+        unused = [slot for slot in SLOTS if slot not in held]
+        return unused[0] if unused else min(held, key=lambda slot: held[slot]["step"])
+
+    def _pinned_steps(self) -> List[int]:
+        pinned = _read_json(self._pinned) if self._pinned else None
+        return list(pinned.get("steps", [])) if pinned else []
+
+    def save(self, step: int, world_size: int, structure: Any, flat: Flat) -> None:
+        """Writes into a slot that holds neither the newest step nor a pinned one: the
+        manifest goes first (the slot is not whole while it is written) and comes back last."""
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        slot = self._slot_to_write()
         data, manifest = self._paths(slot)
         if os.path.exists(manifest):
             os.unlink(manifest)
@@ -110,6 +129,39 @@ class Memory:
                     contents = mmap.mmap(f.fileno(), max(manifest["size"], 1), prot=mmap.PROT_READ)
                 return manifest, _reader(contents)
         return None
+
+
+class Memory:
+    """What the agent's memory holds for a rank: its own slots, where it saves, and, to
+    restore from, the slots of its source rank (itself, unless the world grew since the save)
+    and the copies of them a peer's agent sent (``peers/``)."""
+
+    def __init__(self, root: str, rank: int, source: int) -> None:
+        self.root = root
+        self.own = Slots(os.path.join(root, f"rank-{rank}"), rank, os.path.join(root, PINNED))
+        self.places = (
+            ("memory", Slots(os.path.join(root, f"rank-{source}"), source)),
+            ("peer", Slots(os.path.join(root, "peers", f"rank-{source}"), source)),
+        )
+
+    def save(self, step: int, world_size: int, structure: Any, flat: Flat) -> None:
+        self.own.save(step, world_size, structure, flat)
+
+    def steps(self) -> List[int]:
+        return sorted({step for _, slots in self.places for step in slots.steps()})
+
+    def read(self, step: int) -> Optional[tuple[str, Dict[str, Any], Any]]:
+        """Where ``step`` is ("memory" or "peer"), its manifest and its reader, if held."""
+        for where, slots in self.places:
+            found = slots.read(step)
+            if found is not None:
+                return (where, *found)
+        return None
+
+    def restored(self, step: int, source: str) -> None:
+        """Tells the agent what this rank restored (``elastix status`` shows it)."""
+        os.makedirs(self.own.dir, mode=0o700, exist_ok=True)
+        _write_json(os.path.join(self.own.dir, "restored.json"), {"step": step, "source": source, "at": time.time()})
 
 
 def _reader(contents: Any) -> Any:

@@ -82,8 +82,11 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = age
         standby_workers=not args.no_standby_workers,
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_keep=args.checkpoint_keep,
+        checkpoints={
+            "directory": args.checkpoint_dir,
+            "keep": args.checkpoint_keep,
+            "copy_rate": args.checkpoint_copy_rate,
+        },
         numa_binding=agent_binding(args.numa_binding, nproc, what="--numa-binding", warn=warn),
         warn=warn,
     )

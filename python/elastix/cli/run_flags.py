@@ -417,6 +417,15 @@ GROUPS = [
                 metavar="N",
                 help="[elastix] how many of the newest steps stay in --checkpoint-dir (default: 2)",
             ),
+            Flag(
+                "--checkpoint-copy-rate",
+                type=int,
+                default=1000,
+                pet=False,
+                metavar="MB_PER_S",
+                help="[elastix] at most this many MB a second of this node's checkpoints go to the next node's "
+                "agent, which holds a copy for when this node is lost (0: unlimited; default: 1000)",
+            ),
         ],
     ),
     Group(

@@ -47,8 +47,12 @@ def _checkpoint(held: Optional[Dict[str, Any]]) -> str:
     if not held:
         return "-"
     shown = f"step {held['step']}, {_size(held['bytes'])}, {_age(held['saved_age_s'])}"
+    if held.get("copied_step") is not None:
+        shown += f"; peer: step {held['copied_step']}"
     if held.get("persisted_step") is not None:
         shown += f"; disk: step {held['persisted_step']}"
+    if held.get("restored"):
+        shown += f"; restored step {held['restored']['step']} from {held['restored']['source']}"
     return shown
 
 

@@ -85,7 +85,15 @@ async fn status_shows_the_members_their_ranks_and_the_end() {
 
     // the agent's own task republishes a member's status with its workers' progress
     let writer = second.status_writer().expect("a member of a round has one");
-    let held = HeldCheckpoint { step: 4, bytes: 4096, saved_ms: now_ms(), persisted_step: Some(3), persisted_ms: None };
+    let held = HeldCheckpoint {
+        step: 4,
+        bytes: 4096,
+        saved_ms: now_ms(),
+        persisted_step: Some(3),
+        persisted_ms: None,
+        copied_step: Some(4),
+        restored: None,
+    };
     let workers = vec![
         WorkerProgress {
             rank: 2,

@@ -107,10 +107,18 @@ pub struct AgentConfig {
     /// `--checkpoint-keep`: how many of the newest steps stay on disk.
     #[serde(default = "default_checkpoint_keep")]
     pub checkpoint_keep: u32,
+    /// `--checkpoint-copy-rate`: MB a second this node's checkpoints go to its buddy at most
+    /// (0: unlimited).
+    #[serde(default = "default_checkpoint_copy_rate")]
+    pub checkpoint_copy_rate: u64,
 }
 
 fn default_checkpoint_keep() -> u32 {
     2
+}
+
+fn default_checkpoint_copy_rate() -> u64 {
+    1000
 }
 
 /// torch's modes of `--numa-binding` (`AffinityMode`).

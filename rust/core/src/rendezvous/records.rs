@@ -131,6 +131,20 @@ pub struct HeldCheckpoint {
     /// The newest step persisted to `--checkpoint-dir`, and when (`None`: none yet, or memory only).
     pub persisted_step: Option<u64>,
     pub persisted_ms: Option<u64>,
+    /// The newest step a peer's agent holds a copy of (`None`: none, or no peer).
+    #[serde(default)]
+    pub copied_step: Option<u64>,
+    /// What the worker restored last: the step every rank agreed on, and from where.
+    #[serde(default)]
+    pub restored: Option<Restored>,
+}
+
+/// The step a worker restored, and where it came from: `memory` (its agent's), `peer` (a copy
+/// another agent held) or `disk`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Restored {
+    pub step: u64,
+    pub source: String,
 }
 
 /// How a worker's main thread and CPU use looked to its agent (`agent::activity`), for

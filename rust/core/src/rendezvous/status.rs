@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::node::NodeDesc;
-use super::records::{now_ms, seconds_between, Doing, FailureRecord, NodeStatus, WorkerProgress};
+use super::records::{now_ms, seconds_between, Doing, FailureRecord, NodeStatus, Restored, WorkerProgress};
 use crate::rendezvous::config::conf::ConfInput;
 
 /// What `elastix status` asks for.
@@ -141,6 +141,10 @@ pub struct CheckpointStatus {
     /// The newest step on disk, and how long ago it got there (`None`: none yet).
     pub persisted_step: Option<u64>,
     pub persisted_age_s: Option<f64>,
+    /// The newest step a peer holds a copy of.
+    pub copied_step: Option<u64>,
+    /// The step the worker restored last, and from where.
+    pub restored: Option<Restored>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -210,6 +214,8 @@ impl From<&WorkerProgress> for WorkerStatus {
                 saved_age_s: seconds_between(held.saved_ms, now_ms()),
                 persisted_step: held.persisted_step,
                 persisted_age_s: held.persisted_ms.map(|at| seconds_between(at, now_ms())),
+                copied_step: held.copied_step,
+                restored: held.restored.clone(),
             }),
         }
     }

@@ -2,9 +2,13 @@
 //! side (`python/elastix/checkpoint/`) writes and reads the same layout:
 //!
 //! ```text
-//! <memory>/rank-<r>/slot-<k>.data   a saved state's bytes (k = 0, 1: the worker writes into
-//! <memory>/rank-<r>/slot-<k>.json   the slot not holding its newest step); the manifest is
-//!                                   written last and removed first, so a slot with one is whole
+//! <memory>/rank-<r>/slot-<k>.data   a saved state's bytes (k < 4: the worker writes into a
+//! <memory>/rank-<r>/slot-<k>.json   slot holding neither its newest step nor a pinned one);
+//!                                   the manifest is written last and removed first, so a slot
+//!                                   with one is whole
+//! <memory>/pinned.json              the steps the agent is copying to a peer, kept meanwhile
+//! <memory>/peers/rank-<r>/slot-<k>.*   copies of other nodes' slots, sent by their agents
+//! <memory>/rank-<r>/restored.json       the step rank r's worker restored last, and from where
 //! <dir>/<run_id>/step-<n>/rank-<r>.data   persisted by the agent, the manifest last, with the
 //! <dir>/<run_id>/step-<n>/rank-<r>.json   data's CRC-32
 //! ```
@@ -14,10 +18,17 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::rendezvous::records::Restored;
+
 /// The format both sides write.
 pub const FORMAT_VERSION: u32 = 1;
-/// Slots per rank in memory: the newest whole step and the one being written.
-pub const SLOTS: u32 = 2;
+/// Slots per rank in memory: the newest whole step, the one being written, and the (at most
+/// two) steps the agent pins while it copies them to a peer ([`PINNED`]).
+pub const SLOTS: u32 = 4;
+/// Slots per rank of a peer's copies: the newest whole copy and the one being received.
+pub const PEER_SLOTS: u32 = 2;
+/// `<memory>/pinned.json`: `{"v": 1, "steps": [...]}`, the steps a worker must not save over.
+pub const PINNED: &str = "pinned.json";
 
 /// A slot's manifest, as the worker wrote it (the structure is the worker's business).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -54,6 +65,24 @@ pub fn slot_paths(rank_dir: &Path, slot: u32) -> (PathBuf, PathBuf) {
 
 pub fn step_dir(run_dir: &Path, step: u64) -> PathBuf {
     run_dir.join(format!("step-{step:012}"))
+}
+
+/// Slot `slot` of `rank` (in its directory `rank_dir`), when it is whole: its manifest (of
+/// this format and rank) and its data file.
+pub fn read_slot(rank_dir: &Path, rank: u32, slot: u32) -> Option<(SlotManifest, PathBuf)> {
+    let (data, json) = slot_paths(rank_dir, slot);
+    let manifest: SlotManifest = serde_json::from_slice(&std::fs::read(json).ok()?).ok()?;
+    (manifest.v == FORMAT_VERSION && manifest.rank == rank).then_some((manifest, data))
+}
+
+/// What a rank's worker says it restored last (`<rank dir>/restored.json`), if it did.
+pub fn read_restored(rank_dir: &Path) -> Option<Restored> {
+    serde_json::from_slice(&std::fs::read(rank_dir.join("restored.json")).ok()?).ok()
+}
+
+/// Where the copies other agents sent are kept, inside an agent's memory: the same layout.
+pub fn peers_dir(memory: &Path) -> PathBuf {
+    memory.join("peers")
 }
 
 /// The step a `step-<n>` directory holds.

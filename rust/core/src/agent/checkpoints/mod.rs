@@ -5,9 +5,14 @@
 //! background ([`persist`]), once more when the run ends (a failure, a stop signal), and
 //! removes the memory when it exits.
 //!
+//! A copy of each node's checkpoints is held by a peer's agent too ([`copies`]), so that the
+//! part of a lost node is restored from memory as well.
+//!
 //! * [`layout`]: the files, in memory and on disk, and their manifests.
 //! * [`persist`]: copying the newest steps to disk, keeping the newest few.
+//! * [`copies`]: the copies held by peers, and taking them back.
 
+pub mod copies;
 pub mod layout;
 pub mod persist;
 
@@ -20,6 +25,7 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
+use self::copies::{Copies, Round};
 use self::persist::{PersistError, Persister};
 use crate::agent::progress::HeldView;
 use crate::rendezvous::records::HeldCheckpoint;
@@ -28,6 +34,9 @@ use crate::rendezvous::records::HeldCheckpoint;
 pub const MEMORY_VAR: &str = "ELASTIX_CHECKPOINT_MEMORY";
 /// The variable that tells a worker where the job's checkpoints are persisted.
 pub const DIR_VAR: &str = "ELASTIX_CHECKPOINT_DIR";
+/// The variable that tells a worker the world size the newest step was saved in: rank `r`
+/// restores the state of rank `r % that` ([`copies::plan::source`]).
+pub const SAVED_WORLD_VAR: &str = "ELASTIX_CHECKPOINT_SAVED_WORLD";
 /// How often the agent looks for a newer step to persist.
 const PERSIST_EVERY: Duration = Duration::from_millis(500);
 
@@ -38,39 +47,67 @@ pub struct Checkpoints {
     /// Each rank's newest step persisted, and when.
     persisted: Arc<Mutex<HashMap<u32, (u64, u64)>>>,
     task: Option<JoinHandle<()>>,
+    /// The copies held for and by peers (`None`: no copy server could be started).
+    copies: Option<Arc<Copies>>,
 }
 
 impl Checkpoints {
     /// Makes this agent's memory directory (under /dev/shm, for the job `run_id`, readable by
     /// this user only) and, with `dir`, starts persisting into `dir/<run_id>` keeping `keep`
-    /// steps. Must run inside a tokio runtime.
-    pub fn start(run_id: &str, dir: Option<&Path>, keep: usize) -> std::io::Result<Checkpoints> {
+    /// steps; serves copies to the round's members on `host`, and sends its own to its buddy
+    /// at most `copy_rate` bytes a second (0: unlimited). Must run inside a tokio runtime.
+    pub fn start(
+        run_id: &str,
+        dir: Option<&Path>,
+        keep: usize,
+        host: &str,
+        copy_rate: u64,
+    ) -> std::io::Result<Checkpoints> {
         let memory = shared_memory_root().join(format!("elastix-ckpt-{}-{}", sanitized(run_id), std::process::id()));
         fs::DirBuilder::new().recursive(true).mode(0o700).create(&memory)?;
         let persister = dir.map(|dir| Persister::new(memory.clone(), dir.join(run_id), keep));
         let persisted = persister.as_ref().map_or_else(Arc::default, Persister::record);
         let persister = persister.map(|persister| Arc::new(Mutex::new(persister)));
         let task = persister.clone().map(|persister| tokio::spawn(persist_now_and_then(persister)));
-        Ok(Checkpoints { memory, persister, persisted, task })
+        let copies = match Copies::start(memory.clone(), host, copy_rate) {
+            Ok(copies) => Some(Arc::new(copies)),
+            Err(err) => {
+                tracing::warn!("cannot serve checkpoint copies ({err}): no peer holds this node's checkpoints");
+                None
+            }
+        };
+        Ok(Checkpoints { memory, persister, persisted, task, copies })
+    }
+
+    /// A new round: the members learn what each holds, this node takes the copies its workers
+    /// will restore from, and starts sending to its new buddy. Returns what the workers are
+    /// told of it.
+    pub async fn enter_round(&self, round: Round<'_>) -> crate::agent::error::Result<Vec<(String, String)>> {
+        let Some(copies) = &self.copies else { return Ok(Vec::new()) };
+        let saved_world = copies.enter_round(round).await?;
+        Ok(saved_world.map(|world| (SAVED_WORLD_VAR.to_owned(), world.to_string())).into_iter().collect())
     }
 
     /// What `elastix status` shows of each global rank's checkpoints: its newest step in
     /// memory (size, when saved) and the newest that reached the disk. Reads the slots'
     /// manifests (small files in shared memory) when called.
     pub fn view(&self) -> HeldView {
-        let (memory, persisted) = (self.memory.clone(), self.persisted.clone());
+        let (memory, persisted, copies) = (self.memory.clone(), self.persisted.clone(), self.copies.clone());
         Arc::new(move || {
             let persisted = persisted.lock().unwrap_or_else(PoisonError::into_inner).clone();
             persist::newest_slots(&memory)
                 .into_iter()
                 .map(|(rank, manifest, _)| {
                     let disk = persisted.get(&rank).copied();
+                    let copy = copies.as_ref().and_then(|copies| copies.sent(rank));
                     let held = HeldCheckpoint {
                         step: manifest.step,
                         bytes: manifest.size,
                         saved_ms: (manifest.saved * 1000.0) as u64,
                         persisted_step: disk.map(|(step, _)| step),
                         persisted_ms: disk.map(|(_, at)| at),
+                        copied_step: copy.map(|(step, _)| step),
+                        restored: layout::read_restored(&layout::rank_dir(&memory, rank)),
                     };
                     (rank, held)
                 })

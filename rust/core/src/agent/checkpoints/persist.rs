@@ -10,9 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::layout::{
-    rank_dir, rank_of, slot_paths, step_dir, step_of, DiskManifest, SlotManifest, FORMAT_VERSION, SLOTS,
-};
+use super::layout::{rank_dir, rank_of, read_slot, step_dir, step_of, DiskManifest, SlotManifest, SLOTS};
 
 /// Bytes copied per read.
 const CHUNK: usize = 4 << 20;
@@ -127,11 +125,7 @@ pub fn newest_slots(memory: &Path) -> Vec<(u32, SlotManifest, PathBuf)> {
     for entry in entries.flatten() {
         let Some(rank) = entry.file_name().to_str().and_then(rank_of) else { continue };
         let newest = (0..SLOTS)
-            .filter_map(|slot| {
-                let (data, json) = slot_paths(&entry.path(), slot);
-                let manifest: SlotManifest = serde_json::from_slice(&fs::read(json).ok()?).ok()?;
-                (manifest.v == FORMAT_VERSION && manifest.rank == rank).then_some((manifest, data))
-            })
+            .filter_map(|slot| read_slot(&entry.path(), rank, slot))
             .max_by_key(|(manifest, _)| manifest.step);
         if let Some((manifest, data)) = newest {
             found.push((rank, manifest, data));
@@ -142,10 +136,9 @@ pub fn newest_slots(memory: &Path) -> Vec<(u32, SlotManifest, PathBuf)> {
 }
 
 /// The generation of the slot that held `manifest`'s step, if it still holds it.
-fn slot_generation(memory: &Path, rank: u32, manifest: &SlotManifest) -> Option<u64> {
+pub(super) fn slot_generation(memory: &Path, rank: u32, manifest: &SlotManifest) -> Option<u64> {
     (0..SLOTS).find_map(|slot| {
-        let (_, json) = slot_paths(&rank_dir(memory, rank), slot);
-        let now: SlotManifest = serde_json::from_slice(&fs::read(json).ok()?).ok()?;
+        let (now, _) = read_slot(&rank_dir(memory, rank), rank, slot)?;
         (now.step == manifest.step).then_some(now.generation)
     })
 }
@@ -198,6 +191,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+    use crate::agent::checkpoints::layout::{slot_paths, FORMAT_VERSION};
 
     /// A directory of the test's own, removed when dropped.
     struct Scratch(PathBuf);

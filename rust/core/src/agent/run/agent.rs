@@ -78,7 +78,7 @@ impl Agent {
         };
         let host = config.local_addr.clone().unwrap_or_else(host_name);
         point_workers_at_the_secret(&mut config, rdzv.secret(), &host)?;
-        let checkpoints = hold_checkpoints(&mut config);
+        let checkpoints = hold_checkpoints(&mut config, &host);
         let outputs = worker_outputs(&config, console::on_terminal());
         if outputs.contains(&Output::Shared) {
             tracing::info!(
@@ -129,9 +129,10 @@ impl Agent {
 
 /// Sets up the memory the workers save checkpoints into, and tells them where it is (and
 /// where the job persists); without it, `elastix.checkpoint` says why.
-fn hold_checkpoints(config: &mut AgentConfig) -> Option<Checkpoints> {
+fn hold_checkpoints(config: &mut AgentConfig, host: &str) -> Option<Checkpoints> {
     let dir = config.checkpoint_dir.as_deref().map(Path::new);
-    match Checkpoints::start(&config.run_id, dir, config.checkpoint_keep as usize) {
+    let copy_rate = config.checkpoint_copy_rate.saturating_mul(1_000_000);
+    match Checkpoints::start(&config.run_id, dir, config.checkpoint_keep as usize, host, copy_rate) {
         Ok(checkpoints) => {
             config.env.extend(checkpoints.worker_env(&config.run_id, dir));
             Some(checkpoints)

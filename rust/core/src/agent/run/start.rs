@@ -8,6 +8,8 @@ use super::report::{End, Report};
 use super::round_store::connect_store;
 use super::watch::Attempt;
 use super::{describe, State, MAX_LOST_STARTS};
+use crate::agent::checkpoints::copies::Round;
+use crate::agent::checkpoints::SAVED_WORLD_VAR;
 use crate::agent::error::{AgentError, Result};
 use crate::agent::workers::group::{Launch, WorkerGroup};
 use crate::agent::workers::ranks::{self, RoleInfo};
@@ -74,17 +76,33 @@ impl Agent {
     ) -> Result<Start> {
         let me = RoleInfo { role: self.config.role.clone(), local_world_size: self.config.local_world_size };
         let secret = self.rdzv.secret().cloned();
+        let checkpoints = self.checkpoints.as_ref();
         let exchange = async {
             let at = (info.store_host.clone(), info.store_port);
             let store = connect_store(&mut self.store, &at, secret.as_ref(), STORE_TIMEOUT).await?;
-            ranks::assign(store, &info.store_prefix, info.rank, info.world_size, &me, STORE_TIMEOUT).await
+            let assignment =
+                ranks::assign(store, &info.store_prefix, info.rank, info.world_size, &me, STORE_TIMEOUT).await?;
+            let Some(checkpoints) = checkpoints else { return Ok((assignment, Vec::new())) };
+            let base = assignment.global_base;
+            let round = Round {
+                store,
+                prefix: &info.store_prefix,
+                me: info.rank,
+                members: info.world_size,
+                secret: secret.as_ref(),
+                ranks: (base..base + me.local_world_size).collect(),
+                timeout: STORE_TIMEOUT,
+            };
+            Ok::<_, AgentError>((assignment, checkpoints.enter_round(round).await?))
         };
         // every member takes part in the exchange: one lost meanwhile never will
-        let assignment = tokio::select! {
-            assignment = exchange => assignment?,
+        let (assignment, checkpoint_env) = tokio::select! {
+            exchanged = exchange => exchanged?,
             change = next_change(changes) => return Ok(Start::Changed(change)),
             (signal, _) = self.signals.recv() => return Err(AgentError::Interrupted(signal)),
         };
+        self.config.env.remove(SAVED_WORLD_VAR);
+        self.config.env.extend(checkpoint_env);
         let attempt_dir = self.logs.attempt(self.attempt, self.config.local_world_size)?;
         self.attempt += 1;
         let launch = Launch {

@@ -1,0 +1,190 @@
+//! Checkpoints held by a peer too: each agent sends its node's newest steps to a buddy (the
+//! next member of the round, a ring) over connections that prove the round's key, and keeps
+//! the copies its own peer sends. When a round forms, the agents tell each other what they
+//! hold, and a node whose workers will restore a rank it does not hold (a lost node's, or a
+//! joining node's) takes the copy from the member that holds it before its workers start: no
+//! storage is read.
+//!
+//! * [`plan`]: what each member holds, and what a node must take (pure).
+//! * [`wire`]: the exchange between two agents.
+//! * [`holder`]: the server every agent runs; [`peer`]: the client.
+//! * [`ring`]: sending to the buddy in the background, the same steps on every member.
+
+pub mod holder;
+pub mod peer;
+pub mod plan;
+pub mod ring;
+pub mod wire;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use rand::RngCore;
+use tokio::task::JoinHandle;
+
+use self::holder::Holder;
+use self::peer::Peer;
+use self::plan::{Held, Holdings};
+use self::ring::{RingRound, RoundStore};
+use super::layout::{peers_dir, rank_dir, rank_of, read_slot, SLOTS};
+use crate::agent::error::{AgentError, Result};
+use crate::auth::{Key, Secret};
+use crate::store::TcpStore;
+
+/// What a round's members know of each other's checkpoints, once they have told each other.
+pub struct Round<'a> {
+    pub store: &'a mut TcpStore,
+    pub prefix: &'a str,
+    /// This member's group rank, and the round's size.
+    pub me: u32,
+    pub members: u32,
+    pub secret: Option<&'a Secret>,
+    /// The global ranks of this node's workers.
+    pub ranks: Vec<u32>,
+    pub timeout: Duration,
+}
+
+/// This agent's copy server and its sending to the buddy.
+pub struct Copies {
+    memory: PathBuf,
+    host: String,
+    holder: Holder,
+    ring: ring::Shared,
+    task: JoinHandle<()>,
+}
+
+impl Copies {
+    /// Serves `memory` to the round's members and sends to the buddy at most `rate` bytes a
+    /// second (0: unlimited). Must run inside a tokio runtime.
+    pub fn start(memory: PathBuf, host: &str, rate: u64) -> std::io::Result<Copies> {
+        let holder = Holder::start(memory.clone(), host)?;
+        let ring = ring::Shared::default();
+        let task = tokio::spawn(ring::send_now_and_then(memory.clone(), ring.clone(), rate));
+        Ok(Copies { memory, host: host.to_owned(), holder, ring, task })
+    }
+
+    /// Tells the round's members what this node holds and learns what they hold; takes the
+    /// copies its workers will restore from and does not hold; from now on sends to the
+    /// round's buddy. Returns the world size the newest step was saved in (what the workers
+    /// restore by), if one was saved.
+    pub async fn enter_round(&self, round: Round<'_>) -> Result<Option<u32>> {
+        let mine = self.holdings();
+        let (all, nonce) = share(round.store, round.prefix, round.me, round.members, &mine, round.timeout).await?;
+        let key = Key::group(round.secret, wire::KEY_LABEL, &nonce);
+        self.holder.enter_round(key.clone(), round.me);
+        let peer = |them: usize| {
+            let addr = all.get(them)?.serves.clone()?;
+            Some(Peer { addr, key: key.clone(), me: round.me, them: them as u32 })
+        };
+        let store = RoundStore {
+            host: round.store.host().to_owned(),
+            port: round.store.port(),
+            prefix: round.prefix.to_owned(),
+            secret: round.secret.cloned(),
+        };
+        let ring_round = plan::buddy(round.me, round.members)
+            .and_then(|them| peer(them as usize))
+            .map(|buddy| RingRound { buddy, ranks: round.ranks.clone(), store, me: round.me, members: round.members });
+        ring::lock(&self.ring).enter_round(ring_round);
+        for fetch in plan::fetches(&all, round.me as usize, &round.ranks) {
+            let Some(from) = peer(fetch.from) else { continue };
+            self.take(&from, fetch.rank, fetch.step).await;
+        }
+        Ok(plan::saved_world(&all))
+    }
+
+    /// Takes `rank`'s step `step` from `from`; a failure is said, and the workers then restore
+    /// an older step or from disk.
+    async fn take(&self, from: &Peer, rank: u32, step: u64) {
+        let started = Instant::now();
+        let want = wire::Want { rank, step };
+        match from.get(&want, &peers_dir(&self.memory)).await {
+            Ok(Some(manifest)) => tracing::info!(
+                "took rank {rank}'s checkpoint of step {step} from member {}'s memory ({} bytes in {:.0?})",
+                from.them,
+                manifest.size,
+                started.elapsed()
+            ),
+            Ok(None) => tracing::warn!("member {} no longer holds rank {rank}'s step {step}", from.them),
+            Err(err) => tracing::warn!(
+                "cannot take rank {rank}'s checkpoint of step {step} from member {} ({}): {err}",
+                from.them,
+                from.addr
+            ),
+        }
+    }
+
+    /// What this agent holds: its own ranks' whole slots and its peers' copies.
+    pub fn holdings(&self) -> Holdings {
+        let mut holdings =
+            Holdings { serves: Some(format!("{}:{}", self.host, self.holder.port())), ..Default::default() };
+        for root in [self.memory.clone(), peers_dir(&self.memory)] {
+            for (rank, held) in slots_under(&root) {
+                let steps = holdings.ranks.entry(rank).or_default();
+                if !steps.contains(&held) {
+                    steps.push(held);
+                }
+            }
+        }
+        holdings
+    }
+
+    /// The buddy's newest step of `rank`, and when it got it (ms since the epoch).
+    pub fn sent(&self, rank: u32) -> Option<(u64, u64)> {
+        ring::lock(&self.ring).sent(rank)
+    }
+}
+
+impl Drop for Copies {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Every whole slot under `root`: rank and step.
+fn slots_under(root: &Path) -> Vec<(u32, Held)> {
+    let Ok(entries) = std::fs::read_dir(root) else { return Vec::new() };
+    let ranks = entries.flatten().filter_map(|entry| entry.file_name().to_str().and_then(rank_of));
+    ranks
+        .flat_map(|rank| {
+            (0..SLOTS).filter_map(move |slot| {
+                let (manifest, _) = read_slot(&rank_dir(root, rank), rank, slot)?;
+                Some((rank, Held { step: manifest.step, world_size: manifest.world_size }))
+            })
+        })
+        .collect()
+}
+
+/// Publishes `mine` in the round's store and reads every member's, with the round's key
+/// nonce (drawn by whoever comes first).
+async fn share(
+    store: &mut TcpStore,
+    prefix: &str,
+    me: u32,
+    members: u32,
+    mine: &Holdings,
+    timeout: Duration,
+) -> Result<(Vec<Holdings>, Vec<u8>)> {
+    let mut drawn = [0u8; 32];
+    rand::rngs::OsRng.fill_bytes(&mut drawn);
+    let nonce = store.compare_set(format!("{prefix}/checkpoints/nonce").as_bytes(), b"", &drawn).await?.to_vec();
+    let key = |member: u32| format!("{prefix}/checkpoints/held/{member}");
+    store.set(key(me).as_bytes(), &serde_json::to_vec(mine).expect("serializes")).await?;
+    let keys: Vec<String> = (0..members).map(key).collect();
+    let keys: Vec<&[u8]> = keys.iter().map(|key| key.as_bytes()).collect();
+    tracing::debug!("waiting up to {timeout:?} for the {members} members' checkpoint holdings");
+    store.wait(&keys, Some(timeout)).await?;
+    let all = store
+        .multi_get(&keys)
+        .await?
+        .iter()
+        .map(|bytes| serde_json::from_slice(bytes))
+        .collect::<std::result::Result<Vec<Holdings>, _>>()
+        .map_err(|err| AgentError::Config(format!("unreadable checkpoint holdings from another agent: {err}")))?;
+    Ok((all, nonce))
+}
+
+/// Milliseconds since the epoch.
+pub(super) fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_millis() as u64)
+}

@@ -1,0 +1,244 @@
+//! How two agents exchange checkpoint copies, after the handshake that proves the round's key
+//! ([`PURPOSE`]) and inside its sealed session:
+//!
+//! ```text
+//! request  = op (1: put, 2: get) | length (u32 LE) | JSON (put: the slot's manifest;
+//!                                                          get: {"rank", "step"})
+//! put      = request | data (manifest.size bytes) | commit (1: whole, 0: changed meanwhile)
+//!            -> stored (1) or not (0)
+//! get      -> length (u32 LE) | JSON manifest, or length 0 when not held
+//!             | data | commit
+//! ```
+//!
+//! The side that sends data checks after sending that the slot was not saved into meanwhile
+//! (its generation) and says so in the commit byte; the receiver writes the manifest, which
+//! makes its copy whole, only on a commit.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::super::layout::{rank_dir, read_slot, slot_paths, SlotManifest, PEER_SLOTS, SLOTS};
+use super::super::persist::slot_generation;
+use crate::auth::pair::Purpose;
+
+/// Agent-to-agent checkpoint copies: bound to (connector, acceptor) group ranks, two u32 LE.
+pub const PURPOSE: Purpose = Purpose { magic: *b"ELXCKP01", label: b"elastix checkpoints", binding_len: 8 };
+/// The round's key is derived from the job secret with this label.
+pub const KEY_LABEL: &[u8] = b"checkpoints";
+pub const PUT: u8 = 1;
+pub const GET: u8 = 2;
+/// The largest request JSON (a manifest's structure included).
+const MAX_HEADER: usize = 16 << 20;
+/// Bytes moved per read and write.
+const CHUNK: usize = 4 << 20;
+
+/// What a get asks for.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Want {
+    pub rank: u32,
+    pub step: u64,
+}
+
+pub fn binding(connector: u32, acceptor: u32) -> [u8; 8] {
+    let mut bytes = [0u8; 8];
+    bytes[..4].copy_from_slice(&connector.to_le_bytes());
+    bytes[4..].copy_from_slice(&acceptor.to_le_bytes());
+    bytes
+}
+
+/// The acceptor's group rank a binding names.
+pub fn acceptor_of(binding: &[u8]) -> Option<u32> {
+    Some(u32::from_le_bytes(binding.get(4..8)?.try_into().ok()?))
+}
+
+pub async fn write_json<W: AsyncWrite + Unpin>(stream: &mut W, value: &impl Serialize) -> io::Result<()> {
+    let json = serde_json::to_vec(value).map_err(io::Error::other)?;
+    stream.write_u32_le(json.len() as u32).await?;
+    stream.write_all(&json).await
+}
+
+/// A JSON value, or `None` for a length of 0.
+pub async fn read_json<R: AsyncRead + Unpin, T: for<'de> Deserialize<'de>>(stream: &mut R) -> io::Result<Option<T>> {
+    let len = stream.read_u32_le().await? as usize;
+    if len == 0 {
+        return Ok(None);
+    }
+    if len > MAX_HEADER {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("a {len}-byte header is too long")));
+    }
+    let mut json = vec![0u8; len];
+    stream.read_exact(&mut json).await?;
+    serde_json::from_slice(&json).map(Some).map_err(|err| io::Error::new(io::ErrorKind::InvalidData, err))
+}
+
+/// Where `rank`'s whole slot of `step` is under `root` (a memory directory or its peers'), if
+/// one holds it.
+pub fn find_slot(root: &Path, rank: u32, step: u64) -> Option<(SlotManifest, PathBuf)> {
+    (0..SLOTS)
+        .filter_map(|slot| read_slot(&rank_dir(root, rank), rank, slot))
+        .find(|(manifest, _)| manifest.step == step)
+}
+
+/// Sends the data of the slot `manifest` describes (`data`, under `root`), at most `rate` bytes
+/// a second (0: as fast as it goes), then the commit byte; true when it was whole throughout.
+pub async fn send_slot<W: AsyncWrite + Unpin>(
+    stream: &mut W,
+    root: &Path,
+    manifest: &SlotManifest,
+    data: &Path,
+    rate: u64,
+) -> io::Result<bool> {
+    let mut file = tokio::fs::File::open(data).await?;
+    let started = Instant::now();
+    let mut buffer = vec![0u8; CHUNK.min(manifest.size as usize).max(1)];
+    let mut sent = 0u64;
+    while sent < manifest.size {
+        let want = buffer.len().min((manifest.size - sent) as usize);
+        let n = file.read(&mut buffer[..want]).await?;
+        if n == 0 {
+            break;
+        }
+        stream.write_all(&buffer[..n]).await?;
+        sent += n as u64;
+        if rate > 0 {
+            // ahead of the allowed rate: wait until it catches up
+            let due = Duration::from_secs_f64(sent as f64 / rate as f64);
+            if let Some(wait) = due.checked_sub(started.elapsed()) {
+                tokio::time::sleep(wait).await;
+            }
+        }
+    }
+    if sent < manifest.size {
+        // the file shrank: a new save into the slot; keep the stream's framing, refuse the copy
+        let zeros = vec![0u8; CHUNK];
+        while sent < manifest.size {
+            let n = zeros.len().min((manifest.size - sent) as usize);
+            stream.write_all(&zeros[..n]).await?;
+            sent += n as u64;
+        }
+    }
+    let whole = sent == manifest.size
+        && slot_generation(root, manifest.rank, manifest) == Some(manifest.generation)
+        && file.metadata().await?.len() >= manifest.size;
+    stream.write_u8(u8::from(whole)).await?;
+    stream.flush().await?;
+    Ok(whole)
+}
+
+/// Receives a slot's data (`manifest.size` bytes) and commit byte into `rank`'s two slots
+/// under `root`, into the one not holding its newest step; its manifest is written, making it
+/// whole, on a commit only. True when the copy is whole.
+pub async fn receive_slot<R: AsyncRead + Unpin>(
+    stream: &mut R,
+    root: &Path,
+    manifest: &SlotManifest,
+) -> io::Result<bool> {
+    let dir = rank_dir(root, manifest.rank);
+    tokio::fs::create_dir_all(&dir).await?;
+    let held: Vec<_> =
+        (0..PEER_SLOTS).filter_map(|slot| Some((slot, read_slot(&dir, manifest.rank, slot)?.0.step))).collect();
+    let newest = held.iter().max_by_key(|(_, step)| *step).map(|(slot, _)| *slot);
+    let slot = (0..PEER_SLOTS).find(|slot| Some(*slot) != newest).unwrap_or(0);
+    let (data, json) = slot_paths(&dir, slot);
+    match tokio::fs::remove_file(&json).await {
+        Err(err) if err.kind() != io::ErrorKind::NotFound => return Err(err),
+        _ => {}
+    }
+    let mut file = tokio::fs::File::create(&data).await?;
+    let mut left = manifest.size;
+    let mut buffer = vec![0u8; CHUNK.min(left as usize).max(1)];
+    while left > 0 {
+        let want = buffer.len().min(left as usize);
+        stream.read_exact(&mut buffer[..want]).await?;
+        file.write_all(&buffer[..want]).await?;
+        left -= want as u64;
+    }
+    file.flush().await?;
+    if stream.read_u8().await? != 1 {
+        return Ok(false);
+    }
+    let temporary = json.with_extension("json.tmp");
+    tokio::fs::write(&temporary, serde_json::to_vec(manifest).map_err(io::Error::other)?).await?;
+    tokio::fs::rename(&temporary, &json).await?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::agent::checkpoints::layout::FORMAT_VERSION;
+
+    fn manifest(rank: u32, step: u64, size: u64) -> SlotManifest {
+        SlotManifest {
+            v: FORMAT_VERSION,
+            step,
+            rank,
+            world_size: 2,
+            size,
+            generation: step,
+            saved: 0.0,
+            structure: json!({"w": "leaf"}),
+        }
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("elastix-wire-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn save(root: &Path, slot: u32, manifest: &SlotManifest, data: &[u8]) {
+        let dir = rank_dir(root, manifest.rank);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (data_path, json) = slot_paths(&dir, slot);
+        std::fs::write(data_path, data).unwrap();
+        std::fs::write(json, serde_json::to_vec(manifest).unwrap()).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_slot_sent_arrives_whole_in_the_slot_not_holding_the_newest_step() {
+        let (from, to) = (scratch("from"), scratch("to"));
+        let sent = manifest(1, 5, 10);
+        save(&from, 0, &sent, b"0123456789");
+        save(&to, 0, &manifest(1, 4, 3), b"old");
+        let (mut a, mut b) = tokio::io::duplex(64);
+        let data = slot_paths(&rank_dir(&from, 1), 0).0;
+        let (whole, received) =
+            tokio::join!(send_slot(&mut a, &from, &sent, &data, 0), receive_slot(&mut b, &to, &sent));
+        assert!(whole.unwrap() && received.unwrap());
+        let (got, path) = find_slot(&to, 1, 5).unwrap();
+        assert_eq!(got, sent);
+        assert_eq!(std::fs::read(path).unwrap(), b"0123456789");
+        assert!(find_slot(&to, 1, 4).is_some(), "the older step stays in the other slot");
+        let _ = (std::fs::remove_dir_all(from), std::fs::remove_dir_all(to));
+    }
+
+    #[tokio::test]
+    async fn a_slot_saved_into_while_it_was_sent_is_not_kept() {
+        let (from, to) = (scratch("torn-from"), scratch("torn-to"));
+        let sent = manifest(0, 5, 4);
+        save(&from, 0, &sent, b"abcd");
+        // the worker saved step 6 into the slot meanwhile: another generation
+        save(&from, 0, &manifest(0, 6, 4), b"efgh");
+        let (mut a, mut b) = tokio::io::duplex(64);
+        let data = slot_paths(&rank_dir(&from, 0), 0).0;
+        let (whole, received) =
+            tokio::join!(send_slot(&mut a, &from, &sent, &data, 0), receive_slot(&mut b, &to, &sent));
+        assert!(!whole.unwrap() && !received.unwrap());
+        assert!(find_slot(&to, 0, 5).is_none());
+        let _ = (std::fs::remove_dir_all(from), std::fs::remove_dir_all(to));
+    }
+
+    #[test]
+    fn bindings_name_both_ends() {
+        assert_eq!(acceptor_of(&binding(3, 7)), Some(7));
+        assert_eq!(acceptor_of(&[1, 2]), None);
+    }
+}

@@ -1,0 +1,83 @@
+"""Checkpoints held by a peer: each agent copies its node's newest steps to the next node's
+agent, so that when a whole host dies (every process in its namespace), the survivors restore
+its part from the buddy's memory. The job has no --checkpoint-dir: there is no file to read,
+so what is restored came from memory. Every restored state is checked bit for bit."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import time
+
+from agents import WORKERS, agent, finish_all, node_args, wait_for
+
+PROGRAM = os.path.join(WORKERS, "checkpoint_loop.py")
+CONF = "join_timeout=60s"
+
+
+def records(tmp_path):
+    found = []
+    for path in glob.glob(str(tmp_path / "start_*.json")):
+        with open(path) as f:
+            found.append(json.load(f))
+    return found
+
+
+def steps_logged(tmp_path, round_):
+    count = 0
+    for path in glob.glob(str(tmp_path / f"steps_{round_}_*.txt")):
+        with open(path) as f:
+            count += sum(1 for line in f if line.strip())
+    return count
+
+
+def node(tmp_path, marker, hosts, i, endpoint):
+    python = hosts.command(i, "env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", sys.executable)
+    args = node_args("2:3", endpoint, hosts.addr(i), CONF, PROGRAM, run_id="peers", max_restarts=0)
+    return agent(tmp_path, marker, f"h{i}", "run", *args, python=python)
+
+
+def started(tmp_path, world_size, after=-1):
+    """The round after `after` in which `world_size` workers started, and their records."""
+    by_round = {}
+    for record in records(tmp_path):
+        if record["world_size"] == world_size and record["round"] > after:
+            by_round.setdefault(record["round"], []).append(record)
+    whole = sorted(r for r, found in by_round.items() if len(found) == world_size)
+    return (whole[0], by_round[whole[0]]) if whole else None
+
+
+def test_a_host_killed_is_restored_from_its_buddys_memory_bit_for_bit(tmp_path, marker, hosts):
+    endpoint = ",".join(f"{hosts.addr(i)}:29400" for i in range(3))
+    agents = [node(tmp_path, marker, hosts, i, endpoint) for i in range(3)]
+    three, first = wait_for(lambda: started(tmp_path, 3), timeout=90, what="three nodes training")
+    assert all(record["step"] is None for record in first), first  # a first start: nothing to restore
+    wait_for(lambda: steps_logged(tmp_path, three) >= 3 * 40, timeout=60, what="40 steps on every rank")
+    # the host of rank 1 (not host 0: its agent would take the store's first site along)
+    victim = next(int(r["host"][4:]) for r in first if r["rank"] in (0, 1) and r["host"] != "host0")
+    lost_rank = next(r["rank"] for r in first if r["host"] == f"host{victim}")
+    assert hosts.kill(victim), f"host {victim} had no process to kill"
+    killed_at = time.time()
+    two, after = wait_for(lambda: started(tmp_path, 2, after=three), timeout=90, what="the survivors re-forming")
+    # every byte of every rank's state is what that rank saved at the step they agreed on
+    assert all(record["exact"] for record in after), after
+    assert len({record["step"] for record in after}) == 1 and after[0]["step"] is not None, after
+    # no --checkpoint-dir: nothing came from a file
+    assert {record["source"] for record in after} <= {"memory", "peer"}, after
+    # the lost node's part came from the memory of the node that held its copy
+    heir = next(record for record in after if record["source_rank"] == lost_rank)
+    assert heir["source"] == "peer", after
+    last = max(
+        int(line.split()[1])
+        for path in glob.glob(str(tmp_path / f"steps_{three}_*.txt"))
+        for line in open(path)
+        if line.strip() and float(line.split()[0]) < killed_at
+    )
+    print(
+        f"host {victim} killed at step {last}; the survivors restored step {after[0]['step']} (from {heir['source']})"
+    )
+    survivors = [a for i, a in enumerate(agents) if i != victim]
+    wait_for(lambda: steps_logged(tmp_path, two) >= 2 * 5, timeout=60, what="the survivors training again")
+    finish_all(tmp_path, survivors, marker)
