@@ -1,7 +1,8 @@
 """Checkpoints held by a peer: each agent copies its node's newest steps to the next node's
 agent, so that when a whole host dies (every process in its namespace), the survivors restore
-its part from the buddy's memory. The job has no --checkpoint-dir: there is no file to read,
-so what is restored came from memory. Every restored state is checked bit for bit."""
+its part from the buddy's memory, and a node that joins takes its part from a peer's memory.
+The job has no --checkpoint-dir: there is no file to read, so what is restored came from
+memory. Every restored state is checked bit for bit."""
 
 from __future__ import annotations
 
@@ -33,10 +34,10 @@ def steps_logged(tmp_path, round_):
     return count
 
 
-def node(tmp_path, marker, hosts, i, endpoint):
+def node(tmp_path, marker, hosts, i, endpoint, name=None):
     python = hosts.command(i, "env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", sys.executable)
     args = node_args("2:3", endpoint, hosts.addr(i), CONF, PROGRAM, run_id="peers", max_restarts=0)
-    return agent(tmp_path, marker, f"h{i}", "run", *args, python=python)
+    return agent(tmp_path, marker, name or f"h{i}", "run", *args, python=python)
 
 
 def started(tmp_path, world_size, after=-1):
@@ -80,4 +81,12 @@ def test_a_host_killed_is_restored_from_its_buddys_memory_bit_for_bit(tmp_path, 
     )
     survivors = [a for i, a in enumerate(agents) if i != victim]
     wait_for(lambda: steps_logged(tmp_path, two) >= 2 * 5, timeout=60, what="the survivors training again")
-    finish_all(tmp_path, survivors, marker)
+    # a new node on the dead host's address joins: it holds nothing, and takes its ranks'
+    # state (a replica's: the world grows from 2 to 3) from a survivor's memory
+    joiner = node(tmp_path, marker, hosts, victim, endpoint, name="joiner")
+    _, grown = wait_for(lambda: started(tmp_path, 3, after=two), timeout=90, what="the job growing back to 3")
+    assert all(record["exact"] for record in grown), grown
+    assert len({record["step"] for record in grown}) == 1 and grown[0]["step"] is not None, grown
+    assert next(r for r in grown if r["host"] == f"host{victim}")["source"] == "peer", grown
+    assert "from member" in joiner.output(), joiner.output()
+    finish_all(tmp_path, [*survivors, joiner], marker)

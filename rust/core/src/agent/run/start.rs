@@ -91,6 +91,7 @@ impl Agent {
                 members: info.world_size,
                 secret: secret.as_ref(),
                 ranks: (base..base + me.local_world_size).collect(),
+                world: assignment.world_size,
                 timeout: STORE_TIMEOUT,
             };
             Ok::<_, AgentError>((assignment, checkpoints.enter_round(round).await?))

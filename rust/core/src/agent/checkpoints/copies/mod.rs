@@ -39,8 +39,9 @@ pub struct Round<'a> {
     pub me: u32,
     pub members: u32,
     pub secret: Option<&'a Secret>,
-    /// The global ranks of this node's workers.
+    /// The global ranks of this node's workers, and of the whole round.
     pub ranks: Vec<u32>,
+    pub world: u32,
     pub timeout: Duration,
 }
 
@@ -86,9 +87,18 @@ impl Copies {
             .and_then(|them| peer(them as usize))
             .map(|buddy| RingRound { buddy, ranks: round.ranks.clone(), store, me: round.me, members: round.members });
         ring::lock(&self.ring).enter_round(ring_round);
-        for fetch in plan::fetches(&all, round.me as usize, &round.ranks) {
-            let Some(from) = peer(fetch.from) else { continue };
-            self.take(&from, fetch.rank, fetch.step).await;
+        match plan::restore(&all, round.me as usize, &round.ranks, round.world) {
+            Some((step, fetches)) => {
+                tracing::info!("every rank's state of step {step} is in the members' memory: the workers restore it");
+                for fetch in fetches {
+                    let Some(from) = peer(fetch.from) else { continue };
+                    self.take(&from, fetch.rank, fetch.step).await;
+                }
+            }
+            None if plan::saved_world(&all).is_some() => tracing::info!(
+                "no step is held in memory for every rank: the workers restore one from --checkpoint-dir, if any"
+            ),
+            None => {}
         }
         Ok(plan::saved_world(&all))
     }

@@ -54,26 +54,42 @@ pub fn source(rank: u32, saved_world: u32) -> u32 {
     }
 }
 
-/// The copies member `me` must take so that, for each of its workers' global `ranks`, it holds
-/// the newest step any member holds of that worker's source rank.
-pub fn fetches(all: &[Holdings], me: usize, ranks: &[u32]) -> Vec<Fetch> {
-    let Some(world) = saved_world(all) else { return Vec::new() };
-    let mut wanted: Vec<u32> = ranks.iter().map(|&rank| source(rank, world)).collect();
+/// What a round restores: the newest step whose state every rank of the new world (`world`
+/// ranks) can get from some member's memory, and the copies member `me` must take for its
+/// workers' global `ranks` to hold theirs. `None` when no step is held for every rank (the
+/// workers then agree on one from disk, or start afresh).
+pub fn restore(all: &[Holdings], me: usize, ranks: &[u32], world: u32) -> Option<(u64, Vec<Fetch>)> {
+    let saved = saved_world(all)?;
+    let held = |rank: u32| -> Vec<u64> {
+        all.iter().filter_map(|holdings| holdings.ranks.get(&rank)).flatten().map(|held| held.step).collect()
+    };
+    let mut sources: Vec<u32> = (0..world).map(|rank| source(rank, saved)).collect();
+    sources.sort_unstable();
+    sources.dedup();
+    let step = sources
+        .iter()
+        .map(|&rank| held(rank))
+        .reduce(|common, steps| common.into_iter().filter(|step| steps.contains(step)).collect())?
+        .into_iter()
+        .max()?;
+    let holds = |holdings: &Holdings, rank: u32| {
+        holdings.ranks.get(&rank).is_some_and(|steps| steps.iter().any(|held| held.step == step))
+    };
+    let mut wanted: Vec<u32> = ranks.iter().map(|&rank| source(rank, saved)).collect();
     wanted.sort_unstable();
     wanted.dedup();
-    wanted
+    let fetches = wanted
         .into_iter()
+        .filter(|&rank| !all.get(me).is_some_and(|mine| holds(mine, rank)))
         .filter_map(|rank| {
-            let newest = |holdings: &Holdings| holdings.ranks.get(&rank)?.iter().map(|held| held.step).max();
-            let holders = all.iter().enumerate().filter(|(_, holdings)| holdings.serves.is_some());
-            let (from, step) = holders.filter_map(|(member, holdings)| Some((member, newest(holdings)?))).max_by_key(
-                // the newest step; among equals the nearest member after this one (a buddy)
-                |&(member, step)| (step, std::cmp::Reverse((member + all.len() - me) % all.len())),
-            )?;
-            let mine = all.get(me).and_then(newest);
-            (mine < Some(step) && from != me).then_some(Fetch { rank, step, from })
+            // the nearest member after this one that serves it (its buddy first)
+            let from = (1..all.len())
+                .map(|offset| (me + offset) % all.len())
+                .find(|&member| all[member].serves.is_some() && holds(&all[member], rank))?;
+            Some(Fetch { rank, step, from })
         })
-        .collect()
+        .collect();
+    Some((step, fetches))
 }
 
 /// The member this one copies its checkpoints to: the next in the round, if there is another.
@@ -97,35 +113,34 @@ mod tests {
 
     #[test]
     fn a_lost_node_s_ranks_come_from_the_member_holding_their_copy() {
-        // three nodes of two ranks saved at world 6; node 1 is gone, node 2 held its copies;
-        // the new round has the old nodes 0 and 2 (now members 0 and 1)
-        let all = [
-            holds(true, &[(0, &[40, 41]), (1, &[40, 41])], 6),
-            holds(true, &[(2, &[40]), (3, &[40]), (4, &[41]), (5, &[41])], 6),
-        ];
-        assert_eq!(saved_world(&all), Some(6));
-        // member 1's workers are ranks 2 and 3: it holds them already
-        assert!(fetches(&all, 1, &[2, 3]).is_empty());
-        // member 0 would have to take them if it ran them
-        assert_eq!(fetches(&all, 0, &[2]), [Fetch { rank: 2, step: 40, from: 1 }]);
+        // three nodes of one rank saved at world 3; node 1 is gone, node 2 held its copies; the
+        // new round has the old nodes 0 and 2 (now members 0 and 1) and two ranks
+        let all = [holds(true, &[(0, &[40, 41])], 3), holds(true, &[(1, &[39, 40]), (2, &[40, 41])], 3)];
+        assert_eq!(saved_world(&all), Some(3));
+        // step 41 is not held for rank 1: the round restores 40, which member 1 holds for rank 1
+        assert_eq!(restore(&all, 1, &[1], 2), Some((40, vec![])));
+        // member 0 would take it from member 1 if it ran rank 1
+        assert_eq!(restore(&all, 0, &[0, 1], 2), Some((40, vec![Fetch { rank: 1, step: 40, from: 1 }])));
     }
 
     #[test]
-    fn a_node_that_joins_takes_its_ranks_from_a_peer_and_a_grown_world_restores_replicas() {
-        let all = [holds(true, &[(0, &[7]), (1, &[7])], 2), holds(true, &[], 0)];
-        assert_eq!(
-            fetches(&all, 1, &[2, 3]),
-            [Fetch { rank: 0, step: 7, from: 0 }, Fetch { rank: 1, step: 7, from: 0 }]
-        );
+    fn a_node_that_joins_takes_the_agreed_step_of_its_ranks_from_a_peer() {
+        // the two survivors stopped one step apart; the joining node holds nothing
+        let all = [holds(true, &[(0, &[7, 8])], 2), holds(true, &[(1, &[6, 7])], 2), holds(true, &[], 0)];
+        // a grown world: rank 2 restores rank 0's state (a replica), at the step all can get
+        assert_eq!(restore(&all, 2, &[2], 3), Some((7, vec![Fetch { rank: 0, step: 7, from: 0 }])));
         assert_eq!(source(3, 2), 1);
         assert_eq!(source(1, 4), 1);
     }
 
     #[test]
-    fn nothing_is_taken_from_a_member_that_serves_none_or_when_nothing_was_saved() {
+    fn nothing_is_restored_when_a_rank_s_state_is_held_nowhere_or_nothing_was_saved() {
+        let all = [holds(true, &[(0, &[7])], 2), holds(true, &[], 0)];
+        assert_eq!(restore(&all, 1, &[1], 2), None, "rank 1's state is in no member's memory");
+        assert_eq!(restore(&[holds(true, &[], 0), holds(true, &[], 0)], 0, &[0], 2), None);
+        // a member that serves none is not asked
         let all = [holds(false, &[(0, &[7])], 1), holds(true, &[], 0)];
-        assert!(fetches(&all, 1, &[0]).is_empty());
-        assert!(fetches(&[holds(true, &[], 0), holds(true, &[], 0)], 0, &[0, 1]).is_empty());
+        assert_eq!(restore(&all, 1, &[0], 1), Some((7, vec![])));
         assert_eq!(saved_world(&[]), None);
     }
 
