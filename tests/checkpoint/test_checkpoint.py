@@ -170,3 +170,44 @@ def test_a_grown_world_restores_each_new_rank_from_a_replica_and_a_peer_s_copy_i
     # what was restored is told to the agent (elastix status shows it)
     restored = json.loads((memory / "rank-1" / "restored.json").read_text())
     assert (restored["step"], restored["source"]) == (6, "peer")
+
+
+def test_a_round_re_formed_without_a_restart_agrees_on_its_own_keys(tmp_path, monkeypatch):
+    """A member lost or joining re-forms the job with the restart count unchanged: the ranks of
+    the new round must not read what the round before left in the store."""
+    import threading
+    import time
+
+    store = elastix.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+
+    def round_(number, step, late):
+        """Both ranks of round `number` restore what they saved at `step`; rank 1 comes late."""
+        monkeypatch.setenv("ELASTIX_ROUND", str(number))
+        ranks = [Checkpoint(str(tmp_path / f"round{number}-rank{rank}"), None, rank, 2) for rank in (0, 1)]
+        for ckpt in ranks:
+            ckpt.save(step, state(step))
+        loaded = [None, None]
+
+        def load(rank):
+            loaded[rank] = ranks[rank].load()
+
+        threads = [threading.Thread(target=load, args=(rank,)) for rank in (0, 1)]
+        threads[0].start()
+        time.sleep(late)  # rank 0 asks before rank 1 has answered: it must wait for this round's answer
+        threads[1].start()
+        for thread in threads:
+            thread.join(30)
+        return [ckpt.step for ckpt in ranks], loaded
+
+    assert round_(0, 3, 0)[0] == [3, 3]
+    steps, loaded = round_(1, 5, 0.3)
+    assert steps == [5, 5] and all(same(state(5), got) for got in loaded)
+
+
+def test_a_rank_that_cannot_read_the_step_its_agents_hold_refuses_to_start_afresh(tmp_path, monkeypatch):
+    monkeypatch.setenv("ELASTIX_CHECKPOINT_HELD_STEP", "7")
+    with pytest.raises(CheckpointError, match=r"holds step 7 of every rank.*Refusing to start afresh"):
+        elastix.checkpoint.open(memory=str(tmp_path / "memory")).load()

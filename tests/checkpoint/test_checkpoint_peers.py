@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -37,7 +38,8 @@ def steps_logged(tmp_path, round_):
 def node(tmp_path, marker, hosts, i, endpoint, name=None):
     python = hosts.command(i, "env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", sys.executable)
     args = node_args("2:3", endpoint, hosts.addr(i), CONF, PROGRAM, run_id="peers", max_restarts=0)
-    return agent(tmp_path, marker, name or f"h{i}", "run", *args, python=python)
+    events = tmp_path / f"{name or f'h{i}'}-events.jsonl"
+    return agent(tmp_path, marker, name or f"h{i}", "run", "--event-log", events, *args, python=python)
 
 
 def started(tmp_path, world_size, after=-1):
@@ -90,3 +92,14 @@ def test_a_host_killed_is_restored_from_its_buddys_memory_bit_for_bit(tmp_path, 
     assert next(r for r in grown if r["host"] == f"host{victim}")["source"] == "peer", grown
     assert "from member" in joiner.output(), joiner.output()
     finish_all(tmp_path, [*survivors, joiner], marker)
+    # the agents said which step the round restores, and the joiner which ranks it took
+    joined = [json.loads(line) for line in open(tmp_path / "joiner-events.jsonl")]
+    restore = next(event for event in joined if event["event"] == "checkpoint_restore")
+    assert restore["step"] == grown[0]["step"] and restore["taken"], restore
+    page = tmp_path / "timeline.html"
+    logs = sorted(glob.glob(str(tmp_path / "*-events.jsonl")))
+    drawn = subprocess.run(
+        [sys.executable, "-m", "elastix", "timeline", *logs, "-o", page], capture_output=True, text=True
+    )
+    assert drawn.returncode == 0, drawn.stderr
+    assert f"restores step {restore['step']} from memory" in page.read_text()

@@ -32,6 +32,8 @@ MEMORY_VAR = "ELASTIX_CHECKPOINT_MEMORY"
 DIR_VAR = "ELASTIX_CHECKPOINT_DIR"
 #: The world size the newest step was saved in, as the agent found it when the round formed.
 SAVED_WORLD_VAR = "ELASTIX_CHECKPOINT_SAVED_WORLD"
+#: The newest step every rank's state was held for in the agents' memory when the round formed.
+HELD_STEP_VAR = "ELASTIX_CHECKPOINT_HELD_STEP"
 
 
 class Checkpoint:
@@ -75,6 +77,7 @@ class Checkpoint:
             every = exchange(f"{attempt}/steps", mine)
             step = max(set(every[0]).intersection(*every[1:]), default=None)
             if step is None:
+                self._nothing_held()
                 self.step = self.source = None
                 return None
             held = self._memory.read(step)
@@ -96,6 +99,17 @@ class Checkpoint:
             return state
         raise CheckpointError(f"no saved step could be read by every rank (refused: {sorted(refused)})")
 
+    def _nothing_held(self) -> None:
+        """Refuses to start afresh where the agents found a step held for every rank: a copy
+        this node's agent could not take (its log says why) would otherwise lose the job's work."""
+        held = os.environ.get(HELD_STEP_VAR)
+        if held is not None:
+            raise CheckpointError(
+                f"the job holds step {held} of every rank in its agents' memory, but not every rank can read it "
+                f"(rank {self.rank} restores rank {self.source_rank}'s state); the agent's log says which copy it "
+                "could not take. Refusing to start afresh"
+            )
+
     def _exchanger(self) -> Callable[[str, Any], List[Any]]:
         """What gives every rank's value for a question, in rank order: alone, its own; with
         several, through the job's store (MASTER_ADDR, MASTER_PORT), one connection per load."""
@@ -107,11 +121,16 @@ class Checkpoint:
             host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         except (KeyError, ValueError) as err:
             raise CheckpointError(f"the ranks agree on a step through the job's store, but {err} is not set") from None
-        restarts = os.environ.get("ELASTIX_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        # one attempt's keys: a round re-formed after a member's loss or join charges no restart,
+        # and may find the keys of the round before in the store
+        attempt = "{}/{}".format(
+            os.environ.get("ELASTIX_ROUND", "0"),
+            os.environ.get("ELASTIX_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        )
         store = TCPStore(host, port, is_master=False)
 
         def exchange(what: str, value: Any) -> List[Any]:
-            prefix = f"elastix/checkpoint/{restarts}/{self._loads}/{what}"
+            prefix = f"elastix/checkpoint/{attempt}/{self._loads}/{what}"
             store.set(f"{prefix}/{self.rank}", json.dumps(value))
             keys = [f"{prefix}/{rank}" for rank in range(self.world_size)]
             return [json.loads(got) for got in store.multi_get(keys)]

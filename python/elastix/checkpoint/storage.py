@@ -87,6 +87,7 @@ class Slots:
     def save(self, step: int, world_size: int, structure: Any, flat: Flat) -> None:
         """Writes into a slot that holds neither the newest step nor a pinned one: the
         manifest goes first (the slot is not whole while it is written) and comes back last."""
+        started = time.perf_counter()
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         slot = self._slot_to_write()
         data, manifest = self._paths(slot)
@@ -103,7 +104,8 @@ class Slots:
                     del target
         _write_json(manifest, {
             "v": FORMAT_VERSION, "step": int(step), "rank": self.rank, "world_size": int(world_size),
-            "size": flat.size, "generation": time.time_ns(), "saved": time.time(), "structure": structure,
+            "size": flat.size, "generation": time.time_ns(), "saved": time.time(),
+            "took": time.perf_counter() - started, "structure": structure,
         })  # fmt: skip
 
     def _check_room(self, data: str, size: int) -> None:

@@ -46,11 +46,13 @@ def _checkpoint(held: Optional[Dict[str, Any]]) -> str:
     """A worker's newest checkpoint in its agent's memory, and the newest on disk."""
     if not held:
         return "-"
-    shown = f"step {held['step']}, {_size(held['bytes'])}, {_age(held['saved_age_s'])}"
+    took = f" in {held['save_ms']}ms" if held.get("save_ms") is not None else ""
+    shown = f"step {held['step']}, {_size(held['bytes'])}, saved {_age(held['saved_age_s'])}{took}"
     if held.get("copied_step") is not None:
         shown += f"; peer: step {held['copied_step']}"
     if held.get("persisted_step") is not None:
-        shown += f"; disk: step {held['persisted_step']}"
+        took = f" in {held['persist_ms']}ms" if held.get("persist_ms") is not None else ""
+        shown += f"; disk: step {held['persisted_step']}{took}"
     if held.get("restored"):
         shown += f"; restored step {held['restored']['step']} from {held['restored']['source']}"
     return shown

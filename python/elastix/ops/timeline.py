@@ -29,6 +29,7 @@ POINT_KINDS = {
     "member_joined": "membership",
     "membership_changed": "membership",
     "job_finished": "end",
+    "checkpoint_restore": "checkpoint",
 }
 LABELS = {
     "global_rank": "rank",
@@ -296,6 +297,10 @@ def title(kind: str, f: Dict[str, Any]) -> str:
         return f"group rank {f.get('group_rank')} lost{reason}"
     if kind == "end":
         return f"job {f.get('state')} (exit code {f.get('exit_code')})"
+    if kind == "checkpoint":
+        taken = f.get("taken") or []
+        peers = f", {_plural('rank', taken)} taken from a peer's memory" if taken else ""
+        return f"restores step {f.get('step')} from memory{peers}"
     return f"{f['event'].replace('_', ' ')}{reason}"
 
 

@@ -91,6 +91,8 @@ async fn status_shows_the_members_their_ranks_and_the_end() {
         saved_ms: now_ms(),
         persisted_step: Some(3),
         persisted_ms: None,
+        save_ms: Some(3),
+        persist_ms: Some(12),
         copied_step: Some(4),
         restored: None,
     };

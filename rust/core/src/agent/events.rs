@@ -71,6 +71,13 @@ impl EventLog {
         self.emit("round_formed", fields).await;
     }
 
+    /// The step the round's workers restore from the members' memory, and the ranks whose
+    /// state this node took from a peer (`taken`: rank, member).
+    pub async fn checkpoint_restore(&self, round: u64, step: u64, taken: &[(u32, u32)]) {
+        let taken: Vec<_> = taken.iter().map(|(rank, member)| json!({"rank": rank, "from_member": member})).collect();
+        self.emit("checkpoint_restore", json!({"round": round, "step": step, "taken": taken})).await;
+    }
+
     pub async fn workers_started(&self, round: u64, global_ranks: &[u32], pids: &[u32]) {
         self.emit("workers_started", json!({"round": round, "global_ranks": global_ranks, "pids": pids})).await;
     }

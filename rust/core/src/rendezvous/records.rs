@@ -131,6 +131,12 @@ pub struct HeldCheckpoint {
     /// The newest step persisted to `--checkpoint-dir`, and when (`None`: none yet, or memory only).
     pub persisted_step: Option<u64>,
     pub persisted_ms: Option<u64>,
+    /// How long the worker's save of `step` took (the copy into memory), and the persisting of
+    /// `persisted_step`, in ms.
+    #[serde(default)]
+    pub save_ms: Option<u64>,
+    #[serde(default)]
+    pub persist_ms: Option<u64>,
     /// The newest step a peer's agent holds a copy of (`None`: none, or no peer).
     #[serde(default)]
     pub copied_step: Option<u64>,

@@ -141,6 +141,9 @@ pub struct CheckpointStatus {
     /// The newest step on disk, and how long ago it got there (`None`: none yet).
     pub persisted_step: Option<u64>,
     pub persisted_age_s: Option<f64>,
+    /// How long the save and the persisting took, in ms.
+    pub save_ms: Option<u64>,
+    pub persist_ms: Option<u64>,
     /// The newest step a peer holds a copy of.
     pub copied_step: Option<u64>,
     /// The step the worker restored last, and from where.
@@ -214,6 +217,8 @@ impl From<&WorkerProgress> for WorkerStatus {
                 saved_age_s: seconds_between(held.saved_ms, now_ms()),
                 persisted_step: held.persisted_step,
                 persisted_age_s: held.persisted_ms.map(|at| seconds_between(at, now_ms())),
+                save_ms: held.save_ms,
+                persist_ms: held.persist_ms,
                 copied_step: held.copied_step,
                 restored: held.restored.clone(),
             }),

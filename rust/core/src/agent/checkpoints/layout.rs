@@ -43,6 +43,9 @@ pub struct SlotManifest {
     pub generation: u64,
     /// When the worker saved it (seconds since the epoch).
     pub saved: f64,
+    /// How long the worker's save took, in seconds (the copy into memory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub took: Option<f64>,
     pub structure: Value,
 }
 

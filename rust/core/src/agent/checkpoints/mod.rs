@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
-use self::copies::{Copies, Round};
+use self::copies::{Copies, Restore, Round};
 use self::persist::{PersistError, Persister};
 use crate::agent::progress::HeldView;
 use crate::rendezvous::records::HeldCheckpoint;
@@ -37,6 +37,18 @@ pub const DIR_VAR: &str = "ELASTIX_CHECKPOINT_DIR";
 /// The variable that tells a worker the world size the newest step was saved in: rank `r`
 /// restores the state of rank `r % that` ([`copies::plan::source`]).
 pub const SAVED_WORLD_VAR: &str = "ELASTIX_CHECKPOINT_SAVED_WORLD";
+/// The variable that tells a worker the newest step every rank's state is held for in the
+/// members' memory: a restore that finds none refuses to start afresh.
+pub const HELD_STEP_VAR: &str = "ELASTIX_CHECKPOINT_HELD_STEP";
+
+impl Restore {
+    /// What the workers are told of it.
+    pub fn worker_env(&self) -> Vec<(String, String)> {
+        let world = self.saved_world.map(|world| (SAVED_WORLD_VAR.to_owned(), world.to_string()));
+        let step = self.step.map(|step| (HELD_STEP_VAR.to_owned(), step.to_string()));
+        world.into_iter().chain(step).collect()
+    }
+}
 /// How often the agent looks for a newer step to persist.
 const PERSIST_EVERY: Duration = Duration::from_millis(500);
 
@@ -45,7 +57,7 @@ pub struct Checkpoints {
     memory: PathBuf,
     persister: Option<Arc<Mutex<Persister>>>,
     /// Each rank's newest step persisted, and when.
-    persisted: Arc<Mutex<HashMap<u32, (u64, u64)>>>,
+    persisted: persist::Record,
     task: Option<JoinHandle<()>>,
     /// The copies held for and by peers (`None`: no copy server could be started).
     copies: Option<Arc<Copies>>,
@@ -80,12 +92,12 @@ impl Checkpoints {
     }
 
     /// A new round: the members learn what each holds, this node takes the copies its workers
-    /// will restore from, and starts sending to its new buddy. Returns what the workers are
-    /// told of it.
-    pub async fn enter_round(&self, round: Round<'_>) -> crate::agent::error::Result<Vec<(String, String)>> {
-        let Some(copies) = &self.copies else { return Ok(Vec::new()) };
-        let saved_world = copies.enter_round(round).await?;
-        Ok(saved_world.map(|world| (SAVED_WORLD_VAR.to_owned(), world.to_string())).into_iter().collect())
+    /// will restore from, and starts sending to its new buddy.
+    pub async fn enter_round(&self, round: Round<'_>) -> crate::agent::error::Result<Restore> {
+        match &self.copies {
+            Some(copies) => copies.enter_round(round).await,
+            None => Ok(Restore::default()),
+        }
     }
 
     /// What `elastix status` shows of each global rank's checkpoints: its newest step in
@@ -104,8 +116,10 @@ impl Checkpoints {
                         step: manifest.step,
                         bytes: manifest.size,
                         saved_ms: (manifest.saved * 1000.0) as u64,
-                        persisted_step: disk.map(|(step, _)| step),
-                        persisted_ms: disk.map(|(_, at)| at),
+                        persisted_step: disk.map(|disk| disk.step),
+                        persisted_ms: disk.map(|disk| disk.at_ms),
+                        save_ms: manifest.took.map(|took| (took * 1000.0).round() as u64),
+                        persist_ms: disk.map(|disk| disk.took_ms),
                         copied_step: copy.map(|(step, _)| step),
                         restored: layout::read_restored(&layout::rank_dir(&memory, rank)),
                     };

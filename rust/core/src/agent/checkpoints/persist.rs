@@ -15,6 +15,18 @@ use super::layout::{rank_dir, rank_of, read_slot, step_dir, step_of, DiskManifes
 /// Bytes copied per read.
 const CHUNK: usize = 4 << 20;
 
+/// A rank's newest step on disk: which, when it got there (ms since the epoch) and how long
+/// writing it took (ms).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OnDisk {
+    pub step: u64,
+    pub at_ms: u64,
+    pub took_ms: u64,
+}
+
+/// Each rank's newest step on disk, kept up to date by the persister.
+pub type Record = Arc<Mutex<HashMap<u32, OnDisk>>>;
+
 /// One rank's step, written to disk.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Persisted {
@@ -39,7 +51,7 @@ pub struct Persister {
     keep: usize,
     /// The newest step persisted per rank, and when (ms since the epoch): what a pass skips,
     /// and what `elastix status` shows.
-    record: Arc<Mutex<HashMap<u32, (u64, u64)>>>,
+    record: Record,
 }
 
 impl Persister {
@@ -49,7 +61,7 @@ impl Persister {
     }
 
     /// Each rank's newest step persisted, and when (ms since the epoch), kept up to date.
-    pub fn record(&self) -> Arc<Mutex<HashMap<u32, (u64, u64)>>> {
+    pub fn record(&self) -> Record {
         self.record.clone()
     }
 
@@ -61,9 +73,10 @@ impl Persister {
                 continue;
             }
             let outcome = self.persist(rank, &manifest, &data);
-            if outcome.is_ok() {
-                let at = (now() * 1000.0) as u64;
-                self.record.lock().unwrap_or_else(PoisonError::into_inner).insert(rank, (manifest.step, at));
+            if let Ok(done) = &outcome {
+                let disk =
+                    OnDisk { step: done.step, at_ms: (now() * 1000.0) as u64, took_ms: done.took.as_millis() as u64 };
+                self.record.lock().unwrap_or_else(PoisonError::into_inner).insert(rank, disk);
             }
             outcomes.push(outcome);
         }
@@ -74,7 +87,7 @@ impl Persister {
     }
 
     fn persisted(&self, rank: u32) -> Option<u64> {
-        self.record.lock().unwrap_or_else(PoisonError::into_inner).get(&rank).map(|(step, _)| *step)
+        self.record.lock().unwrap_or_else(PoisonError::into_inner).get(&rank).map(|disk| disk.step)
     }
 
     fn persist(&self, rank: u32, manifest: &SlotManifest, data: &Path) -> Result<Persisted, PersistError> {
@@ -228,6 +241,7 @@ mod tests {
             size: data.len() as u64,
             generation: step,
             saved: 0.0,
+            took: None,
             structure: json!({"w": "leaf"}),
         };
         fs::write(json, serde_json::to_vec(&manifest).unwrap()).unwrap();

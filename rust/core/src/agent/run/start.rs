@@ -8,8 +8,8 @@ use super::report::{End, Report};
 use super::round_store::connect_store;
 use super::watch::Attempt;
 use super::{describe, State, MAX_LOST_STARTS};
-use crate::agent::checkpoints::copies::Round;
-use crate::agent::checkpoints::SAVED_WORLD_VAR;
+use crate::agent::checkpoints::copies::{Restore, Round};
+use crate::agent::checkpoints::{HELD_STEP_VAR, SAVED_WORLD_VAR};
 use crate::agent::error::{AgentError, Result};
 use crate::agent::workers::group::{Launch, WorkerGroup};
 use crate::agent::workers::ranks::{self, RoleInfo};
@@ -82,7 +82,7 @@ impl Agent {
             let store = connect_store(&mut self.store, &at, secret.as_ref(), STORE_TIMEOUT).await?;
             let assignment =
                 ranks::assign(store, &info.store_prefix, info.rank, info.world_size, &me, STORE_TIMEOUT).await?;
-            let Some(checkpoints) = checkpoints else { return Ok((assignment, Vec::new())) };
+            let Some(checkpoints) = checkpoints else { return Ok((assignment, Restore::default())) };
             let base = assignment.global_base;
             let round = Round {
                 store,
@@ -97,13 +97,17 @@ impl Agent {
             Ok::<_, AgentError>((assignment, checkpoints.enter_round(round).await?))
         };
         // every member takes part in the exchange: one lost meanwhile never will
-        let (assignment, checkpoint_env) = tokio::select! {
+        let (assignment, restore) = tokio::select! {
             exchanged = exchange => exchanged?,
             change = next_change(changes) => return Ok(Start::Changed(change)),
             (signal, _) = self.signals.recv() => return Err(AgentError::Interrupted(signal)),
         };
         self.config.env.remove(SAVED_WORLD_VAR);
-        self.config.env.extend(checkpoint_env);
+        self.config.env.remove(HELD_STEP_VAR);
+        self.config.env.extend(restore.worker_env());
+        if let Some(step) = restore.step {
+            self.events.checkpoint_restore(info.round, step, &restore.taken).await;
+        }
         let attempt_dir = self.logs.attempt(self.attempt, self.config.local_world_size)?;
         self.attempt += 1;
         let launch = Launch {

@@ -162,6 +162,7 @@ mod tests {
             size: data.len() as u64,
             generation: step,
             saved: 0.0,
+            took: None,
             structure: json!({"w": "leaf"}),
         };
         let dir = rank_dir(root, rank);

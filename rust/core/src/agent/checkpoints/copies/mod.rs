@@ -45,6 +45,21 @@ pub struct Round<'a> {
     pub timeout: Duration,
 }
 
+/// How often a copy is asked for before the agent gives up, and the pause in between.
+const TAKE_ATTEMPTS: u32 = 3;
+const TAKE_PAUSE: Duration = Duration::from_millis(200);
+
+/// What a round restores, as this agent found it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Restore {
+    /// The world size the newest step was saved in (what the workers restore by), if one was.
+    pub saved_world: Option<u32>,
+    /// The newest step every rank's state is held for in the members' memory.
+    pub step: Option<u64>,
+    /// The ranks whose state this node took from a peer: (rank, member).
+    pub taken: Vec<(u32, u32)>,
+}
+
 /// This agent's copy server and its sending to the buddy.
 pub struct Copies {
     memory: PathBuf,
@@ -66,13 +81,13 @@ impl Copies {
 
     /// Tells the round's members what this node holds and learns what they hold; takes the
     /// copies its workers will restore from and does not hold; from now on sends to the
-    /// round's buddy. Returns the world size the newest step was saved in (what the workers
-    /// restore by), if one was saved.
-    pub async fn enter_round(&self, round: Round<'_>) -> Result<Option<u32>> {
+    /// round's buddy.
+    pub async fn enter_round(&self, round: Round<'_>) -> Result<Restore> {
         let mine = self.holdings();
-        let (all, nonce) = share(round.store, round.prefix, round.me, round.members, &mine, round.timeout).await?;
-        let key = Key::group(round.secret, wire::KEY_LABEL, &nonce);
+        let key = round_key(round.store, round.prefix, round.secret).await?;
+        // before this member's holdings are published: a member that reads them may ask at once
         self.holder.enter_round(key.clone(), round.me);
+        let all = share(round.store, round.prefix, round.me, round.members, &mine, round.timeout).await?;
         let peer = |them: usize| {
             let addr = all.get(them)?.serves.clone()?;
             Some(Peer { addr, key: key.clone(), me: round.me, them: them as u32 })
@@ -87,41 +102,56 @@ impl Copies {
             .and_then(|them| peer(them as usize))
             .map(|buddy| RingRound { buddy, ranks: round.ranks.clone(), store, me: round.me, members: round.members });
         ring::lock(&self.ring).enter_round(ring_round);
+        let mut restore = Restore { saved_world: plan::saved_world(&all), ..Restore::default() };
         match plan::restore(&all, round.me as usize, &round.ranks, round.world) {
             Some((step, fetches)) => {
                 tracing::info!("every rank's state of step {step} is in the members' memory: the workers restore it");
+                restore.step = Some(step);
                 for fetch in fetches {
                     let Some(from) = peer(fetch.from) else { continue };
-                    self.take(&from, fetch.rank, fetch.step).await;
+                    if self.take(&from, fetch.rank, fetch.step).await {
+                        restore.taken.push((fetch.rank, from.them));
+                    }
                 }
             }
-            None if plan::saved_world(&all).is_some() => tracing::info!(
+            None if restore.saved_world.is_some() => tracing::info!(
                 "no step is held in memory for every rank: the workers restore one from --checkpoint-dir, if any"
             ),
             None => {}
         }
-        Ok(plan::saved_world(&all))
+        Ok(restore)
     }
 
-    /// Takes `rank`'s step `step` from `from`; a failure is said, and the workers then restore
-    /// an older step or from disk.
-    async fn take(&self, from: &Peer, rank: u32, step: u64) {
+    /// Takes `rank`'s step `step` from `from`, a few times at most; a failure is said (false),
+    /// and the workers then refuse to start afresh (the job holds a step they could not get).
+    async fn take(&self, from: &Peer, rank: u32, step: u64) -> bool {
         let started = Instant::now();
         let want = wire::Want { rank, step };
-        match from.get(&want, &peers_dir(&self.memory)).await {
-            Ok(Some(manifest)) => tracing::info!(
-                "took rank {rank}'s checkpoint of step {step} from member {}'s memory ({} bytes in {:.0?})",
-                from.them,
-                manifest.size,
-                started.elapsed()
-            ),
-            Ok(None) => tracing::warn!("member {} no longer holds rank {rank}'s step {step}", from.them),
-            Err(err) => tracing::warn!(
-                "cannot take rank {rank}'s checkpoint of step {step} from member {} ({}): {err}",
-                from.them,
-                from.addr
-            ),
+        for attempt in 1..=TAKE_ATTEMPTS {
+            let failure = match from.get(&want, &peers_dir(&self.memory)).await {
+                Ok(Some(manifest)) => {
+                    tracing::info!(
+                        "took rank {rank}'s checkpoint of step {step} from member {}'s memory ({} bytes in {:.0?})",
+                        from.them,
+                        manifest.size,
+                        started.elapsed()
+                    );
+                    return true;
+                }
+                Ok(None) => format!("member {} no longer holds rank {rank}'s step {step}", from.them),
+                Err(err) => format!(
+                    "cannot take rank {rank}'s checkpoint of step {step} from member {} ({}): {err}",
+                    from.them, from.addr
+                ),
+            };
+            if attempt == TAKE_ATTEMPTS {
+                tracing::warn!("{failure} ({attempt} attempts)");
+            } else {
+                tracing::debug!("{failure}; trying again in {TAKE_PAUSE:?}");
+                tokio::time::sleep(TAKE_PAUSE).await;
+            }
         }
+        false
     }
 
     /// What this agent holds: its own ranks' whole slots and its peers' copies.
@@ -165,8 +195,16 @@ fn slots_under(root: &Path) -> Vec<(u32, Held)> {
         .collect()
 }
 
-/// Publishes `mine` in the round's store and reads every member's, with the round's key
-/// nonce (drawn by whoever comes first).
+/// The key of the round's copy connections: derived from the job secret and a nonce in the
+/// round's store (drawn by whichever member comes first).
+async fn round_key(store: &mut TcpStore, prefix: &str, secret: Option<&Secret>) -> Result<Key> {
+    let mut drawn = [0u8; 32];
+    rand::rngs::OsRng.fill_bytes(&mut drawn);
+    let nonce = store.compare_set(format!("{prefix}/checkpoints/nonce").as_bytes(), b"", &drawn).await?;
+    Ok(Key::group(secret, wire::KEY_LABEL, &nonce))
+}
+
+/// Publishes `mine` in the round's store and reads every member's.
 async fn share(
     store: &mut TcpStore,
     prefix: &str,
@@ -174,10 +212,7 @@ async fn share(
     members: u32,
     mine: &Holdings,
     timeout: Duration,
-) -> Result<(Vec<Holdings>, Vec<u8>)> {
-    let mut drawn = [0u8; 32];
-    rand::rngs::OsRng.fill_bytes(&mut drawn);
-    let nonce = store.compare_set(format!("{prefix}/checkpoints/nonce").as_bytes(), b"", &drawn).await?.to_vec();
+) -> Result<Vec<Holdings>> {
     let key = |member: u32| format!("{prefix}/checkpoints/held/{member}");
     store.set(key(me).as_bytes(), &serde_json::to_vec(mine).expect("serializes")).await?;
     let keys: Vec<String> = (0..members).map(key).collect();
@@ -191,7 +226,7 @@ async fn share(
         .map(|bytes| serde_json::from_slice(bytes))
         .collect::<std::result::Result<Vec<Holdings>, _>>()
         .map_err(|err| AgentError::Config(format!("unreadable checkpoint holdings from another agent: {err}")))?;
-    Ok((all, nonce))
+    Ok(all)
 }
 
 /// Milliseconds since the epoch.

@@ -183,6 +183,7 @@ mod tests {
             size,
             generation: step,
             saved: 0.0,
+            took: None,
             structure: json!({"w": "leaf"}),
         }
     }
