@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import elastix
 from agents import WORKERS, agent, finish_all, node_args, wait_for
 
 PROGRAM = os.path.join(WORKERS, "checkpoint_loop.py")
@@ -35,11 +36,11 @@ def steps_logged(tmp_path, round_):
     return count
 
 
-def node(tmp_path, marker, hosts, i, endpoint, name=None):
+def node(tmp_path, marker, hosts, i, endpoint, name=None, nnodes="2:3", flags=(), conf=CONF):
     python = hosts.command(i, "env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", sys.executable)
-    args = node_args("2:3", endpoint, hosts.addr(i), CONF, PROGRAM, run_id="peers", max_restarts=0)
+    args = node_args(nnodes, endpoint, hosts.addr(i), conf, PROGRAM, run_id="peers", max_restarts=0)
     events = tmp_path / f"{name or f'h{i}'}-events.jsonl"
-    return agent(tmp_path, marker, name or f"h{i}", "run", "--event-log", events, *args, python=python)
+    return agent(tmp_path, marker, name or f"h{i}", "run", "--event-log", events, *flags, *args, python=python)
 
 
 def started(tmp_path, world_size, after=-1):
@@ -103,3 +104,25 @@ def test_a_host_killed_is_restored_from_its_buddys_memory_bit_for_bit(tmp_path, 
     )
     assert drawn.returncode == 0, drawn.stderr
     assert f"restores step {restore['step']} from memory" in page.read_text()
+
+
+def test_a_node_and_its_buddy_lost_at_once_restore_from_disk_and_say_so(tmp_path, marker, hosts):
+    # the rendezvous store outside the hosts (as a standalone store would be): two of three
+    # hosts die, which no majority of rendezvous sites on the hosts would survive
+    store = elastix.TCPStore(hosts.gateway, 0, is_master=True, wait_for_workers=False)
+    endpoint, conf = f"{hosts.gateway}:{store.port}", CONF + ",is_host=false,last_call_timeout=1s"
+    flags = ("--checkpoint-dir", tmp_path / "checkpoints")
+    agents = [node(tmp_path, marker, hosts, i, endpoint, nnodes="1:3", flags=flags, conf=conf) for i in range(3)]
+    three, first = wait_for(lambda: started(tmp_path, 3), timeout=90, what="three nodes training")
+    wait_for(lambda: steps_logged(tmp_path, three) >= 3 * 40, timeout=60, what="40 steps on every rank")
+    # rank 0's state is on its own node and on its buddy's (rank 1's): both die, and the node of
+    # rank 2, left alone, must restore rank 0's state, which no memory holds any more
+    host = {record["rank"]: int(record["host"][4:]) for record in first}
+    for rank in (0, 1):
+        assert hosts.kill(host[rank]), f"host {host[rank]} had no process to kill"
+    _round, alone = wait_for(lambda: started(tmp_path, 1, after=three), timeout=90, what="the survivor going on alone")
+    assert alone[0]["source"] == "disk" and alone[0]["exact"] and alone[0]["step"] is not None, alone
+    survivor = agents[host[2]]
+    assert "no step is held in memory for every rank" in survivor.output(), survivor.output()
+    wait_for(lambda: steps_logged(tmp_path, alone[0]["round"]) >= 5, timeout=60, what="the survivor training again")
+    finish_all(tmp_path, [survivor], marker)

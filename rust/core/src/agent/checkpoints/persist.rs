@@ -117,15 +117,24 @@ impl Persister {
         Ok(Persisted { rank, step: manifest.step, bytes: manifest.size, took: started.elapsed() })
     }
 
-    /// Removes all but the newest `keep` step directories.
+    /// Removes this agent's ranks' files of all but their newest `keep` steps, and step
+    /// directories left empty. Other ranks' files are left alone: on a directory the nodes
+    /// share, each agent keeps the steps of its own ranks.
     fn prune(&self) {
         let Ok(entries) = fs::read_dir(&self.run_dir) else { return };
         let mut steps: Vec<(u64, PathBuf)> =
             entries.flatten().filter_map(|entry| Some((step_of(entry.file_name().to_str()?)?, entry.path()))).collect();
         steps.sort_unstable_by_key(|(step, _)| std::cmp::Reverse(*step));
-        for (step, path) in steps.into_iter().skip(self.keep) {
-            if let Err(err) = fs::remove_dir_all(&path) {
-                tracing::warn!("cannot remove the old checkpoint of step {step} ({}): {err}", path.display());
+        let ranks: Vec<u32> = self.record.lock().unwrap_or_else(PoisonError::into_inner).keys().copied().collect();
+        for rank in ranks {
+            let held = steps.iter().filter(|(_, dir)| dir.join(format!("rank-{rank}.json")).exists());
+            for (step, dir) in held.skip(self.keep) {
+                for file in [format!("rank-{rank}.json"), format!("rank-{rank}.data")] {
+                    if let Err(err) = fs::remove_file(dir.join(&file)) {
+                        tracing::warn!("cannot remove rank {rank}'s old checkpoint of step {step} ({file}): {err}");
+                    }
+                }
+                let _ = fs::remove_dir(dir); // once no rank's files are left in it
             }
         }
     }
@@ -280,6 +289,25 @@ mod tests {
         let mut left: Vec<_> = fs::read_dir(&run_dir).unwrap().map(|e| e.unwrap().file_name()).collect();
         left.sort();
         assert_eq!(left, ["step-000000000003", "step-000000000004"]);
+    }
+
+    #[test]
+    fn a_shared_directory_keeps_the_steps_of_the_ranks_of_other_nodes() {
+        let root = Scratch::new("shared");
+        let (mine, theirs, run_dir) = (root.path().join("mine"), root.path().join("theirs"), root.path().join("run"));
+        let mut persisters =
+            [Persister::new(mine.clone(), run_dir.clone(), 1), Persister::new(theirs.clone(), run_dir.clone(), 1)];
+        // the other node's rank 1 persisted step 1 and then died; this node's rank 0 goes on
+        save(&theirs, 1, 0, 1, b"theirs");
+        assert!(persisters[1].pass().into_iter().all(|outcome| outcome.is_ok()));
+        for step in 1..=3 {
+            save(&mine, 0, (step % 2) as u32, step, b"mine");
+            assert!(persisters[0].pass().into_iter().all(|outcome| outcome.is_ok()));
+        }
+        assert!(step_dir(&run_dir, 1).join("rank-1.json").exists(), "the other node's only step is kept");
+        assert!(!step_dir(&run_dir, 1).join("rank-0.json").exists());
+        assert!(!step_dir(&run_dir, 2).exists(), "a step directory left empty is removed");
+        assert!(step_dir(&run_dir, 3).join("rank-0.json").exists());
     }
 
     #[test]
