@@ -122,13 +122,13 @@ def test_shared_memory_too_small_says_the_size_needed_and_how_to_raise_it(tmp_pa
     small.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], check=True)
     try:
-        ckpt = elastix.checkpoint.open(memory=str(small))
-        with pytest.raises(
-            CheckpointError, match=r"shared memory too small for this checkpoint: 1048576 bytes needed.*--shm-size"
-        ):
-            ckpt.save(0, {"w": np.zeros(1 << 20, dtype=np.uint8)})
-        ckpt.save(0, {"w": np.zeros(8, dtype=np.uint8)})  # a state that fits still saves
-        assert ckpt.load()["w"].shape == (8,)
+        with elastix.checkpoint.open(memory=str(small)) as ckpt:
+            with pytest.raises(
+                CheckpointError, match=r"shared memory too small for this checkpoint: 1048576 bytes needed.*--shm-size"
+            ):
+                ckpt.save(0, {"w": np.zeros(1 << 20, dtype=np.uint8)})
+            ckpt.save(0, {"w": np.zeros(8, dtype=np.uint8)})  # a state that fits still saves
+            assert ckpt.load()["w"].shape == (8,)
     finally:
         subprocess.run(["umount", str(small)], check=True)
 

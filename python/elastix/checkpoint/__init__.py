@@ -62,6 +62,17 @@ class Checkpoint:
         structure, flat = flatten(state)
         self._memory.save(step, self.world_size, structure, flat)
 
+    def close(self) -> None:
+        """Lets go of the shared memory this rank's saves keep mapped (a later save maps it
+        again); also at the end of a ``with`` block."""
+        self._memory.close()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def load(self, like: Any = None) -> Any:
         """The newest state every rank can restore, or None when there is none. With ``like``
         (a state as the program builds it now), a saved state of another structure is refused,

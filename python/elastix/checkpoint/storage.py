@@ -8,7 +8,7 @@ import mmap
 import os
 import time
 import zlib
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -54,6 +54,32 @@ class Slots:
         self.dir = directory
         self.rank = rank
         self._pinned = pinned
+        # each slot's data file stays mapped between saves: a save into pages already mapped
+        # and touched is a plain memory copy (a fresh mapping pays a fault per page)
+        self._maps: Dict[int, Tuple[int, mmap.mmap]] = {}
+
+    def close(self) -> None:
+        """Unmaps the slots (the next save maps them again)."""
+        for _, memory in self._maps.values():
+            memory.close()
+        self._maps.clear()
+
+    def _mapped(self, slot: int, data: str, size: int) -> mmap.mmap:
+        held = self._maps.get(slot)
+        if held is not None and held[0] == size and os.path.exists(data):
+            return held[1]
+        if held is not None:
+            held[1].close()
+        fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            memory = mmap.mmap(fd, size, flags=flags)
+        finally:
+            os.close(fd)
+        self._maps[slot] = (size, memory)
+        return memory
 
     def _paths(self, slot: int) -> tuple[str, str]:
         base = os.path.join(self.dir, f"slot-{slot}")
@@ -94,14 +120,11 @@ class Slots:
         if os.path.exists(manifest):
             os.unlink(manifest)
         self._check_room(data, flat.size)
-        with open(data, "a+b") as f:
-            if os.fstat(f.fileno()).st_size != max(flat.size, 1):
-                f.truncate(max(flat.size, 1))
-            with mmap.mmap(f.fileno(), max(flat.size, 1)) as memory:
-                for offset, array in flat.arrays:
-                    target = np.frombuffer(memory, dtype=np.uint8, count=array.nbytes, offset=offset)
-                    target[...] = array.reshape(-1).view(np.uint8)
-                    del target
+        memory = self._mapped(slot, data, max(flat.size, 1))
+        for offset, array in flat.arrays:
+            target = np.frombuffer(memory, dtype=np.uint8, count=array.nbytes, offset=offset)
+            target[...] = array.reshape(-1).view(np.uint8)
+            del target
         _write_json(manifest, {
             "v": FORMAT_VERSION, "step": int(step), "rank": self.rank, "world_size": int(world_size),
             "size": flat.size, "generation": time.time_ns(), "saved": time.time(),
@@ -148,6 +171,9 @@ class Memory:
 
     def save(self, step: int, world_size: int, structure: Any, flat: Flat) -> None:
         self.own.save(step, world_size, structure, flat)
+
+    def close(self) -> None:
+        self.own.close()
 
     def steps(self) -> List[int]:
         return sorted({step for _, slots in self.places for step in slots.steps()})

@@ -1,0 +1,244 @@
+"""Goodput under faults: the share of the wall-clock time that ends up in the final model.
+
+Three nodes on namespace hosts (one rank each, a state of --state-mb MB per rank, steps of
+--step-s of compute and an all_reduce) train for --minutes; every --fault-every seconds one
+fault, in turn: a worker killed (SIGKILL), a whole host killed (every process in its namespace;
+a new node then takes its place), a node's launcher stopped (SIGTERM, as a preemption; it
+comes back). goodput = useful steps x fault-free step time / wall time, where the useful steps
+are the steps of the final model and the fault-free step time is the median step of a run with
+no checkpoint and no fault. Side by side:
+
+* elastix: `elastix run`, elastix.checkpoint.save every step (the agent's memory, a copy at the
+  next node's agent), --checkpoint-dir for what memory cannot give back;
+* torchrun + torch.save every K steps (rank 0, to a directory the nodes share), for each K of
+  --torch-every (the best is the one to compare with);
+* torchrun + torch's DCP async_save every K steps, where torch has it.
+
+Both launchers use one standalone store outside the hosts (`elastix store`, which torch's
+clients speak to) and their default heartbeats. Also printed: how long a save blocks the loop
+against a plain copy of the same state, the restore time after each fault, and the step-time
+overhead of the checkpoints. torch comes from this interpreter or $TORCH_PYTHON.
+
+    python benches/goodput.py [--minutes 10] [--fault-every 60] [--state-mb 256] [--step-s 1]
+                              [--torch-every 5,20,60] [--no-torch]
+
+Needs root and iproute2 (network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from netns import Hosts  # noqa: E402
+from peer_torch import torch_python  # noqa: E402
+
+WORKER = os.path.join(HERE, "workers", "goodput_worker.py")
+NODES = 3
+FAULTS = ("worker killed", "host killed", "SIGTERM")
+
+
+class Job:
+    """One configuration's nodes on the hosts, their faults, and what their workers logged."""
+
+    def __init__(self, hosts: Hosts, store: str, out: str, launcher: List[str], worker: List[str]) -> None:
+        self.hosts, self.store, self.out = hosts, store, out
+        self.launcher, self.worker = launcher, worker
+        self.nodes: Dict[int, subprocess.Popen] = {}
+        self.faults: List[tuple] = []
+
+    def start(self, i: int) -> None:
+        log = open(os.path.join(self.out, f"node{i}.log"), "a")
+        argv = [*self.launcher, "--local-addr", self.hosts.addr(i), *self.worker]
+        env = {**os.environ, "OUT_DIR": self.out, "ELASTIX_COLLECTIVES_HOST_ID": f"host{i}"}
+        self.nodes[i] = subprocess.Popen(self.hosts.command(i, *argv), env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def fault(self, kind: str, i: int) -> None:
+        self.faults.append((time.time(), kind, i))
+        if kind == "worker killed":
+            with open(os.path.join(self.out, f"pid-host{i}.txt")) as f:
+                _signal(int(f.read()), signal.SIGKILL)
+            return
+        if kind == "host killed":
+            self.hosts.kill(i)
+            self.nodes[i].wait(30)
+        else:  # SIGTERM: the node's launcher stops its workers and exits, then comes back
+            self.nodes[i].send_signal(signal.SIGTERM)
+            try:
+                self.nodes[i].wait(60)
+            except subprocess.TimeoutExpired:
+                self.hosts.kill(i)
+        self.start(i)
+
+    def stop(self) -> None:
+        open(os.path.join(self.out, "stop"), "w").close()
+        deadline = time.monotonic() + 120
+        for i, node in self.nodes.items():
+            try:
+                node.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.hosts.kill(i)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def lines(out: str, name: str) -> List[List[str]]:
+    found = []
+    for path in glob.glob(os.path.join(out, f"{name}-*.txt")):
+        with open(path) as f:
+            found.extend(line.split() for line in f if line.strip())
+    return found
+
+
+def median_step(out: str, before: float = float("inf")) -> Optional[float]:
+    """The median time between consecutive steps of rank 0 (before `before`)."""
+    steps = sorted((float(t), int(s)) for t, s in lines(out, "steps") if float(t) < before)
+    gaps = [b[0] - a[0] for a, b in zip(steps, steps[1:]) if b[1] == a[1] + 1]
+    return statistics.median(gaps) if gaps else None
+
+
+def run(hosts: Hosts, store: str, name: str, launcher: List[str], worker: List[str], args, faults: bool) -> dict:
+    out = tempfile.mkdtemp(prefix=f"goodput-{name.replace(' ', '_').replace('=', '')}-")
+    job = Job(hosts, store, out, launcher, worker)
+    for i in range(NODES):
+        job.start(i)
+    began = time.time()
+    wall = args.minutes * 60 if faults else args.calibrate
+    turn = 0
+    while time.time() - began < wall:
+        next_fault = began + (turn + 1) * args.fault_every
+        time.sleep(max(0.0, min(next_fault, began + wall) - time.time()))
+        if faults and time.time() < began + wall - 5:
+            job.fault(FAULTS[turn % len(FAULTS)], 1 + turn % (NODES - 1))
+            turn += 1
+    job.stop()
+    ended = time.time()
+    final = (
+        open(os.path.join(out, "final.txt")).read().strip() if os.path.exists(os.path.join(out, "final.txt")) else "-1"
+    )
+    first_fault = job.faults[0][0] if job.faults else float("inf")
+    return {
+        "name": name,
+        "useful": int(final) + 1,
+        "wall": ended - began,
+        "step": median_step(out, first_fault),
+        "saves": [float(s[0]) for s in lines(out, "saves")],
+        "memcpy": min((float(s[0]) for s in lines(out, "memcpy")), default=None),
+        "restores": [(int(s[0]), float(s[1])) for s in lines(out, "starts") if int(s[0]) >= 0],
+        "out": out,
+    }
+
+
+def report(result: dict, ideal: float) -> None:
+    goodput = result["useful"] * ideal / result["wall"]
+    saves = result["saves"]
+    save = statistics.median(saves) if saves else None
+    line = f"{result['name']:<28} goodput {goodput:6.1%}  ({result['useful']} steps in {result['wall']:.0f}s)"
+    if result["step"]:
+        line += f"  step {result['step']:.3f}s ({result['step'] / ideal - 1:+.1%} vs no checkpoint)"
+    if save is not None and result["memcpy"]:
+        line += f"  save blocks {save * 1000:.0f} ms = {save / result['memcpy']:.2f}x a memcpy"
+    restores = [took for _, took in result["restores"]]
+    if restores:
+        line += f"  restore median {statistics.median(restores):.2f}s max {max(restores):.2f}s"
+    print(line, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10)
+    parser.add_argument("--fault-every", type=float, default=60)
+    parser.add_argument("--state-mb", type=int, default=256)
+    parser.add_argument("--step-s", type=float, default=1.0)
+    parser.add_argument("--torch-every", default="5,20,60")
+    parser.add_argument("--calibrate", type=float, default=20, help="seconds of the fault-free run")
+    parser.add_argument("--no-torch", action="store_true")
+    args = parser.parse_args()
+    why = Hosts.available()
+    if why:
+        sys.exit(f"goodput: needs network namespaces ({why})")
+    hosts = Hosts(NODES)
+    store_proc = None
+    try:
+        store_proc = subprocess.Popen(
+            [sys.executable, "-m", "elastix", "store", "--host", hosts.gateway, "--port", "29500"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        store = f"{hosts.gateway}:29500"
+        time.sleep(1)
+        common = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", store]
+        conf = ["--rdzv-conf", "is_host=false,join_timeout=120", "--max-restarts", "100"]
+        worker = ["--state-mb", str(args.state_mb), "--step-s", str(args.step_s)]
+        elastix = [sys.executable, "-m", "elastix", "run", *common, *conf, "--rdzv-id"]
+        ckpt_dir = tempfile.mkdtemp(prefix="goodput-ckpt-")
+        print(
+            f"goodput: {NODES} namespace hosts, {args.state_mb} MB per rank, steps of {args.step_s}s compute, "
+            f"{args.minutes} min, a fault every {args.fault_every:.0f}s ({', '.join(FAULTS)}, in turn)",
+            flush=True,
+        )
+        calibration = run(
+            hosts,
+            store,
+            "no checkpoint, no fault",
+            [*elastix, "calibrate"],
+            [WORKER, "--mode", "none", *worker],
+            args,
+            False,
+        )
+        ideal = calibration["step"]
+        print(f"fault-free step (no checkpoint): {ideal:.3f}s", flush=True)
+        results = [
+            run(
+                hosts,
+                store,
+                "elastix (save every step)",
+                [*elastix, "goodput", "--checkpoint-dir", ckpt_dir],
+                [WORKER, "--mode", "elastix", *worker],
+                args,
+                True,
+            )
+        ]
+        report(results[0], ideal)
+        torch = None if args.no_torch else torch_python()
+        if torch is None:
+            print("torchrun: skipped (no torch here or in $TORCH_PYTHON)", flush=True)
+            return
+        torchrun = [torch, "-m", "torch.distributed.run", *common, *conf]
+        for mode in ("torch-save", "torch-dcp"):
+            for every in [int(k) for k in args.torch_every.split(",")]:
+                name = f"torchrun + {'torch.save' if mode == 'torch-save' else 'DCP async_save'} K={every}"
+                result = run(
+                    hosts,
+                    store,
+                    name,
+                    [*torchrun, "--rdzv-id", f"{mode}-{every}"],
+                    [WORKER, "--mode", mode, "--every", str(every), *worker],
+                    args,
+                    True,
+                )
+                report(result, ideal)
+                results.append(result)
+    finally:
+        if store_proc is not None:
+            store_proc.kill()
+        hosts.close()
+
+
+if __name__ == "__main__":
+    main()
