@@ -5,7 +5,7 @@ Three nodes on namespace hosts (one rank each, a state of --state-mb MB per rank
 fault, in turn: a worker killed (SIGKILL), a whole host killed (every process in its namespace;
 a new node then takes its place), a node's launcher stopped (SIGTERM, as a preemption; it
 comes back). goodput = useful steps x fault-free step time / wall time, where the useful steps
-are the steps of the final model and the fault-free step time is the median step of a run with
+are the steps of the final model and the fault-free step time is the mean step of a run with
 no checkpoint and no fault. Side by side:
 
 * elastix: `elastix run`, elastix.checkpoint.save every step (the agent's memory, a copy at the
@@ -60,7 +60,13 @@ class Job:
     def start(self, i: int) -> None:
         log = open(os.path.join(self.out, f"node{i}.log"), "a")
         argv = [*self.launcher, "--local-addr", self.hosts.addr(i), *self.worker]
-        env = {**os.environ, "OUT_DIR": self.out, "ELASTIX_COLLECTIVES_HOST_ID": f"host{i}"}
+        # the hosts share a host name, which gloo resolves to loopback: it takes the host's link
+        env = {
+            **os.environ,
+            "OUT_DIR": self.out,
+            "ELASTIX_COLLECTIVES_HOST_ID": f"host{i}",
+            "GLOO_SOCKET_IFNAME": "eth0",
+        }
         self.nodes[i] = subprocess.Popen(self.hosts.command(i, *argv), env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def fault(self, kind: str, i: int) -> None:
@@ -105,11 +111,13 @@ def lines(out: str, name: str) -> List[List[str]]:
     return found
 
 
-def median_step(out: str, before: float = float("inf")) -> Optional[float]:
-    """The median time between consecutive steps of rank 0 (before `before`)."""
-    steps = sorted((float(t), int(s)) for t, s in lines(out, "steps") if float(t) < before)
+def mean_step(out: str, before: float = float("inf"), rank: int = 0) -> Optional[float]:
+    """The mean time between consecutive steps of `rank` (before `before`): the checkpoints'
+    cost included, even when only one step in K saves."""
+    with open(os.path.join(out, f"steps-{rank}.txt")) as f:
+        steps = sorted((float(t), int(s)) for t, s in (line.split() for line in f if line.strip()) if float(t) < before)
     gaps = [b[0] - a[0] for a, b in zip(steps, steps[1:]) if b[1] == a[1] + 1]
-    return statistics.median(gaps) if gaps else None
+    return statistics.mean(gaps) if gaps else None
 
 
 def run(hosts: Hosts, store: str, name: str, launcher: List[str], worker: List[str], args, faults: bool) -> dict:
@@ -128,16 +136,23 @@ def run(hosts: Hosts, store: str, name: str, launcher: List[str], worker: List[s
             turn += 1
     job.stop()
     ended = time.time()
-    final = (
-        open(os.path.join(out, "final.txt")).read().strip() if os.path.exists(os.path.join(out, "final.txt")) else "-1"
-    )
     first_fault = job.faults[0][0] if job.faults else float("inf")
+    saves = lines(out, "saves")
+    ended_early = not os.path.exists(os.path.join(out, "final.txt"))
+    if ended_early:  # the job died: its final model is its newest checkpoint
+        useful = max((int(s[1]) + 1 for s in saves), default=0)
+    else:
+        useful = int(open(os.path.join(out, "final.txt")).read()) + 1
     return {
         "name": name,
-        "useful": int(final) + 1,
+        "useful": useful,
+        "ended_early": ended_early,
         "wall": ended - began,
-        "step": median_step(out, first_fault),
-        "saves": [float(s[0]) for s in lines(out, "saves")],
+        "step": mean_step(out, first_fault),
+        # rank 0's: with torch.save only rank 0 writes
+        "saves": [float(line.split()[0]) for line in open(os.path.join(out, "saves-0.txt"))]
+        if os.path.exists(os.path.join(out, "saves-0.txt"))
+        else [],
         "memcpy": min((float(s[0]) for s in lines(out, "memcpy")), default=None),
         "restores": [(int(s[0]), float(s[1])) for s in lines(out, "starts") if int(s[0]) >= 0],
         "out": out,
@@ -149,6 +164,8 @@ def report(result: dict, ideal: float) -> None:
     saves = result["saves"]
     save = statistics.median(saves) if saves else None
     line = f"{result['name']:<28} goodput {goodput:6.1%}  ({result['useful']} steps in {result['wall']:.0f}s)"
+    if result["ended_early"]:
+        line += " [the job died: its newest checkpoint counts]"
     if result["step"]:
         line += f"  step {result['step']:.3f}s ({result['step'] / ideal - 1:+.1%} vs no checkpoint)"
     if save is not None and result["memcpy"]:
@@ -168,6 +185,7 @@ def main() -> None:
     parser.add_argument("--torch-every", default="5,20,60")
     parser.add_argument("--calibrate", type=float, default=20, help="seconds of the fault-free run")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--no-elastix", action="store_true", help="torchrun's configurations only")
     args = parser.parse_args()
     why = Hosts.available()
     if why:
@@ -202,19 +220,13 @@ def main() -> None:
             False,
         )
         ideal = calibration["step"]
-        print(f"fault-free step (no checkpoint): {ideal:.3f}s", flush=True)
-        results = [
-            run(
-                hosts,
-                store,
-                "elastix (save every step)",
-                [*elastix, "goodput", "--checkpoint-dir", ckpt_dir],
-                [WORKER, "--mode", "elastix", *worker],
-                args,
-                True,
+        print(f"fault-free step (no checkpoint, no fault; the mean): {ideal:.3f}s", flush=True)
+        if not args.no_elastix:
+            launcher = [*elastix, "goodput", "--checkpoint-dir", ckpt_dir]
+            mine = run(
+                hosts, store, "elastix (save every step)", launcher, [WORKER, "--mode", "elastix", *worker], args, True
             )
-        ]
-        report(results[0], ideal)
+            report(mine, ideal)
         torch = None if args.no_torch else torch_python()
         if torch is None:
             print("torchrun: skipped (no torch here or in $TORCH_PYTHON)", flush=True)
@@ -233,7 +245,6 @@ def main() -> None:
                     True,
                 )
                 report(result, ideal)
-                results.append(result)
     finally:
         if store_proc is not None:
             store_proc.kill()

@@ -4,8 +4,8 @@ compute (a sleep: an accelerator's time, the CPU left free) and an all_reduce; c
 through elastix.checkpoint, torch.save (rank 0, every --every steps) or torch's DCP async_save.
 
 Writes to $OUT_DIR: steps-<rank>.txt ("<unix time> <step>" per step), starts-<rank>.txt
-("<step restored or -1> <seconds the restore took>" per start), saves-<rank>.txt (seconds
-each save blocked the loop), memcpy-<rank>.txt (a plain copy of the same state, the floor),
+("<step restored or -1> <seconds the restore took>" per start), saves-<rank>.txt ("<seconds
+the save blocked the loop> <step>"), memcpy-<rank>.txt (a plain copy of the same state, the floor),
 final.txt (rank 0's last step). Stops, every rank after the same step, once $OUT_DIR/stop
 exists."""
 
@@ -142,7 +142,7 @@ def main() -> None:
         if args.mode != "none" and step % args.every == 0:
             began = time.perf_counter()
             job.save(step, w)
-            log("saves", f"{time.perf_counter() - began:.4f}")
+            log("saves", f"{time.perf_counter() - began:.4f} {step}")
         log("steps", f"{time.time():.3f} {step}")
         if flag[0] > 0:
             break

@@ -160,6 +160,67 @@ def test_a_stop_signal_persists_the_newest_step_before_the_agent_exits(tmp_path,
     assert_nothing_left(marker)
 
 
+RESUMES_AND_SAVES = textwrap.dedent(
+    """
+    import json, os, time
+    import numpy as np
+    import elastix
+
+    ckpt = elastix.checkpoint.open()
+    state = ckpt.load()
+    out = os.environ["OUT_DIR"]
+    exact = state is None or bool((state["w"] == ckpt.step).all())
+    with open(os.path.join(out, f"start_{os.getpid()}.json"), "w") as f:
+        json.dump({"step": ckpt.step, "source": ckpt.source, "exact": exact}, f)
+    step, saved = 0 if state is None else ckpt.step + 1, 0
+    while not os.path.exists(os.path.join(out, "stop")):
+        ckpt.save(step, {"w": np.full(64 * 1024, step, dtype=np.float32)})
+        saved += 1
+        if saved == 30:
+            open(os.path.join(out, "running"), "w").close()
+        step += 1
+        time.sleep(0.02)
+    """
+)
+
+
+def test_an_agent_killed_outright_is_resumed_from_disk_by_the_next_run(tmp_path, marker):
+    """SIGKILL gives the agent no flush: the next run of the job restores the newest step the
+    background persisting completed, whole and checked, and never a torn one."""
+    import signal
+    import time
+
+    script = tmp_path / "resumes.py"
+    script.write_text(RESUMES_AND_SAVES)
+    checkpoints = tmp_path / "checkpoints"
+    with reserved_port() as port:
+        endpoint = f"127.0.0.1:{port}"
+    # (--standalone would name each run anew: the job's ID is what finds its checkpoints)
+    flags = ("--nnodes", 1, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "killed")
+    flags += ("--checkpoint-dir", checkpoints)
+    proc = elastix_run(*flags, script, out_dir=tmp_path, marker=marker)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "running").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, finish(proc)
+        time.sleep(0.05)
+    time.sleep(1)  # a persisting pass or two
+    proc.send_signal(signal.SIGKILL)
+    finish(proc)
+    assert_nothing_left(marker)  # its workers went with it
+    (run_dir,) = checkpoints.iterdir()
+    persisted = max(int(path.name[5:]) for path in run_dir.iterdir() if (path / "rank-0.json").exists())
+    (tmp_path / "running").unlink()
+    again = elastix_run(*flags, script, out_dir=tmp_path, marker=marker)
+    while not (tmp_path / "running").exists():
+        assert time.monotonic() < deadline + 60 and again.poll() is None, finish(again)
+        time.sleep(0.05)
+    (tmp_path / "stop").touch()
+    code, _out, err = finish(again)
+    assert code == 0, err
+    resumed = [read(path) for path in tmp_path.glob("start_*.json") if read(path)["step"] is not None]
+    assert resumed == [{"step": persisted, "source": "disk", "exact": True}], (resumed, persisted)
+
+
 FILLS_THE_DISK = textwrap.dedent(
     """
     import json, os
