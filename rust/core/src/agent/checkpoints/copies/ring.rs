@@ -275,10 +275,13 @@ async fn send_target(round: &RingRound, memory: &Path, ring: &Shared, rate: u64,
     Ok(Sent::All)
 }
 
+/// A connection of the ring's own: quiet, since a store outage is the agent's to report (a
+/// second countdown of the same outage would only confuse).
 async fn open(at: &RoundStore) -> Result<TcpStore, StoreError> {
     let options = TcpStoreOptions {
         timeout: Some(STORE_PATIENCE),
         secret: at.secret.clone(),
+        quiet: true,
         ..TcpStoreOptions::new(at.host.clone(), at.port)
     };
     TcpStore::open(options).await
