@@ -155,8 +155,22 @@ def run(hosts: Hosts, store: str, name: str, launcher: List[str], worker: List[s
         else [],
         "memcpy": min((float(s[0]) for s in lines(out, "memcpy")), default=None),
         "restores": [(int(s[0]), float(s[1])) for s in lines(out, "starts") if int(s[0]) >= 0],
+        "lost": steps_lost(out, job.faults),
         "out": out,
     }
+
+
+def steps_lost(out: str, faults: List[tuple]) -> Dict[str, List[int]]:
+    """Per kind of fault: the steps trained before it that the next restore did not give back."""
+    steps = sorted((float(t), int(s)) for t, s in lines(out, "steps"))
+    starts = sorted((float(s[2]), int(s[0])) for s in lines(out, "starts") if len(s) > 2)
+    lost: Dict[str, List[int]] = {}
+    for at, kind, _host in faults:
+        reached = max((step for t, step in steps if t < at), default=-1)
+        after = [restored for t, restored in starts if t > at]
+        if after:
+            lost.setdefault(kind, []).append(max(0, reached - after[0]))
+    return lost
 
 
 def report(result: dict, ideal: float) -> None:
@@ -174,6 +188,8 @@ def report(result: dict, ideal: float) -> None:
     if restores:
         line += f"  restore median {statistics.median(restores):.2f}s max {max(restores):.2f}s"
     print(line, flush=True)
+    for kind, counts in result["lost"].items():
+        print(f"    steps lost after a {kind}: {counts}", flush=True)
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ compute (a sleep: an accelerator's time, the CPU left free) and an all_reduce; c
 through elastix.checkpoint, torch.save (rank 0, every --every steps) or torch's DCP async_save.
 
 Writes to $OUT_DIR: steps-<rank>.txt ("<unix time> <step>" per step), starts-<rank>.txt
-("<step restored or -1> <seconds the restore took>" per start), saves-<rank>.txt ("<seconds
+("<step restored or -1> <seconds the restore took> <unix time>" per start), saves-<rank>.txt ("<seconds
 the save blocked the loop> <step>"), memcpy-<rank>.txt (a plain copy of the same state, the floor),
 final.txt (rank 0's last step). Stops, every rank after the same step, once $OUT_DIR/stop
 exists."""
@@ -122,7 +122,7 @@ def main() -> None:
     job = Elastix() if args.mode in ("elastix", "none") else Torch(args.mode == "torch-dcp")
     started = time.perf_counter()
     w, restored = job.load()
-    log("starts", f"{restored} {time.perf_counter() - started:.3f}")
+    log("starts", f"{restored} {time.perf_counter() - started:.3f} {time.time():.3f}")
     floor = np.zeros_like(w)
     floor.fill(1.0)  # touched: the copy pays no page faults
     copies = []
