@@ -98,6 +98,49 @@ pub fn rank_of(name: &str) -> Option<u32> {
     name.strip_prefix("rank-")?.parse().ok()
 }
 
+/// What the checkpoint modules' tests write: a slot's manifest and files.
+#[cfg(test)]
+pub mod fixtures {
+    use std::path::{Path, PathBuf};
+
+    use serde_json::json;
+
+    use super::{rank_dir, slot_paths, SlotManifest, FORMAT_VERSION};
+
+    /// The manifest of rank `rank`'s step `step` (its generation too), of `size` bytes.
+    pub fn manifest(rank: u32, step: u64, size: u64) -> SlotManifest {
+        SlotManifest {
+            v: FORMAT_VERSION,
+            step,
+            rank,
+            world_size: 2,
+            size,
+            generation: step,
+            saved: 0.0,
+            took: None,
+            structure: json!({"w": "leaf"}),
+        }
+    }
+
+    /// Writes `data` and `manifest` as slot `slot` under `root`; returns the data file.
+    pub fn write_slot(root: &Path, slot: u32, manifest: &SlotManifest, data: &[u8]) -> PathBuf {
+        let dir = rank_dir(root, manifest.rank);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (data_path, json) = slot_paths(&dir, slot);
+        std::fs::write(&data_path, data).unwrap();
+        std::fs::write(json, serde_json::to_vec(manifest).unwrap()).unwrap();
+        data_path
+    }
+
+    /// An empty directory of the test's own under the temporary directory.
+    pub fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("elastix-ckpt-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -210,10 +210,9 @@ fn now() -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
-
     use super::*;
-    use crate::agent::checkpoints::layout::{slot_paths, FORMAT_VERSION};
+    use crate::agent::checkpoints::layout::fixtures::{manifest, write_slot};
+    use crate::agent::checkpoints::layout::slot_paths;
 
     /// A directory of the test's own, removed when dropped.
     struct Scratch(PathBuf);
@@ -238,22 +237,7 @@ mod tests {
     }
 
     fn save(memory: &Path, rank: u32, slot: u32, step: u64, data: &[u8]) {
-        let dir = rank_dir(memory, rank);
-        fs::create_dir_all(&dir).unwrap();
-        let (data_path, json) = slot_paths(&dir, slot);
-        fs::write(data_path, data).unwrap();
-        let manifest = SlotManifest {
-            v: FORMAT_VERSION,
-            step,
-            rank,
-            world_size: 2,
-            size: data.len() as u64,
-            generation: step,
-            saved: 0.0,
-            took: None,
-            structure: json!({"w": "leaf"}),
-        };
-        fs::write(json, serde_json::to_vec(&manifest).unwrap()).unwrap();
+        write_slot(memory, slot, &manifest(rank, step, data.len() as u64), data);
     }
 
     #[test]

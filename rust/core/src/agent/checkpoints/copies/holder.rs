@@ -140,36 +140,13 @@ async fn give(stream: &mut SealedStream<TcpStream>, memory: &Path, want: &Want) 
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
-
     use super::super::peer::Peer;
     use super::*;
-    use crate::agent::checkpoints::layout::{rank_dir, slot_paths, FORMAT_VERSION};
-
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("elastix-holder-test-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
-    }
+    use crate::agent::checkpoints::layout::fixtures::{manifest, scratch, write_slot};
 
     fn saved(root: &Path, rank: u32, step: u64, data: &[u8]) -> (SlotManifest, PathBuf) {
-        let manifest = SlotManifest {
-            v: FORMAT_VERSION,
-            step,
-            rank,
-            world_size: 2,
-            size: data.len() as u64,
-            generation: step,
-            saved: 0.0,
-            took: None,
-            structure: json!({"w": "leaf"}),
-        };
-        let dir = rank_dir(root, rank);
-        std::fs::create_dir_all(&dir).unwrap();
-        let (data_path, json) = slot_paths(&dir, 0);
-        std::fs::write(&data_path, data).unwrap();
-        std::fs::write(json, serde_json::to_vec(&manifest).unwrap()).unwrap();
+        let manifest = manifest(rank, step, data.len() as u64);
+        let data_path = write_slot(root, 0, &manifest, data);
         (manifest, data_path)
     }
 

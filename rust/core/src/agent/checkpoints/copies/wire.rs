@@ -169,46 +169,15 @@ pub async fn receive_slot<R: AsyncRead + Unpin>(
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
-
     use super::*;
-    use crate::agent::checkpoints::layout::FORMAT_VERSION;
-
-    fn manifest(rank: u32, step: u64, size: u64) -> SlotManifest {
-        SlotManifest {
-            v: FORMAT_VERSION,
-            step,
-            rank,
-            world_size: 2,
-            size,
-            generation: step,
-            saved: 0.0,
-            took: None,
-            structure: json!({"w": "leaf"}),
-        }
-    }
-
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("elastix-wire-test-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
-    }
-
-    fn save(root: &Path, slot: u32, manifest: &SlotManifest, data: &[u8]) {
-        let dir = rank_dir(root, manifest.rank);
-        std::fs::create_dir_all(&dir).unwrap();
-        let (data_path, json) = slot_paths(&dir, slot);
-        std::fs::write(data_path, data).unwrap();
-        std::fs::write(json, serde_json::to_vec(manifest).unwrap()).unwrap();
-    }
+    use crate::agent::checkpoints::layout::fixtures::{manifest, scratch, write_slot};
 
     #[tokio::test]
     async fn a_slot_sent_arrives_whole_in_the_slot_not_holding_the_newest_step() {
         let (from, to) = (scratch("from"), scratch("to"));
         let sent = manifest(1, 5, 10);
-        save(&from, 0, &sent, b"0123456789");
-        save(&to, 0, &manifest(1, 4, 3), b"old");
+        write_slot(&from, 0, &sent, b"0123456789");
+        write_slot(&to, 0, &manifest(1, 4, 3), b"old");
         let (mut a, mut b) = tokio::io::duplex(64);
         let data = slot_paths(&rank_dir(&from, 1), 0).0;
         let (whole, received) =
@@ -225,9 +194,9 @@ mod tests {
     async fn a_slot_saved_into_while_it_was_sent_is_not_kept() {
         let (from, to) = (scratch("torn-from"), scratch("torn-to"));
         let sent = manifest(0, 5, 4);
-        save(&from, 0, &sent, b"abcd");
+        write_slot(&from, 0, &sent, b"abcd");
         // the worker saved step 6 into the slot meanwhile: another generation
-        save(&from, 0, &manifest(0, 6, 4), b"efgh");
+        write_slot(&from, 0, &manifest(0, 6, 4), b"efgh");
         let (mut a, mut b) = tokio::io::duplex(64);
         let data = slot_paths(&rank_dir(&from, 0), 0).0;
         let (whole, received) =
