@@ -63,7 +63,7 @@ _LAZY = {
 
 
 # Subpackages that load on first use too: `elastix.checkpoint.open()` after `import elastix`.
-_LAZY_MODULES = {"checkpoint"}
+_LAZY_MODULES = {"checkpoint", "elastic"}
 
 
 def __getattr__(name: str) -> object:
@@ -112,4 +112,5 @@ __all__ = [
     "ChildFailedError",
     "reset_log_cache",
     "checkpoint",
+    "elastic",
 ]

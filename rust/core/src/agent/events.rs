@@ -99,6 +99,12 @@ impl EventLog {
         }
     }
 
+    /// The workers of `round` (`pids`) run `elastix.elastic`: they are not stopped for the
+    /// re-form `why` but told to stop their collectives, and re-form in the next round.
+    pub async fn workers_kept(&self, round: u64, pids: &[u32], why: &str) {
+        self.emit("workers_kept", json!({"round": round, "pids": pids, "why": why})).await;
+    }
+
     /// `member_lost`, `member_joined` (late nodes wait to join) or `membership_changed`.
     pub async fn membership_changed(&self, change: &MembershipChange, description: &str) {
         let (name, mut fields) = match change {

@@ -9,7 +9,8 @@
 //!   [`progress`]: the workers' progress for `elastix status`; [`events`]: the event log of
 //!   every state change; [`finished`]: what a job leaves on its machines once it ended.
 //! * [`checkpoints`]: the workers' checkpoints, held in memory and persisted by the agent.
-//! * [`config`]: what the agent is told; [`signals`], [`result`], [`error`].
+//! * [`config`]: what the agent is told; [`signals`], [`result`], [`error`]; [`shm`]: where
+//!   what it shares with its workers lives.
 
 pub mod checkpoints;
 pub mod config;
@@ -22,6 +23,7 @@ pub mod output;
 pub mod progress;
 pub mod result;
 pub mod run;
+pub mod shm;
 pub mod signals;
 pub mod workers;
 

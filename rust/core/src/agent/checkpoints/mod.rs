@@ -75,7 +75,8 @@ impl Checkpoints {
         host: &str,
         copy_rate: u64,
     ) -> std::io::Result<Checkpoints> {
-        let memory = shared_memory_root().join(format!("elastix-ckpt-{}-{}", sanitized(run_id), std::process::id()));
+        let memory =
+            crate::agent::shm::dir().join(format!("elastix-ckpt-{}-{}", sanitized(run_id), std::process::id()));
         fs::DirBuilder::new().recursive(true).mode(0o700).create(&memory)?;
         let persister = dir.map(|dir| Persister::new(memory.clone(), dir.join(run_id), keep));
         let persisted = persister.as_ref().map_or_else(Arc::default, Persister::record);
@@ -217,16 +218,6 @@ fn report(outcomes: Vec<Result<persist::Persisted, PersistError>>, failing: &mut
                 }
             }
         }
-    }
-}
-
-/// Where shared memory lives: /dev/shm, else the temporary directory.
-fn shared_memory_root() -> PathBuf {
-    let shm = Path::new("/dev/shm");
-    if shm.is_dir() {
-        shm.to_owned()
-    } else {
-        std::env::temp_dir()
     }
 }
 

@@ -224,14 +224,14 @@ impl Heartbeats {
         static ATTEMPTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = ATTEMPTS.fetch_add(1, Ordering::Relaxed);
         if n == 0 {
-            remove_orphans(&page_dir());
+            crate::agent::shm::remove_orphans(&crate::agent::shm::dir(), PAGE_PREFIX);
         }
         Heartbeats::create(slots, &format!("{PAGE_PREFIX}{}-{n}", std::process::id()))
     }
 
     /// A zeroed page for `slots` workers, in `/dev/shm` where there is one.
     pub fn create(slots: usize, name: &str) -> io::Result<Heartbeats> {
-        let path = page_dir().join(name);
+        let path = crate::agent::shm::dir().join(name);
         let file = File::options().read(true).write(true).create_new(true).open(&path)?;
         let made = (|| {
             file.set_len((slots.max(1) * SLOT_WORDS * 8) as u64)?;
@@ -261,6 +261,19 @@ impl Heartbeats {
         word.load(Ordering::Relaxed)
     }
 
+    /// Zeroes worker `slot`'s words, for a new process in that place (a worker restarted
+    /// alone while its group stays): it claims the slot as the first did.
+    pub fn clear(&self, slot: usize) {
+        assert!(slot < self.slots);
+        for index in 0..SLOT_WORDS {
+            let offset = (slot * SLOT_WORDS + index) * 8;
+            // SAFETY: as in `word`: in bounds, 8-byte aligned, alive as long as `self`, and only
+            // ever accessed atomically.
+            let word = unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(offset).cast::<u64>()) };
+            word.store(0, Ordering::Relaxed);
+        }
+    }
+
     pub fn slot(&self, slot: usize) -> Slot {
         Slot {
             last_beat: self.word(slot, LAST_BEAT),
@@ -277,29 +290,6 @@ impl Heartbeats {
 
 /// Pages are named `<PAGE_PREFIX><agent pid>-<attempt>`.
 const PAGE_PREFIX: &str = "elastix-heartbeats-";
-
-fn page_dir() -> PathBuf {
-    let shm = Path::new("/dev/shm");
-    if shm.is_dir() {
-        shm.to_owned()
-    } else {
-        std::env::temp_dir()
-    }
-}
-
-/// Removes the pages in `dir` whose agent is no longer running.
-fn remove_orphans(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let pid = name.to_str().and_then(|n| n.strip_prefix(PAGE_PREFIX)).and_then(|rest| rest.split('-').next());
-        let Some(pid) = pid.and_then(|pid| pid.parse::<i32>().ok()) else { continue };
-        // ESRCH: no such process (EPERM means one runs, under another user)
-        if nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) == Err(nix::errno::Errno::ESRCH) {
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
-}
 
 impl Drop for Heartbeats {
     fn drop(&mut self) {
@@ -359,22 +349,6 @@ mod tests {
     }
 
     #[test]
-    fn pages_of_dead_agents_are_removed_and_live_ones_kept() {
-        let dir = std::env::temp_dir().join(format!("elastix-hb-orphans-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        // a pid past the kernel's limit never runs
-        let dead = dir.join(format!("{PAGE_PREFIX}{}-0", i32::MAX));
-        let live = dir.join(format!("{PAGE_PREFIX}{}-0", std::process::id()));
-        let other = dir.join("unrelated-file");
-        for path in [&dead, &live, &other] {
-            std::fs::write(path, b"").unwrap();
-        }
-        remove_orphans(&dir);
-        assert!(!dead.exists() && live.exists() && other.exists());
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
     fn a_page_reads_what_a_worker_wrote_and_is_removed_when_dropped() {
         let page = Heartbeats::create(2, &format!("elastix-test-hb-{}", std::process::id())).unwrap();
         let path = page.path().to_owned();
@@ -411,6 +385,11 @@ mod tests {
         assert_eq!(flights.iter().map(|f| f.seq).collect::<Vec<_>>(), [2, 3, 4, 5]);
         assert_eq!(flights[3], Flight { kind: 1, group: 3, seq: 5, bytes: 64, entered: 104, finished: 204 });
         assert!(page.flights(0).is_empty());
+        // a worker restarted alone finds its slot as the first one did, the others' untouched
+        page.clear(1);
+        assert_eq!(page.slot(1), Slot::default());
+        assert!(page.flights(1).is_empty());
+        assert_eq!(page.slot(0).last_beat, 7);
         drop(page);
         assert!(!path.exists());
     }

@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use super::reform::open_control;
 use super::report::Report;
 use crate::agent::checkpoints::Checkpoints;
 use crate::agent::config::AgentConfig;
@@ -11,6 +12,8 @@ use crate::agent::events::EventLog;
 use crate::agent::output::logfiles::LogWriter;
 use crate::agent::output::logs::{worker_outputs, LogDirs};
 use crate::agent::signals::Signals;
+use crate::agent::workers::control::Control;
+use crate::agent::workers::group::WorkerGroup;
 use crate::agent::workers::process::Output;
 use crate::agent::workers::standby::StandbyPool;
 use crate::auth::Secret;
@@ -45,6 +48,10 @@ pub(super) struct Agent {
     pub(super) lost_starts: u32,
     /// The workers' checkpoints in memory (`None`: shared memory could not be set up).
     pub(super) checkpoints: Option<Checkpoints>,
+    /// The line to workers that re-form in process (`None`: the socket could not be made).
+    pub(super) control: Option<Control>,
+    /// Workers kept running through a re-form, until the next round places them.
+    pub(super) kept: Option<WorkerGroup>,
 }
 
 impl Agent {
@@ -79,6 +86,8 @@ impl Agent {
         let host = config.local_addr.clone().unwrap_or_else(host_name);
         point_workers_at_the_secret(&mut config, rdzv.secret(), &host)?;
         let checkpoints = hold_checkpoints(&mut config, &host);
+        let control = open_control(rdzv.loss_window());
+        config.env.extend(control.as_ref().map(Control::worker_env));
         let outputs = worker_outputs(&config, console::on_terminal());
         if outputs.contains(&Output::Shared) {
             tracing::info!(
@@ -111,6 +120,8 @@ impl Agent {
             round_seen: None,
             lost_starts: 0,
             checkpoints,
+            control,
+            kept: None,
         })
     }
 

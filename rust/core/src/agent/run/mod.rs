@@ -23,7 +23,8 @@
 //!   agent exits with 128+N and leaves the rendezvous open (the others re-form without it).
 //! * [`barrier`]: this node's workers succeeded; once every node is through, the job is done
 //!   and the rendezvous is closed as succeeded.
-//! * [`restart`]: what follows a failure or a change: a restart or a re-form.
+//! * [`restart`]: what follows a failure or a change: a restart or a re-form; [`reform`]:
+//!   workers that run `elastix.elastic` are kept through it and placed in the next round.
 //! * [`report`]: what the run reports (the result, the root cause); [`publish`]: what it tells
 //!   `elastix status` on the way.
 //!
@@ -37,6 +38,7 @@ mod barrier;
 mod changes;
 mod loss;
 mod publish;
+mod reform;
 mod rendezvous;
 mod report;
 mod restart;
@@ -132,6 +134,7 @@ pub async fn run_agent(config: AgentConfig) -> AgentResult {
     };
     crate::auth::remove_children_file();
     if let Some(agent) = agent.as_mut() {
+        agent.stop_kept().await; // an error ended the run while its workers were kept
         if let Some(checkpoints) = agent.checkpoints.as_mut() {
             // whatever ended the run, what the workers saved reaches the disk before the memory goes
             checkpoints.flush(agent.config.shutdown_timeout()).await;

@@ -15,17 +15,17 @@ use crate::metrics;
 use crate::rendezvous::MembershipChange;
 
 impl Agent {
-    /// Stops the workers for a membership change; `Some` ends the agent (the job closed).
+    /// Stops the workers for a membership change, or keeps them to re-form in process (they
+    /// run `elastix.elastic`); `Some` ends the agent (the job closed).
     pub(super) async fn on_change(
         &mut self,
         change: MembershipChange,
-        group: &mut WorkerGroup,
+        group: WorkerGroup,
         report: &mut Report,
     ) -> Result<Option<End>> {
         let closed = change == MembershipChange::Closed;
-        let next = if closed { "stopping the workers" } else { "restarting the workers" };
         let description = describe(&change);
-        tracing::info!("{description}; {next}");
+        tracing::info!("{description}; {}", if closed { "stopping the workers" } else { "re-forming" });
         if let MembershipChange::StoreUnreachable { store, .. } = &change {
             if let Some(advice) = self.rdzv.store_lost_advice() {
                 tracing::warn!("lost the rendezvous store at {store}: {advice}");
@@ -37,8 +37,11 @@ impl Agent {
             report.lost.drain(..excess);
         }
         self.events.membership_changed(&change, &description).await;
-        group.stop(Signal::SIGTERM, self.config.shutdown_timeout()).await;
-        self.events.workers_stopped(self.round, "changed").await;
+        let stopped = if closed { Some(group) } else { self.keep(group, &description).await };
+        if let Some(mut group) = stopped {
+            group.stop(Signal::SIGTERM, self.config.shutdown_timeout()).await;
+            self.events.workers_stopped(self.round, "changed").await;
+        }
         if closed {
             return self.closed(report).await.map(Some);
         }

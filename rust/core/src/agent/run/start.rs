@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use super::agent::Agent;
 use super::changes::{next_change, Changes};
+use super::reform::place_kept;
 use super::report::{End, Report};
 use super::round_store::connect_store;
 use super::watch::Attempt;
@@ -120,7 +121,10 @@ impl Agent {
             host: &self.host,
             outputs: &self.outputs,
         };
-        let group = WorkerGroup::start(&launch, &mut self.standbys)?;
+        let group = match (self.kept.take(), self.control.as_ref()) {
+            (Some(kept), Some(control)) => place_kept(kept, &launch, control, &mut self.standbys)?,
+            _ => WorkerGroup::start(&launch, &mut self.standbys)?,
+        };
         // the next attempt's interpreters start while this one runs
         self.standbys.refill();
         Ok(Start::Running(group))

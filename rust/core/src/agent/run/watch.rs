@@ -13,6 +13,7 @@ use crate::agent::error::{AgentError, Result};
 use crate::agent::failure::Failure;
 use crate::agent::hangs::dumps::DumpRequests;
 use crate::agent::progress::ProgressPublisher;
+use crate::agent::workers::env::worker_name;
 use crate::agent::workers::group::{GroupOutcome, Waited, WorkerGroup, FAILED_TOGETHER};
 use crate::metrics;
 use crate::rendezvous::{MembershipChange, RendezvousInfo};
@@ -76,10 +77,10 @@ impl Agent {
                 Ok(State::Barrier(Watched { info, changes, _progress: progress, _dumps: dumps }))
             }
             Event::Workers(GroupOutcome::Failed(failures)) => {
-                self.failed(failures, &info, &mut group, &mut changes, report).await
+                self.failed(failures, &info, group, &mut changes, report).await
             }
             Event::Change(change) => {
-                Ok(self.on_change(change, &mut group, report).await?.map_or(State::Rendezvous, State::End))
+                Ok(self.on_change(change, group, report).await?.map_or(State::Rendezvous, State::End))
             }
             Event::Signal(signal, forward) => {
                 tracing::info!("received {signal}; stopping the workers");
@@ -92,12 +93,14 @@ impl Agent {
     }
 
     /// Workers failed: a member's death breaks its peers' collectives first, and that is its
-    /// loss (no restart charged); otherwise the failure is theirs and spends a restart.
+    /// loss (no restart charged); otherwise the failure is theirs and spends a restart (the
+    /// workers that failed are started again; those that run `elastix.elastic` and did not
+    /// fail are kept and re-form in process).
     async fn failed(
         &mut self,
         failures: Vec<Failure>,
         info: &RendezvousInfo,
-        group: &mut WorkerGroup,
+        mut group: WorkerGroup,
         changes: &mut Changes,
         report: &mut Report,
     ) -> Result<State> {
@@ -119,8 +122,12 @@ impl Agent {
             tracing::info!("the workers failed with the loss of a member: no restart is charged");
             return Ok(self.on_change(change, group, report).await?.map_or(State::Rendezvous, State::End));
         }
-        group.stop(Signal::SIGTERM, grace).await;
-        self.events.workers_stopped(info.round, "failed").await;
+        let failed = failures.iter().map(|f| worker_name(f.global_rank, f.local_rank, Some(f.pid)));
+        let why = format!("{} failed", failed.collect::<Vec<_>>().join(", "));
+        if let Some(mut group) = self.keep(group, &why).await {
+            group.stop(Signal::SIGTERM, grace).await;
+            self.events.workers_stopped(info.round, "failed").await;
+        }
         Ok(self.after_failure(failures, report).await?.map_or(State::Rendezvous, State::End))
     }
 }

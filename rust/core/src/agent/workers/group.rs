@@ -21,9 +21,11 @@ use crate::agent::hangs::flight::{self, Holdup, RankFlights};
 use crate::agent::hangs::heartbeats::{self, Heartbeats, Lapse, Slot};
 use crate::agent::hangs::stacks;
 use crate::agent::progress;
+use crate::agent::workers::control::Control;
+use crate::agent::workers::env::WorkerPlace;
 use crate::agent::workers::reaper::{self, GroupCgroup};
 pub use crate::agent::workers::spawn::Launch;
-use crate::agent::workers::spawn::{duplicate_files, Spawner, Worker};
+use crate::agent::workers::spawn::{duplicate_files, DuplicateFiles, Exits, Spawner, Worker};
 use crate::agent::workers::standby::StandbyPool;
 use crate::console;
 use crate::rendezvous::records::WorkerProgress;
@@ -67,6 +69,8 @@ pub const FAILED_TOGETHER: Duration = Duration::from_millis(200);
 pub struct WorkerGroup {
     workers: Vec<Worker>,
     exits: mpsc::UnboundedReceiver<(usize, std::io::Result<ExitStatus>, SystemTime)>,
+    /// For a worker started again alone, its group kept ([`WorkerGroup::restart_exited`]).
+    exits_sender: Exits,
     host: String,
     /// Holds the workers and all they start, even what left their process groups.
     cgroup: Option<GroupCgroup>,
@@ -95,6 +99,7 @@ impl WorkerGroup {
         let mut group = WorkerGroup {
             workers: Vec::new(),
             exits,
+            exits_sender: sender,
             host: launch.host.to_owned(),
             cgroup,
             heartbeats,
@@ -103,29 +108,94 @@ impl WorkerGroup {
             ticks: 0,
         };
         let duplicates = duplicate_files(launch)?;
-        let spawner = Spawner {
-            launch,
-            duplicates: &duplicates,
-            heartbeat_page: group.heartbeats.as_ref().map(Heartbeats::path),
-            cgroup: group.cgroup.as_ref().and_then(GroupCgroup::cgroup),
-            exits: sender,
-        };
+        let spawner = group.spawner(launch, &duplicates);
+        let mut workers = Vec::new();
         let mut started = Ok(());
         for local_rank in 0..launch.config.local_world_size {
             match spawner.spawn(local_rank, standbys.take(local_rank)) {
-                Ok(worker) => group.workers.push(worker),
+                Ok(worker) => workers.push(worker),
                 Err(err) => {
                     started = Err(err);
                     break;
                 }
             }
         }
+        group.workers = workers;
         if let Err(err) = started {
             // leave nothing half-started behind
             group.kill_all();
             return Err(err);
         }
         Ok(group)
+    }
+
+    fn spawner<'a>(&'a self, launch: &'a Launch<'a>, duplicates: &'a DuplicateFiles) -> Spawner<'a> {
+        Spawner {
+            launch,
+            duplicates,
+            heartbeat_page: self.heartbeats.as_ref().map(Heartbeats::path),
+            cgroup: self.cgroup.as_ref().and_then(GroupCgroup::cgroup),
+            exits: self.exits_sender.clone(),
+        }
+    }
+
+    /// Records the exits that came while nobody watched (the agent re-forming the job).
+    pub fn collect_exits(&mut self) {
+        while let Ok((index, status, at)) = self.exits.try_recv() {
+            self.workers[index].exit = Some((status.unwrap_or_else(|_| failed_status()), at));
+        }
+    }
+
+    /// The running workers, by index, with the pid on their line to the agent if they are on
+    /// one (they run `elastix.elastic` and said hello as their local rank, from their own
+    /// process or from the Python process that claimed their heartbeat slot under a wrapper).
+    pub fn lines(&self, control: &Control) -> Vec<(usize, Option<u32>)> {
+        let running = self.workers.iter().enumerate().filter(|(_, w)| w.exit.is_none());
+        running
+            .map(|(index, worker)| {
+                let owner = self.heartbeats.as_ref().and_then(|page| u32::try_from(page.slot(index).owner).ok());
+                let on_line = [Some(worker.pid), owner]
+                    .into_iter()
+                    .flatten()
+                    .find(|pid| *pid != 0 && control.local_rank_of(*pid) == Some(worker.place.local_rank));
+                (index, on_line)
+            })
+            .collect()
+    }
+
+    /// Starts again, each in its place in `launch`'s round, the workers found exited (see
+    /// [`WorkerGroup::collect_exits`]) while the others were kept through a re-form; returns
+    /// their indexes.
+    pub fn restart_exited(&mut self, launch: &Launch<'_>, standbys: &mut StandbyPool) -> Result<Vec<usize>> {
+        let exited: Vec<usize> = (0..self.workers.len()).filter(|i| self.workers[*i].exit.is_some()).collect();
+        if exited.is_empty() {
+            return Ok(exited);
+        }
+        let duplicates = duplicate_files(launch)?;
+        let mut started = Vec::with_capacity(exited.len());
+        for &index in &exited {
+            // what the old process left in its process group goes with it
+            if !self.workers[index].watch.is_released() {
+                let _ = killpg(Pid::from_raw(self.workers[index].pid as i32), Signal::SIGKILL);
+            }
+            if let Some(page) = &self.heartbeats {
+                page.clear(index);
+            }
+            let worker = self.spawner(launch, &duplicates).spawn(index as u32, standbys.take(index as u32))?;
+            self.workers[index] = worker;
+            started.push(index);
+        }
+        Ok(started)
+    }
+
+    /// Worker `index`'s place (its ranks, as of the round it was started or kept in).
+    pub fn place(&self, index: usize) -> &WorkerPlace {
+        &self.workers[index].place
+    }
+
+    /// Moves kept worker `index` to its place in the next round.
+    pub fn move_to(&mut self, index: usize, place: WorkerPlace) {
+        self.workers[index].place = place;
     }
 
     /// Notes the workers' progress in `notes` at every watch tick from now on.

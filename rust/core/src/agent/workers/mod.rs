@@ -2,8 +2,10 @@
 //! worker's start ([`spawn`]), the
 //! environment each worker gets ([`env`]) from its ranks ([`ranks`]), how a child process is
 //! started ([`process`]), warm interpreters that make restarts fast ([`standby`]), and the
-//! reaper that leaves no process behind ([`reaper`]).
+//! reaper that leaves no process behind ([`reaper`]), and the line to workers that re-form
+//! in process ([`control`]).
 
+pub mod control;
 pub mod env;
 pub mod group;
 pub mod process;

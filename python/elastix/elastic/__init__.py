@@ -1,0 +1,29 @@
+"""Training that survives a re-form in process: when a node is lost or joins, or another
+worker fails, the workers that run :func:`run` are not restarted. Their agent tells them at
+once that the job re-forms; elastix aborts their collectives (the calls waiting for a lost peer
+raise), :func:`run` waits for the worker's place in the new round, joins the new process group
+(new ranks, new world size, the same Python objects), opens the checkpoint the survivors agree
+on (from the agent's memory, or a peer's) and calls the training function again::
+
+    model = build_model()              # built once: a re-form keeps it
+
+    def train(ckpt: elastix.checkpoint.Checkpoint) -> None:
+        state = ckpt.load()            # the step every rank agrees on, or None on a first start
+        if state is not None:
+            model.load(state)
+        start = 0 if ckpt.step is None else ckpt.step + 1
+        for step in range(start, steps):
+            ...                        # elastix.collectives calls, as usual
+            ckpt.save(step, model.state())
+
+    elastix.elastic.run(train)
+
+A worker that dies, or raises anything but a collective's failure, is restarted as before (its
+state may be half updated); its peers re-form in process. Plain scripts are unchanged.
+"""
+
+from __future__ import annotations
+
+from .loop import run
+
+__all__ = ["run"]

@@ -1,0 +1,147 @@
+"""The worker's end of its agent's line (rust/core/src/agent/workers/control.rs): JSON lines
+over the Unix socket ``ELASTIX_CONTROL_SOCKET`` names. The worker says hello as its local rank;
+the agent answers how long to wait for its word after a collective failed, then, when the job
+re-forms, says so (``abort``: every collective of this process is aborted at once, from the
+line's thread) and later gives the worker its place in the next round (``assign``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+SOCKET_VAR = "ELASTIX_CONTROL_SOCKET"
+HELLO_TIMEOUT = 10.0  # seconds for the agent's welcome: it answers at once
+
+
+@dataclass(frozen=True)
+class Notice:
+    """The agent's word that the job re-forms: why, and until when (monotonic seconds) the
+    worker's next place may take."""
+
+    round: int
+    why: str
+    until: float
+    at: float
+
+
+@dataclass(frozen=True)
+class Place:
+    """The worker's place in the next round: the environment a worker started now would get."""
+
+    round: int
+    env: Dict[str, str]
+
+
+class AgentLine:
+    """A connection to this worker's agent; :meth:`connect` makes one under ``elastix run``."""
+
+    def __init__(self, sock: socket.socket, notice_within: float) -> None:
+        self._sock = sock
+        self._reader = sock.makefile("rb")
+        #: How long a worker whose collective failed waits for the agent's word.
+        self.notice_within = notice_within
+        self._cond = threading.Condition()
+        self._notice: Optional[Notice] = None
+        self._place: Optional[Place] = None
+        self._closed = False
+        threading.Thread(target=self._listen, name="elastix-agent-line", daemon=True).start()
+
+    @classmethod
+    def connect(cls) -> Optional["AgentLine"]:
+        """The line to this worker's agent; None outside ``elastix run`` (no socket named)."""
+        path = os.environ.get(SOCKET_VAR)
+        if not path:
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(HELLO_TIMEOUT)
+        try:
+            sock.connect(path)
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            sock.sendall(json.dumps({"kind": "hello", "local_rank": local_rank}).encode() + b"\n")
+            welcome = json.loads(sock.makefile("rb").readline() or b"{}")
+        except (OSError, ValueError) as err:
+            sock.close()
+            raise ConnectionError(
+                f"cannot reach this worker's elastix agent at {path} ({err}): "
+                "the worker would be restarted rather than re-formed in process"
+            ) from err
+        if welcome.get("kind") != "welcome":
+            sock.close()
+            raise ConnectionError(f"the elastix agent at {path} answered {welcome!r} instead of its welcome")
+        sock.settimeout(None)
+        return cls(sock, welcome.get("notice_within_ms", 0) / 1000)
+
+    def notice(self, wait: float) -> Optional[Notice]:
+        """The agent's word that the job re-forms, waiting up to ``wait`` seconds for it."""
+        until = time.monotonic() + wait
+        with self._cond:
+            while self._notice is None and not self._closed:
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return self._notice
+
+    def place(self, step: float) -> Optional[Place]:
+        """The next place, waiting up to ``step`` seconds for it (None: not yet)."""
+        with self._cond:
+            if self._place is None and not self._closed:
+                self._cond.wait(step)
+            if self._place is None and self._closed:
+                raise ConnectionError("this worker's elastix agent closed its line before placing it")
+            return self._place
+
+    def settled(self, took: float) -> None:
+        """Forgets the re-form just done and tells the agent the worker trains again."""
+        with self._cond:
+            place, self._notice, self._place = self._place, None, None
+        if place is not None:
+            self._send({"kind": "reformed", "round": place.round, "took_ms": int(took * 1000)})
+
+    def _send(self, message: Dict[str, Any]) -> None:
+        try:
+            self._sock.sendall(json.dumps(message).encode() + b"\n")
+        except OSError:
+            pass  # the agent is gone: it stops the worker, or the worker's own deadline does
+
+    def _listen(self) -> None:
+        for raw in self._reader:
+            message = json.loads(raw)
+            kind = message.get("kind")
+            if kind == "abort":
+                notice = Notice(
+                    int(message["round"]),
+                    str(message["why"]),
+                    time.monotonic() + message["deadline_ms"] / 1000,
+                    time.monotonic(),
+                )
+                with self._cond:
+                    self._notice = notice  # first: whatever the abort makes the worker raise, this explains it
+                    self._cond.notify_all()
+                _abort_collectives(f"the job re-forms: {notice.why}")
+            elif kind == "assign":
+                with self._cond:
+                    self._place = Place(int(message["round"]), dict(message["env"]))
+                    self._cond.notify_all()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+def _abort_collectives(reason: str) -> None:
+    """Makes every collective of this process fail at once (they wait for peers the re-form
+    takes away, or for a round that is over)."""
+    from ..collectives import group
+
+    world = group._world
+    if world is None:
+        return
+    for g in list(world.groups):
+        backend = g.backend
+        if backend is not None:
+            backend.abort(reason)
