@@ -9,7 +9,9 @@ are the steps of the final model and the fault-free step time is the mean step o
 no checkpoint and no fault. Side by side:
 
 * elastix: `elastix run`, elastix.checkpoint.save every step (the agent's memory, a copy at the
-  next node's agent), --checkpoint-dir for what memory cannot give back;
+  next node's agent), --checkpoint-dir for what memory cannot give back; the loop inside
+  elastix.elastic.run (the survivors of a fault re-form in process), and as a plain script
+  (every re-form restarts the workers);
 * torchrun + torch.save every K steps (rank 0, to a directory the nodes share), for each K of
   --torch-every (the best is the one to compare with);
 * torchrun + torch's DCP async_save every K steps, where torch has it.
@@ -202,6 +204,7 @@ def main() -> None:
     parser.add_argument("--calibrate", type=float, default=20, help="seconds of the fault-free run")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--no-elastix", action="store_true", help="torchrun's configurations only")
+    parser.add_argument("--no-restart", action="store_true", help="elastix in process only (no plain-script run)")
     args = parser.parse_args()
     why = Hosts.available()
     if why:
@@ -238,11 +241,12 @@ def main() -> None:
         ideal = calibration["step"]
         print(f"fault-free step (no checkpoint, no fault; the mean): {ideal:.3f}s", flush=True)
         if not args.no_elastix:
-            launcher = [*elastix, "goodput", "--checkpoint-dir", ckpt_dir]
-            mine = run(
-                hosts, store, "elastix (save every step)", launcher, [WORKER, "--mode", "elastix", *worker], args, True
-            )
-            report(mine, ideal)
+            for mode, name in (("elastix", "elastix, in process"), ("elastix-restart", "elastix, restarts")):
+                if mode == "elastix-restart" and args.no_restart:
+                    continue
+                launcher = [*elastix, f"goodput-{mode}", "--checkpoint-dir", ckpt_dir]
+                mine = run(hosts, store, name, launcher, [WORKER, "--mode", mode, *worker], args, True)
+                report(mine, ideal)
         torch = None if args.no_torch else torch_python()
         if torch is None:
             print("torchrun: skipped (no torch here or in $TORCH_PYTHON)", flush=True)

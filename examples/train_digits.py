@@ -17,6 +17,11 @@ through ``elastix.checkpoint`` into memory its agent holds (a copy: training doe
 a disk), and a restart within the job (a worker died) resumes from the newest step every rank
 holds there, losing no step. ``elastix run --checkpoint-dir DIR`` persists them too.
 
+Re-forms in process: under ``elastix run`` the training runs inside ``elastix.elastic.run``, so
+when a node is lost or joins, or another worker fails, this process is not restarted: its
+collectives are aborted, it joins the new world and trains on from the step every rank holds
+(the data set, already loaded, is kept).
+
 Checkpoint files: with ``--checkpoint PATH`` rank 0 writes one every ``--checkpoint-every`` steps
 (atomically), with the run ID of the job that wrote it (``TORCHELASTIC_RUN_ID``: a fresh UUID
 for every ``--standalone`` launch, the ``--rdzv-id`` otherwise). When the job restarts its
@@ -185,7 +190,8 @@ def load(path: str) -> dict:
 
 
 def resume_from(args, config: dict, rank: int, world: int):
-    """The checkpoint to start from (a dict from ``load``), or None to start afresh; raises
+    """The checkpoint to start from (a dict from ``load``, with the ``note`` to print when
+    training starts from it), or None to start afresh; raises
     SystemExit(2) for a checkpoint this run may not take. Every rank reads the same file, so
     every rank decides the same."""
     path = args.checkpoint
@@ -211,21 +217,10 @@ def resume_from(args, config: dict, rank: int, world: int):
         was = ", ".join(f"{k}={ckpt['config'].get(k)!r}" for k in differ)
         now = ", ".join(f"{k}={config[k]!r}" for k in differ)
         fail(f"{path} was written with {was}, this run has {now}: resume with the same options")
-    if rank == 0:
-        print(
-            f"resuming from {path} at step {ckpt['step']} ({why}; written with {ckpt['world']} rank(s), now {world})",
-            flush=True,
-        )
+    # said when the file is what training starts from (the agent's memory may hold newer steps)
+    written = f"written with {ckpt['world']} rank(s), now {world}"
+    ckpt["note"] = f"resuming from {path} at step {ckpt['step']} ({why}; {written})"
     return ckpt
-
-
-def memory_checkpoints():
-    """This rank's checkpoints in its agent's memory (under `elastix run`), else None."""
-    if "ELASTIX_CHECKPOINT_MEMORY" not in os.environ:
-        return None
-    import elastix
-
-    return elastix.checkpoint.open()
 
 
 def resume_from_memory(memory, params_like: np.ndarray, rank: int):
@@ -263,29 +258,45 @@ def main(argv=None) -> int:
     if args.resume and not args.checkpoint:
         ap.error("--resume needs --checkpoint")
 
-    # Data and checkpoint first: a run that may not start stops before it joins its peers.
+    # Data and checkpoint file first: a run that may not start stops before it joins its peers.
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or "MASTER_ADDR" in os.environ
     rank, world = (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))) if distributed else (0, 1)
     x, y, name = load_data(args.dataset)
     config = {"hidden": args.hidden, "batch": args.batch, "seed": args.seed, "dataset": name}
-    memory = memory_checkpoints()
-    held = memory and resume_from_memory(memory, init_params(args.hidden, args.seed), rank)
-    ckpt = held or resume_from(args, config, rank, world)
-    if distributed:
-        import elastix.collectives as ec
-
-        ec.init_process_group(args.backend)
-        rank, world = ec.get_rank(), ec.get_world_size()
-    else:
-        ec = None
-
+    from_file = resume_from(args, config, rank, world)
     x = x / 16.0
     order = np.random.default_rng(1234).permutation(len(x))
     n_test = len(x) // 5
-    test, train = order[:n_test], order[n_test:]
-    xtr, ytr, xte, yte = x[train], y[train], x[test], y[test]
+    held_out, rest = order[:n_test], order[n_test:]
+    data = (x[rest], y[rest], x[held_out], y[held_out])
+    if "ELASTIX_CONTROL_SOCKET" in os.environ:
+        # under `elastix run`: a re-form (a node lost or joining, another worker failed) calls
+        # train again in this process, in the new world, from the step every rank holds
+        import elastix
+
+        return elastix.elastic.run(lambda memory: train(args, data, name, memory, from_file), backend=args.backend)
+    if distributed:  # torchrun: a re-form restarts the workers, which resume from the file
+        import elastix.collectives as ec
+
+        ec.init_process_group(args.backend)
+    return train(args, data, name, None, from_file)
+
+
+def train(args, data, name: str, memory, from_file) -> int:
+    """Trains from the newest step: the one every rank holds in its agent's memory
+    (``memory``, an elastix.checkpoint under ``elastix run``), else the checkpoint file's."""
+    ec = None
+    if "MASTER_ADDR" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import elastix.collectives as ec  # initialised by the caller
+    rank, world = (ec.get_rank(), ec.get_world_size()) if ec is not None else (0, 1)
+    xtr, ytr, xte, yte = data
     steps_per_epoch = -(-len(xtr) // args.batch)
     total = args.epochs * steps_per_epoch
+    held = memory and resume_from_memory(memory, init_params(args.hidden, args.seed), rank)
+    ckpt = held or from_file
+    if ckpt is from_file and ckpt is not None and rank == 0:
+        print(ckpt["note"], flush=True)
+    config = {"hidden": args.hidden, "batch": args.batch, "seed": args.seed, "dataset": name}
 
     if ckpt is None:
         start, params = 0, init_params(args.hidden, args.seed)

@@ -83,6 +83,17 @@ def agent(tmp_path, marker, name, *args, python=(sys.executable,)):
     return Agent(argv, tmp_path, marker, name)
 
 
+def started(out_dir, world_size, after=-1):
+    """The first round after `after` in which `world_size` ranks all reported their start
+    (start_*.json), and their records; None before."""
+    by_round = {}
+    for record in starts(out_dir):
+        if record["world_size"] == world_size and record["round"] > after:
+            by_round.setdefault(record["round"], []).append(record)
+    whole = sorted(r for r, found in by_round.items() if len(found) == world_size)
+    return (whole[0], by_round[whole[0]]) if whole else None
+
+
 def rounds_of(out_dir, world_size):
     """Rounds in which every one of `world_size` nodes started its worker."""
     by_round = {}

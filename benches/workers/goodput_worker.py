@@ -1,7 +1,9 @@
 """One rank of the goodput benchmark's job (benches/goodput.py), under `elastix run` or
 `torchrun`: data-parallel steps over a state of --state-mb MB per rank, each --step-s of
 compute (a sleep: an accelerator's time, the CPU left free) and an all_reduce; checkpoints
-through elastix.checkpoint, torch.save (rank 0, every --every steps) or torch's DCP async_save.
+through elastix.checkpoint (inside elastix.elastic.run, re-formed in process; or, with
+--mode elastix-restart, a plain script the agents restart), torch.save (rank 0, every --every
+steps) or torch's DCP async_save.
 
 Writes to $OUT_DIR: steps-<rank>.txt ("<unix time> <step>" per step), starts-<rank>.txt
 ("<step restored or -1> <seconds the restore took> <unix time>" per start), saves-<rank>.txt ("<seconds
@@ -19,7 +21,7 @@ import time
 import numpy as np
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--mode", choices=["elastix", "torch-save", "torch-dcp", "none"], required=True)
+parser.add_argument("--mode", choices=["elastix", "elastix-restart", "torch-save", "torch-dcp", "none"], required=True)
 parser.add_argument("--every", type=int, default=1)
 parser.add_argument("--state-mb", type=int, default=256)
 parser.add_argument("--step-s", type=float, default=1.0)
@@ -35,15 +37,18 @@ def log(name: str, line: str) -> None:
 
 
 class Elastix:
-    def __init__(self) -> None:
+    """elastix.checkpoint; in elastix.elastic.run (``ckpt`` given: the group is joined) or not."""
+
+    def __init__(self, ckpt=None) -> None:
         import elastix
         import elastix.collectives as ec
 
-        self.ec, self.ckpt = ec, elastix.checkpoint.open()
+        self.ec, self.ckpt, self.joined = ec, ckpt or elastix.checkpoint.open(), ckpt is not None
 
     def load(self) -> tuple[np.ndarray, int]:
         state = self.ckpt.load()
-        self.ec.init_process_group()
+        if not self.joined:
+            self.ec.init_process_group()
         if state is None:
             return np.full(floats, 0.5, np.float32), -1
         return state["w"], int(state["step"])
@@ -119,7 +124,15 @@ def main() -> None:
     # where the benchmark finds this node's worker to kill
     with open(os.path.join(out, f"pid-{os.environ.get('ELASTIX_COLLECTIVES_HOST_ID', rank)}.txt"), "w") as f:
         f.write(str(os.getpid()))
-    job = Elastix() if args.mode in ("elastix", "none") else Torch(args.mode == "torch-dcp")
+    if args.mode == "elastix":  # a re-form calls train again in this process
+        import elastix
+
+        elastix.elastic.run(lambda ckpt: train(Elastix(ckpt)))
+        return
+    train(Elastix() if args.mode in ("elastix-restart", "none") else Torch(args.mode == "torch-dcp"))
+
+
+def train(job) -> None:
     started = time.perf_counter()
     w, restored = job.load()
     log("starts", f"{restored} {time.perf_counter() - started:.3f} {time.time():.3f}")

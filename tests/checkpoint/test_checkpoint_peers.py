@@ -14,18 +14,10 @@ import sys
 import time
 
 import elastix
-from agents import WORKERS, agent, finish_all, node_args, wait_for
+from agents import WORKERS, agent, finish_all, node_args, started, wait_for
 
 PROGRAM = os.path.join(WORKERS, "checkpoint_loop.py")
 CONF = "join_timeout=60s"
-
-
-def records(tmp_path):
-    found = []
-    for path in glob.glob(str(tmp_path / "start_*.json")):
-        with open(path) as f:
-            found.append(json.load(f))
-    return found
 
 
 def steps_logged(tmp_path, round_):
@@ -41,16 +33,6 @@ def node(tmp_path, marker, hosts, i, endpoint, name=None, nnodes="2:3", flags=()
     args = node_args(nnodes, endpoint, hosts.addr(i), conf, PROGRAM, run_id="peers", max_restarts=0)
     events = tmp_path / f"{name or f'h{i}'}-events.jsonl"
     return agent(tmp_path, marker, name or f"h{i}", "run", "--event-log", events, *flags, *args, python=python)
-
-
-def started(tmp_path, world_size, after=-1):
-    """The round after `after` in which `world_size` workers started, and their records."""
-    by_round = {}
-    for record in records(tmp_path):
-        if record["world_size"] == world_size and record["round"] > after:
-            by_round.setdefault(record["round"], []).append(record)
-    whole = sorted(r for r, found in by_round.items() if len(found) == world_size)
-    return (whole[0], by_round[whole[0]]) if whole else None
 
 
 def test_a_host_killed_is_restored_from_its_buddys_memory_bit_for_bit(tmp_path, marker, hosts):

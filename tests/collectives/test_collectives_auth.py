@@ -35,7 +35,8 @@ from elastix import _auth, _core
 from elastix._auth import FILE_ENV, TOKEN_ENV, load_secret
 from elastix.collectives import tcp_comm
 from elastix.collectives.errors import AuthenticationError, CollectiveError, CollectiveTimeoutError
-from elastix.collectives.tcp_comm import CHALLENGE_BYTES, HELLO_BYTES, PAIR, PROOF_BYTES, TcpComm
+from elastix.collectives.tcp_accept import CHALLENGE_BYTES, HELLO_BYTES, PAIR, PROOF_BYTES
+from elastix.collectives.tcp_comm import TcpComm
 
 SECRET = "correct horse battery staple"
 WAIT = 30.0  # bound on any single wait for an answer

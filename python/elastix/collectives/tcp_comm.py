@@ -44,27 +44,23 @@ wrong secret) is never silent.
 
 from __future__ import annotations
 
-import errno
 import logging
 import queue
-import selectors
 import socket
 import struct
 import threading
 import time
-from typing import Dict, List, NoReturn, Optional, Sequence, Set
+from typing import Dict, List, NoReturn, Optional, Sequence
 
 from .. import _core
 from .._peers import MalformedNonce, group_key, local_address
 from .errors import AuthenticationError, CollectiveError, CollectiveTimeoutError, MismatchError, PeerError
 from .mismatch import UNUSABLE, MismatchRecord, seen_elsewhere
+from .tcp_accept import CHALLENGE_BYTES, PAIR, PURPOSE, VERDICT_BYTES, Acceptor
 
 log = logging.getLogger(__name__)
 
 MAGIC = 0x454C4153_54495843  # "ELASTIXC": every message header starts with it
-PURPOSE = "collectives"
-HELLO_BYTES, CHALLENGE_BYTES, PROOF_BYTES, VERDICT_BYTES = _core.pair_sizes(PURPOSE)
-PAIR = struct.Struct("<QQ")  # (connector, acceptor) group ranks: the handshake's binding
 KEY_LABEL = b"elastix collectives v1\0"
 HANDSHAKE_LIMIT = _core.HANDSHAKE_DEADLINE  # seconds a connection may take to prove itself
 HEADER = struct.Struct("<QQ14q")
@@ -98,27 +94,6 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
-def _address(addr) -> str:
-    host, port = addr[0], addr[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-class _Handshake:
-    """A connection on the accept side that has not proven itself yet."""
-
-    __slots__ = ("acceptor", "addr", "buf", "claimed", "deadline", "sock", "ticket", "to")
-
-    def __init__(self, sock: socket.socket, addr: str, deadline: float, acceptor: _core.PairAcceptor) -> None:
-        self.sock = sock
-        self.addr = addr
-        self.deadline = deadline
-        self.acceptor = acceptor
-        self.buf = bytearray()
-        self.claimed: Optional[int] = None  # set once the hello is in: who it claims to be,
-        self.to: Optional[int] = None  # and whom it means to reach
-        self.ticket = -1  # its place in the lobby
-
-
 class TcpComm:
     def __init__(
         self, store, me: int, ranks: Sequence[int], timeout: Optional[float], record: Optional[MismatchRecord] = None
@@ -134,30 +109,12 @@ class TcpComm:
         except MalformedNonce as err:
             raise CollectiveError(str(err)) from None
         addr = local_address()
-        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        self.listener = socket.socket(family, socket.SOCK_STREAM)
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind((addr, 0))
-        self.listener.listen(256)
-        self.listener.setblocking(False)
-        port = self.listener.getsockname()[1]
-        self._conn_store = store.clone()  # connections may be made from the send thread
         self.conns: Dict[int, socket.socket] = {}
         # each connection's session, which seals its headers (and, encrypted, all it carries)
         self._sessions: Dict[int, _core.SessionChannel] = {}
-        # authenticated connections not yet taken by _accept, and the latest refused ones,
-        # filled by the accept thread; _cond guards both
-        self._stash: Dict[int, socket.socket] = {}
-        self._refused: List[AuthenticationError] = []
-        self._refused_hosts: Set[str] = set()
-        self._cond = threading.Condition()
-        self._lobby = _core.ConnectionLobby()
-        self._closing = False
-        self._serve_error: Optional[BaseException] = None
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._acceptor = threading.Thread(target=self._serve, name="elastix-tcp-accept", daemon=True)
-        self._acceptor.start()
-        store.set(f"tcp/addr/{me}", f"{addr}|{port}")
+        self._acceptor = Acceptor(addr, self._key, me, self.ranks, self._handshake_limit(), self.conns.__contains__)
+        self._conn_store = store.clone()  # connections may be made from the send thread
+        store.set(f"tcp/addr/{me}", f"{addr}|{self._acceptor.port}")
         self._queue: "queue.Queue" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.RLock()
@@ -241,194 +198,13 @@ class TcpComm:
             raise AuthenticationError(message, f"{host}:{port}", self.ranks[peer]) from None
 
     def _accept(self, peer: int) -> socket.socket:
-        deadline = self._deadline()
-        with self._cond:
-            while peer not in self._stash:
-                self.check_usable()
-                if self._serve_error is not None:
-                    raise CollectiveError(f"the listener failed: {self._serve_error}")
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    message = f"rank {self.ranks[peer]} did not connect within {self.timeout:.1f} s"
-                    if not self._refused:
-                        raise CollectiveTimeoutError(message, [self.ranks[peer]])
-                    # the intruders (or peers with another secret) are part of the story
-                    shown = "; ".join(str(e) for e in self._refused[-8:])
-                    raise CollectiveTimeoutError(
-                        f"{message}; meanwhile connection(s) that failed the group's handshake were refused: {shown}",
-                        [self.ranks[peer]],
-                    ) from self._refused[-1]
-                self._cond.wait(left)
-            return self._stash.pop(peer)
+        sock, self._sessions[peer] = self._acceptor.take(peer, self._deadline(), self.timeout, self.check_usable)
+        return sock
 
     @property
     def refused(self) -> List[AuthenticationError]:
         """The latest connections that failed the handshake (at most 64), oldest first."""
-        with self._cond:
-            return list(self._refused)
-
-    # -- the accept thread --------------------------------------------------------------------
-
-    def _serve(self) -> None:
-        """Accepts connections and runs their handshakes, all at once, until close()."""
-        sel = selectors.DefaultSelector()
-        pending: Dict[socket.socket, _Handshake] = {}
-        try:
-            sel.register(self.listener, selectors.EVENT_READ, None)
-            sel.register(self._wake_r, selectors.EVENT_READ, None)
-            while not self._closing:
-                now = time.monotonic()
-                for hs in [h for h in pending.values() if h.deadline <= now]:
-                    slow = f"did not complete the handshake within {self._handshake_limit():.1f} s"
-                    self._refuse(sel, pending, hs, slow)
-                wait = min([1.0] + [h.deadline - now for h in pending.values()])
-                for key, _ in sel.select(max(0.0, wait)):
-                    if key.fileobj is self._wake_r:
-                        continue
-                    if key.fileobj is self.listener:
-                        self._take(sel, pending)
-                    else:
-                        self._advance(sel, pending, pending[key.fileobj])  # type: ignore[index]
-        except BaseException as err:  # the listener is gone: _accept must not wait for nothing
-            if not self._closing:
-                with self._cond:
-                    self._serve_error = err
-                    self._cond.notify_all()
-        finally:
-            for hs in pending.values():
-                hs.sock.close()
-            sel.close()
-
-    def _take(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake]) -> None:
-        try:
-            sock, addr = self.listener.accept()
-        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-            return
-        except OSError as err:
-            if err.errno not in (errno.EMFILE, errno.ENFILE):
-                raise
-            # out of descriptors: connections still waiting to prove themselves go first
-            oldest = self._lobby.shed_oldest()
-            shed = [hs for hs in pending.values() if hs.sock.fileno() == oldest]
-            for hs in shed:
-                self._refuse(sel, pending, hs, "shed: this process ran out of file descriptors")
-            if not shed:
-                time.sleep(0.01)  # nothing to shed: do not spin on the listener
-            return
-        sock.setblocking(False)
-        hs = _Handshake(
-            sock, _address(addr), time.monotonic() + self._handshake_limit(), _core.PairAcceptor(self._key, PURPOSE)
-        )
-        hs.ticket, shed_fds = self._lobby.arrive(addr[0].split("%", 1)[0], sock.fileno())  # no IPv6 scope
-        pending[sock] = hs
-        sel.register(sock, selectors.EVENT_READ, None)
-        for old in [h for h in pending.values() if h.sock.fileno() in shed_fds]:
-            old.ticket = -1  # the lobby let it go already
-            self._refuse(sel, pending, old, "shed to make room: too many connections were waiting to prove themselves")
-
-    def _advance(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake], hs: _Handshake) -> None:
-        want = HELLO_BYTES if hs.claimed is None else PROOF_BYTES
-        try:
-            chunk = hs.sock.recv(want - len(hs.buf))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as err:
-            self._refuse(sel, pending, hs, f"connection failed during the handshake ({err})")
-            return
-        if not chunk:
-            self._refuse(sel, pending, hs, f"closed the connection after {len(hs.buf)} of {want} handshake bytes")
-            return
-        hs.buf += chunk
-        if len(hs.buf) < want:
-            return
-        if hs.claimed is None:
-            self._hello(sel, pending, hs)
-        else:
-            self._verify(sel, pending, hs)
-
-    def _send(
-        self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake], hs: _Handshake, data: bytes
-    ) -> bool:
-        try:
-            sent = hs.sock.send(data)  # a few bytes into an empty socket buffer: all of them
-        except OSError as err:
-            self._refuse(sel, pending, hs, f"connection failed during the handshake ({err})")
-            return False
-        if sent != len(data):
-            self._refuse(sel, pending, hs, "the handshake reply did not fit the socket buffer")
-            return False
-        return True
-
-    def _hello(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake], hs: _Handshake) -> None:
-        try:
-            binding, challenge = hs.acceptor.on_hello(bytes(hs.buf))
-        except (ConnectionError, _core.AuthRefused) as err:
-            self._refuse(sel, pending, hs, f"sent no elastix collectives handshake ({err})")
-            return
-        hs.buf.clear()
-        # the claim is judged once the key is proven: a stranger learns nothing from which
-        # claims are refused (which rank listens here, for one)
-        hs.claimed, hs.to = PAIR.unpack(binding)
-        self._send(sel, pending, hs, challenge)
-
-    def _verify(self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake], hs: _Handshake) -> None:
-        who = hs.claimed
-        assert who is not None
-        verdict, wrong = hs.acceptor.on_proof(bytes(hs.buf))
-        if wrong is not None:
-            self._send(sel, pending, hs, verdict)  # the refusal: a verified wrong key is final for the peer
-            if hs.sock in pending:
-                self._refuse(sel, pending, hs, f"{wrong} (it does not hold this group's key)")
-            return
-        with self._cond:
-            problem = self._claim_problem(who) if hs.to == self.me else f"it means to reach group rank {hs.to}"
-            if problem is not None:
-                self._refuse(sel, pending, hs, problem)
-                return
-            if not self._send(sel, pending, hs, verdict):
-                return
-            sel.unregister(hs.sock)
-            del pending[hs.sock]
-            self._lobby.leave(hs.ticket)
-            hs.sock.setblocking(True)
-            self._sessions[who] = hs.acceptor.session()
-            self._stash[who] = hs.sock
-            self._cond.notify_all()
-
-    def _claim_problem(self, who: int) -> Optional[str]:
-        if not 0 <= who < len(self.ranks):
-            return f"no rank {who} in this group of {len(self.ranks)}"
-        if who >= self.me:
-            return f"rank {self.ranks[who]} does not connect to rank {self.ranks[self.me]} (the lower rank connects)"
-        with self._cond:
-            if who in self._stash or who in self.conns:
-                return f"rank {self.ranks[who]} is connected already"
-        return None
-
-    def _refuse(
-        self, sel: selectors.BaseSelector, pending: Dict[socket.socket, _Handshake], hs: _Handshake, why: str
-    ) -> None:
-        sel.unregister(hs.sock)
-        del pending[hs.sock]
-        if hs.ticket >= 0:
-            self._lobby.leave(hs.ticket)
-        self._note_refused(hs.addr, hs.claimed, why)  # first: whoever sees the close sees the record
-        hs.sock.close()
-
-    def _note_refused(self, addr: str, claimed: Optional[int], why: str) -> None:
-        rank = self.ranks[claimed] if claimed is not None and 0 <= claimed < len(self.ranks) else None
-        claim = "" if claimed is None else f" (claiming to be rank {claimed if rank is None else rank})"
-        err = AuthenticationError(
-            f"rank {self.ranks[self.me]} refused a connection from {addr}{claim}: {why}", addr, rank
-        )
-        host = addr.rsplit(":", 1)[0]
-        with self._cond:
-            first = host not in self._refused_hosts
-            self._refused_hosts.add(host)
-            self._refused.append(err)
-            del self._refused[:-64]  # the latest ones: a flood must not grow this without bound
-        if first:  # once per host: a flood must not flood the log too
-            log.warning("%s (it was closed, never used; later refusals from %s are not logged)", err, host)
+        return self._acceptor.refused
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -603,9 +379,7 @@ class TcpComm:
     def abort(self, reason: str) -> None:
         if self.broken is None:
             self.broken = reason
-        with self._cond:
-            stashed = list(self._stash.values())
-            self._cond.notify_all()  # an _accept in progress sees the group broken
+        stashed = self._acceptor.interrupt()  # an _accept in progress sees the group broken
         for sock in list(self.conns.values()) + stashed:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -617,16 +391,8 @@ class TcpComm:
             self._queue.put(None)
             self._thread.join(timeout=5)
             self._thread = None
-        self._closing = True
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        self._acceptor.join(timeout=5)
-        with self._cond:
-            stashed = list(self._stash.values())
-            self._stash.clear()
-        for sock in list(self.conns.values()) + stashed + [self.listener, self._wake_r, self._wake_w]:
+        self._acceptor.close()
+        for sock in list(self.conns.values()):
             try:
                 sock.close()
             except OSError:
