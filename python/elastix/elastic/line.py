@@ -1,8 +1,9 @@
 """The worker's end of its agent's line (rust/core/src/agent/workers/control.rs): JSON lines
 over the Unix socket ``ELASTIX_CONTROL_SOCKET`` names. The worker says hello as its local rank;
-the agent answers how long to wait for its word after a collective failed, then, when the job
-re-forms, says so (``abort``: every collective of this process is aborted at once, from the
-line's thread) and later gives the worker its place in the next round (``assign``)."""
+the agent answers how long to wait for its word after a collective failed (the worker tells it
+such a failure: ``broken``). When the job re-forms, the agent says so (``abort``: every
+collective of this process is aborted at once, from the line's thread) and later gives the
+worker its place in the next round (``assign``)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,11 @@ class AgentLine:
             place, self._notice, self._place = self._place, None, None
         if place is not None:
             self._send({"kind": "reformed", "round": place.round, "took_ms": int(took * 1000)})
+
+    def broken(self, why: str) -> None:
+        """Tells the agent a collective failed before it said why: it asks whether a member is
+        lost, as it would for a worker that failed."""
+        self._send({"kind": "broken", "why": why[:500]})
 
     def _send(self, message: Dict[str, Any]) -> None:
         try:

@@ -64,6 +64,7 @@ def _reform_notice(line: Optional[AgentLine], err: BaseException) -> Optional[No
         return None
     notice = line.notice(0)
     if notice is None and isinstance(err, (DistError, ConnectionError)):
+        line.broken(f"{type(err).__name__}: {err}")
         _say(
             f"a collective failed ({type(err).__name__}: {err}); asking the agent whether the job re-forms "
             f"(up to {line.notice_within:.1f} s)"

@@ -58,6 +58,14 @@ def _checkpoint(held: Optional[Dict[str, Any]]) -> str:
     return shown
 
 
+def _pace(pace: Optional[Dict[str, Any]]) -> str:
+    """A rank's pace score (the others' compute between collectives over its own), and whether
+    it is named a straggler."""
+    if not pace:
+        return "-"
+    return f"{pace['score']:.2f}" + (" STRAGGLER" if pace["straggler"] else "")
+
+
 def _uptime(seconds: Optional[float]) -> str:
     if seconds is None:
         return "-"
@@ -82,8 +90,8 @@ WORKERS_SHOWN = 32  # beyond this many, the ones seen longest ago (--json lists 
 
 def _workers(members: List[Dict[str, Any]]) -> List[str]:
     """Each worker's progress, as its agent last published it: heartbeats, the step the last
-    one named, when it was last seen making progress (a beat, or a run of its main thread), and
-    what its main thread and processes were doing."""
+    one named, when it was last seen making progress (a beat, or a run of its main thread),
+    what its main thread and processes were doing, and its pace against the others'."""
     workers = [(m["group_rank"], w) for m in members for w in m.get("workers") or []]
     if not workers:
         return []
@@ -93,12 +101,13 @@ def _workers(members: List[Dict[str, Any]]) -> List[str]:
         shown = sorted(workers, key=lambda mw: never if mw[1]["seen_age_s"] is None else mw[1]["seen_age_s"])
         shown = shown[-WORKERS_SHOWN:]
         more = f" (the {WORKERS_SHOWN} seen longest ago of {len(workers)}; --json lists all)"
-    rows = [["RANK", "GROUP RANK", "BEATS", "STEP", "LAST SEEN", "MAIN THREAD", "CHECKPOINT"]]
+    rows = [["RANK", "GROUP RANK", "BEATS", "STEP", "LAST SEEN", "MAIN THREAD", "PACE", "CHECKPOINT"]]
     for group_rank, w in sorted(shown, key=lambda mw: mw[1]["rank"]):
         step = "-" if w["step"] is None else str(w["step"])
         doing = DOING.get(w.get("doing") or "", "-")
         held = _checkpoint(w.get("checkpoint"))
-        rows.append([str(w["rank"]), str(group_rank), str(w["beats"]), step, _age(w["seen_age_s"]), doing, held])
+        row = [str(w["rank"]), str(group_rank), str(w["beats"]), step, _age(w["seen_age_s"]), doing]
+        rows.append([*row, _pace(w.get("pace")), held])
     return [f"  workers{more}:", *_table(rows)]
 
 

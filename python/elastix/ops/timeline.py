@@ -30,6 +30,8 @@ POINT_KINDS = {
     "membership_changed": "membership",
     "job_finished": "end",
     "checkpoint_restore": "checkpoint",
+    "straggler": "straggler",
+    "straggler_cleared": "straggler",
 }
 LABELS = {
     "global_rank": "rank",
@@ -297,6 +299,11 @@ def title(kind: str, f: Dict[str, Any]) -> str:
         return f"group rank {f.get('group_rank')} lost{reason}"
     if kind == "end":
         return f"job {f.get('state')} (exit code {f.get('exit_code')})"
+    if kind == "straggler" and f.get("event") == "straggler":
+        slower = (f.get("compute_ms") or 0) / max(f.get("others_ms") or 0, 1e-9)
+        return f"rank {f.get('rank')} on {f.get('node')} is a straggler ({slower:.1f}x the others' compute)"
+    if kind == "straggler":
+        return f"rank {f.get('rank')} on {f.get('node')} keeps pace again"
     if kind == "checkpoint":
         taken = f.get("taken") or []
         peers = f", {_plural('rank', taken)} taken from a peer's memory" if taken else ""

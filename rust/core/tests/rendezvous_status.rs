@@ -6,7 +6,7 @@ use std::time::Duration;
 use elastix_core::rendezvous::c10d::keys::run_prefix;
 use elastix_core::rendezvous::job_status;
 use elastix_core::rendezvous::records::{
-    now_ms, AgentFacts, Doing, FailureRecord, HeldCheckpoint, WorkerProgress, FORMAT_VERSION,
+    now_ms, AgentFacts, Doing, FailureRecord, HeldCheckpoint, RankPace, WorkerProgress, FORMAT_VERSION,
 };
 use elastix_core::rendezvous::status::{Health, State, StatusQuery};
 use elastix_core::rendezvous::store::TcpRendezvousStore;
@@ -104,8 +104,9 @@ async fn status_shows_the_members_their_ranks_and_the_end() {
             seen_ms: Some(now_ms()),
             doing: Some(Doing::BlockedBusy),
             checkpoint: Some(held),
+            pace: Some(RankPace { score: 0.5, compute_ms: 200.0, others_ms: 100.0, straggler: true }),
         },
-        WorkerProgress { rank: 3, beats: 0, step: None, seen_ms: None, doing: None, checkpoint: None },
+        WorkerProgress { rank: 3, beats: 0, step: None, seen_ms: None, doing: None, checkpoint: None, pace: None },
     ];
     writer(AgentFacts { workers, ..facts(2) }).await.unwrap();
     let status = job_status(&query(server.port(), run_id)).await.unwrap().unwrap();
@@ -117,6 +118,12 @@ async fn status_shows_the_members_their_ranks_and_the_end() {
     assert_eq!((checkpoint.step, checkpoint.bytes, checkpoint.persisted_step), (4, 4096, Some(3)));
     assert!(checkpoint.saved_age_s < 5.0 && shown[1].checkpoint.is_none(), "{shown:?}");
     assert!(status.members[0].workers.is_empty(), "the other member published none");
+    // a rank named a straggler is a problem of the job's
+    assert_eq!(shown[0].pace.as_ref().map(|pace| (pace.score, pace.straggler)), Some((0.5, true)));
+    assert!(shown[1].pace.is_none());
+    let named = status.problems.iter().find(|problem| problem.contains("rank 2 on node")).expect("named");
+    assert!(named.contains("straggler") && named.contains("2.0x") && named.contains("200 ms"), "{named}");
+    assert_eq!(status.health, Health::Degraded);
 
     let failure = FailureRecord {
         v: FORMAT_VERSION,

@@ -13,6 +13,7 @@ use std::time::SystemTime;
 use serde_json::{json, Map, Value};
 
 use super::failure::{self, Failure};
+use super::stragglers::judge::Standing;
 use crate::agent::output::logfiles::{LogFile, LogWriter};
 use crate::console;
 use crate::rendezvous::{MembershipChange, RendezvousInfo};
@@ -103,6 +104,14 @@ impl EventLog {
     /// re-form `why` but told to stop their collectives, and re-form in the next round.
     pub async fn workers_kept(&self, round: u64, pids: &[u32], why: &str) {
         self.emit("workers_kept", json!({"round": round, "pids": pids, "why": why})).await;
+    }
+
+    /// A rank named a straggler (`named`), or keeping pace again: its standing then.
+    pub async fn straggler(&self, standing: &Standing, named: bool) {
+        let fields = json!({"rank": standing.rank, "node": standing.node, "score": standing.score,
+                            "compute_ms": standing.compute_ms, "others_ms": standing.others_ms,
+                            "waited_in": standing.waited_in});
+        self.emit(if named { "straggler" } else { "straggler_cleared" }, fields).await;
     }
 
     /// `member_lost`, `member_joined` (late nodes wait to join) or `membership_changed`.

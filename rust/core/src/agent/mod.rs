@@ -10,7 +10,9 @@
 //!   every state change; [`finished`]: what a job leaves on its machines once it ended.
 //! * [`checkpoints`]: the workers' checkpoints, held in memory and persisted by the agent.
 //! * [`config`]: what the agent is told; [`signals`], [`result`], [`error`]; [`shm`]: where
-//!   what it shares with its workers lives.
+//!   what it shares with its workers lives; [`round_store`]: where a round's store is, for the
+//!   background tasks.
+//! * [`stragglers`]: each rank's pace from its collectives, and the slow ranks named.
 
 pub mod checkpoints;
 pub mod config;
@@ -22,9 +24,11 @@ pub mod hangs;
 pub mod output;
 pub mod progress;
 pub mod result;
+pub mod round_store;
 pub mod run;
 pub mod shm;
 pub mod signals;
+pub mod stragglers;
 pub mod workers;
 
 pub use config::AgentConfig;

@@ -11,8 +11,9 @@ use tokio::task::JoinHandle;
 
 use crate::agent::hangs::activity::Activity;
 use crate::agent::hangs::heartbeats::{self, Slot};
+use crate::agent::stragglers::{lock, Standings};
 use crate::rendezvous::backend::StatusWriter;
-use crate::rendezvous::records::{AgentFacts, HeldCheckpoint, WorkerProgress};
+use crate::rendezvous::records::{AgentFacts, HeldCheckpoint, RankPace, WorkerProgress};
 
 /// What the agent holds of each global rank's checkpoints now.
 pub type HeldView = std::sync::Arc<dyn Fn() -> HashMap<u32, HeldCheckpoint> + Send + Sync>;
@@ -33,16 +34,28 @@ pub struct ProgressPublisher {
 
 impl ProgressPublisher {
     /// Republishes `facts` with the workers' progress whenever the returned sender has news,
-    /// and with their checkpoints as `held` shows them then.
+    /// with their checkpoints as `held` shows them then, and their paces as `standings` do.
     pub fn start(
         writer: StatusWriter,
         facts: AgentFacts,
         held: Option<HeldView>,
+        standings: Standings,
     ) -> (ProgressPublisher, watch::Sender<Vec<WorkerProgress>>) {
         let (sender, mut news) = watch::channel(Vec::<WorkerProgress>::new());
         let task = tokio::spawn(async move {
             while news.changed().await.is_ok() {
                 let mut workers = news.borrow_and_update().clone();
+                {
+                    let paces = lock(&standings);
+                    for worker in &mut workers {
+                        worker.pace = paces.get(&worker.rank).map(|s| RankPace {
+                            score: s.score,
+                            compute_ms: s.compute_ms,
+                            others_ms: s.others_ms,
+                            straggler: s.straggler,
+                        });
+                    }
+                }
                 if let Some(held) = &held {
                     let checkpoints = held();
                     for worker in &mut workers {
@@ -75,7 +88,7 @@ pub fn progress_of(rank: u32, slot: &Slot, activity: &Activity, now: u64, blocke
     let seen = heartbeats::wall_time(slot.last_beat.max(activity.main_ran_at()));
     let seen_ms = seen.and_then(|at| at.duration_since(UNIX_EPOCH).ok()).map(|since| since.as_millis() as u64);
     let doing = activity.doing(now, blocked_after);
-    WorkerProgress { rank, beats: slot.beats, step: slot.step, seen_ms, doing, checkpoint: None }
+    WorkerProgress { rank, beats: slot.beats, step: slot.step, seen_ms, doing, checkpoint: None, pace: None }
 }
 
 #[cfg(test)]

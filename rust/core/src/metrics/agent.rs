@@ -51,6 +51,11 @@ pub struct LocalRank {
     pub local_rank: u32,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GlobalRank {
+    pub rank: u32,
+}
+
 type FloatGauge = Gauge<f64, AtomicU64>;
 
 pub struct AgentMetrics {
@@ -71,6 +76,9 @@ pub struct AgentMetrics {
     /// Last beat of each local rank.
     worker_beats: Mutex<BTreeMap<u32, Instant>>,
     dropped_log_lines: Counter,
+    /// This node's ranks' pace scores, and whether each is named a straggler.
+    pace_score: Family<GlobalRank, FloatGauge>,
+    straggler: Family<GlobalRank, Gauge>,
 }
 
 /// This process's agent metrics.
@@ -106,6 +114,8 @@ impl AgentMetrics {
             worker_heartbeat_age: Family::default(),
             worker_beats: Mutex::new(BTreeMap::new()),
             dropped_log_lines: Counter::default(),
+            pace_score: Family::default(),
+            straggler: Family::default(),
         }
     }
 
@@ -154,6 +164,13 @@ impl AgentMetrics {
             "Worker output lines dropped because the console did not keep up",
             self.dropped_log_lines.clone(),
         );
+        agent.register(
+            "pace_score",
+            "Each local rank's pace: the others' median compute between collectives over its own (1 keeps pace, \
+             under 0.75 is behind)",
+            self.pace_score.clone(),
+        );
+        agent.register("straggler", "1 for a local rank named a straggler, else 0", self.straggler.clone());
         let job = registry.sub_registry_with_prefix("job");
         job.register("restarts_used", "Job-wide restarts after failures so far", self.job_restarts.clone());
         job.register("restarts_allowed", "The job's restart budget (--max-restarts)", self.job_max_restarts.clone());
@@ -223,6 +240,16 @@ impl AgentMetrics {
     pub fn forget_worker_heartbeats(&self) {
         lock(&self.worker_beats).clear();
         self.worker_heartbeat_age.clear();
+    }
+
+    /// This node's ranks' standing in the last window: (rank, score, named a straggler).
+    pub fn paces(&self, standings: &[(u32, f64, bool)]) {
+        self.pace_score.clear();
+        self.straggler.clear();
+        for (rank, score, straggler) in standings {
+            self.pace_score.get_or_create(&GlobalRank { rank: *rank }).set(*score);
+            self.straggler.get_or_create(&GlobalRank { rank: *rank }).set(i64::from(*straggler));
+        }
     }
 
     /// This node's heartbeat reached the rendezvous store now.

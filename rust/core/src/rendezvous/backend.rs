@@ -68,6 +68,13 @@ pub trait Backend: Send {
         Duration::ZERO
     }
 
+    /// Tells the round's members this node leaves now (`why`: a stop signal), so that they
+    /// re-form without it at once rather than a loss window later. Best effort; the default
+    /// (no shared state, or a backend whose lease says it) does nothing.
+    fn leave<'a>(&'a mut self, _why: &'a str) -> Fut<'a, ()> {
+        ready(())
+    }
+
     /// Late nodes waiting for the current round to re-form with them (torch's wait list).
     fn num_nodes_waiting(&mut self) -> Fut<'_, u32> {
         ready(0)

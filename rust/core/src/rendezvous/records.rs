@@ -81,7 +81,7 @@ pub enum Event {
 
 /// What an agent knows about itself and the rendezvous does not, published once its workers
 /// run.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AgentFacts {
     /// The host name the failure summary and the line prefixes use.
     pub host: String,
@@ -102,7 +102,7 @@ pub struct AgentFacts {
 }
 
 /// One worker's progress as its agent last saw it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct WorkerProgress {
     pub rank: u32,
     /// Heartbeats sent (`elastix.heartbeat()`).
@@ -119,6 +119,20 @@ pub struct WorkerProgress {
     /// Its newest checkpoint in its agent's memory (`elastix.checkpoint`), if it saved one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<HeldCheckpoint>,
+    /// Its pace against the other ranks', once judged (workers that use elastix collectives).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pace: Option<RankPace>,
+}
+
+/// A rank's pace as the round's first member last judged it: its score (the others' median
+/// compute between collectives over its own: 1 keeps pace, under 0.75 is behind), both
+/// computes in ms, and whether it is named a straggler.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankPace {
+    pub score: f64,
+    pub compute_ms: f64,
+    pub others_ms: f64,
+    pub straggler: bool,
 }
 
 /// A worker's newest checkpoint as its agent holds it: in memory, and what reached the disk.
@@ -168,7 +182,7 @@ pub enum Doing {
 }
 
 /// A member's [`AgentFacts`], with what the rendezvous adds: for `elastix status`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct NodeStatus {
     pub v: u32,
     pub node: NodeDesc,

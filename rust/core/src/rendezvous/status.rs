@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::node::NodeDesc;
-use super::records::{now_ms, seconds_between, Doing, FailureRecord, NodeStatus, Restored, WorkerProgress};
+use super::records::{now_ms, seconds_between, Doing, FailureRecord, NodeStatus, RankPace, Restored, WorkerProgress};
 use crate::rendezvous::config::conf::ConfInput;
 
 /// What `elastix status` asks for.
@@ -130,6 +130,8 @@ pub struct WorkerStatus {
     pub doing: Option<Doing>,
     /// Its newest checkpoint held by its agent (`elastix.checkpoint`), if any.
     pub checkpoint: Option<CheckpointStatus>,
+    /// Its pace against the others' (workers that use elastix collectives, once judged).
+    pub pace: Option<RankPace>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -222,6 +224,7 @@ impl From<&WorkerProgress> for WorkerStatus {
                 copied_step: held.copied_step,
                 restored: held.restored.clone(),
             }),
+            pace: progress.pace.clone(),
         }
     }
 }
@@ -286,6 +289,20 @@ pub(crate) fn judge(status: &mut JobStatus, evidence: &Evidence) {
                         member.node, member.group_rank
                     ));
                 }
+            }
+        }
+        for member in &status.members {
+            for worker in member.workers.iter().filter(|w| w.pace.as_ref().is_some_and(|pace| pace.straggler)) {
+                let pace = worker.pace.as_ref().expect("filtered");
+                problems.push(format!(
+                    "rank {} on node {} is a straggler: it computes {:.1}x as long as the others between collectives \
+                     ({:.0} ms against {:.0} ms)",
+                    worker.rank,
+                    member.node,
+                    pace.compute_ms / pace.others_ms.max(f64::MIN_POSITIVE),
+                    pace.compute_ms,
+                    pace.others_ms
+                ));
             }
         }
         if let Some(lost) = status.lost.last() {

@@ -2,6 +2,7 @@
 //! metrics endpoint, the log directories, the rendezvous and the warm standbys).
 
 use std::path::Path;
+use std::sync::Arc;
 
 use super::reform::open_control;
 use super::report::Report;
@@ -12,6 +13,7 @@ use crate::agent::events::EventLog;
 use crate::agent::output::logfiles::LogWriter;
 use crate::agent::output::logs::{worker_outputs, LogDirs};
 use crate::agent::signals::Signals;
+use crate::agent::stragglers::Standings;
 use crate::agent::workers::control::Control;
 use crate::agent::workers::group::WorkerGroup;
 use crate::agent::workers::process::Output;
@@ -36,7 +38,7 @@ pub(super) struct Agent {
     pub(super) standbys: StandbyPool,
     /// Where each local rank's workers write.
     pub(super) outputs: Vec<Output>,
-    pub(super) events: EventLog,
+    pub(super) events: Arc<EventLog>,
     /// The metrics endpoint (`--metrics-port`), served while the agent lives.
     pub(super) metrics_server: Option<MetricsServer>,
     /// The round the workers last started in.
@@ -52,6 +54,8 @@ pub(super) struct Agent {
     pub(super) control: Option<Control>,
     /// Workers kept running through a re-form, until the next round places them.
     pub(super) kept: Option<WorkerGroup>,
+    /// Every rank's pace, as the round's first member last judged it.
+    pub(super) standings: Standings,
 }
 
 impl Agent {
@@ -114,7 +118,7 @@ impl Agent {
             store: None,
             standbys,
             outputs,
-            events,
+            events: Arc::new(events),
             metrics_server: metrics,
             round: 0,
             round_seen: None,
@@ -122,6 +126,7 @@ impl Agent {
             checkpoints,
             control,
             kept: None,
+            standings: Standings::default(),
         })
     }
 

@@ -37,7 +37,7 @@ impl Agent {
         }
         self.rdzv.status_writer().map(|writer| {
             let held = self.checkpoints.as_ref().map(|checkpoints| checkpoints.view());
-            let (publisher, notes) = ProgressPublisher::start(writer, facts, held);
+            let (publisher, notes) = ProgressPublisher::start(writer, facts, held, self.standings.clone());
             group.note_progress_in(notes);
             publisher
         })

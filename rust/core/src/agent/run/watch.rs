@@ -13,6 +13,9 @@ use crate::agent::error::{AgentError, Result};
 use crate::agent::failure::Failure;
 use crate::agent::hangs::dumps::DumpRequests;
 use crate::agent::progress::ProgressPublisher;
+use crate::agent::round_store::RoundStore;
+use crate::agent::stragglers::{lock, Exchange, StragglerWatch};
+use crate::agent::workers::control::Control;
 use crate::agent::workers::env::worker_name;
 use crate::agent::workers::group::{GroupOutcome, Waited, WorkerGroup, FAILED_TOGETHER};
 use crate::metrics;
@@ -50,22 +53,43 @@ impl Agent {
         // this attempt's, through the barrier: they go with it (the publisher's connection
         // too, which the store hosted here would otherwise wait for at the end)
         let progress = self.publish_node_status(&mut group).await;
+        let _stragglers = self.watch_stragglers(&info, &group);
+        if let Some(control) = self.control.as_mut() {
+            control.forget_broken(); // reports of the round before this one
+        }
         let mut dumps = DumpRequests::watch(&info, &self.host, self.rdzv.secret());
         // the summary of a failure that ends the job lists all that fail with it
         let last_chance = report.restart_count >= i64::from(self.config.max_restarts);
         let together = if last_chance { FAILED_TOGETHER } else { Duration::ZERO };
-        let event = tokio::select! {
-            waited = group.wait(&mut dumps, &mut self.standbys, together) => match waited {
-                Waited::Done(outcome) => Event::Workers(outcome),
-                // describing and stopping hung workers (their stacks, who holds them up,
-                // across nodes too) is not cut short by a change another node's failure
-                // brings meanwhile
-                Waited::Hung(hung) => {
-                    Event::Workers(GroupOutcome::Failed(group.stop_hung(hung, dumps.exchange()).await))
-                }
-            },
-            change = next_change(&mut changes) => Event::Change(change),
-            (signal, forward) = self.signals.recv() => Event::Signal(signal, forward),
+        let event = loop {
+            let event = tokio::select! {
+                waited = group.wait(&mut dumps, &mut self.standbys, together) => Ok(match waited {
+                    Waited::Done(outcome) => Event::Workers(outcome),
+                    // describing and stopping hung workers (their stacks, who holds them up,
+                    // across nodes too) is not cut short by a change another node's failure
+                    // brings meanwhile
+                    Waited::Hung(hung) => {
+                        Event::Workers(GroupOutcome::Failed(group.stop_hung(hung, dumps.exchange()).await))
+                    }
+                }),
+                change = next_change(&mut changes) => Ok(Event::Change(change)),
+                (signal, forward) = self.signals.recv() => Ok(Event::Signal(signal, forward)),
+                broken = next_broken(&mut self.control) => Err(broken),
+            };
+            let broken = match event {
+                Ok(event) => break event,
+                Err(broken) => broken,
+            };
+            // an elastic worker's collective failed and it waits for word: a member's loss is
+            // asked about now, as a failed plain worker would have it asked
+            let (pid, why) = &broken[0];
+            tracing::info!("the collective of worker pid {pid} failed ({why}); asking whether a member is lost");
+            match self.member_loss(&mut changes).await {
+                Ok(Some(change)) => break Event::Change(change),
+                Ok(None) => tracing::info!("every member is there: the workers wait for the job to re-form"),
+                Err(AgentError::Interrupted(signal)) => break Event::Signal(signal, false),
+                Err(err) => return Err(err),
+            }
         };
         count_exits(&event, self.config.local_world_size);
         match event {
@@ -83,7 +107,12 @@ impl Agent {
                 Ok(self.on_change(change, group, report).await?.map_or(State::Rendezvous, State::End))
             }
             Event::Signal(signal, forward) => {
-                tracing::info!("received {signal}; stopping the workers");
+                tracing::info!("received {signal}; leaving the round and stopping the workers");
+                // the others re-form without this node now, not a loss window later
+                let left = tokio::time::timeout(LEAVE_WAIT, self.rdzv.leave(&format!("it left ({signal})"))).await;
+                if !matches!(left, Ok(Ok(()))) {
+                    tracing::debug!("could not tell the round this node leaves; its heartbeats will");
+                }
                 // workers get the signal itself when it is one to forward, else SIGTERM
                 group.stop(if forward { signal } else { Signal::SIGTERM }, self.config.shutdown_timeout()).await;
                 self.events.workers_stopped(info.round, "signal").await;
@@ -129,6 +158,35 @@ impl Agent {
             self.events.workers_stopped(info.round, "failed").await;
         }
         Ok(self.after_failure(failures, report).await?.map_or(State::Rendezvous, State::End))
+    }
+}
+
+impl Agent {
+    /// Measures the workers' pace and exchanges it with the round's other members, for as
+    /// long as the attempt is watched.
+    fn watch_stragglers(&self, info: &RendezvousInfo, group: &WorkerGroup) -> StragglerWatch {
+        let store = RoundStore {
+            host: info.store_host.clone(),
+            port: info.store_port,
+            prefix: info.store_prefix.clone(),
+            secret: self.rdzv.secret().cloned(),
+        };
+        let exchange = Exchange { store, me: info.rank, members: info.world_size, node: self.host.clone() };
+        lock(&self.standings).clear(); // the last round's ranks
+        crate::metrics::agent::get().paces(&[]);
+        StragglerWatch::start(exchange, group.meters(), self.standings.clone(), self.events.clone())
+    }
+}
+
+/// How long a node stopped by a signal tries to tell its round it leaves.
+const LEAVE_WAIT: Duration = Duration::from_secs(1);
+
+/// The next report of elastic workers whose collective failed, with any that came meanwhile:
+/// not an end by itself (never, without a control socket).
+async fn next_broken(control: &mut Option<Control>) -> Vec<(u32, String)> {
+    match control {
+        Some(control) => control.broken().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -2,7 +2,8 @@
 //! this agent connect to. A worker that says hello on it is one the agent may keep running
 //! through a re-form: the agent tells it at once to stop its collectives (`abort`), and, once
 //! the next round formed, gives it its new place (`assign`: the environment a new worker would
-//! start with). The worker tells when it trains again (`reformed`).
+//! start with). The worker tells when it trains again (`reformed`), and when a collective failed
+//! before the agent said anything (`broken`: a peer's death reaches the workers first).
 //!
 //! Which worker is on a line is what the kernel says (the peer's pid, `SO_PEERCRED`), never what
 //! it claims: the group keeps a worker only if the pid on the line is that worker's.
@@ -50,8 +51,18 @@ pub enum ToWorker<'a> {
 #[derive(Deserialize, Debug, PartialEq)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 enum FromWorker {
-    Hello { local_rank: u32 },
-    Reformed { round: u64, took_ms: u64 },
+    Hello {
+        local_rank: u32,
+    },
+    Reformed {
+        round: u64,
+        took_ms: u64,
+    },
+    /// A collective failed before the agent said why (a peer's death reaches the workers
+    /// first): the agent asks whether a member is lost.
+    Broken {
+        why: String,
+    },
 }
 
 /// One worker's line: its local rank, as it said, and what goes to it.
@@ -61,12 +72,16 @@ struct Line {
 }
 
 type Lines = Arc<Mutex<HashMap<u32, Line>>>;
+/// Where the lines report a worker's failed collective.
+type Reports = mpsc::UnboundedSender<(u32, String)>;
 
 /// The socket and the workers on it, by pid.
 pub struct Control {
     path: PathBuf,
     lines: Lines,
     accept: JoinHandle<()>,
+    /// Workers whose collective failed: their pids and why.
+    broken: mpsc::UnboundedReceiver<(u32, String)>,
 }
 
 impl Control {
@@ -85,8 +100,9 @@ impl Control {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
         let lines: Lines = Arc::default();
         let welcome = encode(&ToWorker::Welcome { notice_within_ms: millis(notice_within) });
-        let accept = tokio::spawn(serve(listener, lines.clone(), welcome));
-        Ok(Control { path, lines, accept })
+        let (reports, broken) = mpsc::unbounded_channel();
+        let accept = tokio::spawn(serve(listener, lines.clone(), welcome, reports));
+        Ok(Control { path, lines, accept, broken })
     }
 
     /// The variable that points the workers at the socket.
@@ -97,6 +113,22 @@ impl Control {
     /// The local rank process `pid` said hello as, if it is on a line.
     pub fn local_rank_of(&self, pid: u32) -> Option<u32> {
         self.lines.lock().unwrap_or_else(PoisonError::into_inner).get(&pid).map(|line| line.local_rank)
+    }
+
+    /// The next worker whose collective failed (its pid, and why), and any others that said
+    /// so meanwhile.
+    pub async fn broken(&mut self) -> Vec<(u32, String)> {
+        let Some(first) = self.broken.recv().await else { return std::future::pending().await };
+        let mut all = vec![first];
+        while let Ok(more) = self.broken.try_recv() {
+            all.push(more);
+        }
+        all
+    }
+
+    /// Forgets the failed collectives reported so far (they were of a round that is over).
+    pub fn forget_broken(&mut self) {
+        while self.broken.try_recv().is_ok() {}
     }
 
     /// Sends `message` to process `pid`; false if it is not on a line (any more).
@@ -119,7 +151,7 @@ impl Drop for Control {
 }
 
 /// Accepts workers' connections until the agent drops the [`Control`].
-async fn serve(listener: UnixListener, lines: Lines, welcome: Vec<u8>) {
+async fn serve(listener: UnixListener, lines: Lines, welcome: Vec<u8>, broken: Reports) {
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -133,12 +165,12 @@ async fn serve(listener: UnixListener, lines: Lines, welcome: Vec<u8>) {
         else {
             continue;
         };
-        tokio::spawn(talk(stream, pid, lines.clone(), welcome.clone()));
+        tokio::spawn(talk(stream, pid, lines.clone(), welcome.clone(), broken.clone()));
     }
 }
 
 /// One worker's line, from its hello until it closes.
-async fn talk(stream: UnixStream, pid: u32, lines: Lines, welcome: Vec<u8>) {
+async fn talk(stream: UnixStream, pid: u32, lines: Lines, welcome: Vec<u8>, broken: Reports) {
     let (mut reader, mut writer) = stream.into_split();
     let (out, mut queue) = mpsc::unbounded_channel::<Vec<u8>>();
     let writes = tokio::spawn(async move {
@@ -157,6 +189,9 @@ async fn talk(stream: UnixStream, pid: u32, lines: Lines, welcome: Vec<u8>) {
                 let _ = out.send(welcome.clone());
                 lines.lock().unwrap_or_else(PoisonError::into_inner).insert(pid, Line { local_rank, out: out.clone() });
                 registered = true;
+            }
+            Ok(FromWorker::Broken { why }) if registered => {
+                let _ = broken.send((pid, why));
             }
             Ok(FromWorker::Reformed { round, took_ms }) => {
                 tracing::info!("worker pid {pid} trains again in round {round}, {took_ms} ms after it was told");
@@ -223,7 +258,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_worker_that_said_hello_is_known_by_its_pid_and_hears_what_is_sent() {
-        let control = Control::start(Duration::from_millis(1500)).unwrap();
+        let mut control = Control::start(Duration::from_millis(1500)).unwrap();
         let mode = std::fs::metadata(control.path()).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
         let me = std::process::id();
@@ -239,6 +274,10 @@ mod tests {
         line.clear();
         reader.read_line(&mut line).await.unwrap();
         assert_eq!(line, "{\"kind\":\"assign\",\"round\":4,\"env\":{\"RANK\":\"5\"}}\n");
+        // a failed collective is reported, with why
+        let mut writer = writer;
+        writer.write_all(b"{\"kind\":\"broken\",\"why\":\"rank 4 died\"}\n").await.unwrap();
+        assert_eq!(control.broken().await, vec![(me, "rank 4 died".to_owned())]);
         // a closed line is forgotten
         drop((reader, writer));
         for _ in 0..100 {

@@ -21,6 +21,8 @@ use crate::agent::hangs::flight::{self, Holdup, RankFlights};
 use crate::agent::hangs::heartbeats::{self, Heartbeats, Lapse, Slot};
 use crate::agent::hangs::stacks;
 use crate::agent::progress;
+use crate::agent::stragglers::pace::PaceMeter;
+use crate::agent::stragglers::{lock, Meters};
 use crate::agent::workers::control::Control;
 use crate::agent::workers::env::WorkerPlace;
 use crate::agent::workers::reaper::{self, GroupCgroup};
@@ -79,6 +81,8 @@ pub struct WorkerGroup {
     worker_timeout: Option<Duration>,
     /// Where each watch tick notes the workers' progress, if it is published.
     progress: Option<watch::Sender<Vec<WorkerProgress>>>,
+    /// Each worker's pace, measured from its flight recorder at every look.
+    meters: Meters,
     /// Watch ticks so far: without `--worker-timeout` the kernel is asked every
     /// [`LOOK_EVERY_WITHOUT_TIMEOUT`]th only (for `elastix status`, read by people).
     ticks: u64,
@@ -105,6 +109,7 @@ impl WorkerGroup {
             heartbeats,
             worker_timeout,
             progress: None,
+            meters: Meters::default(),
             ticks: 0,
         };
         let duplicates = duplicate_files(launch)?;
@@ -120,6 +125,7 @@ impl WorkerGroup {
                 }
             }
         }
+        *lock(&group.meters) = workers.iter().map(|w| (w.place.global_rank, PaceMeter::default())).collect();
         group.workers = workers;
         if let Err(err) = started {
             // leave nothing half-started behind
@@ -182,6 +188,7 @@ impl WorkerGroup {
                 page.clear(index);
             }
             let worker = self.spawner(launch, &duplicates).spawn(index as u32, standbys.take(index as u32))?;
+            lock(&self.meters)[index] = (worker.place.global_rank, PaceMeter::default());
             self.workers[index] = worker;
             started.push(index);
         }
@@ -195,7 +202,13 @@ impl WorkerGroup {
 
     /// Moves kept worker `index` to its place in the next round.
     pub fn move_to(&mut self, index: usize, place: WorkerPlace) {
+        lock(&self.meters)[index] = (place.global_rank, PaceMeter::default());
         self.workers[index].place = place;
+    }
+
+    /// The workers' pace meters, for the stragglers' exchange.
+    pub fn meters(&self) -> Meters {
+        self.meters.clone()
     }
 
     /// Notes the workers' progress in `notes` at every watch tick from now on.
@@ -307,7 +320,9 @@ impl WorkerGroup {
         self.ticks += 1;
         let look = self.worker_timeout.is_some() || self.ticks % LOOK_EVERY_WITHOUT_TIMEOUT == 1;
         let mut hung = Vec::new();
+        let mut meters = lock(&self.meters);
         for (index, worker) in self.workers.iter_mut().enumerate().filter(|(_, w)| w.exit.is_none()) {
+            meters[index].1.look(&page.flights(index));
             let slot = page.slot(index);
             crate::metrics::agent::get().worker_heartbeat_at(index as u32, heartbeats::instant(slot.last_beat));
             // the process that claimed the slot (the Python worker, under any wrapper) is watched

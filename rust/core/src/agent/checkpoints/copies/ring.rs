@@ -20,22 +20,11 @@ use super::super::layout::{FORMAT_VERSION, PINNED};
 use super::super::persist::newest_slots;
 use super::peer::Peer;
 use super::wire::find_slot;
-use crate::auth::Secret;
-use crate::store::{StoreError, TcpStore, TcpStoreOptions};
+pub use crate::agent::round_store::RoundStore;
+use crate::store::{StoreError, TcpStore};
 
 /// How often the agent looks at the target and its workers' newest steps.
 pub const SEND_EVERY: Duration = Duration::from_millis(500);
-/// How long one of the ring's store requests may take.
-const STORE_PATIENCE: Duration = Duration::from_secs(5);
-
-/// The round's store, where the members agree on the steps they copy.
-#[derive(Clone, Debug)]
-pub struct RoundStore {
-    pub host: String,
-    pub port: u16,
-    pub prefix: String,
-    pub secret: Option<Secret>,
-}
 
 /// This member's place in the round's ring.
 #[derive(Clone, Debug)]
@@ -135,7 +124,7 @@ struct Copier<'a> {
 impl Copier<'_> {
     /// Copies target after target until the round changes.
     async fn run(&mut self, failing: &mut bool) -> Result<(), String> {
-        let mut store = open(&self.round.store).await.map_err(|err| format!("the round's store: {err}"))?;
+        let mut store = self.round.store.open().await.map_err(|err| format!("the round's store: {err}"))?;
         let (mut turn, mut safe, mut lead) = (0u64, None, LEAD);
         while self.current() {
             let Some(target) = self.target(&mut store, turn, lead).await.map_err(|err| err.to_string())? else {
@@ -276,16 +265,4 @@ async fn send_target(round: &RingRound, memory: &Path, ring: &Shared, rate: u64,
         }
     }
     Ok(Sent::All)
-}
-
-/// A connection of the ring's own: quiet, since a store outage is the agent's to report (a
-/// second countdown of the same outage would only confuse).
-async fn open(at: &RoundStore) -> Result<TcpStore, StoreError> {
-    let options = TcpStoreOptions {
-        timeout: Some(STORE_PATIENCE),
-        secret: at.secret.clone(),
-        quiet: true,
-        ..TcpStoreOptions::new(at.host.clone(), at.port)
-    };
-    TcpStore::open(options).await
 }

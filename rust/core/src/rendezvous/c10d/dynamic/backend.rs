@@ -184,6 +184,19 @@ impl<S: RendezvousStore> Backend for DynamicRendezvous<S> {
         Box::pin(async move { self.with_conn(async |conn| conn.set(Keys::LAST_FAILURE, &encode(failure)).await).await })
     }
 
+    /// Reports this node lost in its round, as a member that found it gone would: every
+    /// member re-forms without it now.
+    fn leave<'a>(&'a mut self, why: &'a str) -> Fut<'a, ()> {
+        Box::pin(async move {
+            let Some((round, rank)) = self.current.as_ref().map(|m| (m.round, m.rank)) else { return Ok(()) };
+            let node = Some(self.me.node.clone());
+            let outer = self.connect_by.replace(ConnectBound::question(&self.me.settings));
+            let left = self.with_conn(async |conn| report_lost(conn, round, rank, node, why).await.map(drop)).await;
+            self.connect_by = outer;
+            left
+        })
+    }
+
     /// Asks the other members of the current round whether their agents are still there
     /// ([`crate::rendezvous::presence`]), and reports the gone ones lost at once (the heartbeat monitor
     /// would, a loss window later), so that every member re-forms without them now.

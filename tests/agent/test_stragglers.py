@@ -1,0 +1,157 @@
+"""Naming the slow rank (rust/core/src/agent/stragglers): three namespace hosts, one rank each,
+training with steps of CPU work and an all_reduce (tests/worker_programs/paced_loop.py). A host
+whose CPU is limited to half is named from its ranks' pace, within 20 steps; a healthy job, and
+a job whose every host is limited alike, name no one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import elastix
+from agents import WORKERS, agent, finish_all, node_args, wait_for
+
+PROGRAM = os.path.join(WORKERS, "paced_loop.py")
+RDZV = "join_timeout=60s,is_host=false,last_call_timeout=1s"
+STEP_CPU = 0.25  # seconds of CPU work per step on an unlimited core
+NAMED = re.compile(r"^(\S+Z) WARN .*rank (\d+) on (\S+) is a straggler")
+
+
+def products_for(seconds: float) -> int:
+    """How many of the worker's matrix products take `seconds` of this machine's CPU."""
+    a = np.random.default_rng(0).random((256, 256))
+    began = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    return max(1, round(seconds / ((time.perf_counter() - began) / 20)))
+
+
+class CpuLimit:
+    """A cgroup that holds what runs in it to `share` of one CPU: cgroup v2's cpu.max where the
+    cpu controller is there, else v1's CFS quota. Removed (emptied first) on close."""
+
+    def __init__(self, share: float) -> None:
+        name = f"elastix-test-{secrets.token_hex(4)}"
+        unified = Path("/sys/fs/cgroup")
+        if (
+            "cpu" in (unified / "cgroup.controllers").read_text().split()
+            if (unified / "cgroup.controllers").exists()
+            else False
+        ):
+            (unified / "cgroup.subtree_control").write_text("+cpu")
+            self.dir = unified / name
+            self.dir.mkdir()
+            (self.dir / "cpu.max").write_text(f"{int(share * 100000)} 100000")
+        elif (Path("/sys/fs/cgroup/cpu") / "cpu.cfs_quota_us").exists():
+            self.dir = Path("/sys/fs/cgroup/cpu") / name
+            self.dir.mkdir()
+            (self.dir / "cpu.cfs_period_us").write_text("100000")
+            (self.dir / "cpu.cfs_quota_us").write_text(str(int(share * 100000)))
+        else:
+            pytest.skip("no cgroup cpu controller to limit a host's CPU with")
+
+    def wrap(self, argv: list) -> list:
+        """argv, started inside the cgroup (all it starts stays in it)."""
+        join = f'echo $$ > {self.dir / "cgroup.procs"} && exec "$@"'
+        return ["sh", "-c", join, "sh", *argv]
+
+    def close(self) -> None:
+        for _ in range(100):
+            try:
+                self.dir.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)  # its processes are still exiting
+
+
+def start_job(tmp_path, marker, hosts, stack, limited=()):
+    store = elastix.TCPStore(hosts.gateway, 0, is_master=True, wait_for_workers=False)
+    endpoint = f"{hosts.gateway}:{store.port}"
+    products = products_for(STEP_CPU)
+    agents = []
+    for i in range(3):
+        env = [f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", f"PRODUCTS={products}", "OMP_NUM_THREADS=1",
+               "OPENBLAS_NUM_THREADS=1", "MKL_NUM_THREADS=1"]  # fmt: skip
+        command = hosts.command(i, "env", *env, sys.executable)
+        if i in limited:  # joined before entering the host: `ip netns exec` mounts a sysfs of its own
+            limit = CpuLimit(0.5)
+            stack.callback(limit.close)
+            command = limit.wrap(command)
+        events = tmp_path / f"h{i}-events.jsonl"
+        args = node_args(3, endpoint, hosts.addr(i), RDZV, PROGRAM, run_id="pace", max_restarts=0)
+        agents.append(agent(tmp_path, marker, f"h{i}", "run", "--event-log", events, *args, python=command))
+    stack.callback(lambda: [a.kill() for a in agents])
+    return agents, endpoint, store
+
+
+def steps_of(tmp_path, rank):
+    path = tmp_path / f"steps_{rank}.txt"
+    if not path.exists():
+        return []
+    return [float(line.split()[0]) for line in path.read_text().splitlines() if line.strip()]
+
+
+def named(agents):
+    """(when, rank, node) of every straggler named in the agents' logs."""
+    found = []
+    for a in agents:
+        for line in a.output().splitlines():
+            hit = NAMED.match(line)
+            if hit:
+                at = datetime.fromisoformat(hit.group(1).replace("Z", "+00:00")).timestamp()
+                found.append((at, int(hit.group(2)), hit.group(3)))
+    return found
+
+
+def test_a_host_with_half_a_cpu_is_named_within_20_steps(tmp_path, marker, hosts):
+    with ExitStack() as stack:
+        agents, endpoint, _store = start_job(tmp_path, marker, hosts, stack, limited=(1,))
+        [(at, rank, node)] = wait_for(lambda: named(agents), timeout=120, what="a straggler named")
+        # the limited host's rank, named within 20 steps of training
+        assert node == hosts.addr(1), (rank, node)
+        first = min(steps_of(tmp_path, 0))
+        steps = sum(1 for t in steps_of(tmp_path, 0) if first <= t <= at)
+        assert steps <= 20, f"named after {steps} steps"
+        # elastix status shows it, among the job's problems and in its ranks' table
+        shown = wait_for(lambda: status(endpoint, "STRAGGLER"), timeout=30, what="elastix status showing it")
+        assert f"rank {rank} on node" in shown and "is a straggler" in shown, shown
+        finish_all(tmp_path, agents, marker)
+    logs = [json.loads(line) for i in range(3) for line in open(tmp_path / f"h{i}-events.jsonl")]
+    event = next(e for e in logs if e["event"] == "straggler")
+    assert event["rank"] == rank and event["score"] < 0.75 and event["waited_in"] == "all_reduce", event
+
+
+@pytest.mark.parametrize("limited", [(), (0, 1, 2)], ids=["healthy", "every-host-limited-alike"])
+def test_a_healthy_job_and_a_job_wide_slowdown_name_no_one(tmp_path, marker, hosts, limited):
+    with ExitStack() as stack:
+        agents, endpoint, _store = start_job(tmp_path, marker, hosts, stack, limited=limited)
+        wait_for(lambda: len(steps_of(tmp_path, 0)) >= 1, timeout=90, what="training")
+        began = time.monotonic()
+        # 10 windows of judging: each rank's score is published, and none is named
+        while time.monotonic() - began < 20:
+            assert named(agents) == [], [a.output() for a in agents]
+            time.sleep(0.5)
+        shown = status(endpoint, "PACE")
+        assert "STRAGGLER" not in shown and re.search(r"\b(0\.\d\d|1\.00)\b", shown), shown
+        finish_all(tmp_path, agents, marker)
+    assert len(steps_of(tmp_path, 0)) >= 10
+
+
+def status(endpoint, needle):
+    shown = subprocess.run(
+        [sys.executable, "-m", "elastix", "status", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+         "--rdzv-id", "pace"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    return shown.stdout if needle in shown.stdout else None
