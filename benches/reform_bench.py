@@ -150,7 +150,7 @@ def main() -> None:
         print(f"restart / in process (loss known -> next step): {ratio:.1f}x", flush=True)
     # one run's median step swings by tens of percent on a shared machine: runs alternate, and
     # the medians of the runs are compared; with no compute the noise is all there is
-    for compute_s in (args.overhead_step_s, 0.0):
+    for compute_s in (args.overhead_step_s, 0.0) if args.overhead_runs else ():
         times: Dict[bool, List[float]] = {False: [], True: []}
         for _ in range(args.overhead_runs):
             for elastic in (False, True):
