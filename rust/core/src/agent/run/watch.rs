@@ -107,11 +107,15 @@ impl Agent {
                 Ok(self.on_change(change, group, report).await?.map_or(State::Rendezvous, State::End))
             }
             Event::Signal(signal, forward) => {
-                tracing::info!("received {signal}; leaving the round and stopping the workers");
-                // the others re-form without this node now, not a loss window later
-                let left = tokio::time::timeout(LEAVE_WAIT, self.rdzv.leave(&format!("it left ({signal})"))).await;
-                if !matches!(left, Ok(Ok(()))) {
-                    tracing::debug!("could not tell the round this node leaves; its heartbeats will");
+                tracing::info!("received {signal}; stopping the workers");
+                // a node stopped (not a job-wide preemption notice, which its workers act on
+                // together) tells the others, who re-form without it now, not a loss window later
+                if !matches!(signal, Signal::SIGUSR1 | Signal::SIGUSR2) {
+                    let why = format!("it was stopped ({signal})");
+                    let left = tokio::time::timeout(LEAVE_WAIT, self.rdzv.leave(&why)).await;
+                    if !matches!(left, Ok(Ok(()))) {
+                        tracing::debug!("could not tell the round this node leaves; its heartbeats will");
+                    }
                 }
                 // workers get the signal itself when it is one to forward, else SIGTERM
                 group.stop(if forward { signal } else { Signal::SIGTERM }, self.config.shutdown_timeout()).await;

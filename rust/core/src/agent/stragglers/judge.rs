@@ -15,8 +15,8 @@ use crate::agent::hangs::flight::KINDS;
 pub const SLOWER: f64 = 1.0 / 0.75;
 /// And by at least this much, per collective: a loop of microseconds is all noise.
 const MIN_BEHIND_MS: f64 = 2.0;
-/// Pairs of collectives a window needs from a rank for its pace to count.
-const MIN_SAMPLES: u32 = 3;
+/// Pairs of collectives a rank's pace needs to count (a meter keeps counting until it has them).
+pub const MIN_SAMPLES: u32 = 3;
 /// Windows in a row behind before a rank is named, and not behind before it is cleared.
 pub const NAME_AFTER: u32 = 2;
 const CLEAR_AFTER: u32 = 3;

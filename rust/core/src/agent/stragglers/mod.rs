@@ -81,7 +81,8 @@ impl Exchange {
         ticks.tick().await; // the first tick is at once: a window has to pass first
         loop {
             ticks.tick().await;
-            let paces: Vec<Pace> = lock(&meters).iter_mut().filter_map(|(rank, meter)| meter.take(*rank)).collect();
+            let paces: Vec<Pace> =
+                lock(&meters).iter_mut().filter_map(|(rank, meter)| meter.take(*rank, judge::MIN_SAMPLES)).collect();
             if store.is_none() {
                 store = self.store.open().await.ok(); // a store that does not answer: next window
             }

@@ -58,8 +58,12 @@ impl PaceMeter {
         }
     }
 
-    /// The window's pace (`None`: no pair measured), and a new window.
-    pub fn take(&mut self, rank: u32) -> Option<Pace> {
+    /// The pace since the last one taken, once at least `enough` pairs were measured (then the
+    /// count starts again; before, it goes on: slow steps are judged over longer spans).
+    pub fn take(&mut self, rank: u32, enough: u32) -> Option<Pace> {
+        if self.samples < enough.max(1) {
+            return None;
+        }
         let samples = std::mem::take(&mut self.samples);
         let (compute, wait) = (std::mem::take(&mut self.compute_ns), std::mem::take(&mut self.wait_ns));
         let waits = std::mem::take(&mut self.waits);
@@ -88,13 +92,14 @@ mod tests {
         // 10 ms of compute, then 2 ms inside, each time; seen twice over (looks overlap)
         meter.look(&[flight(1, 0, 2), flight(2, 12, 14)]);
         meter.look(&[flight(2, 12, 14), flight(3, 24, 26), flight(4, 36, 38)]);
-        let pace = meter.take(7).unwrap();
+        assert_eq!(meter.take(7, 4), None, "three pairs are not enough for four");
+        let pace = meter.take(7, 3).unwrap();
         assert_eq!((pace.rank, pace.samples, pace.kind), (7, 3, 1));
         assert!((pace.compute_ms - 10.0).abs() < 1e-9 && (pace.wait_ms - 2.0).abs() < 1e-9, "{pace:?}");
-        assert_eq!(meter.take(7), None, "a new window");
-        // the next window goes on from the last one seen
+        assert_eq!(meter.take(7, 1), None, "counted again from there");
+        // the next one goes on from the last collective seen
         meter.look(&[flight(5, 48, 50)]);
-        assert_eq!(meter.take(7).unwrap().samples, 1);
+        assert_eq!(meter.take(7, 1).unwrap().samples, 1);
     }
 
     #[test]
@@ -104,22 +109,22 @@ mod tests {
         let torn = Flight { finished: MS, ..flight(2, 12, 0) }; // ends before it began
         let subgroup = Flight { group: 3, ..flight(2, 12, 14) };
         meter.look(&[flight(1, 0, 2), running, torn, subgroup]);
-        assert_eq!(meter.take(0), None);
+        assert_eq!(meter.take(0, 1), None);
         // collectives 2 and 3 were overwritten before a look: no gap spans them
         meter.look(&[flight(4, 40, 42)]);
-        assert_eq!(meter.take(0), None);
+        assert_eq!(meter.take(0, 1), None);
         meter.look(&[flight(5, 52, 54)]);
-        assert_eq!(meter.take(0).unwrap().samples, 1);
+        assert_eq!(meter.take(0, 1).unwrap().samples, 1);
     }
 
     #[test]
     fn a_new_world_group_starts_the_count_again() {
         let mut meter = PaceMeter::default();
         meter.look(&[flight(40, 0, 2), flight(41, 12, 14)]);
-        meter.take(0);
+        meter.take(0, 1);
         // re-formed: the new group's collectives are numbered from 1, later in time
         meter.look(&[flight(1, 5000, 5002), flight(2, 5012, 5014)]);
-        let pace = meter.take(0).unwrap();
+        let pace = meter.take(0, 1).unwrap();
         assert_eq!(pace.samples, 1);
         assert!((pace.compute_ms - 10.0).abs() < 1e-9);
     }
