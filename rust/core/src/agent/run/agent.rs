@@ -3,8 +3,8 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
-use super::reform::open_control;
 use super::report::Report;
 use crate::agent::checkpoints::Checkpoints;
 use crate::agent::config::AgentConfig;
@@ -158,6 +158,20 @@ fn hold_checkpoints(config: &mut AgentConfig, host: &str) -> Option<Checkpoints>
             None
         }
     }
+}
+
+/// Beyond the loss window, how long a worker whose collective failed waits for its agent to
+/// say whether the job re-forms (the failure may be a peer's loss the agent has yet to see).
+const NOTICE_SLACK: Duration = Duration::from_secs(3);
+
+/// The line to the workers that re-form in process, or why there is none (then every re-form
+/// restarts them).
+fn open_control(loss_window: Duration) -> Option<Control> {
+    Control::start(loss_window + NOTICE_SLACK)
+        .map_err(|err| {
+            tracing::warn!("cannot open the workers' control socket ({err}): workers will be restarted at each re-form")
+        })
+        .ok()
 }
 
 /// Gives the workers the job secret's file (never the secret itself), or, without a secret on

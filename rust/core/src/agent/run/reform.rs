@@ -17,9 +17,6 @@ use crate::agent::workers::standby::StandbyPool;
 /// own bounds (the join timeout, the rank exchange) end a re-form first, and an agent that
 /// gives up stops its workers; this is the worker's backstop should its agent vanish.
 const PLACE_DEADLINE: Duration = Duration::from_secs(900);
-/// Beyond the loss window, how long a worker whose collective failed waits for its agent to
-/// say whether the job re-forms (the failure may be a peer's loss the agent has yet to see).
-pub(super) const NOTICE_SLACK: Duration = Duration::from_secs(3);
 
 impl Agent {
     /// Keeps `group` through the re-form `why` if every running worker runs `elastix.elastic`:
@@ -85,13 +82,4 @@ pub(super) fn place_kept(
         tracing::info!("started again the workers that exited (ranks {ranks:?}); the others re-form in process");
     }
     Ok(group)
-}
-
-/// The line to the elastic workers, or why there is none (then every re-form restarts them).
-pub(super) fn open_control(loss_window: Duration) -> Option<Control> {
-    Control::start(loss_window + NOTICE_SLACK)
-        .map_err(|err| {
-            tracing::warn!("cannot open the workers' control socket ({err}): workers will be restarted at each re-form")
-        })
-        .ok()
 }
