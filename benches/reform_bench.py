@@ -37,6 +37,9 @@ from typing import Dict, List, Optional, Tuple
 import elastix
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from agents import wait_for  # noqa: E402
+
 WORKER = os.path.join(HERE, "workers", "reform_worker.py")
 RDZV = "keep_alive_interval=250ms,keep_alive_max_attempt=8,last_call_timeout=500ms,join_timeout=120s,is_host=false"
 LOSS_LINE = re.compile(r"^(\S+Z) .*stopped responding")
@@ -61,16 +64,6 @@ def steps(out: str) -> List[Tuple[float, int, int]]:
         with open(path) as f:
             found.extend((float(t), int(r), int(s)) for t, r, s in (line.split() for line in f if line.strip()))
     return sorted(found)
-
-
-def wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise SystemExit(f"timed out waiting for {what}")
 
 
 def loss_known(out: str) -> Optional[float]:
@@ -100,12 +93,12 @@ def one_loss(elastic: bool, build_s: float) -> Tuple[float, float]:
     endpoint = f"127.0.0.1:{store.port}"
     worker = [*(["--elastic"] if elastic else []), "--build-s", str(build_s)]
     nodes = {i: start(out, i, "2:3", endpoint, worker) for i in range(3)}
-    wait(lambda: len({s[2] for s in steps(out) if s[2] >= 20}) > 0, 120 + 3 * build_s, "20 steps")
+    wait_for(lambda: len({s[2] for s in steps(out) if s[2] >= 20}) > 0, 120 + 3 * build_s, "20 steps")
     first_round = steps(out)[-1][1]
     os.killpg(nodes[2].pid, signal.SIGKILL)
     died = time.time()
     nodes.pop(2).wait()
-    after = wait(lambda: [s for s in steps(out) if s[1] > first_round], 120 + 3 * build_s, "the survivors' next step")
+    after = wait_for(lambda: [s for s in steps(out) if s[1] > first_round], 120 + 3 * build_s, "the survivors' next step")
     known = loss_known(out) or died
     stop(out, nodes)
     return after[0][0] - died, after[0][0] - known
@@ -117,7 +110,7 @@ def step_time(elastic: bool, count: int, compute_s: float) -> float:
     store = elastix.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     worker = [*(["--elastic"] if elastic else []), "--build-s", "0", "--step-s", str(compute_s)]
     nodes = {i: start(out, i, "2", f"127.0.0.1:{store.port}", worker) for i in range(2)}
-    wait(lambda: len(steps(out)) >= 2 * count, 300, f"{count} steps")
+    wait_for(lambda: len(steps(out)) >= 2 * count, 300, f"{count} steps")
     stop(out, nodes)
     with open(glob.glob(os.path.join(out, "steps-*.txt"))[0]) as f:
         times = [float(line.split()[0]) for line in f if line.strip()]
