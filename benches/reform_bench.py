@@ -98,7 +98,9 @@ def one_loss(elastic: bool, build_s: float) -> Tuple[float, float]:
     os.killpg(nodes[2].pid, signal.SIGKILL)
     died = time.time()
     nodes.pop(2).wait()
-    after = wait_for(lambda: [s for s in steps(out) if s[1] > first_round], 120 + 3 * build_s, "the survivors' next step")
+    after = wait_for(
+        lambda: [s for s in steps(out) if s[1] > first_round], 120 + 3 * build_s, "the survivors' next step"
+    )
     known = loss_known(out) or died
     stop(out, nodes)
     return after[0][0] - died, after[0][0] - known
