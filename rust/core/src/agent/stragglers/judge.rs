@@ -64,10 +64,13 @@ impl Judge {
         let counted: Vec<&(String, Pace)> = paces.iter().filter(|(_, pace)| pace.samples >= MIN_SAMPLES).collect();
         let mut standings = Vec::with_capacity(counted.len());
         let mut changes = Vec::new();
-        for (index, (node, pace)) in counted.iter().enumerate() {
-            let others: Vec<f64> =
-                counted.iter().enumerate().filter(|(i, _)| *i != index).map(|(_, (_, p))| p.compute_ms).collect();
-            let Some(others_ms) = median(others) else { continue }; // alone: nobody to be behind
+        // sorted once: each rank's "others" are the sorted list without it (one judge reads
+        // every rank of a job of thousands of nodes every window)
+        let mut sorted: Vec<f64> = counted.iter().map(|(_, pace)| pace.compute_ms).collect();
+        sorted.sort_by(f64::total_cmp);
+        for (node, pace) in &counted {
+            let at = sorted.partition_point(|ms| ms.total_cmp(&pace.compute_ms).is_lt());
+            let Some(others_ms) = median_without(&sorted, at) else { continue }; // alone: nobody to be behind
             let score = if pace.compute_ms > 0.0 { (others_ms / pace.compute_ms).min(1.0) } else { 1.0 };
             let behind = pace.compute_ms >= others_ms * SLOWER && pace.compute_ms - others_ms >= MIN_BEHIND_MS;
             let run = self.runs.entry(pace.rank).or_default();
@@ -110,13 +113,12 @@ impl Judge {
     }
 }
 
-fn median(mut values: Vec<f64>) -> Option<f64> {
-    if values.is_empty() {
-        return None;
-    }
-    values.sort_by(f64::total_cmp);
-    let mid = values.len() / 2;
-    Some(if values.len() % 2 == 1 { values[mid] } else { (values[mid - 1] + values[mid]) / 2.0 })
+/// The median of `sorted` without its element at `skip` (`None`: nothing left).
+fn median_without(sorted: &[f64], skip: usize) -> Option<f64> {
+    let left = sorted.len().checked_sub(1).filter(|left| *left > 0)?;
+    let nth = |n: usize| sorted[if n < skip { n } else { n + 1 }];
+    let mid = left / 2;
+    Some(if left % 2 == 1 { nth(mid) } else { (nth(mid - 1) + nth(mid)) / 2.0 })
 }
 
 #[cfg(test)]
@@ -173,6 +175,18 @@ mod tests {
         for at in 30..40 {
             assert!(window(&mut judge, &[0.01, 0.02, 0.01, 0.01], at).1.is_empty());
         }
+    }
+
+    #[test]
+    fn the_median_of_the_others_leaves_out_the_rank_judged() {
+        let sorted = [1.0, 2.0, 4.0, 8.0];
+        assert_eq!(median_without(&sorted, 0), Some(4.0));
+        assert_eq!(median_without(&sorted, 2), Some(2.0));
+        assert_eq!(median_without(&sorted, 3), Some(2.0));
+        assert_eq!(median_without(&[1.0, 2.0, 4.0], 1), Some(2.5));
+        assert_eq!(median_without(&[5.0, 7.0], 1), Some(5.0));
+        assert_eq!(median_without(&[5.0], 0), None);
+        assert_eq!(median_without(&[], 0), None);
     }
 
     #[test]
