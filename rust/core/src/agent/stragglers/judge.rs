@@ -1,7 +1,9 @@
-//! Who is a straggler: a rank that, window after window, computes clearly longer between
-//! collectives than the others do (its pace against the median of the others' paces), while
-//! they wait for it. A slow window alone names no one, and neither does a job-wide slowdown
-//! (every rank slower alike is no rank slower than the others).
+//! Who is a straggler: a rank that, measurement after measurement, computes clearly longer
+//! between collectives than the others do (its pace against the median of the others' latest
+//! paces), while they wait for it. A slow measurement alone names no one, and neither does a
+//! job-wide slowdown (every rank slower alike is no rank slower than the others). Each rank's
+//! measurements come at its own rate (a pace needs a few collectives, and slow steps take
+//! longer to give them), so each is counted once, when it is new, against the others' latest.
 
 use std::collections::BTreeMap;
 
@@ -17,7 +19,7 @@ pub const SLOWER: f64 = 1.0 / 0.75;
 const MIN_BEHIND_MS: f64 = 2.0;
 /// Pairs of collectives a rank's pace needs to count (a meter keeps counting until it has them).
 pub const MIN_SAMPLES: u32 = 3;
-/// Windows in a row behind before a rank is named, and not behind before it is cleared.
+/// Measurements in a row behind before a rank is named, and not behind before it is cleared.
 pub const NAME_AFTER: u32 = 2;
 const CLEAR_AFTER: u32 = 3;
 
@@ -52,6 +54,8 @@ pub struct Judge {
 
 #[derive(Debug, Default)]
 struct Run {
+    /// The last of the rank's measurements counted.
+    counted: Option<u32>,
     behind: u32,
     caught_up: u32,
     named_since: Option<u64>,
@@ -74,18 +78,10 @@ impl Judge {
             let score = if pace.compute_ms > 0.0 { (others_ms / pace.compute_ms).min(1.0) } else { 1.0 };
             let behind = pace.compute_ms >= others_ms * SLOWER && pace.compute_ms - others_ms >= MIN_BEHIND_MS;
             let run = self.runs.entry(pace.rank).or_default();
-            if behind {
-                run.behind += 1;
-                run.caught_up = 0;
-            } else {
-                run.behind = 0;
-                run.caught_up += 1;
-            }
             let was_named = run.named_since.is_some();
-            if behind && run.behind >= NAME_AFTER && !was_named {
-                run.named_since = Some(now_ms);
-            } else if was_named && run.caught_up >= CLEAR_AFTER {
-                run.named_since = None;
+            if run.counted != Some(pace.taken) {
+                run.count(behind, now_ms);
+                run.counted = Some(pace.taken);
             }
             let standing = Standing {
                 rank: pace.rank,
@@ -106,10 +102,23 @@ impl Judge {
         }
         (standings, changes)
     }
+}
 
-    /// Forgets every rank (a new round: new ranks).
-    pub fn reset(&mut self) {
-        self.runs.clear();
+impl Run {
+    /// One new measurement: behind the others or not.
+    fn count(&mut self, behind: bool, now_ms: u64) {
+        if behind {
+            self.behind += 1;
+            self.caught_up = 0;
+        } else {
+            self.behind = 0;
+            self.caught_up += 1;
+        }
+        if behind && self.behind >= NAME_AFTER && self.named_since.is_none() {
+            self.named_since = Some(now_ms);
+        } else if self.named_since.is_some() && self.caught_up >= CLEAR_AFTER {
+            self.named_since = None;
+        }
     }
 }
 
@@ -125,12 +134,18 @@ fn median_without(sorted: &[f64], skip: usize) -> Option<f64> {
 mod tests {
     use super::*;
 
-    fn pace(rank: u32, compute_ms: f64) -> (String, Pace) {
-        (format!("node{rank}"), Pace { rank, compute_ms, wait_ms: 1.0, samples: 10, kind: 1 })
+    fn measured(rank: u32, compute_ms: f64, taken: u32) -> (String, Pace) {
+        (format!("node{rank}"), Pace { rank, compute_ms, wait_ms: 1.0, samples: 10, kind: 1, taken })
     }
 
+    fn pace(rank: u32, compute_ms: f64) -> (String, Pace) {
+        measured(rank, compute_ms, 0)
+    }
+
+    /// A window in which every rank's pace is a new measurement.
     fn window(judge: &mut Judge, computes: &[f64], at: u64) -> (Vec<Standing>, Vec<Change>) {
-        let paces: Vec<_> = computes.iter().enumerate().map(|(rank, ms)| pace(rank as u32, *ms)).collect();
+        let paces: Vec<_> =
+            computes.iter().enumerate().map(|(rank, ms)| measured(rank as u32, *ms, at as u32)).collect();
         judge.window(&paces, at)
     }
 
@@ -178,6 +193,22 @@ mod tests {
     }
 
     #[test]
+    fn each_measurement_counts_once_against_the_others_latest() {
+        let mut judge = Judge::default();
+        // rank 2's one slow measurement, seen in three windows: not named
+        for at in 0..3 {
+            let paces = [measured(0, 100.0, at), measured(1, 100.0, at), measured(2, 200.0, 0)];
+            let (standings, changes) = judge.window(&paces, u64::from(at));
+            assert!(changes.is_empty(), "{changes:?}");
+            assert!((standings[2].score - 0.5).abs() < 0.01, "still shown: {standings:?}");
+        }
+        // its next one, against the others' paces of earlier windows: named
+        let paces = [measured(0, 100.0, 2), measured(1, 100.0, 2), measured(2, 200.0, 1)];
+        let (_, changes) = judge.window(&paces, 3);
+        assert!(matches!(changes.as_slice(), [Change::Named(s)] if s.rank == 2), "{changes:?}");
+    }
+
+    #[test]
     fn the_median_of_the_others_leaves_out_the_rank_judged() {
         let sorted = [1.0, 2.0, 4.0, 8.0];
         assert_eq!(median_without(&sorted, 0), Some(4.0));
@@ -197,7 +228,8 @@ mod tests {
         }
         assert!(judge.runs[&1].named_since.is_some(), "1.5x the other rank");
         let mut judge = Judge::default();
-        let thin = |rank, ms| (format!("n{rank}"), Pace { rank, compute_ms: ms, wait_ms: 0.0, samples: 1, kind: 1 });
+        let thin =
+            |rank, ms| (format!("n{rank}"), Pace { rank, compute_ms: ms, wait_ms: 0.0, samples: 1, kind: 1, taken: 0 });
         for at in 0..5 {
             let (standings, changes) = judge.window(&[thin(0, 100.0), thin(1, 300.0)], at);
             assert!(standings.is_empty() && changes.is_empty());

@@ -1,6 +1,6 @@
 //! Naming the slow rank. Each agent measures its workers' pace from their flight recorders
 //! ([`pace`]: compute between collectives, wait inside them, on each rank's own clock), and
-//! every [`WINDOW`] writes it to the round's store; the round's first member reads every
+//! every [`WINDOW`] writes each rank's latest to the round's store; the round's first member reads every
 //! member's, judges ([`judge`]: a rank that stays clearly behind the others' median is named,
 //! a slow window or a job-wide slowdown names no one), writes every rank's standing back for
 //! the others, and says who is named or cleared (a WARN, the event log). Every agent shows its
@@ -11,7 +11,7 @@
 pub mod judge;
 pub mod pace;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -79,10 +79,17 @@ impl Exchange {
         let mut ticks = tokio::time::interval(WINDOW);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         ticks.tick().await; // the first tick is at once: a window has to pass first
+                            // each rank's latest pace: written every window, so a window in which a rank of slow
+                            // steps finished too few collectives for a new one still judges the others against it
+        let mut latest: BTreeMap<u32, Pace> = BTreeMap::new();
         loop {
             ticks.tick().await;
-            let paces: Vec<Pace> =
-                lock(&meters).iter_mut().filter_map(|(rank, meter)| meter.take(*rank, judge::MIN_SAMPLES)).collect();
+            for (rank, meter) in lock(&meters).iter_mut() {
+                if let Some(pace) = meter.take(*rank, judge::MIN_SAMPLES) {
+                    latest.insert(*rank, pace);
+                }
+            }
+            let paces: Vec<Pace> = latest.values().cloned().collect();
             if store.is_none() {
                 store = self.store.open().await.ok(); // a store that does not answer: next window
             }

@@ -21,6 +21,9 @@ pub struct Pace {
     pub samples: u32,
     /// The kind of collective it waited in longest (elastix.collectives' numbering).
     pub kind: u8,
+    /// Which of its meter's paces this is (0 for the first): a member writes its ranks' latest
+    /// pace every window, and a judge counts each measurement once.
+    pub taken: u32,
 }
 
 /// Measures one worker's pace from the flights its slot shows at each look.
@@ -33,6 +36,8 @@ pub struct PaceMeter {
     samples: u32,
     /// Time waited per kind of collective, this window.
     waits: [u64; 16],
+    /// Paces taken so far.
+    taken: u32,
 }
 
 impl PaceMeter {
@@ -72,7 +77,9 @@ impl PaceMeter {
         }
         let kind = (0..waits.len()).max_by_key(|kind| waits[*kind]).unwrap_or(0) as u8;
         let mean_ms = |ns: u64| ns as f64 / f64::from(samples) / 1e6;
-        Some(Pace { rank, compute_ms: mean_ms(compute), wait_ms: mean_ms(wait), samples, kind })
+        let taken = self.taken;
+        self.taken += 1;
+        Some(Pace { rank, compute_ms: mean_ms(compute), wait_ms: mean_ms(wait), samples, kind, taken })
     }
 }
 
@@ -94,12 +101,13 @@ mod tests {
         meter.look(&[flight(2, 12, 14), flight(3, 24, 26), flight(4, 36, 38)]);
         assert_eq!(meter.take(7, 4), None, "three pairs are not enough for four");
         let pace = meter.take(7, 3).unwrap();
-        assert_eq!((pace.rank, pace.samples, pace.kind), (7, 3, 1));
+        assert_eq!((pace.rank, pace.samples, pace.kind, pace.taken), (7, 3, 1, 0));
         assert!((pace.compute_ms - 10.0).abs() < 1e-9 && (pace.wait_ms - 2.0).abs() < 1e-9, "{pace:?}");
         assert_eq!(meter.take(7, 1), None, "counted again from there");
         // the next one goes on from the last collective seen
         meter.look(&[flight(5, 48, 50)]);
-        assert_eq!(meter.take(7, 1).unwrap().samples, 1);
+        let next = meter.take(7, 1).unwrap();
+        assert_eq!((next.samples, next.taken), (1, 1));
     }
 
     #[test]
