@@ -9,6 +9,11 @@ or ICMP port-unreachable (the answers let through: the far side sees "connection
 from a dead agent); `no_new_connections(i, to)` is a one-way cut (i cannot open a connection
 to `to`, which can still open one to i); `open_firewall(i)` heals.
 
+Slow links as a bad cable or switch port makes them (tc in and outside a host's namespace):
+`slow_link(i, how)` delays every packet to and from host i by 25 ms each way ("delay", netem:
+50 ms a round trip) or holds it to 16 Mbit/s ("throttle", a token bucket); `Hosts.qdisc_missing`
+says where the kernel lacks the one asked for.
+
 Needs root and `ip` (iproute2), and `iptables` for the firewalls; `Hosts.available()` and
 `Hosts.firewalls_available()` say why not where they are missing."""
 
@@ -20,6 +25,12 @@ import shutil
 import subprocess
 import sys
 from typing import Iterator
+
+# how `Hosts.slow_link` slows a link: tc's queueing disciplines
+SLOW_LINKS = {
+    "delay": ("netem", "delay", "25ms"),
+    "throttle": ("tbf", "rate", "16mbit", "burst", "32kbit", "latency", "1s"),
+}
 
 
 def _ip(*args: str) -> None:
@@ -114,6 +125,29 @@ class Hosts:
 
     def open_firewall(self, i: int) -> None:
         self._iptables(i, "-F")
+
+    @staticmethod
+    def qdisc_missing(how: str) -> str | None:
+        """None where `slow_link(_, how)` can be made here, else why not."""
+        if shutil.which("tc") is None:
+            return "the tc command (iproute2) is not installed"
+        probe = f"elxq{secrets.token_hex(2)}"
+        _ip("link", "add", probe, "type", "veth", "peer", "name", f"{probe}p")
+        try:
+            tried = subprocess.run(["tc", "qdisc", "add", "dev", probe, "root", *SLOW_LINKS[how]], capture_output=True,
+                                   text=True, timeout=20)  # fmt: skip
+        finally:
+            _ip("link", "del", probe)
+        return (
+            None if tried.returncode == 0 else f"this kernel has no {SLOW_LINKS[how][0]} qdisc: {tried.stderr.strip()}"
+        )
+
+    def slow_link(self, i: int, how: str) -> None:
+        """Host i's link slowed both ways: its side (in its namespace) and the switch's."""
+        tc = ["tc", "qdisc", "add", "dev"]
+        subprocess.run([*tc, self._veths[i], "root", *SLOW_LINKS[how]], check=True, capture_output=True, timeout=20)
+        subprocess.run(self.command(i, *tc, "eth0", "root", *SLOW_LINKS[how]), check=True, capture_output=True,
+                       timeout=20)  # fmt: skip
 
     def kill(self, i: int) -> list[int]:
         """Kills host i as a power loss would its software: SIGKILL to every process in its

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from .rdzv_conf import rdzv_conf_values
@@ -121,11 +122,16 @@ def build(
     metrics_addr: Optional[str] = None,
     checkpoints: Optional[Mapping[str, Any]] = None,
     numa_binding: Optional[Dict[str, Any]] = None,
+    preflight: bool = False,
+    exclude_stragglers: bool = False,
     warn: Callable[[str], None] = warn,
 ) -> Dict[str, Any]:
     """``python_workers``: the entrypoint is the launcher's Python, with the arguments it built.
     ``standby_workers``: warm interpreters ready for the next restart, when one can happen.
-    ``numa_binding``: each local rank's CPUs (``elastix.agent.numa.agent_binding``)."""
+    ``numa_binding``: each local rank's CPUs (``elastix.agent.numa.agent_binding``).
+    ``preflight``: check the nodes before the first round trains (elastix.preflight, run by
+    this Python whatever the workers are); ``exclude_stragglers``: a straggler's node leaves
+    at the next re-form."""
     worker_env = _worker_env(env or {}, python_workers)
     config = {
         "run_id": str(run_id),
@@ -153,6 +159,8 @@ def build(
         "metrics_addr": metrics_addr or None,
         **_checkpoints(**(checkpoints or {})),
         "numa_binding": numa_binding,
+        "preflight": [sys.executable, "-m", "elastix.preflight"] if preflight else None,
+        "exclude_stragglers": bool(exclude_stragglers),
         "standby": _standby(
             python_workers and standby_workers, args, worker_env, rdzv_backend, int(max_nodes), int(max_restarts)
         ),

@@ -70,6 +70,9 @@ class LaunchConfig:
     standby_workers: bool = True
     # seconds without a heartbeat after which a worker that sent one is hung (None: off)
     worker_timeout: Optional[float] = None
+    # check the nodes before the first round trains; a straggler's node leaves at a re-form
+    preflight: bool = False
+    exclude_stragglers: bool = False
 
     def __post_init__(self) -> None:
         if self.rdzv_timeout != -1:
@@ -225,6 +228,8 @@ def agent_config(config: LaunchConfig, program: str, program_args: Sequence[str]
         python_workers=program == _python(),
         standby_workers=config.standby_workers,
         numa_binding=agent_binding(config.numa_options, nproc, what="numa_options", warn=configs.warn),
+        preflight=config.preflight,
+        exclude_stragglers=config.exclude_stragglers,
     )
 
 

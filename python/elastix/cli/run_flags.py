@@ -397,6 +397,26 @@ GROUPS = [
         ],
     ),
     Group(
+        "slow and bad nodes",
+        "a rank that keeps others waiting is named in the log and in elastix status whatever these say",
+        [
+            Flag(
+                "--preflight",
+                action=EnvFlag,
+                pet=False,
+                help="[elastix] before the job's first round trains, check every node's compute and its links to "
+                "the others (in pairs, through elastix's collectives); slow and dead nodes are named and leave "
+                "where --nnodes allows (the others re-form without them), else the job warns and trains",
+            ),
+            Flag(
+                "--exclude-stragglers",
+                action=EnvFlag,
+                pet=False,
+                help="[elastix] a node named a straggler leaves the job at the next re-form, where --nnodes allows",
+            ),
+        ],
+    ),
+    Group(
         "checkpoints (elastix.checkpoint)",
         "workers save into memory this agent holds; a restarted worker restores from it",
         [

@@ -111,6 +111,14 @@ pub struct AgentConfig {
     /// (0: unlimited).
     #[serde(default = "default_checkpoint_copy_rate")]
     pub checkpoint_copy_rate: u64,
+    /// `--preflight`: the command that runs this node's part of the pre-flight check before
+    /// the job's first round trains (`None`: no check).
+    #[serde(default)]
+    pub preflight: Option<Vec<String>>,
+    /// `--exclude-stragglers`: a node named a straggler leaves at the next re-form, where
+    /// `--nnodes` allows.
+    #[serde(default)]
+    pub exclude_stragglers: bool,
 }
 
 fn default_checkpoint_keep() -> u32 {

@@ -13,6 +13,7 @@ use std::time::SystemTime;
 use serde_json::{json, Map, Value};
 
 use super::failure::{self, Failure};
+use super::preflight::Named;
 use super::stragglers::judge::Standing;
 use crate::agent::output::logfiles::{LogFile, LogWriter};
 use crate::console;
@@ -104,6 +105,24 @@ impl EventLog {
     /// re-form `why` but told to stop their collectives, and re-form in the next round.
     pub async fn workers_kept(&self, round: u64, pids: &[u32], why: &str) {
         self.emit("workers_kept", json!({"round": round, "pids": pids, "why": why})).await;
+    }
+
+    /// What the pre-flight check found: the nodes and links it named (`nodes`, `links`: what
+    /// each is and why), and what came of it (`decision`).
+    pub async fn preflight(&self, round: u64, nodes: &[Named], links: &[Named], decision: &str) {
+        let named = |all: &[Named]| -> Vec<Value> {
+            all.iter().map(|n| json!({"member": n.member, "node": n.node, "why": n.why})).collect()
+        };
+        self.emit(
+            "preflight",
+            json!({"round": round, "nodes": named(nodes), "links": named(links), "decision": decision}),
+        )
+        .await;
+    }
+
+    /// This node leaves the job (`why`): the others go on without it.
+    pub async fn left_out(&self, round: u64, why: &str) {
+        self.emit("left_out", json!({"round": round, "why": why})).await;
     }
 
     /// A rank named a straggler (`named`), or keeping pace again: its standing then.

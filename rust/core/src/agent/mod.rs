@@ -22,6 +22,7 @@ pub mod failure;
 pub mod finished;
 pub mod hangs;
 pub mod output;
+pub mod preflight;
 pub mod progress;
 pub mod result;
 pub mod round_store;

@@ -2,8 +2,9 @@
 //! the next state. A node's life reads in order:
 //!
 //! ```text
-//!   Rendezvous --round formed--> Start --workers up--> Watch --all succeeded--> Barrier
-//!      ^  ^                        |                     |                         |
+//!   Rendezvous --round formed--> [Preflight] --> Start --workers up--> Watch --all succeeded--> Barrier
+//!      ^  ^  ^                        |             |                     |                         |
+//!      |  |  +-- named nodes left out +             |                     |                         |
 //!      |  +--- re-join ------------+                     |                         |
 //!      |       (a member or the store lost as it began)  |                         |
 //!      +------------ re-join ----------------------------+-------------------------+
@@ -12,7 +13,10 @@
 //!   any state --a signal, the job closed, the budget spent, every node through--> End
 //! ```
 //!
-//! * [`rendezvous`]: joins the next round ([`State::Rendezvous`] -> [`State::Start`]).
+//! * [`rendezvous`]: joins the next round ([`State::Rendezvous`] -> [`State::Start`]; a node
+//!   named a straggler leaves instead under `--exclude-stragglers`).
+//! * [`preflight`]: the job's first round checks its nodes and links first (`--preflight`);
+//!   named nodes leave, the others re-form without them.
 //! * [`start`]: exchanges ranks and starts the local workers (-> [`State::Watch`]).
 //! * [`watch`]: waits for the first event of the attempt: a worker failed, all succeeded, the
 //!   membership changed, a signal. A failure spends one job-wide restart (the first report of
@@ -37,6 +41,7 @@ mod agent;
 mod barrier;
 mod changes;
 mod loss;
+mod preflight;
 mod publish;
 mod reform;
 mod rendezvous;
@@ -63,6 +68,8 @@ use crate::rendezvous::RendezvousInfo;
 enum State {
     /// Joining the next round: the first, or after a restart or a re-form.
     Rendezvous,
+    /// The job's first round formed: checking its nodes and links (`--preflight`).
+    Preflight(RendezvousInfo),
     /// A round formed: exchanging ranks, starting the local workers.
     Start(RendezvousInfo),
     /// The workers run: waiting for the first event of the attempt.
@@ -89,6 +96,7 @@ impl Agent {
         loop {
             state = match state {
                 State::Rendezvous => self.rendezvous(report).await?,
+                State::Preflight(info) => self.preflight(info, report).await?,
                 State::Start(info) => self.start(info, report).await?,
                 State::Watch(attempt) => self.watch(attempt, report).await?,
                 State::Barrier(watched) => self.barrier(watched, report).await?,

@@ -1,10 +1,15 @@
 //! [`State::Rendezvous`]: joining the next round, until one forms with this node in it.
 
+use std::collections::BTreeSet;
+use std::time::Duration;
+
 use super::agent::Agent;
 use super::report::{print_summary, End, Report};
 use super::{State, FAILED, MAX_LOST_STARTS, SUCCEEDED};
 use crate::agent::error::Result;
+use crate::agent::preflight::may_leave;
 use crate::agent::result::AgentErrorInfo;
+use crate::agent::stragglers::lock;
 use crate::metrics;
 use crate::rendezvous::RendezvousError;
 
@@ -12,6 +17,9 @@ impl Agent {
     /// Joins the next round (-> [`State::Start`]); a closed rendezvous, a spare's graceful
     /// exit or a signal ends the run; a store lost as the round formed is joined again.
     pub(super) async fn rendezvous(&mut self, report: &mut Report) -> Result<State> {
+        if let Some(why) = self.straggler_leaving(report) {
+            return self.leave_job(&why, report).await;
+        }
         let asked = tokio::time::Instant::now();
         let info = tokio::select! {
             info = self.rdzv.next_rendezvous() => match info {
@@ -53,7 +61,51 @@ impl Agent {
         counts.joined_round(info.round, info.world_size, asked.elapsed());
         self.round = info.round;
         counts.job_restarts(report.restart_count, self.config.max_restarts);
+        if info.round == 0 && self.config.preflight.is_some() {
+            return Ok(State::Preflight(info));
+        }
         Ok(State::Start(info))
+    }
+
+    /// Under `--exclude-stragglers`, why this node leaves at this re-form: the last round named
+    /// it a straggler, and the job can go on without its straggling nodes.
+    fn straggler_leaving(&self, report: &Report) -> Option<String> {
+        let members = report.group_world_size.filter(|_| self.config.exclude_stragglers)?;
+        let standings = lock(&self.standings);
+        let mine = standings.values().find(|s| s.straggler && s.node == self.host)?;
+        let nodes: BTreeSet<&str> = standings.values().filter(|s| s.straggler).map(|s| s.node.as_str()).collect();
+        let elastic = self.config.rdzv_backend != "static";
+        match may_leave(nodes.len(), members, self.config.min_nodes, elastic) {
+            Ok(()) => Some(format!(
+                "--exclude-stragglers: rank {} is a straggler (it computes {:.1}x as long as the others)",
+                mine.rank,
+                mine.compute_ms / mine.others_ms.max(f64::MIN_POSITIVE)
+            )),
+            Err(why) => {
+                tracing::warn!("--exclude-stragglers: this node is a straggler but stays: {why}");
+                None
+            }
+        }
+    }
+
+    /// This node leaves the job for `why` and ends (exit 1); the others re-form without it.
+    pub(super) async fn leave_job(&mut self, why: &str, report: &mut Report) -> Result<State> {
+        tracing::error!("this node leaves the job: {why}");
+        self.tell_round_leaving(why).await;
+        self.events.left_out(self.round, why).await;
+        let message = format!("this node left the job: {why}");
+        report.summary = Some(message.clone());
+        report.error = Some(AgentErrorInfo { kind: "left_out".to_owned(), message });
+        Ok(State::End(End::Failed))
+    }
+
+    /// Tells the round this node leaves (`why`), so that the others re-form without it now
+    /// rather than a loss window later; bounded, and its heartbeats stopping tell them anyway.
+    pub(super) async fn tell_round_leaving(&mut self, why: &str) {
+        let left = tokio::time::timeout(LEAVE_WAIT, self.rdzv.leave(why)).await;
+        if !matches!(left, Ok(Ok(()))) {
+            tracing::debug!("could not tell the round this node leaves; its heartbeats will");
+        }
     }
 
     /// The rendezvous was closed: by a successful job, or by one that failed elsewhere.
@@ -69,3 +121,6 @@ impl Agent {
         Ok(End::Failed)
     }
 }
+
+/// How long a leaving node tries to tell its round.
+const LEAVE_WAIT: Duration = Duration::from_secs(1);

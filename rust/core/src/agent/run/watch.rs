@@ -111,11 +111,7 @@ impl Agent {
                 // a node stopped (not a job-wide preemption notice, which its workers act on
                 // together) tells the others, who re-form without it now, not a loss window later
                 if !matches!(signal, Signal::SIGUSR1 | Signal::SIGUSR2) {
-                    let why = format!("it was stopped ({signal})");
-                    let left = tokio::time::timeout(LEAVE_WAIT, self.rdzv.leave(&why)).await;
-                    if !matches!(left, Ok(Ok(()))) {
-                        tracing::debug!("could not tell the round this node leaves; its heartbeats will");
-                    }
+                    self.tell_round_leaving(&format!("it was stopped ({signal})")).await;
                 }
                 // workers get the signal itself when it is one to forward, else SIGTERM
                 group.stop(if forward { signal } else { Signal::SIGTERM }, self.config.shutdown_timeout()).await;
@@ -181,9 +177,6 @@ impl Agent {
         StragglerWatch::start(exchange, group.meters(), self.standings.clone(), self.events.clone())
     }
 }
-
-/// How long a node stopped by a signal tries to tell its round it leaves.
-const LEAVE_WAIT: Duration = Duration::from_secs(1);
 
 /// The next report of elastic workers whose collective failed, with any that came meanwhile:
 /// not an end by itself (never, without a control socket).
