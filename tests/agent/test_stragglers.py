@@ -1,7 +1,8 @@
 """Naming the slow rank (rust/core/src/agent/stragglers): three namespace hosts, one rank each,
 training with steps of CPU work and an all_reduce (tests/worker_programs/paced_loop.py). A host
 with half the CPU of the others is named from its ranks' pace, within 20 steps; a healthy job,
-and a job whose every host is limited alike, name no one.
+and a job whose every host is limited alike, name no one; under --exclude-stragglers the named
+node leaves at the next re-form.
 
 Every host of the named test has a CPU quota, the slow one half the others': three hosts on a
 machine of two cores must not share what is left, or whatever else the machine runs decides
@@ -14,6 +15,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -92,7 +94,7 @@ class CpuLimit:
                 time.sleep(0.1)  # its processes are still exiting
 
 
-def start_job(tmp_path, marker, hosts, stack, shares=None):
+def start_job(tmp_path, marker, hosts, stack, shares=None, nnodes=3, max_restarts=0, more=()):
     """Three agents, one per host; host i's processes held to shares[i] of a CPU where given."""
     shares = shares or {}
     store = elastix.TCPStore(hosts.gateway, 0, is_master=True, wait_for_workers=False)
@@ -108,8 +110,8 @@ def start_job(tmp_path, marker, hosts, stack, shares=None):
             stack.callback(limit.close)
             command = limit.wrap(command)
         events = tmp_path / f"h{i}-events.jsonl"
-        args = node_args(3, endpoint, hosts.addr(i), RDZV, PROGRAM, run_id="pace", max_restarts=0)
-        agents.append(agent(tmp_path, marker, f"h{i}", "run", "--event-log", events, *args, python=command))
+        args = node_args(nnodes, endpoint, hosts.addr(i), RDZV, PROGRAM, run_id="pace", max_restarts=max_restarts)
+        agents.append(agent(tmp_path, marker, f"h{i}", "run", *more, "--event-log", events, *args, python=command))
     stack.callback(lambda: [a.kill() for a in agents])
     return agents, endpoint, store
 
@@ -149,6 +151,33 @@ def test_a_host_with_half_the_cpu_of_the_others_is_named_within_20_steps(tmp_pat
     logs = [json.loads(line) for i in range(3) for line in open(tmp_path / f"h{i}-events.jsonl")]
     event = next(e for e in logs if e["event"] == "straggler")
     assert event["rank"] == rank and event["score"] < 0.75 and event["waited_in"] == "all_reduce", event
+
+
+def test_exclude_stragglers_makes_the_named_node_leave_at_the_next_re_form(tmp_path, marker, hosts):
+    with ExitStack() as stack:
+        shares = {0: 0.4, 1: 0.2, 2: 0.4}
+        agents, endpoint, _store = start_job(tmp_path, marker, hosts, stack, shares=shares, nnodes="2:3",
+                                             max_restarts=1, more=["--exclude-stragglers"])  # fmt: skip
+        [(_at, rank, node)] = wait_for(lambda: named(agents), timeout=120, what="a straggler named")
+        assert node == hosts.addr(1)
+        # its own agent knows (it shows it in elastix status): the judge's word reaches the
+        # others within a window
+        wait_for(lambda: status(endpoint, "STRAGGLER"), timeout=30, what="the straggler's agent showing it")
+        # a failure elsewhere re-forms the job: the straggler's node leaves, the others go on
+        [started] = events_of(tmp_path, 0, "workers_started")
+        os.kill(started["pids"][0], signal.SIGKILL)
+        assert agents[1].finish() == 1, agents[1].output()
+        assert f"this node leaves the job: --exclude-stragglers: rank {rank} is a straggler" in agents[1].output()
+        wait_for(lambda: [e for e in events_of(tmp_path, 0, "round_formed") if e["group_world_size"] == 2],
+                 timeout=60, what="the two other nodes re-formed")  # fmt: skip
+        finish_all(tmp_path, [agents[0], agents[2]], marker)
+    [left] = events_of(tmp_path, 1, "left_out")
+    assert "--exclude-stragglers" in left["why"]
+
+
+def events_of(tmp_path, i, name):
+    path = tmp_path / f"h{i}-events.jsonl"
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == name]
 
 
 @pytest.mark.parametrize("shares", [{}, {0: 0.2, 1: 0.2, 2: 0.2}], ids=["healthy", "every-host-limited-alike"])

@@ -209,6 +209,24 @@ def test_several_runs_in_one_log_and_the_same_log_twice(tmp_path):
     ]  # fmt: skip
 
 
+def test_the_preflight_check_and_a_node_left_out_are_marked(tmp_path):
+    path = tmp_path / "events.jsonl"
+    named = [{"member": 1, "node": "10.0.0.2", "why": "slow on every link"}]
+    path.write_text("\n".join([
+        event("round_formed", 0.0, "n", 1, round=0, group_rank=1, group_world_size=3, restart_count=0),
+        event("preflight", 1.0, "n", 1, round=0, nodes=named, links=[], decision="leave out"),
+        event("left_out", 1.1, "n", 1, round=0, why="the pre-flight check named it: slow on every link"),
+        event("preflight", 2.0, "m", 2, round=0, nodes=[], links=[], decision="go on"),
+    ]) + "\n")  # fmt: skip
+    [run], _ = model(str(path))
+    titles = [mark["title"] for lane in run["lanes"] for mark in lane["marks"] if mark["kind"] == "straggler"]
+    assert titles == [
+        "pre-flight check: named 10.0.0.2 (slow on every link): leave out",
+        "this node left the job: the pre-flight check named it: slow on every link",
+        "pre-flight check: every node fine",
+    ], titles
+
+
 def test_odd_lines_are_skipped_with_a_warning_and_odd_fields_shown_as_they_are(tmp_path):
     path = tmp_path / "events.jsonl"
     lines = [

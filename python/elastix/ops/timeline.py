@@ -32,6 +32,8 @@ POINT_KINDS = {
     "checkpoint_restore": "checkpoint",
     "straggler": "straggler",
     "straggler_cleared": "straggler",
+    "preflight": "straggler",
+    "left_out": "straggler",
 }
 LABELS = {
     "global_rank": "rank",
@@ -302,6 +304,12 @@ def title(kind: str, f: Dict[str, Any]) -> str:
     if kind == "straggler" and f.get("event") == "straggler":
         slower = (f.get("compute_ms") or 0) / max(f.get("others_ms") or 0, 1e-9)
         return f"rank {f.get('rank')} on {f.get('node')} is a straggler ({slower:.1f}x the others' compute)"
+    if f.get("event") == "preflight":
+        named = [f"{n.get('node')} ({n.get('why')})" for n in f.get("nodes") or []]
+        found = "named " + "; ".join(named) + f": {f.get('decision')}" if named else "every node fine"
+        return f"pre-flight check: {found}"
+    if f.get("event") == "left_out":
+        return f"this node left the job: {f.get('why')}"
     if kind == "straggler":
         return f"rank {f.get('rank')} on {f.get('node')} keeps pace again"
     if kind == "checkpoint":
