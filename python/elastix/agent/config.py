@@ -122,16 +122,12 @@ def build(
     metrics_addr: Optional[str] = None,
     checkpoints: Optional[Mapping[str, Any]] = None,
     numa_binding: Optional[Dict[str, Any]] = None,
-    preflight: bool = False,
-    exclude_stragglers: bool = False,
+    slow_nodes: Optional[Mapping[str, bool]] = None,
     warn: Callable[[str], None] = warn,
 ) -> Dict[str, Any]:
     """``python_workers``: the entrypoint is the launcher's Python, with the arguments it built.
     ``standby_workers``: warm interpreters ready for the next restart, when one can happen.
-    ``numa_binding``: each local rank's CPUs (``elastix.agent.numa.agent_binding``).
-    ``preflight``: check the nodes before the first round trains (elastix.preflight, run by
-    this Python whatever the workers are); ``exclude_stragglers``: a straggler's node leaves
-    at the next re-form."""
+    ``numa_binding``: each local rank's CPUs (``elastix.agent.numa.agent_binding``)."""
     worker_env = _worker_env(env or {}, python_workers)
     config = {
         "run_id": str(run_id),
@@ -153,14 +149,12 @@ def build(
         "duplicate_stdout_filters": _duplicate_filters(duplicate_stdout_filters, tee, 1, "stdout", warn),
         "duplicate_stderr_filters": _duplicate_filters(duplicate_stderr_filters, tee, 2, "stderr", warn),
         "virtual_local_rank": bool(virtual_local_rank),
-        # what the failure summary calls the job (the agent names the program otherwise)
-        "name": name,
+        "name": name,  # what the failure summary calls the job (else the program's name)
         "metrics_port": None if metrics_port is None else _port("--metrics-port", metrics_port),
         "metrics_addr": metrics_addr or None,
         **_checkpoints(**(checkpoints or {})),
         "numa_binding": numa_binding,
-        "preflight": [sys.executable, "-m", "elastix.preflight"] if preflight else None,
-        "exclude_stragglers": bool(exclude_stragglers),
+        **_slow_nodes(**(slow_nodes or {})),
         "standby": _standby(
             python_workers and standby_workers, args, worker_env, rdzv_backend, int(max_nodes), int(max_restarts)
         ),
@@ -240,6 +234,16 @@ def _checkpoints(directory: Optional[str] = None, keep: int = 2, copy_rate: int 
         "checkpoint_dir": None if directory is None else os.path.abspath(os.path.expanduser(directory)),
         "checkpoint_keep": whole_number("--checkpoint-keep", keep),
         "checkpoint_copy_rate": whole_number("--checkpoint-copy-rate", copy_rate),
+    }
+
+
+def _slow_nodes(preflight: bool = False, exclude_stragglers: bool = False) -> Dict[str, Any]:
+    """``--preflight``: check the nodes before the first round trains (elastix.preflight, run
+    by this Python whatever the workers are); ``--exclude-stragglers``: a straggler's node
+    leaves at the next re-form."""
+    return {
+        "preflight": [sys.executable, "-m", "elastix.preflight"] if preflight else None,
+        "exclude_stragglers": bool(exclude_stragglers),
     }
 
 

@@ -228,8 +228,7 @@ def agent_config(config: LaunchConfig, program: str, program_args: Sequence[str]
         python_workers=program == _python(),
         standby_workers=config.standby_workers,
         numa_binding=agent_binding(config.numa_options, nproc, what="numa_options", warn=configs.warn),
-        preflight=config.preflight,
-        exclude_stragglers=config.exclude_stragglers,
+        slow_nodes={"preflight": config.preflight, "exclude_stragglers": config.exclude_stragglers},
     )
 
 

@@ -88,8 +88,7 @@ def config_from_args(args: argparse.Namespace, warn: Callable[[str], None] = age
             "copy_rate": args.checkpoint_copy_rate,
         },
         numa_binding=agent_binding(args.numa_binding, nproc, what="--numa-binding", warn=warn),
-        preflight=args.preflight,
-        exclude_stragglers=args.exclude_stragglers,
+        slow_nodes={"preflight": args.preflight, "exclude_stragglers": args.exclude_stragglers},
         warn=warn,
     )
     if env:
