@@ -101,7 +101,13 @@ def test_launch_config_fields_and_defaults(monkeypatch):
     config = LaunchConfig(1, 2, 4)
     names = [f.name for f in dataclasses.fields(LaunchConfig)]
     assert names[: len(TORCH_FIELDS)] == [name for name, _ in TORCH_FIELDS]  # torch's order
-    assert names[len(TORCH_FIELDS) :] == ["exit_barrier_timeout", "standby_workers", "worker_timeout"]
+    assert names[len(TORCH_FIELDS) :] == [
+        "exit_barrier_timeout",
+        "standby_workers",
+        "worker_timeout",
+        "preflight",
+        "exclude_stragglers",
+    ]
     for name, default in TORCH_FIELDS[4:]:
         assert getattr(config, name) == default, name
     assert isinstance(config.logs_specs, DefaultLogsSpecs)
@@ -164,6 +170,9 @@ def test_agent_config_from_launch_config():
     assert out["log_dir"] == "/tmp/logs" and out["line_prefix"] == "[{rank}]"
     assert out["signals_to_handle"] == ["SIGTERM", "SIGUSR1"]
     assert out["env"] == {}  # the API does not set OMP_NUM_THREADS (torch: only the CLI does)
+    assert (out["preflight"], out["exclude_stragglers"]) == (None, False)
+    checked = agent_config(LaunchConfig(1, 2, 1, preflight=True, exclude_stragglers=True), "/bin/prog", [])
+    assert checked["preflight"] == [sys.executable, "-m", "elastix.preflight"] and checked["exclude_stragglers"]
 
 
 def test_agent_config_static_and_empty_run_id():
