@@ -9,6 +9,13 @@ torch is installed (pip install -e '.[bench]'), for gloo, and the ratio. Targets
 >= 2x gloo's busbw at >= 1 MiB, and a 4 KiB all_reduce in <= 50 us on 2 local ranks. With
 CuPy and at least two GPUs it also measures the nccl backend.
 
+The roofline: the least time the bytes an all_reduce must move take at this machine's memory
+bandwidth. On p ranks in shared memory each rank reads the whole buffer (its part and the
+others') to reduce its 1/p part, writes that part, then reads and writes the other reduced
+parts: (3 - 1/p) x the buffer's bytes per rank (2.5x on 2). The bandwidth is what one core
+gets copying while p cores copy at once, measured by benches/floors/stream.c (built here with
+cc); the "roof" column is elastix's share of it (100%: at the roofline).
+
     python benches/collectives_bench.py [--ranks 2,4] [--max-size 256M] [--json out.json]
 """
 
@@ -196,6 +203,28 @@ def run_impl(impl: str, world: int, sizes, budget: float, timeout: float):
             port_holder.close()
 
 
+def copy_bandwidth(cores: int) -> float | None:
+    """GB/s one core gets copying while `cores` copy at once (STREAM's count: read + write)."""
+    source = REPO / "benches" / "floors" / "stream.c"
+    binary = Path(tempfile.mkdtemp(prefix="elastix-stream-")) / "stream"
+    try:
+        subprocess.run(["cc", "-O2", "-pthread", "-o", str(binary), str(source)], check=True, capture_output=True)
+        done = subprocess.run([str(binary), "256", str(cores)], check=True, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as err:
+        print(f"  no roofline ({err})")
+        return None
+    for line in done.stdout.splitlines():
+        found = json.loads(line)
+        if found["kernel"] == "copy" and found["cores"] == cores:
+            return float(found["per_core_gbs"])
+    return None
+
+
+def roofline_s(nbytes: int, world: int, gbs: float) -> float:
+    """The least time an all_reduce of `nbytes` on `world` ranks takes at `gbs` per core."""
+    return (3 - 1 / world) * nbytes / (gbs * 1e9)
+
+
 def busbw(nbytes: int, seconds: float, world: int) -> float:
     return nbytes / seconds * 2 * (world - 1) / world / 1e9
 
@@ -250,8 +279,10 @@ def main() -> int:
                 continue
             figures[impl] = result
         report[world] = figures
-        print(f"\n{world} ranks")
-        head = f"{'size':>9} | {'elastix':>10} {'busbw':>9}"
+        gbs = copy_bandwidth(min(world, os.cpu_count() or world))
+        bandwidth = f"; a core copies at {gbs:.1f} GB/s while {world} do (stream.c)" if gbs else ""
+        print(f"\n{world} ranks{bandwidth}")
+        head = f"{'size':>9} | {'elastix':>10} {'busbw':>9} {'roof':>5}"
         if "gloo" in figures:
             head += f" | {'gloo':>10} {'busbw':>9} | {'ratio':>6}"
         if "nccl" in figures:
@@ -260,7 +291,10 @@ def main() -> int:
         print("-" * len(head))
         for n in sizes:
             e = figures.get("elastix", {}).get(n)
-            line = f"{human(n):>9} | " + (f"{e * 1e6:>8.1f}us {busbw(n, e, world):>5.2f}GB/s" if e else f"{'-':>20}")
+            roof = f"{roofline_s(n, world, gbs) / e:>5.0%}" if e and gbs else f"{'-':>5}"
+            line = f"{human(n):>9} | " + (
+                f"{e * 1e6:>8.1f}us {busbw(n, e, world):>5.2f}GB/s {roof}" if e else f"{'-':>26}"
+            )
             if "gloo" in figures:
                 g = figures["gloo"].get(n)
                 line += f" | {g * 1e6:>8.1f}us {busbw(n, g, world):>5.2f}GB/s | {g / e:>5.2f}x" if g and e else ""

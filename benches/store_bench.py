@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
-"""Store benchmark: elastix-store against torch's libuv TCPStore server, same load, same run.
+"""Store benchmark: elastix-store, the server embedded in elastix (what an agent or an
+`elastix.TCPStore(is_master=True)` serves), torch's libuv TCPStore server, and the floor: the
+least a conventional server pays on this machine (benches/floors/epoll_store.c, one epoll
+thread, built here with cc). Same load, same run.
 
-It prints figures and asserts nothing. Both servers are driven by elastix-loadgen
+It prints figures and asserts nothing. Every server is driven by elastix-loadgen
 (benches/loadgen), which speaks the TCPStore wire protocol itself, at 1, 16 and 256
-connections; the two servers are measured alternately at each connection count so that
-background load on the machine affects both alike. torch is optional (pip install -e '.[bench]').
+connections; the servers are measured in turn at each connection count (alternated with
+--repeat) so that background load on the machine affects all alike. Beside ops/s and latency it
+prints each server's CPU per request (its CPU time over the measured window over the requests
+served) and that against the floor's. torch is optional (pip install -e '.[bench]').
 
     python benches/store_bench.py [--duration 5] [--connections 1,16,256] [--json out.json]
 """
@@ -33,8 +38,18 @@ TORCH_SERVER = (
     "time.sleep(1e9)\n"
 )
 
+# The server elastix embeds (an agent's, a master TCPStore's), alone in its process.
+EMBEDDED_SERVER = (
+    "import time, elastix\n"
+    "s = elastix.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+    "print(s.port, flush=True)\n"
+    "time.sleep(1e9)\n"
+)
+FLOOR_SOURCE = REPO / "benches" / "floors" / "epoll_store.c"
+
 TARGET_OPS_RATIO = 2.0  # design.md: >= 2x torch's ops/s at 256 connections ...
 TARGET_P99_RATIO = 0.5  # ... with p99 <= 0.5x torch's
+TARGET_FLOOR = {1: 1.0, 256: 0.85}  # issue 43: CPU per request against the floor's
 
 
 def binaries() -> tuple[Path, Path]:
@@ -46,6 +61,17 @@ def binaries() -> tuple[Path, Path]:
     cmd = ["cargo", "build", "--release", "-q", "-p", "elastix-store", "-p", "elastix-loadgen"]
     subprocess.run(cmd, cwd=REPO, check=True)
     return target / "release" / "elastix-store", target / "release" / "elastix-loadgen"
+
+
+def floor_binary() -> Path | None:
+    """The floor server, compiled into a temporary directory; None without a C compiler."""
+    out = Path(tempfile.mkdtemp(prefix="elastix-floor-")) / "epoll_store"
+    try:
+        subprocess.run(["cc", "-O2", "-o", str(out), str(FLOOR_SOURCE)], check=True, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as err:
+        print(f"store_bench: no floor server ({err})", file=sys.stderr)
+        return None
+    return out
 
 
 class Children:
@@ -128,57 +154,57 @@ def median_run(results: list[dict]) -> dict:
     return sorted(results, key=lambda r: r["ops_per_s"])[(len(results) - 1) // 2]
 
 
-def fmt_ops(r: dict | None) -> str:
-    return f"{r['ops_per_s'] / 1000:8.1f}k" if r else f"{'-':>9}"
-
-
-def fmt_us(r: dict | None, key: str) -> str:
-    if not r:
-        return f"{'-':>9}"
-    us = r[key]
+def fmt_us(us: float) -> str:
     return f"{us:6.0f} us" if us < 10_000 else f"{us / 1000:6.1f} ms"
 
 
-def ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:5.2f}x" if a and b else f"{'-':>6}"
+def cpu_us_per_request(r: dict) -> float:
+    """The server's CPU time over the measured window, per request served."""
+    return r["server_cpu_pct"] / 100 / r["ops_per_s"] * 1e6
 
 
-def table(rows: list[tuple[int, dict, dict | None]]) -> str:
+def table(rows: list[tuple[int, dict[str, dict]]]) -> str:
     head = (
-        f"{'connections':>11} | {'elastix ops/s':>13} {'p50':>9} {'p99':>9} | "
-        f"{'torch ops/s':>11} {'p50':>9} {'p99':>9} | {'ops/s e/t':>9} | {'p99 e/t':>7}"
+        f"{'connections':>11}  {'server':<14} {'ops/s':>9} {'p50':>9} {'p99':>9} {'server CPU':>10} "
+        f"{'loadgen CPU':>11} {'CPU/request':>11} {'x floor':>7} {'ops/s x torch':>13}"
     )
     lines = [head, "-" * len(head)]
-    for conns, e, t in rows:
-        lines.append(
-            f"{conns:>11} | {fmt_ops(e):>13} {fmt_us(e, 'p50_us')} {fmt_us(e, 'p99_us')} | "
-            f"{fmt_ops(t):>11} {fmt_us(t, 'p50_us')} {fmt_us(t, 'p99_us')} | "
-            f"{ratio(e['ops_per_s'], t and t['ops_per_s']):>9} | "
-            f"{ratio(e['p99_us'], t and t['p99_us']):>7}"
-        )
-    lines.append("")
-    lines.append("CPU over each measured window, % of one core (server / loadgen):")
-    for conns, e, t in rows:
-        torch_cpu = f"torch {t['server_cpu_pct']:.0f}% / {t['loadgen_cpu_pct']:.0f}%" if t else ""
-        lines.append(
-            f"  {conns:>4} connections: elastix {e['server_cpu_pct']:.0f}% / "
-            f"{e['loadgen_cpu_pct']:.0f}%   {torch_cpu}".rstrip()
-        )
+    for conns, by_server in rows:
+        floor, torch = by_server.get("floor"), by_server.get("torch")
+        for i, (name, r) in enumerate(by_server.items()):
+            per = cpu_us_per_request(r)
+            vs_floor = f"{per / cpu_us_per_request(floor):6.2f}x" if floor else f"{'-':>7}"
+            vs_torch = f"{r['ops_per_s'] / torch['ops_per_s']:12.2f}x" if torch else f"{'-':>13}"
+            lines.append(
+                f"{conns if i == 0 else '':>11}  {name:<14} {r['ops_per_s'] / 1000:8.1f}k {fmt_us(r['p50_us'])} "
+                f"{fmt_us(r['p99_us'])} {r['server_cpu_pct']:9.0f}% {r['loadgen_cpu_pct']:10.0f}% "
+                f"{per:8.2f} us {vs_floor} {vs_torch}"
+            )
     return "\n".join(lines)
 
 
-def verdict(rows: list[tuple[int, dict, dict | None]]) -> str | None:
-    """design.md's target at 256 connections, printed (a benchmark reports, never fails)."""
-    for conns, e, t in rows:
+def verdict(rows: list[tuple[int, dict[str, dict]]]) -> list[str]:
+    """design.md's target against torch, and issue 43's against the floor, printed (a
+    benchmark reports, never fails)."""
+    said = []
+    for conns, by_server in rows:
+        e, t, floor = by_server["elastix-store"], by_server.get("torch"), by_server.get("floor")
         if conns == 256 and t:
             ops, p99 = e["ops_per_s"] / t["ops_per_s"], e["p99_us"] / t["p99_us"]
             met = ops >= TARGET_OPS_RATIO and p99 <= TARGET_P99_RATIO
-            return (
+            said.append(
                 f"target at 256 connections (ops/s >= {TARGET_OPS_RATIO}x torch, p99 <= "
                 f"{TARGET_P99_RATIO}x torch): {'met' if met else 'NOT met'} "
                 f"({ops:.2f}x ops/s, {p99:.2f}x p99)"
             )
-    return None
+        target = TARGET_FLOOR.get(conns)
+        if floor and target:
+            vs = cpu_us_per_request(e) / cpu_us_per_request(floor)
+            said.append(
+                f"target at {conns} connection(s) (CPU per request <= {target}x the floor's): "
+                f"{'met' if vs <= target else 'NOT met'} ({vs:.2f}x)"
+            )
+    return said
 
 
 def parse_args() -> argparse.Namespace:
@@ -196,7 +222,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--store-threads", type=int, help="elastix-store worker threads (default: its own default, one per CPU)"
     )
-    ap.add_argument("--no-torch", action="store_true", help="measure elastix only")
+    ap.add_argument("--no-torch", action="store_true", help="leave torch's server out")
+    ap.add_argument("--no-floor", action="store_true", help="leave the floor server out")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return ap.parse_args()
 
@@ -215,39 +242,42 @@ def main() -> int:
         if args.store_threads:
             store_cmd += ["--threads", str(args.store_threads)]
         store = children.start(store_cmd)
-        store_port = int(first_line(children, store, "elastix-store", 30).rsplit(":", 1)[1])
-        torch_proc = torch_port = torch_version = None
+        servers = {"elastix-store": (store, int(first_line(children, store, "elastix-store", 30).rsplit(":", 1)[1]))}
+        embedded = children.start([sys.executable, "-c", EMBEDDED_SERVER])
+        servers["embedded"] = (embedded, int(first_line(children, embedded, "the embedded server", 60)))
+        torch_version = None
         if have_torch:
             torch_proc = children.start([sys.executable, "-c", TORCH_SERVER])
             port, torch_version = first_line(children, torch_proc, "torch TCPStore", 120).split()
-            torch_port = int(port)
+            servers["torch"] = (torch_proc, int(port))
+        floor_bin = None if args.no_floor else floor_binary()
+        if floor_bin:
+            floor = children.start([str(floor_bin)])
+            servers["floor"] = (floor, int(first_line(children, floor, "the floor server", 30)))
 
         rows, runs = [], []
         for conns in counts:
-            es, ts = [], []
-            for rep in range(args.repeat):  # alternate, so background load hits both alike
-                print(f"{conns} connections, run {rep + 1}/{args.repeat}: elastix ...", file=sys.stderr, flush=True)
-                es.append(load(loadgen, store_port, store.pid, conns, args))
-                if torch_proc:
-                    print(f"{conns} connections, run {rep + 1}/{args.repeat}: torch ...", file=sys.stderr, flush=True)
-                    ts.append(load(loadgen, torch_port, torch_proc.pid, conns, args))
-            rows.append((conns, median_run(es), median_run(ts) if ts else None))
-            runs.append({"connections": conns, "elastix": es, "torch": ts or None})
+            measured: dict[str, list[dict]] = {name: [] for name in servers}
+            for rep in range(args.repeat):  # in turn, so background load hits all alike
+                for name, (proc, port) in servers.items():
+                    print(f"{conns} connections, run {rep + 1}/{args.repeat}: {name} ...", file=sys.stderr, flush=True)
+                    measured[name].append(load(loadgen, port, proc.pid, conns, args))
+            rows.append((conns, {name: median_run(found) for name, found in measured.items()}))
+            runs.append({"connections": conns, **measured})
 
         print(
             f"\nTCPStore server, {args.duration:g} s per run after {args.warmup:g} s warm-up, "
             f"{os.cpu_count()} CPUs; ops are SET/GET/ADD requests, p50/p99 per round trip"
             + (f"; median of {args.repeat} runs by ops/s" if args.repeat > 1 else "")
         )
-        if torch_proc:
+        if torch_version:
             print(f"torch {torch_version} libuv server")
         elif args.no_torch:
             print("torch not measured (--no-torch)")
         else:
             print("torch is not installed, so there is no comparison (pip install -e '.[bench]')")
         print(table(rows))
-        line = verdict(rows)
-        if line:
+        for line in verdict(rows):
             print(line)
         warnings = children.stderr_of(store).strip()
         if warnings:
@@ -259,7 +289,7 @@ def main() -> int:
                 "cpus": os.cpu_count(),
                 "repeat": args.repeat,
                 "torch_version": torch_version,
-                "median": [{"connections": c, "elastix": e, "torch": t} for c, e, t in rows],
+                "median": [{"connections": c, **by_server} for c, by_server in rows],
                 "runs": runs,
             }
             Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -2,11 +2,13 @@
 //! the next state. A node's life reads in order:
 //!
 //! ```text
-//!   Rendezvous --round formed--> [Preflight] --> Start --workers up--> Watch --all succeeded--> Barrier
-//!      ^  ^  ^                        |             |                     |                         |
-//!      |  |  +-- named nodes left out +             |                     |                         |
-//!      |  +--- re-join ------------+                     |                         |
-//!      |       (a member or the store lost as it began)  |                         |
+//!   Rendezvous --round formed--> Start --workers up--> Watch --all succeeded--> Barrier
+//!      ^  ^  |                     ^ |                     |                         |
+//!      |  |  +-> Preflight --------+ |                     |                         |
+//!      |  |      (the job's first    |                     |                         |
+//!      |  |       round, --preflight)|                     |                         |
+//!      |  +--- re-join --------------+ (a member or the store lost as it began;       |
+//!      |                                 from Preflight: named nodes left out)       |
 //!      +------------ re-join ----------------------------+-------------------------+
 //!                    (a failure within the budget,          (another node restarted)
 //!                     a membership change)

@@ -40,8 +40,8 @@ impl Agent {
         self.say(&info, &verdict);
         let named: Vec<u32> = verdict.nodes.iter().filter_map(|n| u32::try_from(n.member).ok()).collect();
         let elastic = self.config.rdzv_backend != "static";
-        let decision = match (named.is_empty(), may_leave(named.len(), info.world_size, self.config.min_nodes, elastic))
-        {
+        let allowed = may_leave(named.len(), info.world_size, self.config.min_nodes, elastic);
+        let decision = match (named.is_empty(), &allowed) {
             (true, _) => "go on".to_owned(),
             (false, Ok(())) => "leave out".to_owned(),
             (false, Err(why)) => format!("keep: {why}"),
@@ -50,7 +50,7 @@ impl Agent {
         if named.is_empty() {
             return Ok(State::Start(info));
         }
-        if let Some(why) = decision.strip_prefix("keep: ") {
+        if let Err(why) = allowed {
             tracing::warn!("pre-flight check: the nodes named stay in the job ({why}); training starts");
             return Ok(State::Start(info));
         }
