@@ -21,7 +21,7 @@ import pytest
 
 from conftest import reserved_port
 
-LAUNCHES = 100
+LAUNCHES = 50  # 100 ranks each: a 1-in-20 crash is missed with odds of 0.6%
 LAUNCH_TIMEOUT = 60.0
 
 # Two ranks launched the plain way (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as srun,
