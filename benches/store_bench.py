@@ -123,6 +123,29 @@ def first_line(children: Children, proc: subprocess.Popen, what: str, timeout: f
     )
 
 
+def start_servers(
+    children: Children, store_bin: Path, args: argparse.Namespace, have_torch: bool
+) -> tuple[dict[str, tuple[subprocess.Popen, int]], str | None]:
+    """Every server measured, by name: its process and port; and torch's version."""
+    store_cmd = [str(store_bin), "--host", "127.0.0.1", "--port", "0", "--log-level", "warn"]
+    if getattr(args, "store_threads", None):
+        store_cmd += ["--threads", str(args.store_threads)]
+    store = children.start(store_cmd)
+    servers = {"elastix-store": (store, int(first_line(children, store, "elastix-store", 30).rsplit(":", 1)[1]))}
+    embedded = children.start([sys.executable, "-c", EMBEDDED_SERVER])
+    servers["embedded"] = (embedded, int(first_line(children, embedded, "the embedded server", 60)))
+    torch_version = None
+    if have_torch:
+        torch_proc = children.start([sys.executable, "-c", TORCH_SERVER])
+        port, torch_version = first_line(children, torch_proc, "torch TCPStore", 120).split()
+        servers["torch"] = (torch_proc, int(port))
+    floor_bin = None if getattr(args, "no_floor", False) else floor_binary()
+    if floor_bin:
+        floor = children.start([str(floor_bin)])
+        servers["floor"] = (floor, int(first_line(children, floor, "the floor server", 30)))
+    return servers, torch_version
+
+
 def load(loadgen: Path, port: int, server_pid: int, connections: int, args) -> dict:
     """One elastix-loadgen run; its JSON line, which includes the server's CPU share."""
     cmd = [
@@ -238,23 +261,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     children = Children()
     try:
-        store_cmd = [str(store_bin), "--host", "127.0.0.1", "--port", "0", "--log-level", "warn"]
-        if args.store_threads:
-            store_cmd += ["--threads", str(args.store_threads)]
-        store = children.start(store_cmd)
-        servers = {"elastix-store": (store, int(first_line(children, store, "elastix-store", 30).rsplit(":", 1)[1]))}
-        embedded = children.start([sys.executable, "-c", EMBEDDED_SERVER])
-        servers["embedded"] = (embedded, int(first_line(children, embedded, "the embedded server", 60)))
-        torch_version = None
-        if have_torch:
-            torch_proc = children.start([sys.executable, "-c", TORCH_SERVER])
-            port, torch_version = first_line(children, torch_proc, "torch TCPStore", 120).split()
-            servers["torch"] = (torch_proc, int(port))
-        floor_bin = None if args.no_floor else floor_binary()
-        if floor_bin:
-            floor = children.start([str(floor_bin)])
-            servers["floor"] = (floor, int(first_line(children, floor, "the floor server", 30)))
-
+        servers, torch_version = start_servers(children, store_bin, args, have_torch)
         rows, runs = [], []
         for conns in counts:
             measured: dict[str, list[dict]] = {name: [] for name in servers}
@@ -279,7 +286,7 @@ def main() -> int:
         print(table(rows))
         for line in verdict(rows):
             print(line)
-        warnings = children.stderr_of(store).strip()
+        warnings = children.stderr_of(servers["elastix-store"][0]).strip()
         if warnings:
             print("\nelastix-store stderr:\n" + "\n".join(warnings.splitlines()[-20:]))
         if args.json:
