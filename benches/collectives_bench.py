@@ -12,9 +12,11 @@ CuPy and at least two GPUs it also measures the nccl backend.
 The roofline: the least time the bytes an all_reduce must move take at this machine's memory
 bandwidth. On p ranks in shared memory each rank reads the whole buffer (its part and the
 others') to reduce its 1/p part, writes that part, then reads and writes the other reduced
-parts: (3 - 1/p) x the buffer's bytes per rank (2.5x on 2). The bandwidth is what one core
-gets copying while p cores copy at once, measured by benches/floors/stream.c (built here with
-cc); the "roof" column is elastix's share of it (100%: at the roofline).
+parts: (3 - 1/p) x the buffer's bytes per rank (2.5x on 2), p times that in all. The
+bandwidth is what the machine's cores copy at together, as many as run ranks (more ranks than
+cores share them), measured by benches/floors/stream.c (built here with cc) over arrays far
+larger than the caches; the "roof" column is elastix's share of that bound (100%: at the
+roofline). A buffer that fits in the caches can beat it: the bound is memory's.
 
     python benches/collectives_bench.py [--ranks 2,4] [--max-size 256M] [--json out.json]
 """
@@ -204,7 +206,7 @@ def run_impl(impl: str, world: int, sizes, budget: float, timeout: float):
 
 
 def copy_bandwidth(cores: int) -> float | None:
-    """GB/s one core gets copying while `cores` copy at once (STREAM's count: read + write)."""
+    """GB/s `cores` cores copy at together (STREAM's count: read + write)."""
     source = REPO / "benches" / "floors" / "stream.c"
     binary = Path(tempfile.mkdtemp(prefix="elastix-stream-")) / "stream"
     try:
@@ -216,13 +218,14 @@ def copy_bandwidth(cores: int) -> float | None:
     for line in done.stdout.splitlines():
         found = json.loads(line)
         if found["kernel"] == "copy" and found["cores"] == cores:
-            return float(found["per_core_gbs"])
+            return float(found["total_gbs"])
     return None
 
 
 def roofline_s(nbytes: int, world: int, gbs: float) -> float:
-    """The least time an all_reduce of `nbytes` on `world` ranks takes at `gbs` per core."""
-    return (3 - 1 / world) * nbytes / (gbs * 1e9)
+    """The least time an all_reduce of `nbytes` on `world` ranks takes when the machine moves
+    `gbs` in all."""
+    return world * (3 - 1 / world) * nbytes / (gbs * 1e9)
 
 
 def busbw(nbytes: int, seconds: float, world: int) -> float:
@@ -279,8 +282,9 @@ def main() -> int:
                 continue
             figures[impl] = result
         report[world] = figures
-        gbs = copy_bandwidth(min(world, os.cpu_count() or world))
-        bandwidth = f"; a core copies at {gbs:.1f} GB/s while {world} do (stream.c)" if gbs else ""
+        cores = min(world, os.cpu_count() or world)
+        gbs = copy_bandwidth(cores)
+        bandwidth = f"; {cores} cores copy at {gbs:.1f} GB/s together (stream.c)" if gbs else ""
         print(f"\n{world} ranks{bandwidth}")
         head = f"{'size':>9} | {'elastix':>10} {'busbw':>9} {'roof':>5}"
         if "gloo" in figures:
