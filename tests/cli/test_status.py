@@ -322,6 +322,26 @@ def test_bad_input_is_a_clear_error_with_its_exit_code(rdzv_port):
     assert bad_conf.returncode == ERROR and "bogus_key" in bad_conf.stderr and "Traceback" not in bad_conf.stderr
 
 
+def test_a_bad_setting_is_an_error_even_where_a_finished_job_used_the_endpoint(tmp_path, rdzv_port, monkeypatch):
+    # a job that ended on this machine once used the same port (the kernel hands ports out again)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    (tmp_path / "elastix" / "finished").mkdir(parents=True)
+    record = {"v": 1, "run_id": "old", "backend": "c10d", "endpoint": f"127.0.0.1:{rdzv_port}",
+              "store": f"127.0.0.1:{rdzv_port}", "state": "SUCCEEDED", "exit_code": 0,
+              "finished": "2026-11-29T00:00:00Z", "host": "h", "pid": 1}  # fmt: skip
+    (tmp_path / "elastix" / "finished" / "old.json").write_text(json.dumps(record))
+    bad_conf = status("--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-conf", "bogus_key=1")
+    assert bad_conf.returncode == ERROR and "bogus_key" in bad_conf.stderr, bad_conf
+    # while a store that cannot be reached is answered from what this machine remembers
+    with closed_port() as sock:
+        port = sock.getsockname()[1]
+    record["endpoint"] = record["store"] = f"127.0.0.1:{port}"
+    (tmp_path / "elastix" / "finished" / "old.json").write_text(json.dumps(record))
+    for run_id in ([], ["--rdzv-id", "old"]):
+        gone = status("--rdzv-endpoint", f"127.0.0.1:{port}", *run_id, "--timeout", "1")
+        assert gone.returncode == 0 and "SUCCEEDED" in gone.stdout, gone
+
+
 def test_status_authenticates_as_the_agents_do(tmp_path, marker, monkeypatch):
     path = tmp_path / "secret"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -101,6 +101,8 @@ def runs(args: argparse.Namespace, prog: str) -> int:
     setup_cli("error")
     try:
         found = read_runs(args.rdzv_backend, args.rdzv_endpoint, args.rdzv_conf, args.timeout)
+    except ValueError as err:
+        return bad_setting(prog, err)
     except Exception as err:
         return gone(args, prog, f"{prog}: error: {err}")
     if len(found) == 1:
@@ -122,6 +124,13 @@ def runs(args: argparse.Namespace, prog: str) -> int:
         headline = render(report).splitlines()[0] if report else f"job {run_id}: gone"
         print(f"  {headline}")
     return HEALTHY
+
+
+def bad_setting(prog: str, err: ValueError) -> int:
+    """A setting the store cannot be read with: said as it is, never answered from the jobs
+    this machine remembers at the endpoint (another job may have used the same port)."""
+    print(f"{prog}: error: {err}", file=sys.stderr)
+    return ERROR
 
 
 def gone(args: argparse.Namespace, prog: str, error: str, store_answered: bool = False) -> int:
@@ -172,7 +181,9 @@ def run(args: argparse.Namespace, prog: str = "elastix status") -> int:
     setup_cli("error")  # the report is the output; reconnect chatter is not
     try:
         status = read(args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, args.rdzv_conf, args.timeout)
-    except Exception as err:  # a bad setting (ValueError) or the store's: unreachable, refused, timed out
+    except ValueError as err:
+        return bad_setting(prog, err)
+    except Exception as err:  # the store's: unreachable, refused, timed out
         return gone(args, prog, f"{prog}: error: {err}")
     if status is None:
         return gone(args, prog, f"{prog}: no job with run ID {args.rdzv_id!r} at {args.rdzv_endpoint}: the store "

@@ -10,7 +10,7 @@ use elastix_core::rendezvous::records::{
 };
 use elastix_core::rendezvous::status::{Health, State, StatusQuery};
 use elastix_core::rendezvous::store::TcpRendezvousStore;
-use elastix_core::rendezvous::{Backend, ConfInput, DynamicRendezvous, RendezvousSettings};
+use elastix_core::rendezvous::{Backend, ConfInput, DynamicRendezvous, RendezvousError, RendezvousSettings};
 use elastix_core::store::{ConnectOptions, ServerConfig, StoreServer};
 
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -160,7 +160,9 @@ async fn an_unreachable_store_and_an_unknown_backend_are_clear_errors() {
     drop(closed);
     let mut unreachable = query(port, "job");
     unreachable.timeout = Duration::from_millis(300);
-    let err = job_status(&unreachable).await.unwrap_err().to_string();
+    let err = job_status(&unreachable).await.unwrap_err();
+    assert!(matches!(err, RendezvousError::Timeout(_)), "a deadline, not a bad setting: {err:?}");
+    let err = err.to_string();
     assert!(err.contains("cannot reach the rendezvous store") && err.contains(&port.to_string()), "{err}");
 
     let unknown = StatusQuery { backend: "zookeeper".into(), ..query(port, "job") };

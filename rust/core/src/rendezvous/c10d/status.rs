@@ -85,7 +85,9 @@ async fn locate(
         }
     }
     if best.is_none() && failures.len() == store.sites() {
-        return Err(RendezvousError::Config(format!(
+        // a deadline that passed, not a bad setting: callers that tell the two apart (elastix
+        // status answers a bad setting at once, an unreachable store from what it remembers)
+        return Err(RendezvousError::Timeout(format!(
             "cannot reach the rendezvous store within {patience:?}: {}",
             failures.join("; ")
         )));
