@@ -2,7 +2,8 @@
 store: a healthy job is checked and trains with every node; a host whose link is slowed (a
 token bucket of 16 Mbit/s, or 50 ms of delay where the kernel has netem) is named, leaves where
 --nnodes allows (exit 1, saying why) while the others re-form and train without it, and stays,
-warned about, where --nnodes does not."""
+warned about, where --nnodes does not. The check of a healthy job on 127.0.0.x runs as a
+non-root user too (.ci/nonroot-tests)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,24 @@ def test_a_healthy_job_is_checked_and_trains_with_every_node(tmp_path, marker, h
         assert (check["nodes"], check["links"], check["decision"]) == ([], [], "go on"), check
     table = next(a.output() for a in agents if "pre-flight check of 3 nodes" in a.output())
     assert "LATENCY" in table and "MB/s" in table
+
+
+def test_the_check_runs_on_loopback_nodes_without_privileges(tmp_path, marker):
+    store = elastix.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    agents = []
+    for i in range(3):
+        args = node_args(3, f"127.0.0.1:{store.port}", f"127.0.0.{i + 1}", FAST_RDZV, PROGRAM, run_id="pf")
+        events = tmp_path / f"h{i}-events.jsonl"
+        env = ("env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", sys.executable)
+        agents.append(agent(tmp_path, marker, f"h{i}", "run", "--preflight", "--event-log", events, *args, python=env))
+    try:
+        wait_round(tmp_path, 3, what="the three nodes training after the check")
+        finish(tmp_path, agents, marker, [0, 0, 0])
+    finally:
+        for a in agents:
+            a.kill()
+    [check] = events_of(tmp_path, 0, "preflight")
+    assert check["decision"] == "go on", check
 
 
 @pytest.mark.parametrize("how", ["throttle", "delay"])
