@@ -13,6 +13,7 @@ use nix::sched::CpuSet;
 use serde::Deserialize;
 
 use super::error::{AgentError, Result};
+use super::numa::NumaBinding;
 use crate::rendezvous::{BackendKind, ConfInput, Rendezvous, RendezvousParams};
 
 /// Most workers one agent runs: each is a process with pipes, a log pair and a standby
@@ -129,17 +130,6 @@ fn default_checkpoint_copy_rate() -> u64 {
     1000
 }
 
-/// torch's modes of `--numa-binding` (`AffinityMode`).
-pub const NUMA_MODES: &[&str] = &["node", "socket", "exclusive", "core-complex"];
-
-/// What `--numa-binding` chose: the mode (for messages) and, per local rank, CPU ids.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NumaBinding {
-    pub mode: String,
-    pub cpus: Vec<Vec<usize>>,
-}
-
 impl AgentConfig {
     pub fn from_json(text: &str) -> Result<AgentConfig> {
         let mut input = serde_json::Deserializer::from_str(text);
@@ -226,19 +216,12 @@ impl AgentConfig {
 
     /// The CPUs `local_rank`'s processes are bound to (`None`: not bound).
     pub fn cpu_set(&self, local_rank: usize) -> Option<CpuSet> {
-        let cpus = self.numa_binding.as_ref()?.cpus.get(local_rank)?;
-        let mut set = CpuSet::new();
-        for &cpu in cpus {
-            // checked in `validate`: every id fits
-            set.set(cpu).ok()?;
-        }
-        Some(set)
+        self.numa_binding.as_ref()?.cpu_set(local_rank)
     }
 
     /// `--numa-binding MODE: CPUs 0-3,8` for `local_rank`, for messages (`None`: not bound).
     pub fn binding_of(&self, local_rank: usize) -> Option<String> {
-        let binding = self.numa_binding.as_ref()?;
-        Some(format!("--numa-binding {}: CPUs {}", binding.mode, cpu_list(binding.cpus.get(local_rank)?)))
+        self.numa_binding.as_ref()?.describe(local_rank)
     }
 
     pub fn shutdown_timeout(&self) -> Duration {
@@ -296,53 +279,6 @@ impl AgentConfig {
             node_rank: self.node_rank,
         }
     }
-}
-
-impl NumaBinding {
-    fn check(&self, local_ranks: usize) -> Result<()> {
-        let mode = &self.mode;
-        if !NUMA_MODES.contains(&mode.as_str()) {
-            return Err(AgentError::Config(format!(
-                "--numa-binding: unknown mode {mode:?} (choose from {})",
-                NUMA_MODES.join(", ")
-            )));
-        }
-        if self.cpus.len() != local_ranks {
-            return Err(AgentError::Config(format!(
-                "--numa-binding {mode}: CPUs for {} local ranks, but there are {local_ranks}",
-                self.cpus.len()
-            )));
-        }
-        for (local_rank, cpus) in self.cpus.iter().enumerate() {
-            if cpus.is_empty() {
-                return Err(AgentError::Config(format!("--numa-binding {mode}: no CPU for local rank {local_rank}")));
-            }
-            if let Some(cpu) = cpus.iter().find(|cpu| **cpu >= CpuSet::count()) {
-                return Err(AgentError::Config(format!(
-                    "--numa-binding {mode}: CPU {cpu} (local rank {local_rank}) is beyond the {} CPUs a binding can name",
-                    CpuSet::count()
-                )));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// CPU ids as sysfs and `numactl` write them: `0-3,8,10-11`.
-pub fn cpu_list(cpus: &[usize]) -> String {
-    let mut sorted = cpus.to_vec();
-    sorted.sort_unstable();
-    sorted.dedup();
-    let mut ranges: Vec<(usize, usize)> = Vec::new();
-    for cpu in sorted {
-        match ranges.last_mut() {
-            Some((_, end)) if *end + 1 == cpu => *end = cpu,
-            _ => ranges.push((cpu, cpu)),
-        }
-    }
-    let text: Vec<String> =
-        ranges.iter().map(|&(low, high)| if low == high { low.to_string() } else { format!("{low}-{high}") }).collect();
-    text.join(",")
 }
 
 /// A JSON decoding error as a user reads it: no position in a text they never wrote, and the
@@ -577,10 +513,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn cpu_lists_read_as_sysfs_writes_them() {
-        assert_eq!(cpu_list(&[]), "");
-        assert_eq!(cpu_list(&[5]), "5");
-        assert_eq!(cpu_list(&[11, 0, 1, 2, 3, 8, 10, 3]), "0-3,8,10-11");
+    fn a_binding_is_described_with_its_cpu_list() {
         let mut value = sample(1);
         value["numa_binding"] = serde_json::json!({"mode": "socket", "cpus": [[4, 0, 1, 2]]});
         let config = AgentConfig::from_json(&value.to_string()).unwrap();

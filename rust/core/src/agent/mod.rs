@@ -21,6 +21,7 @@ pub mod events;
 pub mod failure;
 pub mod finished;
 pub mod hangs;
+pub mod numa;
 pub mod output;
 pub mod preflight;
 pub mod progress;
