@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 
 import pytest
 
@@ -19,17 +20,27 @@ from netns import Hosts
 PROGRAM = f"{WORKERS}/store_member.py"
 
 
-def start(tmp_path, marker, hosts, nnodes, *more):
-    store = elastix.TCPStore(hosts.gateway, 0, is_master=True, wait_for_workers=False)
-    endpoint = f"{hosts.gateway}:{store.port}"
+@contextmanager
+def job(tmp_path, marker, nnodes, gateway, addr, command):
+    """Three agents of a job checked before it trains (`--preflight`), node i at `addr(i)`, its
+    command line made by `command(i, *argv)`, with a store at `gateway`; killed at the end."""
+    store = elastix.TCPStore(gateway, 0, is_master=True, wait_for_workers=False)
     agents = []
     for i in range(3):
-        args = node_args(nnodes, endpoint, hosts.addr(i), FAST_RDZV, PROGRAM, run_id="pf")
+        args = node_args(nnodes, f"{gateway}:{store.port}", addr(i), FAST_RDZV, PROGRAM, run_id="pf")
         events = tmp_path / f"h{i}-events.jsonl"
-        command = hosts.command(i, "env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", sys.executable)
-        agents.append(agent(tmp_path, marker, f"h{i}", "run", "--preflight", *more, "--event-log", events, *args,
-                            python=command))  # fmt: skip
-    return agents, store
+        python = command(i, "env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", sys.executable)
+        agents.append(agent(tmp_path, marker, f"h{i}", "run", "--preflight", "--event-log", events, *args,
+                            python=python))  # fmt: skip
+    try:
+        yield agents
+    finally:
+        for a in agents:
+            a.kill()
+
+
+def on_hosts(tmp_path, marker, hosts, nnodes):
+    return job(tmp_path, marker, nnodes, hosts.gateway, hosts.addr, hosts.command)
 
 
 def events_of(tmp_path, i, name):
@@ -44,14 +55,14 @@ def finish(tmp_path, agents, marker, expect):
     assert_nothing_left(marker)
 
 
+def all_three_train(tmp_path, agents, marker):
+    wait_round(tmp_path, 3, what="the three nodes training after the check")
+    finish(tmp_path, agents, marker, [0, 0, 0])
+
+
 def test_a_healthy_job_is_checked_and_trains_with_every_node(tmp_path, marker, hosts):
-    agents, _store = start(tmp_path, marker, hosts, "2:3")
-    try:
-        wait_round(tmp_path, 3, what="the three nodes training after the check")
-        finish(tmp_path, agents, marker, [0, 0, 0])
-    finally:
-        for a in agents:
-            a.kill()
+    with on_hosts(tmp_path, marker, hosts, "2:3") as agents:
+        all_three_train(tmp_path, agents, marker)
     for i in range(3):
         [check] = events_of(tmp_path, i, "preflight")
         assert (check["nodes"], check["links"], check["decision"]) == ([], [], "go on"), check
@@ -60,19 +71,8 @@ def test_a_healthy_job_is_checked_and_trains_with_every_node(tmp_path, marker, h
 
 
 def test_the_check_runs_on_loopback_nodes_without_privileges(tmp_path, marker):
-    store = elastix.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    agents = []
-    for i in range(3):
-        args = node_args(3, f"127.0.0.1:{store.port}", f"127.0.0.{i + 1}", FAST_RDZV, PROGRAM, run_id="pf")
-        events = tmp_path / f"h{i}-events.jsonl"
-        env = ("env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", sys.executable)
-        agents.append(agent(tmp_path, marker, f"h{i}", "run", "--preflight", "--event-log", events, *args, python=env))
-    try:
-        wait_round(tmp_path, 3, what="the three nodes training after the check")
-        finish(tmp_path, agents, marker, [0, 0, 0])
-    finally:
-        for a in agents:
-            a.kill()
+    with job(tmp_path, marker, 3, "127.0.0.1", lambda i: f"127.0.0.{i + 1}", lambda _i, *argv: list(argv)) as agents:
+        all_three_train(tmp_path, agents, marker)
     [check] = events_of(tmp_path, 0, "preflight")
     assert check["decision"] == "go on", check
 
@@ -83,17 +83,13 @@ def test_a_host_with_a_slow_link_is_named_and_left_out(tmp_path, marker, hosts, 
     if missing:
         pytest.skip(missing)
     hosts.slow_link(1, how)
-    agents, _store = start(tmp_path, marker, hosts, "2:3")
-    try:
+    with on_hosts(tmp_path, marker, hosts, "2:3") as agents:
         # the slow host leaves, saying why; the others train without it
         assert agents[1].finish() == 1, agents[1].output()
         said = agents[1].output()
         assert "this node leaves the job: the pre-flight check named it: slow on every link" in said, said
         wait_round(tmp_path, 2, what="the two other nodes training without it")
         finish(tmp_path, [agents[0], agents[2]], marker, [0, 0])
-    finally:
-        for a in agents:
-            a.kill()
     [check] = events_of(tmp_path, 0, "preflight")
     assert [(n["member"], n["node"]) for n in check["nodes"]] == [(1, hosts.addr(1))], check
     assert check["decision"] == "leave out"
@@ -107,13 +103,8 @@ def test_a_named_host_stays_where_nnodes_needs_it(tmp_path, marker, hosts):
     if missing:
         pytest.skip(missing)
     hosts.slow_link(1, "throttle")
-    agents, _store = start(tmp_path, marker, hosts, "3")
-    try:
-        wait_round(tmp_path, 3, what="the three nodes training after the check")
-        finish(tmp_path, agents, marker, [0, 0, 0])
-    finally:
-        for a in agents:
-            a.kill()
+    with on_hosts(tmp_path, marker, hosts, "3") as agents:
+        all_three_train(tmp_path, agents, marker)
     [check] = events_of(tmp_path, 2, "preflight")
     assert [n["member"] for n in check["nodes"]] == [1]
     assert check["decision"] == "keep: --nnodes allows no fewer than 3 nodes (2 would be left)", check
