@@ -49,15 +49,17 @@ def main() -> int:
     first = pairs.first_round(members)
     _test(store, member, 1, first)
     second: List[pairs.Pair] = []
+    first_links: List[Link] = []
     if member == 0:
-        worst = _worst_links(_links(store, 1, first, deadline.left(2 * PAIR_TIMEOUT_S + 5)))
-        second = pairs.second_round(members, worst)
+        first_links = _links(store, 1, first, deadline.left(2 * PAIR_TIMEOUT_S + 5))
+        second = pairs.second_round(members, _worst_links(first_links))
         store.set("plan/2", json.dumps(second))
     elif members > 2:
         second = _pairs_of(_read(store, "plan/2", deadline.left(3 * PAIR_TIMEOUT_S + 5)))
     _test(store, member, 2, second)
     if member == 0:
-        _judge(store, members, first, second, deadline)
+        # judged on the first round's links as the plan saw them
+        _judge(store, members, first_links + _links(store, 2, second, deadline.left(2 * PAIR_TIMEOUT_S + 5)), deadline)
     verdict = _read(store, "verdict", deadline.left())
     print(json.dumps(verdict if verdict is not None else {"complete": False}), flush=True)
     return 0
@@ -73,8 +75,7 @@ def _test(store: Any, member: int, round_no: int, plan: List[pairs.Pair]) -> Non
         store.set(f"link/{round_no}/{i}/{member}", json.dumps(found))
 
 
-def _judge(store: Any, members: int, first: List[pairs.Pair], second: List[pairs.Pair], deadline: Deadline) -> None:
-    links = _links(store, 1, first, 0) + _links(store, 2, second, deadline.left(2 * PAIR_TIMEOUT_S + 5))
+def _judge(store: Any, members: int, links: List[Link], deadline: Deadline) -> None:
     names: Dict[int, str] = {}
     compute: Dict[int, float] = {}
     for member in range(members):
