@@ -16,8 +16,8 @@ use crate::rendezvous::RendezvousInfo;
 
 /// How long the check may take (a dead peer costs a pair test's timeout, twice at most).
 pub const TIMEOUT: Duration = Duration::from_secs(60);
-/// Beyond it, before the process is killed.
-const SLACK: Duration = Duration::from_secs(5);
+/// When the process is killed: a little beyond [`TIMEOUT`], for it to hand its verdict over.
+const KILLED_AFTER: Duration = Duration::from_secs(TIMEOUT.as_secs() + 5);
 
 /// What the round's first member found.
 #[derive(Debug, Default, Deserialize)]
@@ -75,7 +75,7 @@ impl Check<'_> {
         tracing::info!(
             "pre-flight check: measuring this node's compute and its links with the round's {} nodes; deadline in {}s",
             info.world_size,
-            (TIMEOUT + SLACK).as_secs()
+            KILLED_AFTER.as_secs()
         );
         let mut stdout = child.stdout.take().ok_or("no stdout to read the verdict from")?;
         let ran = async {
@@ -83,10 +83,10 @@ impl Check<'_> {
             stdout.read_to_end(&mut said).await?;
             Ok::<_, std::io::Error>((child.wait().await?, said))
         };
-        let (status, said) = match tokio::time::timeout(TIMEOUT + SLACK, ran).await {
+        let (status, said) = match tokio::time::timeout(KILLED_AFTER, ran).await {
             Ok(Ok(done)) => done,
             Ok(Err(err)) => return Err(format!("its process failed: {err}")),
-            Err(_) => return Err(format!("it took over {}s", (TIMEOUT + SLACK).as_secs())),
+            Err(_) => return Err(format!("it took over {}s", KILLED_AFTER.as_secs())),
         };
         if !status.success() {
             return Err(format!("its process exited with {status}"));
