@@ -207,6 +207,9 @@ def test_an_agent_killed_outright_is_resumed_from_disk_by_the_next_run(tmp_path,
     proc.send_signal(signal.SIGKILL)
     finish(proc)
     assert_nothing_left(marker)  # its workers went with it
+    # nothing removed the killed agent's memory: the next agent on the machine does
+    left = glob.glob("/dev/shm/elastix-ckpt-killed-*")
+    assert left, "the killed agent's checkpoint memory"
     (run_dir,) = checkpoints.iterdir()
     persisted = max(int(path.name[5:]) for path in run_dir.iterdir() if (path / "rank-0.json").exists())
     (tmp_path / "running").unlink()
@@ -219,6 +222,8 @@ def test_an_agent_killed_outright_is_resumed_from_disk_by_the_next_run(tmp_path,
     assert code == 0, err
     resumed = [read(path) for path in tmp_path.glob("start_*.json") if read(path)["step"] is not None]
     assert resumed == [{"step": persisted, "source": "disk", "exact": True}], (resumed, persisted)
+    assert not [path for path in left if os.path.exists(path)], left
+    assert "removed the checkpoint memory of an agent that died" in err
 
 
 FILLS_THE_DISK = textwrap.dedent(

@@ -49,12 +49,16 @@ impl Restore {
         world.into_iter().chain(step).collect()
     }
 }
+/// The start of each agent's checkpoint memory's name: `<prefix><run id>-<agent pid>`.
+const MEMORY_PREFIX: &str = "elastix-ckpt-";
 /// How often the agent looks for a newer step to persist.
 const PERSIST_EVERY: Duration = Duration::from_millis(500);
 
 /// This agent's checkpoint memory, and the task that persists it.
 pub struct Checkpoints {
     memory: PathBuf,
+    /// The memory's lock, held while this agent lives ([`crate::agent::shm::hold`]).
+    _held: nix::fcntl::Flock<fs::File>,
     persister: Option<Arc<Mutex<Persister>>>,
     /// Each rank's newest step persisted, and when.
     persisted: persist::Record,
@@ -75,9 +79,14 @@ impl Checkpoints {
         host: &str,
         copy_rate: u64,
     ) -> std::io::Result<Checkpoints> {
-        let memory =
-            crate::agent::shm::dir().join(format!("elastix-ckpt-{}-{}", sanitized(run_id), std::process::id()));
+        let shm = crate::agent::shm::dir();
+        // what agents killed outright (SIGKILL, their host lost) held would stay until reboot
+        for (dir, bytes) in crate::agent::shm::remove_orphan_dirs(&shm, MEMORY_PREFIX) {
+            tracing::info!("removed the checkpoint memory of an agent that died: {} ({bytes} bytes)", dir.display());
+        }
+        let memory = shm.join(format!("{MEMORY_PREFIX}{}-{}", sanitized(run_id), std::process::id()));
         fs::DirBuilder::new().recursive(true).mode(0o700).create(&memory)?;
+        let held = crate::agent::shm::hold(&memory)?;
         let persister = dir.map(|dir| Persister::new(memory.clone(), dir.join(run_id), keep));
         let persisted = persister.as_ref().map_or_else(Arc::default, Persister::record);
         let persister = persister.map(|persister| Arc::new(Mutex::new(persister)));
@@ -89,7 +98,7 @@ impl Checkpoints {
                 None
             }
         };
-        Ok(Checkpoints { memory, persister, persisted, task, copies })
+        Ok(Checkpoints { memory, _held: held, persister, persisted, task, copies })
     }
 
     /// A new round: the members learn what each holds, this node takes the copies its workers
