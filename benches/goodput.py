@@ -9,7 +9,8 @@ are the steps of the final model and the fault-free step time is the mean step o
 no checkpoint and no fault. Side by side:
 
 * elastix: `elastix run`, elastix.checkpoint.save every step (the agent's memory, a copy at the
-  next node's agent), --checkpoint-dir for what memory cannot give back; the loop inside
+  next node's agent; pipelined: the copy overlaps the next step's compute, or with --block
+  inside the loop), --checkpoint-dir for what memory cannot give back; the loop inside
   elastix.elastic.run (the survivors of a fault re-form in process), and as a plain script
   (every re-form restarts the workers);
 * torchrun + torch.save every K steps (rank 0, to a directory the nodes share), for each K of
@@ -22,7 +23,7 @@ against a plain copy of the same state, the restore time after each fault, and t
 overhead of the checkpoints. torch comes from this interpreter or $TORCH_PYTHON.
 
     python benches/goodput.py [--minutes 10] [--fault-every 60] [--state-mb 256] [--step-s 1]
-                              [--torch-every 5,20,60] [--no-torch]
+                              [--torch-every 5,20,60] [--no-torch] [--block]
 
 Needs root and iproute2 (network namespaces).
 """
@@ -158,6 +159,7 @@ def run(hosts: Hosts, store: str, name: str, launcher: List[str], worker: List[s
         "memcpy": min((float(s[0]) for s in lines(out, "memcpy")), default=None),
         "restores": [(int(s[0]), float(s[1])) for s in lines(out, "starts") if int(s[0]) >= 0],
         "lost": steps_lost(out, job.faults),
+        "stalls": stalls(out, job.faults),
         "out": out,
     }
 
@@ -173,6 +175,22 @@ def steps_lost(out: str, faults: List[tuple]) -> Dict[str, List[int]]:
         if after:
             lost.setdefault(kind, []).append(max(0, reached - after[0]))
     return lost
+
+
+def stalls(out: str, faults: List[tuple]) -> Dict[str, List[float]]:
+    """Per kind of fault: the wall time from the newest step before it to the first step past
+    that one after it (a fault that costs nothing: one step's time)."""
+    steps = sorted((float(t), int(s)) for t, s in lines(out, "steps"))
+    found: Dict[str, List[float]] = {}
+    for at, kind, _host in faults:
+        before = [(step, t) for t, step in steps if t < at]
+        if not before:
+            continue
+        reached, last = max(before)
+        past = [t for t, step in steps if t > at and step == reached + 1]
+        if past:
+            found.setdefault(kind, []).append(min(past) - last)
+    return found
 
 
 def report(result: dict, ideal: float) -> None:
@@ -191,7 +209,8 @@ def report(result: dict, ideal: float) -> None:
         line += f"  restore median {statistics.median(restores):.2f}s max {max(restores):.2f}s"
     print(line, flush=True)
     for kind, counts in result["lost"].items():
-        print(f"    steps lost after a {kind}: {counts}", flush=True)
+        took = ", ".join(f"{seconds:.1f}" for seconds in result["stalls"].get(kind, []))
+        print(f"    steps lost after a {kind}: {counts}; seconds to the next step: {took}", flush=True)
 
 
 def main() -> None:
@@ -205,6 +224,7 @@ def main() -> None:
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--no-elastix", action="store_true", help="torchrun's configurations only")
     parser.add_argument("--no-restart", action="store_true", help="elastix in process only (no plain-script run)")
+    parser.add_argument("--block", action="store_true", help="elastix's saves block for their copy (not pipelined)")
     args = parser.parse_args()
     why = Hosts.available()
     if why:
@@ -245,7 +265,8 @@ def main() -> None:
                 if mode == "elastix-restart" and args.no_restart:
                     continue
                 launcher = [*elastix, f"goodput-{mode}", "--checkpoint-dir", ckpt_dir]
-                mine = run(hosts, store, name, launcher, [WORKER, "--mode", mode, *worker], args, True)
+                block = ["--block"] if args.block else []
+                mine = run(hosts, store, name, launcher, [WORKER, "--mode", mode, *worker, *block], args, True)
                 report(mine, ideal)
         torch = None if args.no_torch else torch_python()
         if torch is None:

@@ -3,11 +3,13 @@
 compute (a sleep: an accelerator's time, the CPU left free) and an all_reduce; checkpoints
 through elastix.checkpoint (inside elastix.elastic.run, re-formed in process; or, with
 --mode elastix-restart, a plain script the agents restart), torch.save (rank 0, every --every
-steps) or torch's DCP async_save.
+steps) or torch's DCP async_save. elastix's saves are pipelined (``save(block=False)``: the copy
+overlaps the next step's compute, and the loop waits for it before it changes the state) unless
+--block.
 
 Writes to $OUT_DIR: steps-<rank>.txt ("<unix time> <step>" per step), starts-<rank>.txt
 ("<step restored or -1> <seconds the restore took> <unix time>" per start), saves-<rank>.txt ("<seconds
-the save blocked the loop> <step>"), memcpy-<rank>.txt (a plain copy of the same state, the floor),
+the save blocked the loop, with the wait for its copy> <step>"), memcpy-<rank>.txt (a plain copy of the same state, the floor),
 final.txt (rank 0's last step). Stops, every rank after the same step, once $OUT_DIR/stop
 exists."""
 
@@ -25,6 +27,7 @@ parser.add_argument("--mode", choices=["elastix", "elastix-restart", "torch-save
 parser.add_argument("--every", type=int, default=1)
 parser.add_argument("--state-mb", type=int, default=256)
 parser.add_argument("--step-s", type=float, default=1.0)
+parser.add_argument("--block", action="store_true", help="elastix: save(block=True), the copy in the loop")
 args = parser.parse_args()
 out = os.environ["OUT_DIR"]
 rank = int(os.environ["RANK"])
@@ -57,7 +60,10 @@ class Elastix:
         self.ec.all_reduce(flag)
 
     def save(self, step: int, w: np.ndarray) -> None:
-        self.ckpt.save(step, {"w": w, "step": step})
+        self.ckpt.save(step, {"w": w, "step": step}, block=args.block)
+
+    def wait(self) -> None:
+        self.ckpt.wait()
 
     def close(self) -> None:
         self.ec.barrier()
@@ -113,6 +119,9 @@ class Torch:
             torch.save({"w": torch.from_numpy(w), "step": step}, path + ".tmp")
             os.replace(path + ".tmp", path)
 
+    def wait(self) -> None:
+        pass  # DCP's async_save copies before it returns; torch.save blocks
+
     def close(self) -> None:
         if self.pending is not None:
             self.pending.result()
@@ -151,11 +160,14 @@ def train(job) -> None:
         time.sleep(args.step_s)  # the step's compute
         flag[0] = float(os.path.exists(os.path.join(out, "stop")))
         job.all_reduce(flag)
+        began = time.perf_counter()
+        job.wait()  # the last save's copy, before the state changes
+        waited = time.perf_counter() - began
         w[step % w.size] += 1.0
         if args.mode != "none" and step % args.every == 0:
             began = time.perf_counter()
             job.save(step, w)
-            log("saves", f"{time.perf_counter() - began:.4f} {step}")
+            log("saves", f"{waited + time.perf_counter() - began:.4f} {step}")
         log("steps", f"{time.time():.3f} {step}")
         if flag[0] > 0:
             break

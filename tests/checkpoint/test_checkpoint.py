@@ -4,6 +4,7 @@ a state may hold, what comes back, and the refusals."""
 import json
 import os
 import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -41,6 +42,29 @@ def test_a_first_start_loads_nothing_and_a_save_comes_back(tmp_path):
     loaded = again.load()
     assert again.step == 2 and again.source == "memory"
     assert same(loaded, state(2))
+
+
+def test_a_save_that_does_not_block_copies_beside_the_caller_and_wait_returns_once_it_is_whole(tmp_path):
+    memory = str(tmp_path / "memory")
+    ckpt = elastix.checkpoint.open(memory=memory)
+    ckpt.save(1, state(1))
+    # the copy is held at a gate: save(block=False) returns while it has not run
+    gate, copy = threading.Event(), ckpt._memory.save
+    ckpt._memory.save = lambda *args: (gate.wait(30), copy(*args))
+    ckpt.save(2, state(2), block=False)
+    assert same(elastix.checkpoint.open(memory=memory).load(), state(1)), "step 2 is not whole yet"
+    gate.set()
+    ckpt.wait()
+    assert same(elastix.checkpoint.open(memory=memory).load(), state(2))
+    ckpt.wait()  # nothing in flight: returns at once
+    # the next save, load and close each wait for a copy in flight first
+    ckpt._memory.save = copy
+    ckpt.save(3, state(3), block=False)
+    ckpt.save(4, state(4), block=False)
+    assert same(ckpt.load(), state(4)) and ckpt.step == 4
+    ckpt.save(5, state(5), block=False)
+    ckpt.close()
+    assert same(elastix.checkpoint.open(memory=memory).load(), state(5))
 
 
 def test_a_slot_torn_by_a_crash_mid_save_is_not_used(tmp_path):
@@ -127,6 +151,10 @@ def test_shared_memory_too_small_says_the_size_needed_and_how_to_raise_it(tmp_pa
                 CheckpointError, match=r"shared memory too small for this checkpoint: 1048576 bytes needed.*--shm-size"
             ):
                 ckpt.save(0, {"w": np.zeros(1 << 20, dtype=np.uint8)})
+            # a save that does not block says it when the loop waits for its copy
+            ckpt.save(0, {"w": np.zeros(1 << 20, dtype=np.uint8)}, block=False)
+            with pytest.raises(CheckpointError, match=r"shared memory too small"):
+                ckpt.wait()
             ckpt.save(0, {"w": np.zeros(8, dtype=np.uint8)})  # a state that fits still saves
             assert ckpt.load()["w"].shape == (8,)
     finally:

@@ -10,7 +10,17 @@
         ckpt.save(step, {"model": weights, "optimizer": moments, "step": step})
 
 ``save`` copies the state into shared memory that the agent owns and returns: training waits
-for the copy only, never for a disk. The agent persists the newest step to
+for the copy only, never for a disk. ``save(..., block=False)`` does not wait for the copy
+either (CheckFreq's pipelining): the copy runs on a thread of its own while the next step
+computes, and ``wait()`` returns once it is done; the arrays must not change before then, so a
+loop calls ``wait()`` before its optimizer updates them::
+
+    ckpt.save(step, state, block=False)
+    loss = forward_backward(batch)      # reads the weights while they are copied
+    ckpt.wait()
+    optimizer_step()                    # changes them
+
+ The agent persists the newest step to
 ``--checkpoint-dir`` in the background, and once more when the run ends; a worker restarted on
 the same node restores from the agent's memory. ``load`` takes the newest step that every
 rank of the job can get (from memory, a copy a peer's agent held, or disk), never mixing steps.
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, List, Optional, Set
 
 from .errors import CheckpointError
@@ -54,18 +65,43 @@ class Checkpoint:
         #: Where it came from: "memory" (the agent's), "peer" (a copy another node's agent held)
         #: or "disk" (``--checkpoint-dir``).
         self.source: Optional[str] = None
+        # the copy of a save(block=False) in flight, on the one thread that copies
+        self._copier: Optional[ThreadPoolExecutor] = None
+        self._copying: Optional[Future] = None
 
-    def save(self, step: int, state: Any) -> None:
-        """Copies ``state`` (its step ``step``) into the agent's memory, and returns."""
+    def save(self, step: int, state: Any, *, block: bool = True) -> None:
+        """Copies ``state`` (its step ``step``) into the agent's memory, and returns. With
+        ``block=False`` it returns at once and the copy goes on beside the caller: ``state``'s
+        arrays must not change until :meth:`wait` returns (a save still copying when the
+        process dies is not used: the step before is). A save waits for the one before."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+        self.wait()
         structure, flat = flatten(state)
-        self._memory.save(step, self.world_size, structure, flat)
+        if block:
+            self._memory.save(step, self.world_size, structure, flat)
+            return
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastix-checkpoint")
+        self._copying = self._copier.submit(self._memory.save, step, self.world_size, structure, flat)
+
+    def wait(self) -> None:
+        """Returns once the copy of the last ``save(block=False)`` is done (at once when none is
+        in flight); raises what made it fail (shared memory too small, for one)."""
+        copying, self._copying = self._copying, None
+        if copying is not None:
+            copying.result()
 
     def close(self) -> None:
-        """Lets go of the shared memory this rank's saves keep mapped (a later save maps it
-        again); also at the end of a ``with`` block."""
-        self._memory.close()
+        """Waits for a save in flight, then lets go of the shared memory this rank's saves keep
+        mapped (a later save maps it again); also at the end of a ``with`` block."""
+        try:
+            self.wait()
+        finally:
+            if self._copier is not None:
+                self._copier.shutdown()
+                self._copier = None
+            self._memory.close()
 
     def __enter__(self) -> "Checkpoint":
         return self
@@ -77,6 +113,7 @@ class Checkpoint:
         """The newest state every rank can restore, or None when there is none. With ``like``
         (a state as the program builds it now), a saved state of another structure is refused,
         naming the first difference."""
+        self.wait()
         self._loads += 1
         exchange = self._exchanger()
         available = sorted(set(self._memory.steps()) | set(self._disk.steps()))
