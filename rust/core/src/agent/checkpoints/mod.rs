@@ -53,6 +53,12 @@ impl Restore {
 const MEMORY_PREFIX: &str = "elastix-ckpt-";
 /// How often the agent looks for a newer step to persist.
 const PERSIST_EVERY: Duration = Duration::from_millis(500);
+/// After a pass that wrote, the agent rests this many times as long as the pass took: writing
+/// (a checksummed copy and an fsync per rank) takes at most a fifth of the time, so a large
+/// state saved every step is persisted every few steps rather than slowing every step (memory
+/// and the peer's copy hold the newest step; the disk is for losing both, and for a stop,
+/// which persists the newest at once).
+const PERSIST_REST: u32 = 4;
 
 /// This agent's checkpoint memory, and the task that persists it.
 pub struct Checkpoints {
@@ -178,7 +184,8 @@ impl Drop for Checkpoints {
     }
 }
 
-/// Persists every [`PERSIST_EVERY`], on a blocking thread.
+/// Persists every [`PERSIST_EVERY`], on a blocking thread, resting after each pass that wrote
+/// ([`PERSIST_REST`]).
 async fn persist_now_and_then(persister: Arc<Mutex<Persister>>) {
     let mut every = tokio::time::interval(PERSIST_EVERY);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -186,8 +193,17 @@ async fn persist_now_and_then(persister: Arc<Mutex<Persister>>) {
     loop {
         every.tick().await;
         let persister = persister.clone();
+        let started = tokio::time::Instant::now();
         match tokio::task::spawn_blocking(move || lock(&persister).pass()).await {
-            Ok(outcomes) => report(outcomes, &mut failing),
+            Ok(outcomes) => {
+                let wrote = outcomes.iter().any(Result::is_ok);
+                report(outcomes, &mut failing);
+                if wrote {
+                    let rest = started.elapsed() * PERSIST_REST;
+                    tracing::debug!("persisting rests {rest:?} (the pass took a fifth of that)");
+                    tokio::time::sleep(rest).await;
+                }
+            }
             Err(err) => tracing::warn!("persisting the checkpoints failed: {err}"),
         }
     }
