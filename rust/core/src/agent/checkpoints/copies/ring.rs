@@ -71,9 +71,11 @@ impl Ring {
 const WAIT: Duration = SEND_EVERY;
 /// How often a member looks whether its workers saved the target step.
 const POLL: Duration = Duration::from_millis(20);
-/// How far ahead of the first member's workers a target goes, at first and at most: it
-/// doubles each time a member missed one (its workers saved past it before it was pinned).
-const LEAD: u64 = 2;
+/// How far ahead of the first member's workers a target goes, at first: it doubles each time
+/// a member missed one (its workers saved past it before it was pinned). One step: the ranks
+/// of a data-parallel job save in step, and the next target is named as soon as one is
+/// copied everywhere, so a lost host costs at most the step after the safe one.
+const LEAD: u64 = 1;
 const MAX_LEAD: u64 = 4096;
 
 /// Copies targets to the buddy, round after round, forever (the task is aborted when the
