@@ -24,9 +24,11 @@ use crate::store::server::listener;
 /// millisecond on a LAN, and a longer wait only delays the unsure verdict.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long a census waits for the members it asked through the store (or etcd) to answer: a
-/// live agent that reaches it answers in a few round trips. Only a member that did not answer
-/// is probed here at all.
-pub const ASK_PATIENCE: Duration = Duration::from_secs(1);
+/// live agent that reaches it answers in a few round trips (it waits on the ask's key). Only a
+/// member that did not answer is probed here at all, and a live agent's port accepts the probe,
+/// so a slow answer only costs the probe: it is never counted gone for it. Each host lost waits
+/// this long before the others re-form.
+pub const ASK_PATIENCE: Duration = Duration::from_millis(250);
 
 /// This agent's presence listener; stops when dropped.
 pub struct Presence {
