@@ -151,6 +151,7 @@ def run(hosts: Hosts, store: str, name: str, launcher: List[str], worker: List[s
         "useful": useful,
         "ended_early": ended_early,
         "wall": ended - began,
+        "began": began,
         "step": mean_step(out, first_fault),
         # rank 0's: with torch.save only rank 0 writes
         "saves": [float(line.split()[0]) for line in open(os.path.join(out, "saves-0.txt"))]
@@ -159,7 +160,7 @@ def run(hosts: Hosts, store: str, name: str, launcher: List[str], worker: List[s
         "memcpy": min((float(s[0]) for s in lines(out, "memcpy")), default=None),
         "restores": [(int(s[0]), float(s[1])) for s in lines(out, "starts") if int(s[0]) >= 0],
         "lost": steps_lost(out, job.faults),
-        "stalls": stalls(out, job.faults),
+        "faults": job.faults,
         "out": out,
     }
 
@@ -177,23 +178,27 @@ def steps_lost(out: str, faults: List[tuple]) -> Dict[str, List[int]]:
     return lost
 
 
-def stalls(out: str, faults: List[tuple]) -> Dict[str, List[float]]:
-    """Per kind of fault: the wall time from the newest step before it to the first step past
-    that one after it (a fault that costs nothing: one step's time)."""
+def seconds_lost(out: str, faults: List[tuple], ended: float, ideal: float) -> Dict[str, List[float]]:
+    """Per kind of fault: the wall time from it to the next fault (or the end) that did not
+    become steps of the model, at the fault-free step time: the fault's whole cost (the step
+    it cut short, finding the loss, re-forming, a replacement's start and join, the steps it
+    lost), with the checkpoints' cost per step over that window."""
     steps = sorted((float(t), int(s)) for t, s in lines(out, "steps"))
+
+    def newest(at: float) -> int:
+        before = [step for t, step in steps if t <= at]
+        return before[-1] if before else -1
+
     found: Dict[str, List[float]] = {}
-    for at, kind, _host in faults:
-        before = [(step, t) for t, step in steps if t < at]
-        if not before:
-            continue
-        reached, last = max(before)
-        past = [t for t, step in steps if t > at and step == reached + 1]
-        if past:
-            found.setdefault(kind, []).append(min(past) - last)
+    bounds = [at for at, _, _ in faults] + [ended]
+    for (at, kind, _host), until in zip(faults, bounds[1:]):
+        made = newest(until) - newest(at)
+        found.setdefault(kind, []).append(until - at - made * ideal)
     return found
 
 
 def report(result: dict, ideal: float) -> None:
+    lost_seconds = seconds_lost(result["out"], result["faults"], result["began"] + result["wall"], ideal)
     goodput = result["useful"] * ideal / result["wall"]
     saves = result["saves"]
     save = statistics.median(saves) if saves else None
@@ -209,8 +214,8 @@ def report(result: dict, ideal: float) -> None:
         line += f"  restore median {statistics.median(restores):.2f}s max {max(restores):.2f}s"
     print(line, flush=True)
     for kind, counts in result["lost"].items():
-        took = ", ".join(f"{seconds:.1f}" for seconds in result["stalls"].get(kind, []))
-        print(f"    steps lost after a {kind}: {counts}; seconds to the next step: {took}", flush=True)
+        took = ", ".join(f"{seconds:.1f}" for seconds in lost_seconds.get(kind, []))
+        print(f"    steps lost after a {kind}: {counts}; wall seconds lost until the next fault: {took}", flush=True)
 
 
 def main() -> None:

@@ -7,7 +7,8 @@ steps) or torch's DCP async_save. elastix's saves are pipelined (``save(block=Fa
 overlaps the next step's compute, and the loop waits for it before it changes the state) unless
 --block.
 
-Writes to $OUT_DIR: steps-<rank>.txt ("<unix time> <step>" per step), starts-<rank>.txt
+Writes to $OUT_DIR: steps-<rank>.txt ("<unix time> <step>" per step done: trained and, if it
+saves, saved), starts-<rank>.txt
 ("<step restored or -1> <seconds the restore took> <unix time>" per start), saves-<rank>.txt ("<seconds
 the save blocked the loop, with the wait for its copy> <step>"), memcpy-<rank>.txt (a plain copy of the same state, the floor),
 final.txt (rank 0's last step). Stops, every rank after the same step, once $OUT_DIR/stop
@@ -156,6 +157,9 @@ def train(job) -> None:
     del floor
     flag = np.zeros(1, np.float32)
     step = restored + 1
+    # a step is done once trained and, where it saves, saved: a pipelined save's step once its
+    # copy is whole, which the next wait tells
+    copying = None
     while True:
         time.sleep(args.step_s)  # the step's compute
         flag[0] = float(os.path.exists(os.path.join(out, "stop")))
@@ -163,15 +167,23 @@ def train(job) -> None:
         began = time.perf_counter()
         job.wait()  # the last save's copy, before the state changes
         waited = time.perf_counter() - began
+        if copying is not None:
+            log("steps", f"{time.time():.3f} {copying}")
+            copying = None
         w[step % w.size] += 1.0
         if args.mode != "none" and step % args.every == 0:
             began = time.perf_counter()
             job.save(step, w)
             log("saves", f"{waited + time.perf_counter() - began:.4f} {step}")
-        log("steps", f"{time.time():.3f} {step}")
+            copying = step if args.mode.startswith("elastix") and not args.block else None
+        if copying is None:
+            log("steps", f"{time.time():.3f} {step}")
         if flag[0] > 0:
             break
         step += 1
+    job.wait()
+    if copying is not None:
+        log("steps", f"{time.time():.3f} {copying}")
     if rank == 0:
         with open(os.path.join(out, "final.txt"), "w") as f:
             f.write(f"{step}\n")
