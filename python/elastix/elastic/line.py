@@ -97,12 +97,15 @@ class AgentLine:
                 raise ConnectionError("this worker's elastix agent closed its line before placing it")
             return self._place
 
-    def settled(self, took: float) -> None:
-        """Forgets the re-form just done and tells the agent the worker trains again."""
+    def settled(self, took: float, left: float, placed: float) -> None:
+        """Forgets the re-form just done and tells the agent the worker trains again, ``took``
+        seconds after it was told; it had left its group after ``left`` and its place after
+        ``placed``."""
         with self._cond:
             place, self._notice, self._place = self._place, None, None
         if place is not None:
-            self._send({"kind": "reformed", "round": place.round, "took_ms": int(took * 1000)})
+            message = {"kind": "reformed", "round": place.round, "took_ms": int(took * 1000)}
+            self._send({**message, "left_ms": int(left * 1000), "placed_ms": int(placed * 1000)})
 
     def broken(self, why: str) -> None:
         """Tells the agent a collective failed before it said why: it asks whether a member is

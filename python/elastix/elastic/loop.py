@@ -35,13 +35,14 @@ def run(
 
     line = AgentLine.connect()
     notice: Optional[Notice] = None
+    left = placed = 0.0  # when the worker left its group, and when it had its place in the next
     while True:
         ckpt: Optional[_checkpoint.Checkpoint] = None
         try:
             collectives.init_process_group(backend=backend, timeout=timeout)
             ckpt = _checkpoint.open()
             if line is not None and notice is not None:
-                line.settled(time.monotonic() - notice.at)
+                line.settled(time.monotonic() - notice.at, left - notice.at, placed - notice.at)
             return train(ckpt)
         except BaseException as err:
             notice = _reform_notice(line, err)
@@ -52,7 +53,9 @@ def run(
             if collectives.is_initialized():
                 collectives.destroy_process_group()
         assert line is not None  # a notice came on it
+        left = time.monotonic()
         _take(_await_place(line, notice))
+        placed = time.monotonic()
 
 
 def _reform_notice(line: Optional[AgentLine], err: BaseException) -> Optional[Notice]:

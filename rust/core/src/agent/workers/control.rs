@@ -57,6 +57,12 @@ enum FromWorker {
     Reformed {
         round: u64,
         took_ms: u64,
+        /// When it had left its group (aborted, destroyed, its checkpoint's copy done).
+        #[serde(default)]
+        left_ms: Option<u64>,
+        /// When its place came (the rest: joining the round's group, opening its checkpoint).
+        #[serde(default)]
+        placed_ms: Option<u64>,
     },
     /// A collective failed before the agent said why (a peer's death reaches the workers
     /// first): the agent asks whether a member is lost.
@@ -193,8 +199,11 @@ async fn talk(stream: UnixStream, pid: u32, lines: Lines, welcome: Vec<u8>, brok
             Ok(FromWorker::Broken { why }) if registered => {
                 let _ = broken.send((pid, why));
             }
-            Ok(FromWorker::Reformed { round, took_ms }) => {
-                tracing::info!("worker pid {pid} trains again in round {round}, {took_ms} ms after it was told");
+            Ok(FromWorker::Reformed { round, took_ms, left_ms, placed_ms }) => {
+                let phases = phases(took_ms, left_ms, placed_ms);
+                tracing::info!(
+                    "worker pid {pid} trains again in round {round}, {took_ms} ms after it was told{phases}"
+                );
             }
             Ok(other) => tracing::debug!("control socket: pid {pid} sent {other:?} out of turn"),
             Err(err) => {
@@ -239,8 +248,35 @@ fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// Where a worker's re-form went, as it said (a worker of an older elastix says nothing).
+fn phases(took_ms: u64, left_ms: Option<u64>, placed_ms: Option<u64>) -> String {
+    let (Some(left), Some(placed)) = (left_ms, placed_ms) else { return String::new() };
+    format!(
+        " (leaving its group took {left} ms, its place came {} ms later, joining took {} ms)",
+        placed.saturating_sub(left),
+        took_ms.saturating_sub(placed)
+    )
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_re_form_is_told_in_its_phases_and_an_older_worker_s_report_is_read_too() {
+        let new = br#"{"kind":"reformed","round":3,"took_ms":600,"left_ms":390,"placed_ms":400}"#;
+        let Ok(FromWorker::Reformed { round: 3, took_ms, left_ms, placed_ms }) = serde_json::from_slice(new) else {
+            panic!("not a re-form report")
+        };
+        assert_eq!(
+            phases(took_ms, left_ms, placed_ms),
+            " (leaving its group took 390 ms, its place came 10 ms later, joining took 200 ms)"
+        );
+        let old = br#"{"kind":"reformed","round":3,"took_ms":600}"#;
+        let Ok(FromWorker::Reformed { took_ms, left_ms, placed_ms, .. }) = serde_json::from_slice(old) else {
+            panic!("not a re-form report")
+        };
+        assert_eq!(phases(took_ms, left_ms, placed_ms), "");
+    }
+
     use tokio::io::{AsyncBufReadExt, BufReader};
 
     use super::*;
