@@ -1,6 +1,7 @@
 import contextlib
 import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +26,10 @@ def pytest_configure(config):
     # what the tests' agents note of their jobs' ends (rust/core/src/agent/finished.rs) stays
     # with this session, not in the user's own state directory
     os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="elastix-test-state-")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(os.environ.pop("XDG_STATE_HOME", ""), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
