@@ -20,10 +20,10 @@ loop calls ``wait()`` before its optimizer updates them::
     ckpt.wait()
     optimizer_step()                    # changes them
 
- The agent persists the newest step to
-``--checkpoint-dir`` in the background, and once more when the run ends; a worker restarted on
-the same node restores from the agent's memory. ``load`` takes the newest step that every
-rank of the job can get (from memory, a copy a peer's agent held, or disk), never mixing steps.
+The agent persists the newest step to ``--checkpoint-dir`` in the background, and once more
+when the run ends; a worker restarted on the same node restores from the agent's memory.
+``load`` takes the newest step that every rank of the job can get (from memory, a copy a
+peer's agent held, or disk), never mixing steps.
 """
 
 from __future__ import annotations

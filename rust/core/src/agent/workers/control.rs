@@ -57,7 +57,8 @@ enum FromWorker {
     Reformed {
         round: u64,
         took_ms: u64,
-        /// When it had left its group (aborted, destroyed, its checkpoint's copy done).
+        /// When it had left its group: its code saw the abort (at its next collective), its
+        /// group was destroyed and its checkpoint closed.
         #[serde(default)]
         left_ms: Option<u64>,
         /// When its place came (the rest: joining the round's group, opening its checkpoint).
@@ -252,7 +253,7 @@ fn millis(duration: Duration) -> u64 {
 fn phases(took_ms: u64, left_ms: Option<u64>, placed_ms: Option<u64>) -> String {
     let (Some(left), Some(placed)) = (left_ms, placed_ms) else { return String::new() };
     format!(
-        " (leaving its group took {left} ms, its place came {} ms later, joining took {} ms)",
+        " (seeing it and leaving its group took {left} ms, its place came {} ms later, joining took {} ms)",
         placed.saturating_sub(left),
         took_ms.saturating_sub(placed)
     )
@@ -260,6 +261,10 @@ fn phases(took_ms: u64, left_ms: Option<u64>, placed_ms: Option<u64>) -> String 
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+
+    use super::*;
+
     #[test]
     fn a_re_form_is_told_in_its_phases_and_an_older_worker_s_report_is_read_too() {
         let new = br#"{"kind":"reformed","round":3,"took_ms":600,"left_ms":390,"placed_ms":400}"#;
@@ -268,7 +273,7 @@ mod tests {
         };
         assert_eq!(
             phases(took_ms, left_ms, placed_ms),
-            " (leaving its group took 390 ms, its place came 10 ms later, joining took 200 ms)"
+            " (seeing it and leaving its group took 390 ms, its place came 10 ms later, joining took 200 ms)"
         );
         let old = br#"{"kind":"reformed","round":3,"took_ms":600}"#;
         let Ok(FromWorker::Reformed { took_ms, left_ms, placed_ms, .. }) = serde_json::from_slice(old) else {
@@ -276,10 +281,6 @@ mod tests {
         };
         assert_eq!(phases(took_ms, left_ms, placed_ms), "");
     }
-
-    use tokio::io::{AsyncBufReadExt, BufReader};
-
-    use super::*;
 
     async fn hello(control: &Control, local_rank: u32) -> (BufReader<OwnedReadHalf>, tokio::net::unix::OwnedWriteHalf) {
         let stream = UnixStream::connect(control.path()).await.unwrap();
