@@ -97,7 +97,7 @@ fn send(stream: &mut TcpStream, requests: &[elastix_core::store::request::Reques
 
 #[test]
 fn an_idle_timeout_closes_silent_clients_but_not_waiting_or_talking_ones() {
-    use elastix_core::store::request::Request;
+    use elastix_core::store::request::{Keys, Request};
     let idle = Duration::from_millis(300);
     let config = ServerConfig { idle_timeout: Some(idle), ..ServerConfig::default() };
     let server = BackgroundServer::start(&config, 2).unwrap();
@@ -107,7 +107,7 @@ fn an_idle_timeout_closes_silent_clients_but_not_waiting_or_talking_ones() {
     for stream in [&mut silent, &mut waiting, &mut talking] {
         assert!(ping(stream));
     }
-    send(&mut waiting, &[Request::Wait { keys: vec![b"/later"] }]);
+    send(&mut waiting, &[Request::Wait { keys: Keys::from_iter([&b"/later"[..]]) }]);
     // the talking client keeps sending for several idle timeouts
     let until = Instant::now() + idle * 4;
     while Instant::now() < until {

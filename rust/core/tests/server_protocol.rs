@@ -7,7 +7,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use elastix_core::store::request::Request;
+use elastix_core::store::request::{Keys, Request};
 use elastix_core::store::{BackgroundServer, Limits, ServerConfig};
 
 const MAGIC: u32 = 0x3C85_F7CE;
@@ -260,7 +260,7 @@ fn configured_limits_are_enforced() {
     raw.send(&[Request::Set { key: b"/ok", value: &[0u8; 33] }]);
     assert!(raw.closed_by_server());
     let mut raw = Raw::validated(&server);
-    raw.send(&[Request::Check { keys: vec![b"/a", b"/b", b"/c"] }]);
+    raw.send(&[Request::Check { keys: Keys::from_iter([&b"/a"[..], b"/b", b"/c"]) }]);
     assert!(raw.closed_by_server());
 }
 
@@ -286,7 +286,7 @@ fn wait_is_answered_when_the_last_missing_key_is_written() {
     let server = server();
     let mut waiter = Raw::validated(&server);
     let mut writer = Raw::validated(&server);
-    waiter.send(&[Request::Wait { keys: vec![b"/k1", b"/k2", b"/k2"] }]);
+    waiter.send(&[Request::Wait { keys: Keys::from_iter([&b"/k1"[..], b"/k2", b"/k2"]) }]);
     until_waiting(&server, 1);
     writer.send(&[Request::Set { key: b"/k1", value: b"1" }]);
     assert!(writer.ping(1));
@@ -295,7 +295,7 @@ fn wait_is_answered_when_the_last_missing_key_is_written() {
     writer.send(&[Request::Set { key: b"/k2", value: b"2" }]);
     assert_eq!(waiter.read(1), [0]);
     // keys present now: answered at once
-    waiter.send(&[Request::Wait { keys: vec![b"/k1", b"/k2"] }]);
+    waiter.send(&[Request::Wait { keys: Keys::from_iter([&b"/k1"[..], b"/k2"]) }]);
     assert_eq!(waiter.read(1), [0]);
 }
 
@@ -320,7 +320,7 @@ fn every_kind_of_write_wakes_waiters_but_delete_does_not() {
         if popped > 0 {
             writer.read(8 + 1);
         }
-        waiter.send(&[Request::Wait { keys: vec![b"/w"] }]);
+        waiter.send(&[Request::Wait { keys: Keys::from_iter([&b"/w"[..]]) }]);
         until_waiting(&server, 1);
         writer.send(&[Request::DeleteKey { key: b"/w" }]);
         writer.read(8);
@@ -341,7 +341,7 @@ fn cancel_wait_is_always_acknowledged_and_a_lost_race_answers_00_01() {
     let mut raw = Raw::validated(&server);
     raw.send(&[Request::CancelWait]);
     assert_eq!(raw.read(1), [1]);
-    raw.send(&[Request::Wait { keys: vec![b"/race"] }]);
+    raw.send(&[Request::Wait { keys: Keys::from_iter([&b"/race"[..]]) }]);
     until_waiting(&server, 1);
     let mut setter = Raw::validated(&server);
     setter.send(&[Request::Set { key: b"/race", value: b"v" }]);
@@ -358,7 +358,7 @@ fn a_client_that_disconnects_mid_wait_leaves_no_waiter_behind() {
     let server = server();
     for _ in 0..20 {
         let mut raw = Raw::validated(&server);
-        raw.send(&[Request::Wait { keys: vec![b"/never", b"/nope"] }]);
+        raw.send(&[Request::Wait { keys: Keys::from_iter([&b"/never"[..], b"/nope"]) }]);
         raw.send(&[Request::GetNumKeys]);
         raw.read(8);
         drop(raw);
@@ -399,9 +399,9 @@ fn queues_wake_one_waiter_per_push() {
     let mut pusher = Raw::validated(&server);
     pusher.send(&[Request::QueuePop { key: b"/none" }, Request::QueueLen { key: b"/none" }]);
     assert_eq!(pusher.read(16), [0u8; 16]);
-    w1.send(&[Request::Wait { keys: vec![b"/q"] }]);
+    w1.send(&[Request::Wait { keys: Keys::from_iter([&b"/q"[..]]) }]);
     until_waiting(&server, 1);
-    w2.send(&[Request::Wait { keys: vec![b"/q"] }]);
+    w2.send(&[Request::Wait { keys: Keys::from_iter([&b"/q"[..]]) }]);
     until_waiting(&server, 2);
     pusher.send(&[Request::QueuePush { key: b"/q", value: b"a" }]);
     assert_eq!(w1.read(1), [0]);
@@ -411,8 +411,8 @@ fn queues_wake_one_waiter_per_push() {
     assert_eq!(w2.read(1), [0]);
     // a non-empty queue satisfies WAIT and CHECK, is invisible to GET and GETNUMKEYS
     pusher.send(&[
-        Request::Wait { keys: vec![b"/q"] },
-        Request::Check { keys: vec![b"/q"] },
+        Request::Wait { keys: Keys::from_iter([&b"/q"[..]]) },
+        Request::Check { keys: Keys::from_iter([&b"/q"[..]]) },
         Request::Get { key: b"/q" },
         Request::GetNumKeys,
     ]);
@@ -424,7 +424,7 @@ fn stopping_the_server_releases_blocked_clients_at_once() {
     // E21
     let server = server();
     let mut waiter = Raw::validated(&server);
-    waiter.send(&[Request::Wait { keys: vec![b"/forever"] }]);
+    waiter.send(&[Request::Wait { keys: Keys::from_iter([&b"/forever"[..]]) }]);
     until_waiting(&server, 1);
     drop(server);
     // released, not left waiting (the read gives up after 30 s)

@@ -1,5 +1,7 @@
 //! Counters stored as decimal text, as ADD and BARRIER read and write them.
 
+use std::io::Write;
+
 /// Why a stored value cannot be used as a counter.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum CounterError {
@@ -48,9 +50,15 @@ pub fn parse_counter(value: &[u8]) -> Result<i64, CounterError> {
     Ok(total)
 }
 
-/// Formats a counter for storage.
-pub fn format_counter(value: i64) -> Vec<u8> {
-    value.to_string().into_bytes()
+/// The most bytes a counter takes as text (`i64::MIN`).
+pub const COUNTER_BYTES: usize = 20;
+
+/// Formats a counter for storage into `buf`, with no allocation (ADD runs per request).
+pub fn format_counter(value: i64, buf: &mut [u8; COUNTER_BYTES]) -> &[u8] {
+    let mut rest = &mut buf[..];
+    write!(rest, "{value}").expect("an i64 takes at most 20 bytes as text");
+    let len = COUNTER_BYTES - rest.len();
+    &buf[..len]
 }
 
 #[cfg(test)]
@@ -80,7 +88,9 @@ mod tests {
 
     #[test]
     fn formats_as_decimal_text() {
-        assert_eq!(format_counter(i64::MIN), b"-9223372036854775808".to_vec());
-        assert_eq!(format_counter(3), b"3".to_vec());
+        let mut buf = [0; COUNTER_BYTES];
+        assert_eq!(format_counter(i64::MIN, &mut buf), b"-9223372036854775808");
+        assert_eq!(format_counter(3, &mut buf), b"3");
+        assert_eq!(format_counter(-40, &mut buf), b"-40");
     }
 }

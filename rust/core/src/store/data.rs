@@ -6,7 +6,7 @@ use std::collections::{HashMap, VecDeque};
 
 use bytes::Bytes;
 
-use super::counter::{format_counter, parse_counter, CounterError};
+use super::counter::{format_counter, parse_counter, CounterError, COUNTER_BYTES};
 
 /// Keys and values are opaque bytes. Queues live in their own namespace: a queue named `k`
 /// and a key `k` are different things, and `num_keys`/`list_keys` see only keys.
@@ -33,11 +33,10 @@ impl KvState {
     }
 
     pub fn set(&mut self, key: &[u8], value: &[u8]) {
-        let value = Bytes::copy_from_slice(value);
         match self.kv.get_mut(key) {
-            Some(slot) => *slot = value,
+            Some(slot) => overwrite(slot, value),
             None => {
-                self.kv.insert(Bytes::copy_from_slice(key), value);
+                self.kv.insert(Bytes::copy_from_slice(key), Bytes::copy_from_slice(value));
             }
         }
     }
@@ -69,7 +68,8 @@ impl KvState {
             None => 0,
         };
         let total = current.wrapping_add(delta);
-        self.set(key, &format_counter(total));
+        let mut text = [0; COUNTER_BYTES];
+        self.set(key, format_counter(total, &mut text));
         Ok(total)
     }
 
@@ -132,6 +132,20 @@ impl KvState {
     }
 }
 
+/// Puts `value` in `slot`, in the memory the slot holds when nothing else shares it and the
+/// value is no longer: a key written again and again (a counter, a heartbeat, a status) costs
+/// no allocation.
+fn overwrite(slot: &mut Bytes, value: &[u8]) {
+    match std::mem::take(slot).try_into_mut() {
+        Ok(mut held) if held.capacity() >= value.len() => {
+            held.clear();
+            held.extend_from_slice(value);
+            *slot = held.freeze();
+        }
+        _ => *slot = Bytes::copy_from_slice(value),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -166,6 +180,23 @@ mod tests {
         state.set(b"t", b"abc");
         assert!(state.add(b"t", 1).is_err());
         assert_eq!(state.get(b"t").unwrap(), "abc", "a failed ADD changes nothing");
+    }
+
+    #[test]
+    fn a_value_written_again_is_right_whether_its_memory_is_reused_or_shared() {
+        let mut state = KvState::new();
+        state.set(b"k", b"first");
+        let shared = state.get(b"k").unwrap().clone(); // as a local store's get hands it out
+        state.set(b"k", b"other"); // same length, but shared: not written over
+        assert_eq!(shared, "first");
+        assert_eq!(state.get(b"k").unwrap(), "other");
+        drop(shared);
+        state.set(b"k", b"abc"); // shorter, in place
+        assert_eq!(state.get(b"k").unwrap(), "abc");
+        state.set(b"k", b"longer than before"); // longer: new memory
+        assert_eq!(state.get(b"k").unwrap(), "longer than before");
+        state.set(b"k", b"");
+        assert_eq!(state.get(b"k").unwrap(), "");
     }
 
     #[test]

@@ -173,6 +173,7 @@ impl Db {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::request::Keys;
     use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
     struct Conn {
@@ -203,7 +204,7 @@ mod tests {
     fn wait_answers_only_after_the_last_missing_key_is_set() {
         let mut db = Db::new();
         let (mut a, b) = (conn(1), conn(2));
-        assert!(run(&mut db, &a, Request::Wait { keys: vec![b"k1", b"k2"] }).is_empty());
+        assert!(run(&mut db, &a, Request::Wait { keys: Keys::from_iter([&b"k1"[..], b"k2"]) }).is_empty());
         run(&mut db, &b, Request::Set { key: b"k1", value: b"" });
         assert!(a.woken.try_recv().is_err());
         run(&mut db, &b, Request::Add { key: b"k2", delta: 1 });
@@ -215,7 +216,7 @@ mod tests {
     fn delete_does_not_wake_and_cancel_always_answers() {
         let mut db = Db::new();
         let (mut a, b) = (conn(1), conn(2));
-        run(&mut db, &a, Request::Wait { keys: vec![b"k"] });
+        run(&mut db, &a, Request::Wait { keys: Keys::from_iter([&b"k"[..]]) });
         assert_eq!(run(&mut db, &b, Request::DeleteKey { key: b"k" }), 0i64.to_le_bytes());
         assert!(a.woken.try_recv().is_err());
         assert_eq!(run(&mut db, &a, Request::CancelWait), [WAIT_CANCELED]);
@@ -227,7 +228,7 @@ mod tests {
     fn failed_compare_set_on_a_missing_key_still_wakes() {
         let mut db = Db::new();
         let (mut a, b) = (conn(1), conn(2));
-        run(&mut db, &a, Request::Wait { keys: vec![b"k"] });
+        run(&mut db, &a, Request::Wait { keys: Keys::from_iter([&b"k"[..]]) });
         let reply = run(&mut db, &b, Request::CompareSet { key: b"k", expected: b"exp", desired: b"new" });
         assert_eq!(reply, [&3u64.to_le_bytes()[..], b"exp"].concat());
         assert!(a.woken.try_recv().is_ok());

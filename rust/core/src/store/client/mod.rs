@@ -24,7 +24,7 @@ pub use self::connect::ConnectOptions;
 use super::error::{Result, StoreError};
 use super::linger::OwnClient;
 use super::protocol::{CHECK_NOT_READY, CHECK_READY, STOP_WAITING, WAIT_CANCELED};
-use super::request::Request;
+use super::request::{Keys, Request};
 use super::transport::Transport;
 use crate::interrupt::Interrupt;
 
@@ -151,7 +151,7 @@ impl Client {
 
     pub async fn check(&mut self, keys: &[&[u8]]) -> Result<bool> {
         self.begin()?;
-        self.send(&Request::Check { keys: keys.to_vec() }).await?;
+        self.send(&Request::Check { keys: Keys::from_slice(keys) }).await?;
         let ready = match self.recv_u8().await? {
             CHECK_READY => true,
             CHECK_NOT_READY => false,
@@ -164,7 +164,7 @@ impl Client {
     /// wait is cancelled on the server and [`StoreError::WaitTimeout`] returned.
     pub async fn wait(&mut self, keys: &[&[u8]], timeout: Option<Duration>) -> Result<()> {
         self.begin()?;
-        self.send(&Request::Wait { keys: keys.to_vec() }).await?;
+        self.send(&Request::Wait { keys: Keys::from_slice(keys) }).await?;
         match self.await_release(timeout).await? {
             WaitEnd::Released => self.finish(()),
             WaitEnd::TimedOut => Err(StoreError::WaitTimeout {
@@ -198,7 +198,7 @@ impl Client {
     /// MULTI_GET without waiting: missing keys read as empty.
     pub async fn multi_get_now(&mut self, keys: &[&[u8]]) -> Result<Vec<Bytes>> {
         self.begin()?;
-        self.send(&Request::MultiGet { keys: keys.to_vec() }).await?;
+        self.send(&Request::MultiGet { keys: Keys::from_slice(keys) }).await?;
         let mut values = Vec::with_capacity(keys.len());
         for _ in keys {
             values.push(self.recv_bytes().await?);

@@ -65,7 +65,7 @@ use self::format::{Change, CLEANUP, REFCOUNT};
 use self::lock::{Access, Locked};
 use self::replica::Replica;
 use super::blocking::BlockingStore;
-use super::counter::format_counter;
+use super::counter::{format_counter, COUNTER_BYTES};
 use super::error::{Result, StoreError};
 
 /// Waits poll the file, first after this long, then at doubling intervals up to [`LAST_POLL`]
@@ -243,10 +243,11 @@ impl Txn<'_> {
                 }
             })?
             .wrapping_add(delta);
-        let value = format_counter(total);
+        let mut text = [0; COUNTER_BYTES];
+        let value = format_counter(total, &mut text);
         self.push(match counter {
-            Counter::User(key) => Change::Set { key, value: &value },
-            Counter::Torch(key) => Change::SetOther { key, value: &value },
+            Counter::User(key) => Change::Set { key, value },
+            Counter::Torch(key) => Change::SetOther { key, value },
         })?;
         Ok(total)
     }
