@@ -23,7 +23,7 @@ against a plain copy of the same state, the restore time after each fault, and t
 overhead of the checkpoints. torch comes from this interpreter or $TORCH_PYTHON.
 
     python benches/goodput.py [--minutes 10] [--fault-every 60] [--state-mb 256] [--step-s 1]
-                              [--torch-every 5,20,60] [--no-torch] [--block]
+                              [--torch-every 5,20,60] [--no-torch] [--block] [--keep]
 
 Needs root and iproute2 (network namespaces).
 """
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -124,7 +125,7 @@ def mean_step(out: str, before: float = float("inf"), rank: int = 0) -> Optional
 
 
 def run(hosts: Hosts, store: str, name: str, launcher: List[str], worker: List[str], args, faults: bool) -> dict:
-    out = tempfile.mkdtemp(prefix=f"goodput-{name.replace(' ', '_').replace('=', '')}-")
+    out = tempfile.mkdtemp(prefix=f"{name.replace(' ', '_').replace('=', '')}-", dir=args.root)
     job = Job(hosts, store, out, launcher, worker)
     for i in range(NODES):
         job.start(i)
@@ -230,7 +231,10 @@ def main() -> None:
     parser.add_argument("--no-elastix", action="store_true", help="torchrun's configurations only")
     parser.add_argument("--no-restart", action="store_true", help="elastix in process only (no plain-script run)")
     parser.add_argument("--block", action="store_true", help="elastix's saves block for their copy (not pipelined)")
+    parser.add_argument("--keep", action="store_true", help="keep the runs' logs and checkpoints (else removed)")
     args = parser.parse_args()
+    # every run's logs and the checkpoints (GBs a run) in one directory, removed at the end
+    args.root = tempfile.mkdtemp(prefix="goodput-")
     why = Hosts.available()
     if why:
         sys.exit(f"goodput: needs network namespaces ({why})")
@@ -248,7 +252,7 @@ def main() -> None:
         conf = ["--rdzv-conf", "is_host=false,join_timeout=120", "--max-restarts", "100"]
         worker = ["--state-mb", str(args.state_mb), "--step-s", str(args.step_s)]
         elastix = [sys.executable, "-m", "elastix", "run", *common, *conf, "--rdzv-id"]
-        ckpt_dir = tempfile.mkdtemp(prefix="goodput-ckpt-")
+        ckpt_dir = tempfile.mkdtemp(prefix="checkpoints-", dir=args.root)
         print(
             f"goodput: {NODES} namespace hosts, {args.state_mb} MB per rank, steps of {args.step_s}s compute, "
             f"{args.minutes} min, a fault every {args.fault_every:.0f}s ({', '.join(FAULTS)}, in turn)",
@@ -295,6 +299,10 @@ def main() -> None:
         if store_proc is not None:
             store_proc.kill()
         hosts.close()
+        if args.keep:
+            print(f"goodput: the runs' logs and checkpoints are in {args.root}", flush=True)
+        else:
+            shutil.rmtree(args.root, ignore_errors=True)
 
 
 if __name__ == "__main__":
