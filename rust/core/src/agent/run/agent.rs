@@ -103,13 +103,10 @@ impl Agent {
                 tracing::info!("{binding} for local rank {local_rank}");
             }
         }
-        let mut standbys = StandbyPool::new(&config, outputs.clone());
+        let standbys = StandbyPool::new(&config, outputs.clone());
         let events =
             EventLog::open(config.event_log.as_deref(), config.event_log_stderr, &config.run_id, &host, &log_writer)
                 .map_err(|err| AgentError::Config(format!("--event-log: {err}")))?;
-        // the first workers' interpreters start while the node joins the job: a node that
-        // replaces a lost one keeps the others waiting for its workers' start
-        standbys.refill();
         Ok(Agent {
             config,
             rdzv,
