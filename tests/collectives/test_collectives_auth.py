@@ -174,6 +174,14 @@ def comms(master, env):
         comm.close()
 
 
+def redirect(comm: TcpComm, rank: int, address: str) -> None:
+    """Sends ``comm``'s connections to ``rank`` to ``address``. A SET has no reply in torch's
+    protocol, so it is read back on the same connection: once that returns, the server holds it,
+    and the comm's own lookup (on a connection of its own) cannot overtake it."""
+    comm.store.set(f"tcp/addr/{rank}", address)
+    assert comm.store.get(f"tcp/addr/{rank}").decode() == address
+
+
 def listener(comm: TcpComm) -> Tuple[str, int]:
     host, port = comm.store.get(f"tcp/addr/{comm.me}").decode().rsplit("|", 1)
     return host, int(port)
@@ -454,7 +462,7 @@ def test_replayed_handshake_is_refused(comms, env, tmp_path):
     # record rank 0's side of a genuine handshake: the store sends rank 0 through a relay
     relay = Relay(real)
     try:
-        c0.store.set("tcp/addr/1", relay.address)
+        redirect(c0, 1, relay.address)
         exchange(c0, c1, b"through the relay")
         captured = bytes(relay.sent[: HELLO_BYTES + PROOF_BYTES])
         assert captured.startswith(b"ELXCOL02")
@@ -673,7 +681,7 @@ def test_a_relay_that_passed_the_handshake_through_cannot_send_its_own_messages(
     forged = tcp_comm.HEADER.pack(tcp_comm.MAGIC, 0, *desc) + b"\x01" * 8
     hijacker = Hijacker(listener(c1), forged)
     try:
-        c0.store.set("tcp/addr/1", hijacker.address)
+        redirect(c0, 1, hijacker.address)
         secret_data = b"the member's gradient bytes"
         c0.send(1, [c0.header(desc), secret_data])
         with pytest.raises(CollectiveError, match="altered after its handshake"):
