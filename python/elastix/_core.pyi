@@ -146,9 +146,21 @@ class Waiter:
         yield_us: int = 200,
         check_ms: int = 2,
         desc_offsets: tuple[int, int] = (8, 8),
+        slots: Optional[tuple[int, int, int, int]] = None,
     ) -> None: ...
     def wait(self, target: int, timeout: Optional[float] = None) -> _Outcome: ...
     def step(self, seq: int, desc: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> _Outcome: ...
+    def all_reduce_small(
+        self,
+        seq: int,
+        desc: Optional[Sequence[int]],
+        timeout: Optional[float],
+        x: object,
+        dtype: int,
+        op: int,
+        divisor: int = 1,
+        reduce_here: bool = True,
+    ) -> _Outcome: ...
     def abort(self, code: int) -> None: ...
 
 class _Collectives:

@@ -234,6 +234,25 @@ def test_bad_arguments_are_refused(world_of_one):
         ec.recv(np.zeros(1))
 
 
+def test_a_call_refused_once_is_refused_after_valid_calls_of_the_same_shape_too(world_of_one):
+    # all_reduce keeps its checks' answer per (dtype, shape, op): a refused op must not share
+    # one with an accepted op that compares and hashes equal (True == 1 == PRODUCT)
+    x = np.full(3, 2.0)
+    ec.all_reduce(x, ec.ReduceOp.PRODUCT)
+    ec.all_reduce(x, 1)
+    with pytest.raises(ValueError, match="unknown reduction op"):
+        ec.all_reduce(x, True)
+    with pytest.raises(ValueError, match="unknown reduction op"):
+        ec.all_reduce(x, ["sum"])  # unhashable: refused, not a TypeError from the cache
+    y = np.full(3, 2, np.int32)
+    ec.all_reduce(y, ec.ReduceOp.SUM)
+    with pytest.raises(TypeError, match="floating-point"):
+        ec.all_reduce(y, ec.ReduceOp.AVG)
+    ec.all_reduce(x, ec.ReduceOp.AVG)
+    with pytest.raises(TypeError, match="floating-point"):
+        ec.all_reduce(y, ec.ReduceOp.AVG)
+
+
 def test_world_of_one_works_in_process(world_of_one):
     x = np.arange(5.0)
     ec.all_reduce(x, ec.ReduceOp.AVG)

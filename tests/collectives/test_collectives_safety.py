@@ -47,7 +47,11 @@ def test_no_function_takes_an_address_and_bad_offsets_raise():
         for call in (lambda: seg.load(8 << 40), lambda: seg.load(4096), lambda: seg.load(3),
                      lambda: seg.publish(4090, None, 1), lambda: seg.publish(0, 4094, 1),
                      lambda: c.Waiter(seg, [1 << 50], [None], [None], [0]),
-                     lambda: c.Waiter(seg, [0], [None], [None], [0], own_flag=4, desc_offsets=(64, 192))):
+                     lambda: c.Waiter(seg, [0], [None], [None], [0], own_flag=4, desc_offsets=(64, 192)),
+                     lambda: c.Waiter(seg, [0], [None], [None], [0], slots=(1024, 1024, 3, 0)),  # past the end
+                     lambda: c.Waiter(seg, [0], [None], [None], [0], slots=(1024, 512, 2, 2)),  # no rank 2
+                     lambda: c.Waiter(seg, [0], [None], [None], [0], slots=(1000, 8, 2, 0)),  # unaligned
+                     lambda: c.Waiter(seg, [0], [None], [None], [0], slots=(0, 1 << 62, 4, 0))):  # overflows
             try:
                 call()
             except ValueError as err:
@@ -59,12 +63,22 @@ def test_no_function_takes_an_address_and_bad_offsets_raise():
             w.step(1, [1] * 16, 0.1)  # the descriptor would run past the end
         except ValueError as err:
             print("refused:", err)
+        x = np.ones(64, np.float32)
+        for call in (lambda: w.all_reduce_small(1, None, 0.1, x, 11, 0),  # made without slots
+                     lambda: c.Waiter(seg, [0], [None], [None], [0], own_flag=4096 - 64,
+                                      slots=(1024, 128, 2, 0)).all_reduce_small(1, None, 0.1, x, 11, 0),  # too big
+                     lambda: c.Waiter(seg, [0], [None], [None], [0], own_flag=4096 - 64,
+                                      slots=(1024, 256, 2, 0)).all_reduce_small(1, None, 0.1, x, 99, 0)):  # dtype
+            try:
+                call()
+            except ValueError as err:
+                print("refused:", err)
         seg.publish(8, None, 5)
         assert seg.load(8) == 5 and np.frombuffer(seg, np.uint64)[1] == 5
         print("ok")
         """
     )
-    assert out.count("refused:") == 8 and out.strip().endswith("ok")
+    assert out.count("refused:") == 15 and out.strip().endswith("ok")
 
 
 def test_a_closed_segment_raises_on_every_call():
@@ -74,6 +88,7 @@ def test_a_closed_segment_raises_on_every_call():
         from elastix._core import collectives as c
         seg = c.Segment.create(4096)
         w = c.Waiter(seg, [0], [8], [16], [0], own_flag=64, own_waiters=80, own_abort=72)
+        ws = c.Waiter(seg, [0], [8], [16], [0], own_flag=64, own_waiters=80, own_abort=72, slots=(1024, 512, 2, 0))
         assert seg.close() and seg.closed and not seg.close()
         calls = {
             "load": lambda: seg.load(0),
@@ -82,6 +97,7 @@ def test_a_closed_segment_raises_on_every_call():
             "wait": lambda: w.wait(1, 0.1),
             "step": lambda: w.step(1, [1, 2], 0.1),
             "abort": lambda: w.abort(1),
+            "all_reduce_small": lambda: ws.all_reduce_small(1, None, 0.1, np.ones(4, np.float32), 11, 0),
             "new waiter": lambda: c.Waiter(seg, [0], [None], [None], [0]),
         }
         for name, call in calls.items():

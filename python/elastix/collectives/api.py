@@ -31,13 +31,13 @@ Op = Union[ReduceOp, str]
 def _run(g: ProcessGroup, fn: Callable[[], Any], async_op: bool, desc: List[int]) -> Optional[Work]:
     """A Work with ``async_op`` (torch's contract), else None once the collective is done. The
     collective (``desc``) goes in the flight recorder."""
+    if not async_op:
+        g.run_now(fn, desc)
+        return None
     fn = g.recorded(fn, desc)
     if g.send_executor._pending:
         g.send_executor.drain()  # a collective never shares a connection with a pending send
-    if async_op:
-        return g.executor.submit(fn)
-    g.executor.run(fn)
-    return None
+    return g.executor.submit(fn)
 
 
 def _nccl(g: ProcessGroup) -> bool:
@@ -88,6 +88,31 @@ def _reduction(
     return op, kind, kind.code, kop, div
 
 
+#: How many all_reduce plans a group keeps (one per dtype, shape and op in use).
+PLANS = 256
+
+
+def _all_reduce_plan(
+    g: ProcessGroup, x: Array, op: Op, dtype: Optional[str]
+) -> Tuple[ReduceOp, Any, int, int, int, List[int]]:
+    """``_reduction``'s answer and the descriptor for an all_reduce of ``x``, worked out once
+    per dtype, shape and op of a group: for a small all_reduce they cost more than the step."""
+    key = (x.dtype, x.shape, type(op), op, dtype)  # type(op): True is not PRODUCT
+    try:
+        plan = g.plans.get(key)
+        hashable = True
+    except TypeError:  # an unhashable op, which _reduction refuses
+        plan, hashable = None, False
+    if plan is None:
+        op, kind, code, kop, div = _reduction(g, x, op, dtype, "all_reduce")
+        plan = (op, kind, code, kop, div, descriptor.make("all_reduce", x.dtype, x.shape, int(op)))
+        if hashable:
+            if len(g.plans) >= PLANS:
+                g.plans.clear()
+            g.plans[key] = plan
+    return plan
+
+
 # -- reductions ----------------------------------------------------------------------------------
 
 
@@ -103,13 +128,12 @@ def all_reduce(
     16-bit integer arrays as bfloat16."""
     g = resolve(group)
     x = check_array(tensor)
-    op, kind, code, kop, div = _reduction(g, x, op, dtype, "all_reduce")
-    desc = descriptor.make("all_reduce", x.dtype, x.shape, int(op))
+    op, kind, code, kop, div, desc = _all_reduce_plan(g, x, op, dtype)
     if _nccl(g):
         return _on_nccl(g, lambda: g.backend.all_reduce(x, op, kind, desc), async_op)
     if type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable:
         # the common case, kept short: a contiguous NumPy array reduced where it is
-        view = x.reshape(-1).view(kind.view)
+        view = x if x.ndim == 1 and x.dtype == kind.view else x.reshape(-1).view(kind.view)
         return _run(g, lambda: g.backend.all_reduce(view, code, kop, div, desc), async_op, desc)
     h = _Host(x, True)
     flat = flat_out(h.host, "all_reduce tensor")

@@ -10,7 +10,7 @@ import logging
 import threading
 import zlib
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..store import PrefixStore
 from ..store.base import to_seconds
@@ -58,6 +58,8 @@ class ProcessGroup:
         # the flight recorder's view of this group: its number, and its collectives so far
         self.number = int(name) if name.isdigit() else zlib.crc32(name.encode())
         self.collectives = 0
+        # all_reduce's checks and descriptor by (dtype, shape, op): see api._all_reduce_plan
+        self.plans: Dict[tuple, tuple] = {}
         self.executor = Executor(f"pg{name}")
         self.send_executor = Executor(f"pg{name}-send")
         if self._rank >= 0:
@@ -82,6 +84,24 @@ class ProcessGroup:
                 progress.flight_exit(at)
 
         return run
+
+    def run_now(self, fn: Callable[[], Any], desc: Sequence[int]) -> None:
+        """Runs the collective ``fn`` (described by ``desc``) on this thread, behind any pending
+        asynchronous work, with its start and end in the flight recorder (as ``recorded``,
+        without a closure: this is every blocking collective's path)."""
+        if self.send_executor._pending:
+            self.send_executor.drain()  # a collective never shares a connection with a pending send
+        if self.executor._pending:
+            self.executor.submit(self.recorded(fn, desc)).result()
+            return
+        self.collectives += 1
+        at = progress.flight_enter(desc[0], self.number, self.collectives, desc[4])
+        with self.executor.inline_lock:
+            try:
+                fn()
+            finally:
+                if at is not None:
+                    progress.flight_exit(at)
 
     def size(self) -> int:
         return len(self.ranks)

@@ -5,13 +5,14 @@ kernel's dtype. Ranks are local indexes of the comm.
 
 all_reduce, small messages: each rank copies its input into its slot, one step, and each rank
 reduces all slots in rank order itself (one synchronisation; every rank computes the same sums
-in the same order, so results are bit-identical). Large messages: a pipelined reduce-scatter
-plus all-gather. The array is cut into segments of (slot size) bytes and each segment into one
-chunk per rank; in step t a rank copies segment t's chunks that others reduce into its slot,
-reduces its own chunk of segment t-1 from the peers' slots (sources in rank order, its own
-chunk read from its array) into its array and its slot, and after the step copies the other
-chunks of segment t-1 out of their owners' slots. Each rank moves (p-1)/p of the data in and
-out, the reduction work is split p ways, and a segment stays in cache between its steps.
+in the same order, so results are bit-identical), all in one native call (``reduce_step``).
+Large messages: a pipelined reduce-scatter plus all-gather. The array is cut into segments of
+(slot size) bytes and each segment into one chunk per rank; in step t a rank copies segment t's
+chunks that others reduce into its slot, reduces its own chunk of segment t-1 from the peers'
+slots (sources in rank order, its own chunk read from its array) into its array and its slot,
+and after the step copies the other chunks of segment t-1 out of their owners' slots. Each rank
+moves (p-1)/p of the data in and out, the reduction work is split p ways, and a segment stays
+in cache between its steps.
 """
 
 from __future__ import annotations
@@ -58,11 +59,7 @@ def all_reduce(
     """In place; with ``root`` it is a reduce: only the root's array changes."""
     p, me, dt, n = comm.n, comm.me, x.dtype, x.size
     if x.nbytes <= small_limit(comm):
-        b = comm.next_buf
-        np.copyto(comm.slot(me, b, dt, 0, n), x)
-        comm.step(desc, what)
-        if n and (root is None or root == me):
-            _native.reduce(code, op, [comm.slot(j, b, dt, 0, n) for j in range(p)], [x], div)
+        comm.reduce_step(x, code, op, div, desc, what, root is None or root == me)
         return
     region = _region(comm)
     per_chunk = region // dt.itemsize

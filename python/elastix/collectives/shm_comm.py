@@ -123,6 +123,7 @@ class ShmComm:
                 yield_us=yield_us,
                 check_ms=check_ms,
                 desc_offsets=DESC_BYTES,
+                slots=(self._data_base, slot_bytes, nranks, me),
             )
         except ProcessLookupError as err:
             gone = [j for j in peers if str(pids[j]) in str(err)] or peers
@@ -167,18 +168,38 @@ class ShmComm:
 
     def step(self, desc: Optional[List[int]] = None, what: str = "collective") -> int:
         """Publishes the next step and waits for every peer; returns the buffer it used."""
-        if self.broken is not None:
-            self.check_usable()
-        self.seq += 1
+        seq = self._next_seq()
         try:
-            outcome = self.waiter.step(self.seq, desc, self.timeout)
+            outcome = self.waiter.step(seq, desc, self.timeout)
         except ValueError:
-            if self.segment.closed:  # destroyed by another thread before this step began
-                raise CollectiveError(f"{what}: the group was destroyed before this collective ran") from None
+            self._destroyed_first(what)
             raise
         if outcome is not None:
             self._fail(outcome, desc, what)
-        return self.seq & 1
+        return seq & 1
+
+    def reduce_step(self, x: np.ndarray, code: int, op: int, div: int, desc: List[int], what: str, into: bool) -> None:
+        """A reduction done in one step, natively: ``x`` (contiguous, at most a slot) goes into
+        this rank's slot, the step is taken, and, ``into`` this rank, every rank's slot is
+        reduced into ``x`` in rank order (so every rank gets the same bits)."""
+        seq = self._next_seq()
+        try:
+            outcome = self.waiter.all_reduce_small(seq, desc, self.timeout, x, code, op, div, into)
+        except ValueError:
+            self._destroyed_first(what)
+            raise
+        if outcome is not None:
+            self._fail(outcome, desc, what)
+
+    def _next_seq(self) -> int:
+        if self.broken is not None:
+            self.check_usable()
+        self.seq += 1
+        return self.seq
+
+    def _destroyed_first(self, what: str) -> None:
+        if self.segment.closed:  # destroyed by another thread before this step began
+            raise CollectiveError(f"{what}: the group was destroyed before this collective ran") from None
 
     def _fail(self, outcome, desc, what: str) -> None:
         kind, args = outcome

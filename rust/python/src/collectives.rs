@@ -4,49 +4,15 @@
 //! an address.
 
 use elastix_core::collectives::{self as core, DType, ReduceOp};
-use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::{ffi, types::PyList};
+use pyo3::types::PyList;
 
+use crate::buffer::RawBuf;
 use crate::shm::{PySegment, Waiter};
 
 /// Reductions at least this large run with the GIL released.
-const DETACH_BYTES: usize = 64 * 1024;
-
-/// A buffer held through the buffer protocol (contiguous, as PyBUF_SIMPLE asks).
-struct RawBuf {
-    view: Box<ffi::Py_buffer>,
-}
-
-impl RawBuf {
-    fn get(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<Self> {
-        // SAFETY: Py_buffer is a plain C struct for which all zeroes is a valid (empty) value.
-        let mut view: Box<ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
-        let flags = if writable { ffi::PyBUF_WRITABLE } else { ffi::PyBUF_SIMPLE };
-        // SAFETY: `obj` is a live object (we hold the GIL and a reference) and `view` a valid
-        // Py_buffer to fill; on success it is released once, in `Drop`.
-        if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) } != 0 {
-            return Err(PyErr::take(obj.py()).unwrap_or_else(|| PyBufferError::new_err("no buffer")));
-        }
-        Ok(RawBuf { view })
-    }
-
-    fn addr(&self) -> usize {
-        self.view.buf as usize
-    }
-
-    fn len(&self) -> usize {
-        self.view.len as usize
-    }
-}
-
-impl Drop for RawBuf {
-    fn drop(&mut self) {
-        // SAFETY: `view` was filled by a successful PyObject_GetBuffer and is released once;
-        // a RawBuf is dropped where the GIL is held (never inside `detach`).
-        unsafe { ffi::PyBuffer_Release(&mut *self.view) }
-    }
-}
+pub(crate) const DETACH_BYTES: usize = 64 * 1024;
 
 /// `reduce(dtype, op, srcs, dsts, divisor=1)`: every destination gets the reduction of every
 /// source (same byte length, contiguous), in source order; `divisor` > 1 averages (floats).

@@ -4,6 +4,7 @@
 
 mod agent;
 mod auth;
+mod buffer;
 mod collectives;
 mod errors;
 mod exit_gate;

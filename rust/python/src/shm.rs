@@ -9,13 +9,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use elastix_core::collectives::{
-    Backing, Descriptors, Handle, Segment as CoreSegment, SegmentError, SharedMemory, SpinPolicy, StepEnd, WaitError,
-    Waiter as CoreWaiter, Words,
+    Backing, DType, Descriptors, Handle, ReduceOp, Segment as CoreSegment, SegmentError, SharedMemory, SlotError,
+    Slots, SpinPolicy, StepEnd, WaitError, Waiter as CoreWaiter, Words,
 };
 use pyo3::exceptions::{PyBufferError, PyProcessLookupError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use crate::buffer::RawBuf;
+use crate::collectives::DETACH_BYTES;
 use crate::interrupt::PendingSignal;
 use crate::timeout::from_seconds;
 
@@ -166,6 +168,8 @@ impl PySegment {
 pub struct Waiter {
     inner: CoreWaiter,
     pending: PendingSignal,
+    // the ranks' data slots, for the collectives done in one step (`all_reduce_small`)
+    slots: Option<Slots>,
 }
 
 type Outcome = Option<(&'static str, Vec<u64>)>;
@@ -188,6 +192,22 @@ impl Waiter {
         }
     }
 
+    fn step_inner(&self, py: Python<'_>, seq: u64, desc: Option<&[i64]>, timeout: Option<f64>) -> PyResult<Outcome> {
+        let end = match self.inner.begin_step(seq, desc).map_err(to_py)? {
+            Some(end) => end,
+            None => {
+                let deadline = from_seconds(timeout)?.map(|t| Instant::now() + t);
+                let (inner, pending) = (&self.inner, &self.pending);
+                py.detach(|| inner.finish_step(seq, desc, deadline, &pending.interrupt())).map_err(to_py)?
+            }
+        };
+        match end {
+            StepEnd::Together => Ok(None),
+            StepEnd::Mismatch { peer } => Ok(Some(("mismatch", vec![peer as u64]))),
+            StepEnd::Stopped(err) => self.stopped(err).map(Some),
+        }
+    }
+
     /// A wait that ended before every peer arrived, as Python's collectives take it.
     fn stopped(&self, err: WaitError) -> PyResult<(&'static str, Vec<u64>)> {
         match err {
@@ -207,8 +227,10 @@ impl Waiter {
 impl Waiter {
     /// Offsets in `segment`: `flags[i]`, `aborts[i]`, `waiters[i]` are peer i's counter, abort
     /// word (or None) and sleepers' word (or None); `pids[i]` its process (0: not checked).
+    /// `slots`, `(base, bytes, ranks, me)`: where the ranks' data slots lie (see
+    /// `elastix_core::collectives::slots`), for `all_reduce_small`.
     #[new]
-    #[pyo3(signature = (segment, flags, aborts, waiters, pids, own_flag=None, own_waiters=None, own_abort=None, spin_iters=20000, yield_us=200, check_ms=2, desc_offsets=(8, 8)))]
+    #[pyo3(signature = (segment, flags, aborts, waiters, pids, own_flag=None, own_waiters=None, own_abort=None, spin_iters=20000, yield_us=200, check_ms=2, desc_offsets=(8, 8), slots=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -224,6 +246,7 @@ impl Waiter {
         yield_us: u64,
         check_ms: u64,
         desc_offsets: (usize, usize),
+        slots: Option<(usize, usize, usize, usize)>,
     ) -> PyResult<Self> {
         let n = flags.len();
         if aborts.len() != n || waiters.len() != n {
@@ -238,8 +261,12 @@ impl Waiter {
         };
         let descriptors = Descriptors { offsets: [desc_offsets.0, desc_offsets.1] };
         let segment = segment.get().inner.clone();
+        let slots = slots
+            .map(|(base, bytes, ranks, me)| Slots::new(segment.clone(), base, bytes, ranks, me))
+            .transpose()
+            .map_err(to_py)?;
         let inner = py.detach(|| CoreWaiter::new(segment, peers, &pids, own, descriptors, policy)).map_err(to_py)?;
-        Ok(Waiter { inner, pending: PendingSignal::default() })
+        Ok(Waiter { inner, pending: PendingSignal::default(), slots })
     }
 
     /// Waits until every peer's counter is >= `target`. None when they are; else
@@ -255,19 +282,51 @@ impl Waiter {
     /// `("mismatch", [peer])` names the first that differs.
     #[pyo3(signature = (seq, desc=None, timeout=None))]
     fn step(&self, py: Python<'_>, seq: u64, desc: Option<Vec<i64>>, timeout: Option<f64>) -> PyResult<Outcome> {
-        let end = match self.inner.begin_step(seq, desc.as_deref()).map_err(to_py)? {
-            Some(end) => end,
-            None => {
-                let deadline = from_seconds(timeout)?.map(|t| Instant::now() + t);
-                let (inner, pending) = (&self.inner, &self.pending);
-                py.detach(|| inner.finish_step(seq, desc.as_deref(), deadline, &pending.interrupt())).map_err(to_py)?
-            }
-        };
-        match end {
-            StepEnd::Together => Ok(None),
-            StepEnd::Mismatch { peer } => Ok(Some(("mismatch", vec![peer as u64]))),
-            StepEnd::Stopped(err) => self.stopped(err).map(Some),
+        self.step_inner(py, seq, desc.as_deref(), timeout)
+    }
+
+    /// A collective done in one step (an all_reduce, or with `reduce_here` false on the
+    /// non-roots, a reduce): copies `x` into this rank's slot of step `seq`, steps as `step`
+    /// does, then reduces every rank's slot, in rank order, into `x`. Returns `step`'s outcome;
+    /// `x` is reduced only when that is None. Python would pay more for its copies and list of
+    /// views than for the step itself.
+    #[pyo3(signature = (seq, desc, timeout, x, dtype, op, divisor=1, reduce_here=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_small(
+        &self,
+        py: Python<'_>,
+        seq: u64,
+        desc: Option<Vec<i64>>,
+        timeout: Option<f64>,
+        x: &Bound<'_, PyAny>,
+        dtype: u8,
+        op: u8,
+        divisor: u32,
+        reduce_here: bool,
+    ) -> PyResult<Outcome> {
+        let slots = self.slots.as_ref().ok_or_else(|| PyValueError::new_err("this Waiter was made without slots"))?;
+        let dtype =
+            DType::from_code(dtype).ok_or_else(|| PyValueError::new_err(format!("unknown dtype code {dtype}")))?;
+        let op = ReduceOp::from_code(op).ok_or_else(|| PyValueError::new_err(format!("unknown op code {op}")))?;
+        let buf = RawBuf::get(x, reduce_here)?;
+        let (addr, len) = (buf.addr(), buf.len());
+        if len > slots.bytes() {
+            return Err(PyValueError::new_err(format!("{len} bytes do not fit a slot of {}", slots.bytes())));
         }
+        // SAFETY: `buf` holds the array (alive, contiguous, `len` bytes, writable where it is
+        // reduced into) until we return; it is the caller's array, not a view of the slots.
+        let stage = move || unsafe { slots.stage(seq, addr as *const u8, len) };
+        if len >= DETACH_BYTES { py.detach(stage) } else { stage() }.map_err(to_py)?;
+        let outcome = self.step_inner(py, seq, desc.as_deref(), timeout)?;
+        if outcome.is_none() && reduce_here {
+            // SAFETY: as for `stage`.
+            let reduce = move || unsafe { slots.reduce_into(seq, dtype, op, addr as *mut u8, len, divisor) };
+            if len >= DETACH_BYTES { py.detach(reduce) } else { reduce() }.map_err(|err| match err {
+                SlotError::Segment(err) => to_py(err),
+                SlotError::Kernel(err) => PyValueError::new_err(err.to_string()),
+            })?;
+        }
+        Ok(outcome)
     }
 
     /// Tells the peers this rank gave up (`code` != 0) and wakes those sleeping on its counter.

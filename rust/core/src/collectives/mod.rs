@@ -10,7 +10,9 @@
 //!   unmapped under them;
 //! * [`counters`] and [`rank_counters`]: waits on sequence counters in shared memory (spin, then yield,
 //!   then a futex, checking the peers' liveness and abort words, with acquire/release ordering
-//!   that Python cannot express).
+//!   that Python cannot express);
+//! * [`slots`]: the ranks' data buffers in a segment, staged and reduced by a small
+//!   collective in one call (Python's own copies and list of views cost more than the step).
 
 pub mod counters;
 pub mod dtype;
@@ -18,6 +20,7 @@ pub mod kernels;
 pub mod mapping;
 pub mod rank_counters;
 pub mod segment;
+pub mod slots;
 
 pub use counters::{publish, wait_all, wake, Liveness, Peer, SpinPolicy, WaitError};
 pub use dtype::{DType, ReduceOp};
@@ -25,3 +28,4 @@ pub use kernels::{reduce, KernelError};
 pub use mapping::{Backing, Handle, OffsetError, SharedMemory};
 pub use rank_counters::{Descriptors, StepEnd, Waiter, Words};
 pub use segment::{Segment, SegmentError};
+pub use slots::{SlotError, Slots};
