@@ -161,6 +161,26 @@ class Waiter:
         divisor: int = 1,
         reduce_here: bool = True,
     ) -> _Outcome: ...
+    def copy_small(
+        self,
+        seq: int,
+        desc: Optional[Sequence[int]],
+        timeout: Optional[float],
+        send: Optional[object],
+        recv: Sequence[Optional[object]],
+    ) -> _Outcome: ...
+    def reduce_scatter_small(
+        self,
+        seq: int,
+        desc: Optional[Sequence[int]],
+        timeout: Optional[float],
+        ins: Sequence[object],
+        out: object,
+        region: int,
+        dtype: int,
+        op: int,
+        divisor: int = 1,
+    ) -> _Outcome: ...
     def abort(self, code: int) -> None: ...
 
 class _Collectives:

@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import descriptor, dtypes
-from .arrays import check_array, flat_in, flat_out, is_cupy
+from .arrays import check_array, check_arrays, flat_in, flat_out, is_cupy
 from .group import ProcessGroup, resolve
 from .reduce_op import ReduceOp, as_op, kernel_op
 from .work import CompletedWork, Work
@@ -72,6 +72,13 @@ class _Host:
             self.x[...] = cupy.asarray(self.host)
 
 
+def _all_same(xs: Sequence[Array], b: Array, what: str) -> None:
+    """``_same`` for every ``xs[i]`` (named ``what[i]`` only when it fails)."""
+    for i, x in enumerate(xs):
+        if x.shape != b.shape or x.dtype != b.dtype:
+            _same(x, b, f"{what}[{i}]")
+
+
 def _same(a: Array, b: Array, what: str) -> None:
     if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
         raise ValueError(
@@ -88,29 +95,38 @@ def _reduction(
     return op, kind, kind.code, kop, div
 
 
-#: How many all_reduce plans a group keeps (one per dtype, shape and op in use).
+#: How many reduction plans a group keeps (one per collective, dtype, shape and op in use).
 PLANS = 256
 
 
-def _all_reduce_plan(
-    g: ProcessGroup, x: Array, op: Op, dtype: Optional[str]
+def _plan(
+    g: ProcessGroup, what: str, x: Array, op: Op, dtype: Optional[str]
 ) -> Tuple[ReduceOp, Any, int, int, int, List[int]]:
-    """``_reduction``'s answer and the descriptor for an all_reduce of ``x``, worked out once
-    per dtype, shape and op of a group: for a small all_reduce they cost more than the step."""
-    key = (x.dtype, x.shape, type(op), op, dtype)  # type(op): True is not PRODUCT
+    """``_reduction``'s answer and the descriptor for collective ``what`` (a reduction with no
+    root) of arrays like ``x``, worked out once per dtype, shape and op of a group: for small
+    arrays they cost more than the step."""
+    key = (what, x.dtype, x.shape, type(op), op, dtype)  # type(op): True is not PRODUCT
     try:
         plan = g.plans.get(key)
         hashable = True
     except TypeError:  # an unhashable op, which _reduction refuses
         plan, hashable = None, False
     if plan is None:
-        op, kind, code, kop, div = _reduction(g, x, op, dtype, "all_reduce")
-        plan = (op, kind, code, kop, div, descriptor.make("all_reduce", x.dtype, x.shape, int(op)))
+        op, kind, code, kop, div = _reduction(g, x, op, dtype, what)
+        plan = (op, kind, code, kop, div, descriptor.make(what, x.dtype, x.shape, int(op)))
         if hashable:
             if len(g.plans) >= PLANS:
                 g.plans.clear()
             g.plans[key] = plan
     return plan
+
+
+def _plain(xs: Sequence[Array]) -> bool:
+    """Every array is a C-contiguous, writable NumPy array (the fast paths' case)."""
+    for x in xs:
+        if type(x) is not np.ndarray or not (x.flags.c_contiguous and x.flags.writeable):
+            return False
+    return True
 
 
 # -- reductions ----------------------------------------------------------------------------------
@@ -128,7 +144,7 @@ def all_reduce(
     16-bit integer arrays as bfloat16."""
     g = resolve(group)
     x = check_array(tensor)
-    op, kind, code, kop, div, desc = _all_reduce_plan(g, x, op, dtype)
+    op, kind, code, kop, div, desc = _plan(g, "all_reduce", x, op, dtype)
     if _nccl(g):
         return _on_nccl(g, lambda: g.backend.all_reduce(x, op, kind, desc), async_op)
     if type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable:
@@ -190,15 +206,16 @@ def reduce_scatter(
     """``output`` on rank i gets the reduction over ranks of their ``input_list[i]``."""
     g = resolve(group)
     out = check_array(output, "output")
-    ins = [check_array(t, f"input_list[{i}]") for i, t in enumerate(input_list)]
+    ins = check_arrays(input_list, "input_list")
     if len(ins) != g.size():
         raise ValueError(f"input_list needs {g.size()} arrays (one per rank), got {len(ins)}")
-    for i, t in enumerate(ins):
-        _same(t, out, f"input_list[{i}]")
-    op, kind, code, kop, div = _reduction(g, out, op, dtype, "reduce_scatter")
-    desc = descriptor.make("reduce_scatter", out.dtype, out.shape, int(op))
+    _all_same(ins, out, "input_list")
+    op, kind, code, kop, div, desc = _plan(g, "reduce_scatter", out, op, dtype)
     if _nccl(g):
         return _on_nccl(g, lambda: g.backend.reduce_scatter(out, ins, op, kind, desc), async_op)
+    if _plain(ins) and _plain((out,)):  # the common case, kept short
+        flat, views = out.reshape(-1).view(kind.view), [t.reshape(-1).view(kind.view) for t in ins]
+        return _run(g, lambda: g.backend.reduce_scatter(flat, views, code, kop, div, desc), async_op, desc)
     h = _Host(out, True)
     flat = flat_out(h.host, "output")
     host_ins = [_Host(t, False).host for t in ins]
@@ -245,6 +262,9 @@ def broadcast(tensor: Array, src: int, group: Optional[ProcessGroup] = None, asy
     if _nccl(g):
         return _on_nccl(g, lambda: g.backend.broadcast(x, root, desc), async_op)
     is_root = g.rank() == root
+    if type(x) is np.ndarray and x.flags.c_contiguous and (is_root or x.flags.writeable):  # kept short
+        data = x.reshape(-1)
+        return _run(g, lambda: g.backend.broadcast(data, root, desc), async_op, desc)
     h = _Host(x, not is_root)
     if is_root:
         data = flat_in(h.host)
@@ -266,14 +286,16 @@ def all_gather(
     """``tensor_list[i]`` gets rank i's ``tensor`` on every rank."""
     g = resolve(group)
     x = check_array(tensor)
-    outs = [check_array(t, f"tensor_list[{i}]") for i, t in enumerate(tensor_list)]
+    outs = check_arrays(tensor_list, "tensor_list")
     if len(outs) != g.size():
         raise ValueError(f"tensor_list needs {g.size()} arrays (one per rank), got {len(outs)}")
-    for i, t in enumerate(outs):
-        _same(t, x, f"tensor_list[{i}]")
+    _all_same(outs, x, "tensor_list")
     desc = descriptor.make("all_gather", x.dtype, x.shape)
     if _nccl(g):
         return _on_nccl(g, lambda: g.backend.all_gather(outs, x, desc), async_op)
+    if type(x) is np.ndarray and _plain(outs):  # the common case, kept short
+        data, flats = flat_in(x), [t.reshape(-1) for t in outs]
+        return _run(g, lambda: g.backend.all_gather(flats, data, desc), async_op, desc)
     hosts = [_Host(t, True) for t in outs]
     flats = [flat_out(h.host, f"tensor_list[{i}]") for i, h in enumerate(hosts)]
     data = flat_in(_Host(x, False).host)

@@ -29,6 +29,15 @@ def check_array(x, what: str = "tensor"):
     raise TypeError(f"{what} must be a numpy.ndarray or cupy.ndarray, not {type(x).__name__}")
 
 
+def check_arrays(xs: Sequence, what: str) -> list:
+    """``check_array`` over a sequence, naming ``what[i]`` only for one that fails."""
+    out = list(xs)
+    for i, x in enumerate(out):
+        if type(x) is not np.ndarray or x.dtype.hasobject:
+            check_array(x, f"{what}[{i}]")
+    return out
+
+
 class Flat:
     """A C-contiguous 1-D NumPy view of an array; ``finish()`` writes back a staged copy."""
 
@@ -75,4 +84,4 @@ def split_flat(x: np.ndarray, parts: int) -> List[np.ndarray]:
     return [x[i * n : (i + 1) * n] for i in range(parts)]
 
 
-__all__ = ["is_cupy", "check_array", "Flat", "flat_in", "flat_out", "flat_list_out", "split_flat"]
+__all__ = ["is_cupy", "check_array", "check_arrays", "Flat", "flat_in", "flat_out", "flat_list_out", "split_flat"]

@@ -58,7 +58,7 @@ class ProcessGroup:
         # the flight recorder's view of this group: its number, and its collectives so far
         self.number = int(name) if name.isdigit() else zlib.crc32(name.encode())
         self.collectives = 0
-        # all_reduce's checks and descriptor by (dtype, shape, op): see api._all_reduce_plan
+        # reductions' checks and descriptors by (collective, dtype, shape, op): see api._plan
         self.plans: Dict[tuple, tuple] = {}
         self.executor = Executor(f"pg{name}")
         self.send_executor = Executor(f"pg{name}-send")

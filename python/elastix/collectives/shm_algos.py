@@ -59,7 +59,7 @@ def all_reduce(
     """In place; with ``root`` it is a reduce: only the root's array changes."""
     p, me, dt, n = comm.n, comm.me, x.dtype, x.size
     if x.nbytes <= small_limit(comm):
-        comm.reduce_step(x, code, op, div, desc, what, root is None or root == me)
+        comm.native_step(comm.waiter.all_reduce_small, desc, what, x, code, op, div, root is None or root == me)
         return
     region = _region(comm)
     per_chunk = region // dt.itemsize
@@ -99,6 +99,12 @@ def all_reduce(
 def broadcast(comm: ShmComm, x: np.ndarray, root: int, desc: List[int]) -> None:
     data = x.view(_U8)
     seg = comm.slot_bytes
+    if data.size <= seg:  # one step, natively
+        recv: List[Optional[np.ndarray]] = [None] * comm.n
+        if comm.me != root:
+            recv[root] = data
+        comm.native_step(comm.waiter.copy_small, desc, "broadcast", data if comm.me == root else None, recv)
+        return
     for t in _segments(data.size, seg):
         a, e = t * seg, min(data.size, (t + 1) * seg)
         b = comm.next_buf
@@ -123,6 +129,9 @@ def all_gather(
     seg = comm.slot_bytes
     me = comm.me
     receive = root is None or root == me
+    if data.size <= seg:  # one step, natively (this rank's own part comes from its slot)
+        comm.native_step(comm.waiter.copy_small, desc, what, data, targets if receive else [])
+        return
     if receive:
         np.copyto(targets[me], data)
     for t in _segments(data.size, seg):
@@ -163,6 +172,9 @@ def reduce_scatter(
     p, me, dt, n = comm.n, comm.me, out.dtype, out.size
     region = _region(comm)
     per = region // dt.itemsize
+    if n <= per:  # one step, natively
+        comm.native_step(comm.waiter.reduce_scatter_small, desc, "reduce_scatter", ins, out, region, code, op, div)
+        return
     for t in _segments(n, per):
         a, e = t * per, min(n, (t + 1) * per)
         b = comm.next_buf

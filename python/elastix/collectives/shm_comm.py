@@ -26,7 +26,7 @@ its own abort word so that the others stop waiting for it too.
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -178,13 +178,13 @@ class ShmComm:
             self._fail(outcome, desc, what)
         return seq & 1
 
-    def reduce_step(self, x: np.ndarray, code: int, op: int, div: int, desc: List[int], what: str, into: bool) -> None:
-        """A reduction done in one step, natively: ``x`` (contiguous, at most a slot) goes into
-        this rank's slot, the step is taken, and, ``into`` this rank, every rank's slot is
-        reduced into ``x`` in rank order (so every rank gets the same bits)."""
+    def native_step(self, call: Callable[..., Any], desc: List[int], what: str, *args: Any) -> None:
+        """A collective done in one step by the waiter's ``call`` (``all_reduce_small``,
+        ``copy_small``, ``reduce_scatter_small``: copies in, the step, copies or a reduction
+        out, natively), given ``args`` after the step's own."""
         seq = self._next_seq()
         try:
-            outcome = self.waiter.all_reduce_small(seq, desc, self.timeout, x, code, op, div, into)
+            outcome = call(seq, desc, self.timeout, *args)
         except ValueError:
             self._destroyed_first(what)
             raise

@@ -14,6 +14,7 @@ mod rendezvous;
 mod rpc;
 mod runtimes;
 mod shm;
+mod slot_steps;
 mod status;
 mod store;
 mod store_cli;

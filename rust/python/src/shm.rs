@@ -9,16 +9,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use elastix_core::collectives::{
-    Backing, DType, Descriptors, Handle, ReduceOp, Segment as CoreSegment, SegmentError, SharedMemory, SlotError,
-    Slots, SpinPolicy, StepEnd, WaitError, Waiter as CoreWaiter, Words,
+    Backing, Descriptors, Handle, Segment as CoreSegment, SegmentError, SharedMemory, Slots, SpinPolicy, StepEnd,
+    WaitError, Waiter as CoreWaiter, Words,
 };
 use pyo3::exceptions::{PyBufferError, PyProcessLookupError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use crate::buffer::RawBuf;
-use crate::collectives::DETACH_BYTES;
 use crate::interrupt::PendingSignal;
+use crate::slot_steps::{self, Outcome};
 use crate::timeout::from_seconds;
 
 fn to_py(err: SegmentError) -> PyErr {
@@ -172,8 +171,6 @@ pub struct Waiter {
     slots: Option<Slots>,
 }
 
-type Outcome = Option<(&'static str, Vec<u64>)>;
-
 fn indexes(peers: Vec<usize>) -> Vec<u64> {
     peers.into_iter().map(|i| i as u64).collect()
 }
@@ -190,6 +187,10 @@ impl Waiter {
             Ok(()) => Ok(None),
             Err(err) => self.stopped(err).map(Some),
         }
+    }
+
+    fn slots(&self) -> PyResult<&Slots> {
+        self.slots.as_ref().ok_or_else(|| PyValueError::new_err("this Waiter was made without slots"))
     }
 
     fn step_inner(&self, py: Python<'_>, seq: u64, desc: Option<&[i64]>, timeout: Option<f64>) -> PyResult<Outcome> {
@@ -285,11 +286,10 @@ impl Waiter {
         self.step_inner(py, seq, desc.as_deref(), timeout)
     }
 
-    /// A collective done in one step (an all_reduce, or with `reduce_here` false on the
-    /// non-roots, a reduce): copies `x` into this rank's slot of step `seq`, steps as `step`
-    /// does, then reduces every rank's slot, in rank order, into `x`. Returns `step`'s outcome;
-    /// `x` is reduced only when that is None. Python would pay more for its copies and list of
-    /// views than for the step itself.
+    /// An all_reduce in one step (with `reduce_here` false on the non-roots, a reduce): copies
+    /// `x` into this rank's slot of step `seq`, steps as `step` does, then reduces every
+    /// rank's slot, in rank order, into `x`. Returns `step`'s outcome; `x` is reduced only when
+    /// that is None.
     #[pyo3(signature = (seq, desc, timeout, x, dtype, op, divisor=1, reduce_here=true))]
     #[allow(clippy::too_many_arguments)]
     fn all_reduce_small(
@@ -304,29 +304,49 @@ impl Waiter {
         divisor: u32,
         reduce_here: bool,
     ) -> PyResult<Outcome> {
-        let slots = self.slots.as_ref().ok_or_else(|| PyValueError::new_err("this Waiter was made without slots"))?;
-        let dtype =
-            DType::from_code(dtype).ok_or_else(|| PyValueError::new_err(format!("unknown dtype code {dtype}")))?;
-        let op = ReduceOp::from_code(op).ok_or_else(|| PyValueError::new_err(format!("unknown op code {op}")))?;
-        let buf = RawBuf::get(x, reduce_here)?;
-        let (addr, len) = (buf.addr(), buf.len());
-        if len > slots.bytes() {
-            return Err(PyValueError::new_err(format!("{len} bytes do not fit a slot of {}", slots.bytes())));
-        }
-        // SAFETY: `buf` holds the array (alive, contiguous, `len` bytes, writable where it is
-        // reduced into) until we return; it is the caller's array, not a view of the slots.
-        let stage = move || unsafe { slots.stage(seq, addr as *const u8, len) };
-        if len >= DETACH_BYTES { py.detach(stage) } else { stage() }.map_err(to_py)?;
-        let outcome = self.step_inner(py, seq, desc.as_deref(), timeout)?;
-        if outcome.is_none() && reduce_here {
-            // SAFETY: as for `stage`.
-            let reduce = move || unsafe { slots.reduce_into(seq, dtype, op, addr as *mut u8, len, divisor) };
-            if len >= DETACH_BYTES { py.detach(reduce) } else { reduce() }.map_err(|err| match err {
-                SlotError::Segment(err) => to_py(err),
-                SlotError::Kernel(err) => PyValueError::new_err(err.to_string()),
-            })?;
-        }
-        Ok(outcome)
+        let kernel = slot_steps::kernel(dtype, op)?;
+        let step = || self.step_inner(py, seq, desc.as_deref(), timeout);
+        slot_steps::all_reduce(py, self.slots()?, seq, x, kernel, divisor, reduce_here, step)
+    }
+
+    /// A copy in one step: `send` (if given) into this rank's slot of step `seq`, the step,
+    /// then each `recv[j]` that is not None gets the start of rank j's slot (an all_gather,
+    /// a gather, a broadcast). Returns `step`'s outcome; nothing is received unless it is None.
+    #[pyo3(signature = (seq, desc, timeout, send, recv))]
+    fn copy_small(
+        &self,
+        py: Python<'_>,
+        seq: u64,
+        desc: Option<Vec<i64>>,
+        timeout: Option<f64>,
+        send: Option<&Bound<'_, PyAny>>,
+        recv: &Bound<'_, PyAny>,
+    ) -> PyResult<Outcome> {
+        let step = || self.step_inner(py, seq, desc.as_deref(), timeout);
+        slot_steps::copy(py, self.slots()?, seq, send, recv, step)
+    }
+
+    /// A reduce_scatter in one step: `ins[j]` goes into this rank's slot at `j * region`, the
+    /// step, then `out` gets every rank's operand for this rank reduced (its own from
+    /// `ins[me]`). Returns `step`'s outcome; `out` is written only when that is None.
+    #[pyo3(signature = (seq, desc, timeout, ins, out, region, dtype, op, divisor=1))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter_small(
+        &self,
+        py: Python<'_>,
+        seq: u64,
+        desc: Option<Vec<i64>>,
+        timeout: Option<f64>,
+        ins: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        region: usize,
+        dtype: u8,
+        op: u8,
+        divisor: u32,
+    ) -> PyResult<Outcome> {
+        let kernel = slot_steps::kernel(dtype, op)?;
+        let step = || self.step_inner(py, seq, desc.as_deref(), timeout);
+        slot_steps::reduce_scatter(py, self.slots()?, seq, ins, out, region, kernel, divisor, step)
     }
 
     /// Tells the peers this rank gave up (`code` != 0) and wakes those sleeping on its counter.

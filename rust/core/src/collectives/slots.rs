@@ -10,6 +10,8 @@
 use std::ptr;
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use super::dtype::{DType, ReduceOp};
 use super::kernels::{self, KernelError};
 use super::segment::{Segment, SegmentError};
@@ -57,71 +59,104 @@ impl Slots {
         self.bytes
     }
 
-    fn offset(&self, rank: usize, seq: u64) -> usize {
-        self.base + (2 * rank + (seq & 1) as usize) * self.bytes
+    /// This rank's index.
+    pub fn me(&self) -> usize {
+        self.me
+    }
+
+    /// The number of ranks.
+    pub fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    /// Where `len` bytes from `offset` of rank `rank`'s slot of step `seq` start in the
+    /// segment, if they fit the slot.
+    fn at(&self, rank: usize, seq: u64, offset: usize, len: usize) -> Result<usize, SegmentError> {
+        if rank >= self.ranks {
+            return Err(SegmentError::Invalid("no such rank"));
+        }
+        if offset.checked_add(len).map_or(true, |end| end > self.bytes) {
+            return Err(SegmentError::Invalid("data larger than a slot"));
+        }
+        Ok(self.base + (2 * rank + (seq & 1) as usize) * self.bytes + offset)
     }
 
     /// Copies `len` bytes from `data` into this rank's slot for step `seq` (to be published
-    /// next).
+    /// next), from byte `offset` of the slot.
     ///
     /// # Safety
     /// `data` must be valid for reads of `len` bytes, outside this segment's slots.
-    pub unsafe fn stage(&self, seq: u64, data: *const u8, len: usize) -> Result<(), SegmentError> {
-        if len > self.bytes {
-            return Err(SegmentError::Invalid("data larger than a slot"));
-        }
-        let at = self.offset(self.me, seq);
+    pub unsafe fn stage(&self, seq: u64, offset: usize, data: *const u8, len: usize) -> Result<(), SegmentError> {
+        let at = self.at(self.me, seq, offset, len)?;
         self.segment.with(|memory| {
-            // SAFETY: the slot is inside the mapping (checked in `new`; `len` fits one), which
-            // `with` keeps mapped, and `data` is readable (the caller's promise). Only this rank
-            // writes its own slot, and its peers read this buffer only after the step it is
-            // staged for is published (module docs).
+            // SAFETY: inside the mapping (checked in `new` and `at`), which `with` keeps mapped,
+            // and `data` is readable (the caller's promise). Only this rank writes its own
+            // slot, and its peers read this buffer only after the step it is staged for is
+            // published (module docs).
             unsafe { ptr::copy_nonoverlapping(data, memory.as_ptr().add(at), len) }
         })
     }
 
-    /// Reduces the first `len` bytes of every rank's slot of step `seq` (rank order) into
-    /// `into`, as `dtype` elements; `divisor` > 1 averages.
+    /// Copies `len` bytes from byte `offset` of rank `rank`'s slot of step `seq` into `into`
+    /// (after the step: the rank staged them before it published it).
     ///
     /// # Safety
     /// `into` must be valid for writes of `len` bytes, outside this segment's slots.
+    pub unsafe fn fetch(
+        &self,
+        seq: u64,
+        rank: usize,
+        offset: usize,
+        into: *mut u8,
+        len: usize,
+    ) -> Result<(), SegmentError> {
+        let at = self.at(rank, seq, offset, len)?;
+        self.segment.with(|memory| {
+            // SAFETY: inside the mapping (checked), read only while the step lasts; `into` is
+            // writable (the caller's promise).
+            unsafe { ptr::copy_nonoverlapping(memory.as_ptr().add(at), into, len) }
+        })
+    }
+
+    /// Reduces `len` bytes from byte `offset` of every rank's slot of step `seq` (rank order)
+    /// into `into`, as `dtype` elements; `divisor` > 1 averages. With `own`, this rank's
+    /// operand is read there instead of from its slot (it never staged it).
+    ///
+    /// # Safety
+    /// `into` must be valid for writes of `len` bytes, and `own` (if any) for reads of `len`
+    /// bytes, both outside this segment's slots.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn reduce_into(
         &self,
         seq: u64,
+        offset: usize,
         dtype: DType,
         op: ReduceOp,
         into: *mut u8,
         len: usize,
         divisor: u32,
+        own: Option<*const u8>,
     ) -> Result<(), SlotError> {
-        if len > self.bytes {
-            return Err(SegmentError::Invalid("data larger than a slot").into());
-        }
         if len % dtype.size() != 0 {
             return Err(SegmentError::Invalid("data is not a whole number of elements").into());
         }
         let count = len / dtype.size();
+        let ats = (0..self.ranks).map(|j| self.at(j, seq, offset, len)).collect::<Result<SmallVec<[usize; 8]>, _>>()?;
         self.segment
             .with(|memory| {
-                let mut srcs = [ptr::null::<u8>(); 8];
-                let many: Vec<*const u8>;
-                let srcs: &[*const u8] = if self.ranks <= srcs.len() {
-                    for (j, src) in srcs.iter_mut().take(self.ranks).enumerate() {
-                        // SAFETY: inside the mapping (checked in `new`), which `with` keeps mapped.
-                        *src = unsafe { memory.as_ptr().add(self.offset(j, seq)) };
-                    }
-                    &srcs[..self.ranks]
-                } else {
-                    // SAFETY: as above.
-                    many = (0..self.ranks)
-                        .map(|j| unsafe { memory.as_ptr().add(self.offset(j, seq)) as *const u8 })
-                        .collect();
-                    &many
-                };
-                // SAFETY: every source holds `len` bytes of the mapping, read only (each rank's slot
-                // of a published step stays as it is until the next step), and `into` is writable
-                // for `len` bytes outside the slots (the caller's promise).
-                unsafe { kernels::reduce(dtype, op, srcs, &[into], count, divisor) }
+                let srcs: SmallVec<[*const u8; 8]> = ats
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &at)| match own {
+                        Some(own) if j == self.me => own,
+                        // SAFETY: inside the mapping (checked in `at`), which `with` keeps mapped.
+                        _ => unsafe { memory.as_ptr().add(at) as *const u8 },
+                    })
+                    .collect();
+                // SAFETY: every slot source holds `len` bytes of the mapping, read only (each
+                // rank's slot of a published step stays as it is until the next step); `into` and
+                // `own` are valid outside the slots (the caller's promise).
+                unsafe { kernels::reduce(dtype, op, &srcs, &[into], count, divisor) }
             })?
             .map_err(SlotError::from)
     }
@@ -142,12 +177,12 @@ mod tests {
 
     fn stage(slots: &Slots, seq: u64, data: &[u8]) -> Result<(), SegmentError> {
         // SAFETY: a slice of this test's own, outside the segment.
-        unsafe { slots.stage(seq, data.as_ptr(), data.len()) }
+        unsafe { slots.stage(seq, 0, data.as_ptr(), data.len()) }
     }
 
     fn reduce(slots: &Slots, seq: u64, into: &mut [u8], divisor: u32) -> Result<(), SlotError> {
         // SAFETY: a slice of this test's own, outside the segment.
-        unsafe { slots.reduce_into(seq, DType::F32, ReduceOp::Sum, into.as_mut_ptr(), into.len(), divisor) }
+        unsafe { slots.reduce_into(seq, 0, DType::F32, ReduceOp::Sum, into.as_mut_ptr(), into.len(), divisor, None) }
     }
 
     #[test]
@@ -177,5 +212,27 @@ mod tests {
         assert!(reduce(&slots, 1, &mut [0u8; 6], 1).is_err()); // 1.5 floats
         seg.close();
         assert!(matches!(stage(&slots, 1, &[0u8; 4]), Err(SegmentError::Closed)));
+    }
+
+    #[test]
+    fn parts_of_slots_are_staged_fetched_and_reduced_with_this_ranks_own_operand() {
+        let seg = segment(8192);
+        let ranks: Vec<Slots> = (0..2).map(|me| Slots::new(seg.clone(), 64, 256, 2, me).unwrap()).collect();
+        let mine = f32s(&[5.0]);
+        let theirs = f32s(&[7.0]);
+        // SAFETY: slices of this test's own, outside the segment.
+        unsafe {
+            ranks[1].stage(1, 16, theirs.as_ptr(), 4).unwrap(); // rank 1's operand for rank 0, at 16
+            let mut got = [0u8; 4];
+            ranks[0].fetch(1, 1, 16, got.as_mut_ptr(), 4).unwrap();
+            assert_eq!(got.to_vec(), theirs);
+            let mut sum = [0u8; 4];
+            ranks[0]
+                .reduce_into(1, 16, DType::F32, ReduceOp::Sum, sum.as_mut_ptr(), 4, 1, Some(mine.as_ptr()))
+                .unwrap();
+            assert_eq!(sum.to_vec(), f32s(&[12.0]));
+            assert!(ranks[0].fetch(1, 2, 0, got.as_mut_ptr(), 4).is_err()); // no rank 2
+            assert!(ranks[0].fetch(1, 1, 254, got.as_mut_ptr(), 4).is_err()); // past the slot
+        }
     }
 }
