@@ -18,7 +18,8 @@ cores share them), measured by benches/floors/stream.c (built here with cc) over
 larger than the caches; the "roof" column is elastix's share of that bound (100%: at the
 roofline). A buffer that fits in the caches can beat it: the bound is memory's.
 
-    python benches/collectives_bench.py [--ranks 2,4] [--max-size 256M] [--json out.json]
+    python benches/collectives_bench.py [--op all_reduce|broadcast|all_gather|reduce_scatter]
+        [--ranks 2,4] [--max-size 256M] [--json out.json]
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def iterations(nbytes: int, budget: float) -> int:
 # -- the worker (one per rank) ------------------------------------------------------------------
 
 
-def worker(impl: str, sizes, budget: float, out: str) -> None:
+OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+
+
+def worker(impl: str, op: str, sizes, budget: float, out: str) -> None:
     import numpy as np
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -77,6 +81,7 @@ def worker(impl: str, sizes, budget: float, out: str) -> None:
         make = lambda n: torch.ones(n, dtype=torch.float32)  # noqa: E731
         reduce_ = dist.all_reduce
         barrier = dist.barrier
+        ops = dist
 
         def slowest(t: float) -> float:
             v = torch.tensor([t], dtype=torch.float64)
@@ -99,25 +104,41 @@ def worker(impl: str, sizes, budget: float, out: str) -> None:
             make = lambda n: np.ones(n, dtype=np.float32)  # noqa: E731
             reduce_ = ec.all_reduce
         barrier = ec.barrier
+        ops = ec
 
         def slowest(t: float) -> float:
             v = np.array([t])
             ec.all_reduce(v, ec.ReduceOp.MAX)
             return float(v[0])
 
+    def collective(nbytes: int):
+        """One call of `op` where each rank sends `nbytes` (reduce_scatter: in all)."""
+        n = nbytes // 4
+        if op == "broadcast":
+            x = make(n)
+            return lambda: ops.broadcast(x, 0)
+        if op == "all_gather":
+            x, outs = make(n), [make(n) for _ in range(world)]
+            return lambda: ops.all_gather(outs, x)
+        if op == "reduce_scatter":
+            ins, y = [make(n // world) for _ in range(world)], make(n // world)
+            return lambda: ops.reduce_scatter(y, ins)
+        x = make(n)
+        return lambda: reduce_(x)
+
     results = {}
     for nbytes in sizes:
-        x = make(nbytes // 4)
+        call = collective(nbytes)
         iters = iterations(nbytes, budget)
         for _ in range(max(2, iters // 10)):
-            reduce_(x)
+            call()
         barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
-            reduce_(x)
+            call()
         t = slowest((time.perf_counter() - t0) / iters)
         results[nbytes] = t
-        del x
+        del call
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -136,7 +157,7 @@ def reserved_port() -> socket.socket:
     return holder
 
 
-def run_impl(impl: str, world: int, sizes, budget: float, timeout: float):
+def run_impl(impl: str, op: str, world: int, sizes, budget: float, timeout: float):
     """Spawns ``world`` ranks of ``impl``; returns {size: seconds} or None (and why)."""
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     env = dict(
@@ -162,6 +183,8 @@ def run_impl(impl: str, world: int, sizes, budget: float, timeout: float):
         __file__,
         "--worker",
         impl,
+        "--op",
+        op,
         "--sizes",
         ",".join(map(str, sizes)),
         "--budget",
@@ -228,8 +251,10 @@ def roofline_s(nbytes: int, world: int, gbs: float) -> float:
     return world * (3 - 1 / world) * nbytes / (gbs * 1e9)
 
 
-def busbw(nbytes: int, seconds: float, world: int) -> float:
-    return nbytes / seconds * 2 * (world - 1) / world / 1e9
+def busbw(nbytes: int, seconds: float, world: int, op: str = "all_reduce") -> float:
+    """nccl-tests' bus bandwidth: the algorithm's bandwidth times what each link carries."""
+    factor = {"all_reduce": 2 * (world - 1) / world, "broadcast": 1.0}.get(op, (world - 1) / world)
+    return nbytes / seconds * factor / 1e9
 
 
 def gpu_count() -> int:
@@ -250,12 +275,13 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--op", choices=OPS, default="all_reduce", help="the collective (roofline: all_reduce only)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--sizes", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker, [int(s) for s in args.sizes.split(",")], args.budget, args.out)
+        worker(args.worker, args.op, [int(s) for s in args.sizes.split(",")], args.budget, args.out)
         return 0
 
     sizes, s = [], parse_size(args.min_size)
@@ -266,8 +292,9 @@ def main() -> int:
     impls = ["elastix"] + (["gloo"] if have_torch else [])
     if gpu_count() >= 2:
         impls.append("nccl")
+    op = args.op
     print(
-        f"all_reduce float32, local ranks, {os.cpu_count()} CPUs; load average "
+        f"{op} float32, local ranks, {os.cpu_count()} CPUs; load average "
         f"{os.getloadavg()[0]:.2f}; impls: {', '.join(impls)}" + ("" if have_torch else " (torch not installed)")
     )
     report = {}
@@ -276,14 +303,14 @@ def main() -> int:
         for impl in impls:
             if impl == "nccl" and world > gpu_count():
                 continue
-            result, why = run_impl(impl, world, sizes, args.budget, args.timeout)
+            result, why = run_impl(impl, op, world, sizes, args.budget, args.timeout)
             if result is None:
                 print(f"  {impl} with {world} ranks failed: {why}")
                 continue
             figures[impl] = result
         report[world] = figures
         cores = min(world, os.cpu_count() or world)
-        gbs = copy_bandwidth(cores)
+        gbs = copy_bandwidth(cores) if op == "all_reduce" else None
         bandwidth = f"; {cores} cores copy at {gbs:.1f} GB/s together (stream.c)" if gbs else ""
         print(f"\n{world} ranks{bandwidth}")
         head = f"{'size':>9} | {'elastix':>10} {'busbw':>9} {'roof':>5}"
@@ -297,19 +324,19 @@ def main() -> int:
             e = figures.get("elastix", {}).get(n)
             roof = f"{roofline_s(n, world, gbs) / e:>5.0%}" if e and gbs else f"{'-':>5}"
             line = f"{human(n):>9} | " + (
-                f"{e * 1e6:>8.1f}us {busbw(n, e, world):>5.2f}GB/s {roof}" if e else f"{'-':>26}"
+                f"{e * 1e6:>8.1f}us {busbw(n, e, world, op):>5.2f}GB/s {roof}" if e else f"{'-':>26}"
             )
             if "gloo" in figures:
                 g = figures["gloo"].get(n)
-                line += f" | {g * 1e6:>8.1f}us {busbw(n, g, world):>5.2f}GB/s | {g / e:>5.2f}x" if g and e else ""
+                line += f" | {g * 1e6:>8.1f}us {busbw(n, g, world, op):>5.2f}GB/s | {g / e:>5.2f}x" if g and e else ""
             if "nccl" in figures:
                 c = figures["nccl"].get(n)
-                line += f" | {c * 1e6:>8.1f}us {busbw(n, c, world):>5.2f}GB/s" if c else ""
+                line += f" | {c * 1e6:>8.1f}us {busbw(n, c, world, op):>5.2f}GB/s" if c else ""
             print(line)
         e = figures.get("elastix", {})
         if world == 2 and 4096 in e:
             verdict = "meets" if e[4096] * 1e6 <= TARGET_SMALL_US else "misses"
-            print(f"4 KiB all_reduce: {e[4096] * 1e6:.1f} us ({verdict} the <= {TARGET_SMALL_US:.0f} us target)")
+            print(f"4 KiB {op}: {e[4096] * 1e6:.1f} us ({verdict} the <= {TARGET_SMALL_US:.0f} us target)")
         if "gloo" in figures:
             big = [n for n in sizes if n >= 1 << 20 and n in e and n in figures["gloo"]]
             if big:
