@@ -11,6 +11,7 @@ use bytes::BytesMut;
 use elastix_core::store::execute::Db;
 use elastix_core::store::limits::Limits;
 use elastix_core::store::request::{Decoded, Keys, Request};
+use elastix_core::store::waiters::Waker;
 
 struct Counting;
 
@@ -58,13 +59,7 @@ fn wire(request: &Request<'_>) -> Vec<u8> {
 }
 
 /// Decodes `bytes` and executes it, its reply appended to `out`.
-fn serve(
-    db: &mut Db,
-    waker: &tokio::sync::mpsc::UnboundedSender<()>,
-    bytes: &[u8],
-    limits: &Limits,
-    out: &mut BytesMut,
-) {
+fn serve(db: &mut Db, waker: &Waker, bytes: &[u8], limits: &Limits, out: &mut BytesMut) {
     let Ok(Decoded::Request(request, used)) = Request::decode(bytes, limits) else { panic!("not a whole request") };
     assert_eq!(used, bytes.len());
     db.execute(1, waker, &request, out).unwrap();
@@ -72,7 +67,7 @@ fn serve(
 
 #[test]
 fn set_get_add_check_wait_and_multi_get_on_keys_that_exist_allocate_nothing() {
-    let (waker, _woken) = tokio::sync::mpsc::unbounded_channel();
+    let waker = Waker::default();
     let limits = Limits::default();
     let mut db = Db::new();
     let mut out = BytesMut::with_capacity(1 << 16);

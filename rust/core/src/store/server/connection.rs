@@ -4,11 +4,12 @@
 
 use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, BytesMut};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::time::Sleep;
 
 use super::shutdown::Shutdown;
 use super::Shared;
@@ -21,10 +22,13 @@ use crate::store::waiters::{WaiterId, Waker};
 /// Bounds of the adaptive read size. Most requests are tens of bytes and a storm leaves
 /// thousands of connections idle in WAIT, so a connection starts small; reads that fill what
 /// was offered double it, reads that use under a quarter halve it.
-const MIN_READ: usize = 512;
+const MIN_READ: usize = 64;
 const MAX_READ: usize = 64 * 1024;
 /// A reply buffer grown past this (a large GET) is released once written.
 const KEPT_WRITE: usize = 4 * 1024;
+/// What a client blocked in WAIT is offered to read: it may only cancel, ping or close, and
+/// thousands of them sit like that through a rendezvous.
+const WAITING_READ: usize = 64;
 
 /// Why a connection was closed by the server.
 #[derive(Debug, thiserror::Error)]
@@ -65,12 +69,12 @@ struct Session {
     write_buf: BytesMut,
     validated: bool,
     waker: Waker,
-    woken: UnboundedReceiver<()>,
+    /// It has a WAIT pending (as of its last request; a completion clears it).
+    waiting: bool,
 }
 
 impl Connection {
-    pub(super) fn new(stream: Transport, peer: SocketAddr, shared: Arc<Shared>) -> Self {
-        let (waker, woken) = unbounded_channel();
+    fn new(stream: Transport, peer: SocketAddr, shared: Arc<Shared>) -> Self {
         Connection {
             stream,
             peer,
@@ -82,16 +86,23 @@ impl Connection {
                 shared,
                 write_buf: BytesMut::new(),
                 validated: false,
-                waker,
-                woken,
+                waker: Waker::default(),
+                waiting: false,
             },
         }
     }
 
-    /// Serves the connection until the client leaves, misbehaves, or the server shuts down;
-    /// then drops whatever this connection was waiting for.
-    pub(super) async fn run(mut self, mut shutdown: Shutdown) {
-        let result = self.serve(&mut shutdown).await;
+    /// Serves a connection until the client leaves, misbehaves, or the server shuts down;
+    /// then drops whatever it was waiting for. The connection is made here, not passed in:
+    /// a task's future would hold a moved-in one twice (rustc keeps an async fn's argument
+    /// beside the local it moves into), and every idle client pays for its task's size.
+    pub(super) async fn run(stream: Transport, peer: SocketAddr, shared: Arc<Shared>, mut shutdown: Shutdown) {
+        let mut this = Connection::new(stream, peer, shared);
+        this.finish(&mut shutdown).await;
+    }
+
+    async fn finish(&mut self, shutdown: &mut Shutdown) {
+        let result = self.serve(shutdown).await;
         self.session.shared.db().forget(self.session.id);
         match result {
             Ok(()) => tracing::debug!(peer = %self.peer, "connection closed"),
@@ -110,15 +121,27 @@ impl Connection {
         // one stop future for the connection's life, not one per request
         let stop = shutdown.recv();
         tokio::pin!(stop);
+        // the idle timer exists only where a timeout is set, and is reset, not remade
+        let idle_timeout = self.session.shared.idle_timeout;
+        let mut idle_timer = idle_timeout.map(|timeout| Box::pin(tokio::time::sleep(timeout)));
         loop {
             let offered = self.reserve_for_next_read();
             // a client blocked in WAIT may rightly be silent for hours
-            let idle = idle_after(self.session.shared.idle_timeout.filter(|_| !self.session.holds_wait()));
+            let idle = match (idle_timer.as_mut(), idle_timeout) {
+                (Some(timer), Some(timeout)) if !self.session.holds_wait() => {
+                    timer.as_mut().reset(tokio::time::Instant::now() + timeout);
+                    Some(timer)
+                }
+                _ => None,
+            };
             tokio::select! {
                 biased;
                 _ = &mut stop => return Ok(()),
-                Some(()) = self.session.woken.recv() => self.session.write_buf.put_u8(STOP_WAITING),
-                timeout = idle => return Err(CloseReason::Idle(timeout)),
+                completed = self.session.waker.woken() => {
+                    self.session.waiting = false;
+                    answer_waits(&mut self.session.write_buf, completed);
+                }
+                () = fires(idle) => return Err(CloseReason::Idle(idle_timeout.unwrap_or_default())),
                 // tokio clears the readiness itself after a read that left room unused: the
                 // socket is drained, and no read that would return EAGAIN follows
                 read = self.stream.read_buf(&mut self.read_buf) => {
@@ -167,6 +190,11 @@ impl Connection {
 
     /// Makes room for the next read; returns how much it offers.
     fn reserve_for_next_read(&mut self) -> usize {
+        if self.read_buf.is_empty() && self.session.waiting && self.read_buf.capacity() > WAITING_READ {
+            // blocked in WAIT: a few bytes are room enough (a CANCEL_WAIT, a PING)
+            self.read_buf = BytesMut::with_capacity(WAITING_READ);
+            return WAITING_READ;
+        }
         if self.read_buf.is_empty() && self.read_buf.capacity() > 4 * self.read_size {
             self.read_buf = BytesMut::new(); // release a large request's buffer
         }
@@ -218,19 +246,17 @@ fn gone(err: &io::Error) -> bool {
 }
 
 /// Resolves after `timeout` (never without one), with it.
-async fn idle_after(timeout: Option<Duration>) -> Duration {
-    match timeout {
-        Some(timeout) => {
-            tokio::time::sleep(timeout).await;
-            timeout
-        }
+/// Completes when `timer` fires; never without one.
+async fn fires(timer: Option<&mut Pin<Box<Sleep>>>) {
+    match timer {
+        Some(timer) => timer.await,
         None => std::future::pending().await,
     }
 }
 
 impl Session {
     fn holds_wait(&self) -> bool {
-        self.shared.db().is_waiting(self.id)
+        self.waiting
     }
 
     fn handle(&mut self, request: &Request<'_>) -> Result<(), CloseReason> {
@@ -260,10 +286,9 @@ impl Session {
         // Wakes are sent under this lock, so any wait that completed before this request
         // executes is seen here and its STOP_WAITING precedes this reply (a CANCEL_WAIT that
         // races a wake must be answered `00 01`, never `01 00`).
-        while self.woken.try_recv().is_ok() {
-            self.write_buf.put_u8(STOP_WAITING);
-        }
+        answer_waits(&mut self.write_buf, self.waker.take());
         db.execute(self.id, &self.waker, request, &mut self.write_buf)?;
+        self.waiting = db.is_waiting(self.id);
         drop(db);
         if let Some(started) = started {
             let opcode = request.opcode();
@@ -272,5 +297,12 @@ impl Session {
             crate::metrics::store::server().request(opcode as usize, opcode.name(), took);
         }
         Ok(())
+    }
+}
+
+/// One STOP_WAITING per completed wait.
+fn answer_waits(replies: &mut BytesMut, completed: usize) {
+    for _ in 0..completed {
+        replies.put_u8(STOP_WAITING);
     }
 }

@@ -19,18 +19,19 @@ use std::time::Duration;
 
 use tokio::net::TcpStream;
 use tokio::runtime::Runtime;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 
 use self::acceptor::{Accepted, Acceptor};
 use self::admission::Admission;
 use self::connection::Connection;
-use self::shutdown::Shutdown;
+use self::shutdown::{Shutdown, Stop};
 use super::counter::parse_counter;
 use super::execute::Db;
 use super::limits::Limits;
 use crate::address_log::{AddressLog, Throttled};
 use crate::auth::{Admitted, Gate, PlainClients, Secret};
 use crate::store::transport::Transport;
+use crate::store::waiters::Waker;
 
 /// How to run a server.
 #[derive(Clone, Debug)]
@@ -134,12 +135,12 @@ impl Shared {
     }
 }
 
-/// A running server. Dropping it stops the server; [`StoreServer::shutdown`] also waits for
-/// every connection to close.
+/// A running server. Dropping it stops the server (its `Stop` does); [`StoreServer::shutdown`]
+/// also waits for every connection to close.
 pub struct StoreServer {
     local_addr: SocketAddr,
     shared: Arc<Shared>,
-    stop: watch::Sender<bool>,
+    stop: Stop,
     /// Every task holds a sender; `recv` returns `None` once all of them have ended.
     finished: mpsc::Receiver<()>,
 }
@@ -186,10 +187,10 @@ impl StoreServer {
             gate: config.auth.clone().map(|(secret, plain)| Gate::new(secret, plain)),
             closed_on_error: AddressLog::new(),
         });
-        let (stop, stop_signal) = watch::channel(false);
+        let (stop, stop_signal) = Stop::new();
         let (task_done, finished) = mpsc::channel(1);
         crate::store::linger::register_server(local_addr, &shared.admission.peers);
-        tokio::spawn(accept_loop(acceptor, accepted, shared.clone(), Shutdown::new(stop_signal), task_done));
+        tokio::spawn(accept_loop(acceptor, accepted, shared.clone(), stop_signal, task_done));
         tracing::info!(%local_addr, "store server listening");
         Ok(StoreServer { local_addr, shared, stop, finished })
     }
@@ -238,7 +239,7 @@ impl StoreServer {
     /// (A torch master uses this to wait for its workers' `init/` increments.)
     pub async fn wait_for_counter(&self, key: &[u8], target: i64, timeout: Option<Duration>) -> Result<i64, i64> {
         let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
-        let (waker, mut woken) = mpsc::unbounded_channel();
+        let waker = Waker::default();
         let id = self.shared.next_waiter_id();
         loop {
             let current = {
@@ -251,8 +252,11 @@ impl StoreServer {
                 current
             };
             let woke = match deadline {
-                Some(deadline) => tokio::time::timeout_at(deadline, woken.recv()).await.is_ok(),
-                None => woken.recv().await.is_some(),
+                Some(deadline) => tokio::time::timeout_at(deadline, waker.woken()).await.is_ok(),
+                None => {
+                    waker.woken().await;
+                    true
+                }
             };
             if !woke {
                 self.shared.db().forget(id);
@@ -264,14 +268,8 @@ impl StoreServer {
     /// Stops accepting, closes every connection (clients blocked in a wait see EOF at once)
     /// and waits for all connection tasks to end.
     pub async fn shutdown(mut self) {
-        let _ = self.stop.send(true);
+        self.stop.stop();
         let _ = self.finished.recv().await;
-    }
-}
-
-impl Drop for StoreServer {
-    fn drop(&mut self) {
-        let _ = self.stop.send(true);
     }
 }
 
@@ -326,7 +324,7 @@ fn serve(stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>, shutdown: &S
     if shared.gate.is_none() {
         let Some(admitted) = shared.admission.admit(peer) else { return };
         tokio::spawn(async move {
-            Connection::new(Transport::Plain(stream), peer, shared).run(shutdown).await;
+            Connection::run(Transport::Plain(stream), peer, shared, shutdown).await;
             drop((admitted, task_done));
         });
         return;
@@ -347,7 +345,7 @@ fn serve(stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>, shutdown: &S
             None => (None, Transport::Plain(stream)),
         };
         if let Some(admitted) = admitted {
-            Connection::new(transport, peer, shared).run(shutdown).await;
+            Connection::run(transport, peer, shared, shutdown).await;
             drop(admitted);
         }
         drop(task_done);
