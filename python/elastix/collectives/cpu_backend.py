@@ -70,7 +70,7 @@ class CpuBackend:
         local = self.local
         me = local.index(self.rank)
         host = self.topo.host_of[self.rank]
-        slot = default_slot_bytes(len(local))
+        slot = default_slot_bytes()
         key = f"shm/{host}"
         if me == 0:
             seg = shm_segment.create(segment_bytes(len(local), slot))
