@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
+use tokio::sync::futures::Notified;
 use tokio::sync::Notify;
 
 /// Identifies one waiting party: a client connection, or an in-process watcher.
@@ -37,6 +38,12 @@ impl Waker {
     /// How many waits completed since the last `take` (and forgets them).
     pub fn take(&self) -> usize {
         self.0.completed.swap(0, Ordering::AcqRel)
+    }
+
+    /// Completes after a `wake` (possibly one whose count was taken already: then `take`
+    /// says 0). Smaller than `woken`, for a future every connection holds.
+    pub fn notified(&self) -> Notified<'_> {
+        self.0.notify.notified()
     }
 
     /// Completes with `take`'s count once it is not zero. Cancel safe: a count is taken only

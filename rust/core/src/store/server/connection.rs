@@ -74,7 +74,7 @@ struct Session {
 }
 
 impl Connection {
-    fn new(stream: Transport, peer: SocketAddr, shared: Arc<Shared>) -> Self {
+    pub(super) fn new(stream: Transport, peer: SocketAddr, shared: Arc<Shared>) -> Self {
         Connection {
             stream,
             peer,
@@ -92,16 +92,11 @@ impl Connection {
         }
     }
 
-    /// Serves a connection until the client leaves, misbehaves, or the server shuts down;
-    /// then drops whatever it was waiting for. The connection is made here, not passed in:
-    /// a task's future would hold a moved-in one twice (rustc keeps an async fn's argument
-    /// beside the local it moves into), and every idle client pays for its task's size.
-    pub(super) async fn run(stream: Transport, peer: SocketAddr, shared: Arc<Shared>, mut shutdown: Shutdown) {
-        let mut this = Connection::new(stream, peer, shared);
-        this.finish(&mut shutdown).await;
-    }
-
-    async fn finish(&mut self, shutdown: &mut Shutdown) {
+    /// Serves the connection until the client leaves, misbehaves, or the server shuts down;
+    /// then drops whatever it was waiting for. By reference: a task that moved the connection
+    /// into this future would hold it twice (rustc keeps an async fn's argument beside what
+    /// it is moved into), and every idle client pays for its task's size.
+    pub(super) async fn run(&mut self, shutdown: &mut Shutdown) {
         let result = self.serve(shutdown).await;
         self.session.shared.db().forget(self.session.id);
         match result {
@@ -137,9 +132,12 @@ impl Connection {
             tokio::select! {
                 biased;
                 _ = &mut stop => return Ok(()),
-                completed = self.session.waker.woken() => {
-                    self.session.waiting = false;
-                    answer_waits(&mut self.session.write_buf, completed);
+                () = self.session.waker.notified() => {
+                    let completed = self.session.waker.take();
+                    if completed > 0 {
+                        self.session.waiting = false;
+                        answer_waits(&mut self.session.write_buf, completed);
+                    }
                 }
                 () = fires(idle) => return Err(CloseReason::Idle(idle_timeout.unwrap_or_default())),
                 // tokio clears the readiness itself after a read that left room unused: the

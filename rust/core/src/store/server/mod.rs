@@ -323,8 +323,9 @@ fn serve(stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>, shutdown: &S
     let (shared, mut shutdown, task_done) = (shared.clone(), shutdown.clone(), task_done.clone());
     if shared.gate.is_none() {
         let Some(admitted) = shared.admission.admit(peer) else { return };
+        let mut connection = Connection::new(Transport::Plain(stream), peer, shared);
         tokio::spawn(async move {
-            Connection::run(Transport::Plain(stream), peer, shared, shutdown).await;
+            connection.run(&mut shutdown).await;
             drop((admitted, task_done));
         });
         return;
@@ -345,7 +346,7 @@ fn serve(stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>, shutdown: &S
             None => (None, Transport::Plain(stream)),
         };
         if let Some(admitted) = admitted {
-            Connection::run(transport, peer, shared, shutdown).await;
+            Connection::new(transport, peer, shared).run(&mut shutdown).await;
             drop(admitted);
         }
         drop(task_done);
