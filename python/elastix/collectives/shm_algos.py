@@ -5,7 +5,7 @@ kernel's dtype. Ranks are local indexes of the comm.
 
 all_reduce, small messages: each rank copies its input into its slot, one step, and each rank
 reduces all slots in rank order itself (one synchronisation; every rank computes the same sums
-in the same order, so results are bit-identical), all in one native call (``reduce_step``).
+in the same order, so results are bit-identical), all in one native call (``all_reduce_small``).
 Large messages: a pipelined reduce-scatter plus all-gather. The array is cut into segments of
 (slot size) bytes and each segment into one chunk per rank; in step t a rank copies segment t's
 chunks that others reduce into its slot, reduces its own chunk of segment t-1 from the peers'

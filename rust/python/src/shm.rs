@@ -167,7 +167,7 @@ impl PySegment {
 pub struct Waiter {
     inner: CoreWaiter,
     pending: PendingSignal,
-    // the ranks' data slots, for the collectives done in one step (`all_reduce_small`)
+    // the ranks' data slots, for the collectives done in one step (the `*_small` methods)
     slots: Option<Slots>,
 }
 
@@ -229,7 +229,7 @@ impl Waiter {
     /// Offsets in `segment`: `flags[i]`, `aborts[i]`, `waiters[i]` are peer i's counter, abort
     /// word (or None) and sleepers' word (or None); `pids[i]` its process (0: not checked).
     /// `slots`, `(base, bytes, ranks, me)`: where the ranks' data slots lie (see
-    /// `elastix_core::collectives::slots`), for `all_reduce_small`.
+    /// `elastix_core::collectives::slots`), for the `*_small` methods.
     #[new]
     #[pyo3(signature = (segment, flags, aborts, waiters, pids, own_flag=None, own_waiters=None, own_abort=None, spin_iters=20000, yield_us=200, check_ms=2, desc_offsets=(8, 8), slots=None))]
     #[allow(clippy::too_many_arguments)]

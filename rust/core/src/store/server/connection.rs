@@ -188,10 +188,13 @@ impl Connection {
 
     /// Makes room for the next read; returns how much it offers.
     fn reserve_for_next_read(&mut self) -> usize {
-        if self.read_buf.is_empty() && self.session.waiting && self.read_buf.capacity() > WAITING_READ {
+        if self.read_buf.is_empty() && self.session.waiting {
             // blocked in WAIT: a few bytes are room enough (a CANCEL_WAIT, a PING)
-            self.read_buf = BytesMut::with_capacity(WAITING_READ);
-            return WAITING_READ;
+            if self.read_buf.capacity() > WAITING_READ {
+                self.read_buf = BytesMut::new();
+            }
+            self.read_buf.reserve(WAITING_READ); // its own room back, or 64 bytes
+            return self.read_buf.capacity();
         }
         if self.read_buf.is_empty() && self.read_buf.capacity() > 4 * self.read_size {
             self.read_buf = BytesMut::new(); // release a large request's buffer
@@ -243,7 +246,6 @@ fn gone(err: &io::Error) -> bool {
     matches!(err.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionAborted)
 }
 
-/// Resolves after `timeout` (never without one), with it.
 /// Completes when `timer` fires; never without one.
 async fn fires(timer: Option<&mut Pin<Box<Sleep>>>) {
     match timer {
