@@ -68,12 +68,16 @@ class ProcessGroup:
     def rank(self) -> int:
         return self._rank
 
+    def _flight_enter(self, desc: Sequence[int]) -> Optional[int]:
+        """Counts this group's next collective and records its start (None outside elastix run)."""
+        self.collectives += 1
+        return progress.flight_enter(desc[0], self.number, self.collectives, desc[4])
+
     def recorded(self, fn: Callable[[], Any], desc: Sequence[int]) -> Callable[[], Any]:
         """``fn`` (a collective described by ``desc``) with its start now and its end recorded in
         this worker's flight recorder (elastix.worker.progress), which the agent reads to name
         the rank that holds the others up when they hang."""
-        self.collectives += 1
-        at = progress.flight_enter(desc[0], self.number, self.collectives, desc[4])
+        at = self._flight_enter(desc)
         if at is None:
             return fn
 
@@ -94,8 +98,7 @@ class ProcessGroup:
         if self.executor._pending:
             self.executor.submit(self.recorded(fn, desc)).result()
             return
-        self.collectives += 1
-        at = progress.flight_enter(desc[0], self.number, self.collectives, desc[4])
+        at = self._flight_enter(desc)
         with self.executor.inline_lock:
             try:
                 fn()

@@ -108,13 +108,6 @@ class Executor:
         with self._lock:
             return self._pending > 0
 
-    def run(self, fn: Callable[[], Any]) -> Any:
-        """Runs ``fn`` now, or behind the pending asynchronous work."""
-        if self._pending:
-            return self.submit(fn).result()
-        with self.inline_lock:
-            return fn()
-
     def drain(self) -> None:
         """Waits for the pending work (errors stay with their handles)."""
         if self.busy():

@@ -54,11 +54,6 @@ impl Slots {
         Ok(Slots { segment, base, bytes, ranks, me })
     }
 
-    /// Bytes per slot buffer.
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-
     /// This rank's index.
     pub fn me(&self) -> usize {
         self.me
