@@ -55,7 +55,10 @@ class Slots:
         self.rank = rank
         self._pinned = pinned
         # each slot's data file stays mapped between saves: a save into pages already mapped
-        # and touched is a plain memory copy (a fresh mapping pays a fault per page)
+        # and touched is a plain memory copy (a fresh mapping pays a fault per page, in the
+        # copy, which NumPy makes without the GIL: MAP_POPULATE would fault them in mmap(),
+        # which Python calls holding the GIL, and a pipelined save's first copy into a slot
+        # would stall the training loop for as long, 0.2-1.3 s per 256 MB here)
         self._maps: Dict[int, Tuple[int, mmap.mmap]] = {}
 
     def close(self) -> None:
@@ -74,8 +77,7 @@ class Slots:
         try:
             if os.fstat(fd).st_size != size:
                 os.ftruncate(fd, size)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            memory = mmap.mmap(fd, size, flags=flags)
+            memory = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
         self._maps[slot] = (size, memory)
