@@ -9,12 +9,14 @@
 //! part of a lost node is restored from memory as well.
 //!
 //! * [`layout`]: the files, in memory and on disk, and their manifests.
-//! * [`persist`]: copying the newest steps to disk, keeping the newest few.
+//! * [`persist`]: copying the newest steps to disk, keeping the newest few ([`writeback`]:
+//!   without a burst of dirty pages).
 //! * [`copies`]: the copies held by peers, and taking them back.
 
 pub mod copies;
 pub mod layout;
 pub mod persist;
+mod writeback;
 
 use std::collections::{HashMap, HashSet};
 use std::fs;

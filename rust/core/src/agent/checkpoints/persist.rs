@@ -1,7 +1,8 @@
 //! Persisting what the workers saved in memory: the newest whole step of each local rank is
 //! copied to the checkpoint directory (data first, then the manifest with its checksum, each
 //! through a temporary name), and only the newest `keep` steps are kept. Plain blocking file
-//! I/O: the agent runs a pass on a blocking thread, never on its control loop.
+//! I/O: the agent runs a pass on a blocking thread, never on its control loop; the data is
+//! written back as it goes ([`super::writeback`]), not in one burst at the end.
 
 use std::collections::HashMap;
 use std::fs::{self, File};
@@ -11,6 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::layout::{rank_dir, rank_of, read_slot, step_dir, step_of, DiskManifest, SlotManifest, SLOTS};
+use super::writeback;
 
 /// Bytes copied per read.
 const CHUNK: usize = 4 << 20;
@@ -174,21 +176,45 @@ fn copy_with_checksum(from: &Path, to: &Path, size: u64) -> io::Result<u32> {
     let mut hasher = crc32fast::Hasher::new();
     let mut buffer = vec![0u8; CHUNK];
     let mut copied = 0u64;
+    // where each written chunk began: the one two behind is waited for (see `writeback`)
+    let mut behind = std::collections::VecDeque::with_capacity(3);
     loop {
-        let n = source.read(&mut buffer)?;
+        let n = read_chunk(&mut source, &mut buffer)?;
         if n == 0 {
             break;
         }
         hasher.update(&buffer[..n]);
         target.write_all(&buffer[..n])?;
+        writeback::start(&target, copied, n as u64)?;
+        behind.push_back((copied, n as u64));
+        if behind.len() > 2 {
+            let (offset, len) = behind.pop_front().expect("three chunks");
+            writeback::finish(&target, offset, len)?;
+        }
         copied += n as u64;
     }
     if copied != size {
         return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("{copied} of {size} bytes in memory")));
     }
+    writeback::finish(&target, 0, copied)?;
     target.sync_all()?;
     fs::rename(&temporary, to)?;
     Ok(hasher.finalize())
+}
+
+/// Reads up to a whole `buffer` (a short read only at the end), so that chunks are written,
+/// and written back, whole.
+fn read_chunk(source: &mut impl Read, buffer: &mut [u8]) -> io::Result<usize> {
+    let mut filled = 0;
+    while filled < buffer.len() {
+        match source.read(&mut buffer[filled..]) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            Err(err) => return Err(err),
+        }
+    }
+    Ok(filled)
 }
 
 /// Writes `bytes` to `path` through a temporary name, synced, so a reader sees all or nothing.
