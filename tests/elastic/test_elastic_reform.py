@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import sys
 
 import elastix
@@ -126,4 +127,48 @@ def test_a_worker_that_raises_mid_update_is_restarted_and_its_peers_are_not(tmp_
     assert [e["restart_count"] for e in n0 if e["event"] == "failure_reported"] == [1], n0
     assert any(e["event"] == "workers_kept" and e["pids"] == [pids[0]] for e in n0), n0
     assert "rank 1 failed mid-update at step 20" in agents[0].output()
+    finish_all(tmp_path, agents, marker)
+
+
+def left(tmp_path, round_, rank, pid):
+    """What ended that call of the training function (the exception's type), if one did."""
+    path = tmp_path / f"left_{round_}_{rank}_{pid}.txt"
+    return path.read_text() if path.exists() else None
+
+
+def sleeping_rank_job(tmp_path, marker, run_id, *env):
+    """Two nodes; rank 0 goes into a long compute at step 5; once it does, rank 1's worker is
+    SIGKILLed. Returns the store (the agents' rendezvous: it must outlive them), the agents, the
+    first round, rank 0's first start and the next round's records by rank."""
+    store = elastix.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    endpoint = f"127.0.0.1:{store.port}"
+    agents = []
+    for i in range(2):
+        args = node_args(2, endpoint, f"127.0.0.{i + 1}", FAST_RDZV, PROGRAM, run_id=run_id, max_restarts=1)
+        python = ("env", "SLEEP_RANK=0", "SLEEP_AT=5", *env, sys.executable)
+        agents.append(agent(tmp_path, marker, f"n{i}", "run", *args, python=python))
+    zero, first = wait_for(lambda: started(tmp_path, 2), timeout=90, what="two ranks training")
+    by_rank = {record["rank"]: record for record in first}
+    wait_for(lambda: (tmp_path / "sleeping").exists(), timeout=60, what="rank 0 in its long step")
+    os.kill(by_rank[1]["pid"], signal.SIGKILL)
+    _, after = wait_for(lambda: started(tmp_path, 2, after=zero), timeout=60, what="the job after rank 1 died")
+    return store, agents, zero, by_rank[0], {record["rank"]: record for record in after}
+
+
+def test_a_reform_interrupts_a_worker_in_the_middle_of_its_compute(tmp_path, marker):
+    # rank 0 would compute for an hour: only the interruption brings it into the next round
+    _store, agents, zero, rank0, after = sleeping_rank_job(tmp_path, marker, "interrupt")
+    assert after[0]["pid"] == rank0["pid"] and after[0]["call"] == 2, after
+    assert left(tmp_path, zero, 0, rank0["pid"]) == "Reforming"
+    assert after[1]["pid"] != rank0["pid"] and after[0]["step"] == after[1]["step"] == 4, after
+    assert all(record["exact"] for record in after.values()), after
+    finish_all(tmp_path, agents, marker)
+
+
+def test_without_interrupt_the_worker_finishes_its_compute_and_its_collective_fails(tmp_path, marker):
+    _store, agents, zero, rank0, after = sleeping_rank_job(tmp_path, marker, "no-interrupt", "INTERRUPT=0", "SLEEP_S=3")
+    assert after[0]["pid"] == rank0["pid"] and after[0]["call"] == 2, after
+    # it ran its step to the end: the all_reduce after it was what failed
+    assert left(tmp_path, zero, 0, rank0["pid"]) not in (None, "Reforming")
+    assert after[0]["step"] == after[1]["step"] == 4, after
     finish_all(tmp_path, agents, marker)

@@ -9,7 +9,11 @@ step (kept beside the checkpoint as a CRC); every step is logged to
 $OUT_DIR/steps_<round>_<rank>.txt as `time step crc32(w) pid`. The ranks stop together once
 $OUT_DIR/stop exists (or 180 s pass). With FAIL_RANK=r, rank r raises a ValueError mid-update at
 step FAIL_AT once (a file marks that it did). With SLOW_HOST=h, the ranks on host h (by
-ELASTIX_COLLECTIVES_HOST_ID) come late to each all_reduce, so that the others wait inside it."""
+ELASTIX_COLLECTIVES_HOST_ID) come late to each all_reduce, so that the others wait inside it.
+With SLEEP_RANK=r, rank r computes for SLEEP_S seconds (default an hour) at step SLEEP_AT once,
+after it wrote $OUT_DIR/sleeping. What ended each call but the last is written to
+$OUT_DIR/left_<round>_<rank>_<pid>.txt (the exception's type). INTERRUPT=0 runs the loop with
+``elastix.elastic.run(train, interrupt=False)``."""
 
 import json
 import os
@@ -55,6 +59,16 @@ def report(ckpt, state) -> None:
 def train(ckpt: elastix.checkpoint.Checkpoint) -> None:
     global calls
     calls += 1
+    try:
+        steps(ckpt)
+    except BaseException as err:
+        round_, rank = os.environ["ELASTIX_ROUND"], os.environ["RANK"]
+        with open(os.path.join(out, f"left_{round_}_{rank}_{os.getpid()}.txt"), "w") as f:
+            f.write(type(err).__name__)
+        raise
+
+
+def steps(ckpt: elastix.checkpoint.Checkpoint) -> None:
     state = ckpt.load()
     report(ckpt, state)
     rank, round_, world = ec.get_rank(), int(os.environ["ELASTIX_ROUND"]), ec.get_world_size()
@@ -69,6 +83,11 @@ def train(ckpt: elastix.checkpoint.Checkpoint) -> None:
         grad = gradient(rank, step)
         if os.environ.get("SLOW_HOST", "-") == os.environ.get("ELASTIX_COLLECTIVES_HOST_ID"):
             time.sleep(0.3)
+        slept_once = os.path.join(out, "sleeping")
+        if os.environ.get("SLEEP_RANK") == str(rank) and step >= int(os.environ["SLEEP_AT"]):
+            if not os.path.exists(slept_once):
+                open(slept_once, "w").close()
+                time.sleep(float(os.environ.get("SLEEP_S", "3600")))  # a long step's compute
         ec.all_reduce(grad)
         if os.environ.get("FAIL_RANK") == str(rank) and step >= int(os.environ["FAIL_AT"]):
             if not os.path.exists(failed_once):
@@ -88,4 +107,4 @@ def train(ckpt: elastix.checkpoint.Checkpoint) -> None:
     ec.barrier()
 
 
-elastix.elastic.run(train)
+elastix.elastic.run(train, interrupt=os.environ.get("INTERRUPT") != "0")

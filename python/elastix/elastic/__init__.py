@@ -18,12 +18,18 @@ on (from the agent's memory, or a peer's) and calls the training function again:
 
     elastix.elastic.run(train)
 
+A re-form interrupts the training function where it is (:class:`Reforming` is raised in it,
+as a signal's ``KeyboardInterrupt`` would be): a step that computes is not finished first, since
+the re-form restores a saved step anyway. ``run(train, interrupt=False)`` lets it run on to its
+next collective instead.
+
 A worker that dies, or raises anything but a collective's failure, is restarted as before (its
 state may be half updated); its peers re-form in process. Plain scripts are unchanged.
 """
 
 from __future__ import annotations
 
+from .interrupt import Reforming
 from .loop import run
 
-__all__ = ["run"]
+__all__ = ["Reforming", "run"]

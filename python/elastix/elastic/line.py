@@ -2,8 +2,9 @@
 over the Unix socket ``ELASTIX_CONTROL_SOCKET`` names. The worker says hello as its local rank;
 the agent answers how long to wait for its word after a collective failed (the worker tells it
 such a failure: ``broken``). When the job re-forms, the agent says so (``abort``: every
-collective of this process is aborted at once, from the line's thread) and later gives the
-worker its place in the next round (``assign``)."""
+collective of this process is aborted at once, from the line's thread, and the training
+function is interrupted, :mod:`.interrupt`) and later gives the worker its place in the next
+round (``assign``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 SOCKET_VAR = "ELASTIX_CONTROL_SOCKET"
 HELLO_TIMEOUT = 10.0  # seconds for the agent's welcome: it answers at once
@@ -50,6 +51,8 @@ class AgentLine:
         self._notice: Optional[Notice] = None
         self._place: Optional[Place] = None
         self._closed = False
+        #: Called with the reason, from the line's thread, once the collectives are aborted.
+        self.on_abort: Optional[Callable[[str], None]] = None
         threading.Thread(target=self._listen, name="elastix-agent-line", daemon=True).start()
 
     @classmethod
@@ -133,6 +136,8 @@ class AgentLine:
                     self._notice = notice  # first: whatever the abort makes the worker raise, this explains it
                     self._cond.notify_all()
                 _abort_collectives(f"the job re-forms: {notice.why}")
+                if self.on_abort is not None:
+                    self.on_abort(notice.why)
             elif kind == "assign":
                 with self._cond:
                     self._place = Place(int(message["round"]), dict(message["env"]))

@@ -12,6 +12,7 @@ from typing import Callable, Optional, TypeVar
 from .. import checkpoint as _checkpoint
 from ..errors import DistError
 from ..worker import progress
+from .interrupt import Interrupter, Reforming
 from .line import AgentLine, Notice, Place
 
 T = TypeVar("T")
@@ -26,24 +27,51 @@ def run(
     *,
     backend: Optional[str] = None,
     timeout: Optional[timedelta] = None,
+    interrupt: bool = True,
 ) -> T:
     """Joins the job's default process group (``backend``, ``timeout`` as for
     ``init_process_group``), opens this rank's checkpoint and returns ``train(ckpt)``; when the
     job re-forms meanwhile, does it all again in the new round, in this process. Outside
-    ``elastix run`` it does it once."""
+    ``elastix run`` it does it once.
+
+    When the job re-forms, ``train`` is interrupted where it is (:class:`Reforming` is raised
+    in it: a step that computes is not finished first, its work is lost anyway); with
+    ``interrupt=False`` it runs on until its next collective, which fails."""
+    line = AgentLine.connect()
+    interrupter = Interrupter()
+    if line is not None and interrupt:
+        why_not = interrupter.install()
+        if why_not:
+            _say(f"{why_not}: a re-form stops the training function at its next collective only")
+        line.on_abort = interrupter.fire
+    try:
+        return _run(train, line, interrupter, backend, timeout)
+    finally:
+        if line is not None:
+            line.on_abort = None
+        interrupter.uninstall()
+
+
+def _run(
+    train: Callable[[_checkpoint.Checkpoint], T],
+    line: Optional[AgentLine],
+    interrupter: Interrupter,
+    backend: Optional[str],
+    timeout: Optional[timedelta],
+) -> T:
     from .. import collectives
 
-    line = AgentLine.connect()
     notice: Optional[Notice] = None
     left = placed = 0.0  # when the worker left its group, and when it had its place in the next
     while True:
         ckpt: Optional[_checkpoint.Checkpoint] = None
         try:
-            collectives.init_process_group(backend=backend, timeout=timeout)
-            ckpt = _checkpoint.open()
-            if line is not None and notice is not None:
-                line.settled(time.monotonic() - notice.at, left - notice.at, placed - notice.at)
-            return train(ckpt)
+            with interrupter.armed():
+                collectives.init_process_group(backend=backend, timeout=timeout)
+                ckpt = _checkpoint.open()
+                if line is not None and notice is not None:
+                    line.settled(time.monotonic() - notice.at, left - notice.at, placed - notice.at)
+                return train(ckpt)
         except BaseException as err:
             notice = _reform_notice(line, err)
             if notice is None:
@@ -63,7 +91,7 @@ def _reform_notice(line: Optional[AgentLine], err: BaseException) -> Optional[No
     ``err`` is, the abort explains it), or ``err`` is a collective's or store's failure and the
     word comes within the time the agent takes to count a peer lost. None: ``err`` is the
     worker's own, and it ends the worker (which its agent restarts)."""
-    if line is None or not isinstance(err, Exception):
+    if line is None or not isinstance(err, (Exception, Reforming)):
         return None
     notice = line.notice(0)
     if notice is None and isinstance(err, (DistError, ConnectionError)):
