@@ -2,7 +2,8 @@
 //! waits to join; this node was asked to stop) lets the workers finish the step in progress
 //! and save it first: the step is kept, not computed again after the re-form. The wait follows
 //! the workers' own pace (half as long again as between their last two saves), is skipped
-//! where they save rarely or have not saved twice, and a signal or another change ends it.
+//! where they save rarely or have not saved twice, and a signal, another change or a worker's
+//! failed collective ends it.
 
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use tokio::time::Instant;
 
 use super::agent::Agent;
 use super::changes::{new_change, Changes};
-use super::watch::Event;
+use super::watch::{next_broken, Event};
 use crate::agent::checkpoints::pace;
 use crate::rendezvous::MembershipChange;
 
@@ -50,7 +51,7 @@ impl Agent {
         let within = pace.every.mul_f64(1.5).min(cap);
         tracing::info!(
             "{what} once this node's workers saved the step after {} (they save every {:.0?}; waiting up to \
-             {within:.0?})",
+             {within:.1?})",
             pace.newest,
             pace.every
         );
@@ -58,12 +59,20 @@ impl Agent {
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(POLL) => {}
+                // another node re-forming first is most likely this same join: every member
+                // lets its own workers save the step, so that all hold it for the restore
                 change = new_change(changes) => {
-                    if change != MembershipChange::NodesWaiting {
+                    if !matches!(change, MembershipChange::NodesWaiting | MembershipChange::RoundSuperseded { .. }) {
                         return Some(Event::Change(change));
                     }
                 }
                 (signal, forward) = self.signals.recv() => return Some(Event::Signal(signal, forward)),
+                // a member is gone (a host lost as another node came): the step cannot end
+                broken = next_broken(&mut self.control) => {
+                    let (pid, why) = &broken[0];
+                    tracing::info!("the collective of worker pid {pid} failed ({why}): not waiting for its step");
+                    return None;
+                }
             }
             if let Some(now) = pace::read(memory.to_owned(), ranks.to_vec()).await {
                 if now.newest > pace.newest {
@@ -72,7 +81,7 @@ impl Agent {
                 }
             }
             if Instant::now() >= until {
-                tracing::info!("no save of this node's workers within {within:.0?}: their step is computed again");
+                tracing::info!("no save of this node's workers within {within:.1?}: their step is computed again");
                 return None;
             }
         }

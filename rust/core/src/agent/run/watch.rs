@@ -194,7 +194,7 @@ impl Agent {
 
 /// The next report of elastic workers whose collective failed, with any that came meanwhile:
 /// not an end by itself (never, without a control socket).
-async fn next_broken(control: &mut Option<Control>) -> Vec<(u32, String)> {
+pub(super) async fn next_broken(control: &mut Option<Control>) -> Vec<(u32, String)> {
     match control {
         Some(control) => control.broken().await,
         None => std::future::pending().await,
