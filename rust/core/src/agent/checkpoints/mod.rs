@@ -12,11 +12,9 @@
 //! * [`persist`]: copying the newest steps to disk, keeping the newest few ([`writeback`]:
 //!   without a burst of dirty pages).
 //! * [`copies`]: the copies held by peers, and taking them back.
-//! * [`pace`]: how often the workers save, for a re-form that waits for the step's end.
 
 pub mod copies;
 pub mod layout;
-pub mod pace;
 pub mod persist;
 mod writeback;
 
@@ -118,11 +116,6 @@ impl Checkpoints {
             Some(copies) => copies.enter_round(round).await,
             None => Ok(Restore::default()),
         }
-    }
-
-    /// The memory the workers save into.
-    pub fn memory(&self) -> &Path {
-        &self.memory
     }
 
     /// What `elastix status` shows of each global rank's checkpoints: its newest step in

@@ -29,7 +29,6 @@
 //!   agent exits with 128+N and leaves the rendezvous open (the others re-form without it).
 //! * [`barrier`]: this node's workers succeeded; once every node is through, the job is done
 //!   and the rendezvous is closed as succeeded.
-//! * [`step_end`]: a join, or a stop signal, waits for the step in progress to be saved.
 //! * [`restart`]: what follows a failure or a change: a restart or a re-form; [`reform`]:
 //!   workers that run `elastix.elastic` are kept through it and placed in the next round.
 //! * [`report`]: what the run reports (the result, the root cause); [`publish`]: what it tells
@@ -52,7 +51,6 @@ mod report;
 mod restart;
 mod round_store;
 mod start;
-mod step_end;
 mod watch;
 
 use std::time::Duration;

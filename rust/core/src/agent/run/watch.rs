@@ -91,15 +91,6 @@ impl Agent {
                 Err(err) => return Err(err),
             }
         };
-        // a node that joins loses nothing by waiting: the step in progress is finished and kept
-        let event = match event {
-            Event::Change(MembershipChange::NodesWaiting) => {
-                let what = "nodes wait to join; re-forming";
-                let ranks = group.global_ranks();
-                self.at_step_end(&ranks, &mut changes, what, Duration::MAX).await.unwrap_or(event)
-            }
-            event => event,
-        };
         count_exits(&event, self.config.local_world_size);
         match event {
             Event::Workers(GroupOutcome::Succeeded) => {
@@ -116,16 +107,11 @@ impl Agent {
                 Ok(self.on_change(change, group, report).await?.map_or(State::Rendezvous, State::End))
             }
             Event::Signal(signal, forward) => {
+                tracing::info!("received {signal}; stopping the workers");
                 // a node stopped (not a job-wide preemption notice, which its workers act on
-                // together) finishes the step in progress (within half its grace), then tells
-                // the others, who re-form without it now, not a loss window later
+                // together) tells the others, who re-form without it now, not a loss window later
                 if !matches!(signal, Signal::SIGUSR1 | Signal::SIGUSR2) {
-                    let (what, cap) =
-                        (format!("received {signal}; stopping the workers"), self.config.shutdown_timeout() / 2);
-                    let _ = self.at_step_end(&group.global_ranks(), &mut changes, &what, cap).await;
                     self.tell_round_leaving(&format!("it was stopped ({signal})")).await;
-                } else {
-                    tracing::info!("received {signal}; stopping the workers");
                 }
                 // workers get the signal itself when it is one to forward, else SIGTERM
                 group.stop(if forward { signal } else { Signal::SIGTERM }, self.config.shutdown_timeout()).await;
@@ -194,7 +180,7 @@ impl Agent {
 
 /// The next report of elastic workers whose collective failed, with any that came meanwhile:
 /// not an end by itself (never, without a control socket).
-pub(super) async fn next_broken(control: &mut Option<Control>) -> Vec<(u32, String)> {
+async fn next_broken(control: &mut Option<Control>) -> Vec<(u32, String)> {
     match control {
         Some(control) => control.broken().await,
         None => std::future::pending().await,
