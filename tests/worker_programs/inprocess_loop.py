@@ -60,7 +60,7 @@ def train(ckpt: elastix.checkpoint.Checkpoint) -> None:
     global calls
     calls += 1
     try:
-        steps(ckpt)
+        train_steps(ckpt)
     except BaseException as err:
         round_, rank = os.environ["ELASTIX_ROUND"], os.environ["RANK"]
         with open(os.path.join(out, f"left_{round_}_{rank}_{os.getpid()}.txt"), "w") as f:
@@ -68,7 +68,7 @@ def train(ckpt: elastix.checkpoint.Checkpoint) -> None:
         raise
 
 
-def steps(ckpt: elastix.checkpoint.Checkpoint) -> None:
+def train_steps(ckpt: elastix.checkpoint.Checkpoint) -> None:
     state = ckpt.load()
     report(ckpt, state)
     rank, round_, world = ec.get_rank(), int(os.environ["ELASTIX_ROUND"]), ec.get_world_size()
@@ -77,13 +77,13 @@ def steps(ckpt: elastix.checkpoint.Checkpoint) -> None:
     steps = open(os.path.join(out, f"steps_{round_}_{rank}.txt"), "a", buffering=1)
     flag = np.zeros(1)
     failed_once = os.path.join(out, "failed_once")
+    slept_once = os.path.join(out, "sleeping")
     while True:
         if time.monotonic() > deadline:
             raise SystemExit("the test never asked this worker to stop")
         grad = gradient(rank, step)
         if os.environ.get("SLOW_HOST", "-") == os.environ.get("ELASTIX_COLLECTIVES_HOST_ID"):
             time.sleep(0.3)
-        slept_once = os.path.join(out, "sleeping")
         if os.environ.get("SLEEP_RANK") == str(rank) and step >= int(os.environ["SLEEP_AT"]):
             if not os.path.exists(slept_once):
                 open(slept_once, "w").close()
