@@ -2,11 +2,13 @@
 workers exit cleanly and leave something behind. Real agents, real processes; every process a
 test starts carries a marker in its environment, and only those are killed at the end."""
 
+import fcntl
 import glob
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -100,7 +102,9 @@ def agent(tmp_path, marker):
     fixture)."""
     procs = []
 
-    def start(descendants, exit_after_start=False):
+    def start(descendants, exit_after_start=False, before=""):
+        """`before`: Python code run first in the agent's process (whose pid the agent keeps:
+        it execs the launcher)."""
         script = tmp_path / "worker.py"
         script.write_text(WORKER)
         out_dir = tmp_path / "out"
@@ -114,9 +118,12 @@ def agent(tmp_path, marker):
         if exit_after_start:
             env["EXIT_AFTER_START"] = "1"
         # output to files, not pipes: a test never waits on a descendant holding a pipe open
+        launch = [sys.executable, "-m", "elastix", "run", "--standalone", "--nproc-per-node", str(NPROC), str(script)]
+        if before:
+            launch = [sys.executable, "-c", f"import os, sys\n{before}\nos.execv(sys.executable, {launch!r})"]
         with open(tmp_path / "agent.log", "w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "elastix", "run", "--standalone", "--nproc-per-node", str(NPROC), str(script)],
+                launch,
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -147,10 +154,15 @@ def assert_all_gone(pids, marker, tmp_path, within=10.0):
         raise AssertionError(f"left behind: {left}, marked: {marked_processes(marker)}\n{log_of(tmp_path)}") from None
 
 
-def assert_no_cgroup_left(agent_pid):
+def job_cgroups(agent_pid):
+    """The job cgroups named for `agent_pid`: `elastix-<pid>` and `elastix-<pid>-<n>`."""
+    names = os.listdir(CGROUP_PARENT)
+    return {name for name in names if name == f"elastix-{agent_pid}" or name.startswith(f"elastix-{agent_pid}-")}
+
+
+def assert_no_cgroup_left(agent_pid, kept=()):
     if CGROUP_PARENT is not None:
-        job = os.path.join(CGROUP_PARENT, f"elastix-{agent_pid}")
-        wait_for(lambda: not os.path.exists(job), 10, f"the removal of {job}")
+        wait_for(lambda: job_cgroups(agent_pid) == set(kept), 10, f"the removal of the job cgroup of {agent_pid}")
 
 
 def sigkill_agent_and_check(agent, tmp_path, descendants):
@@ -188,3 +200,66 @@ def test_a_clean_exit_leaves_no_setsid_grandchild_behind(agent, tmp_path):
     assert len(pids) == NPROC * (1 + len(descendants)), pids
     assert_all_gone(pids, marker, tmp_path)
     assert_no_cgroup_left(proc.pid)
+
+
+def make_cgroup(name, leaf=True, age=0.0):
+    """A job cgroup as an agent leaves it: a directory with leaf 0, `age` seconds old."""
+    path = os.path.join(CGROUP_PARENT, name)
+    os.mkdir(path)
+    if leaf:
+        os.mkdir(os.path.join(path, "0"))
+    if age:
+        os.utime(path, (time.time() - age, time.time() - age))
+    return path
+
+
+def remove_cgroup(path):
+    for leaf in glob.glob(os.path.join(path, "*/")):
+        os.rmdir(leaf)
+    os.rmdir(path)
+
+
+@needs_cgroup
+def test_a_taken_job_cgroup_name_is_not_reused_and_what_dead_agents_left_is_swept(agent, tmp_path, marker):
+    """The cgroup file system outlives containers and is shared by them: the agent neither
+    takes nor removes a job cgroup a live agent elsewhere may own (its name taken; one locked;
+    a fresh one; one with a process in it), and removes one that an agent killed with its
+    watchdog left (old, unlocked, empty)."""
+    tag = f"test-{os.getpid()}"
+    stale = make_cgroup(f"elastix-{tag}-stale", age=600)
+    locked = make_cgroup(f"elastix-{tag}-locked", age=600)
+    fresh = make_cgroup(f"elastix-{tag}-fresh")
+    busy = make_cgroup(f"elastix-{tag}-busy", leaf=False)
+    sleeper = subprocess.Popen(["sleep", "300"])  # this test's own: it kills it
+    lock = os.open(locked, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with open(os.path.join(busy, "cgroup.procs"), "w") as f:
+            f.write(str(sleeper.pid))
+        os.utime(busy, (time.time() - 600, time.time() - 600))
+        # the agent's own name, taken (with a leaf in it, so that it cannot just be removed)
+        take_own_name = f"os.mkdir({CGROUP_PARENT!r} + f'/elastix-{{os.getpid()}}')\n" + (
+            f"os.mkdir({CGROUP_PARENT!r} + f'/elastix-{{os.getpid()}}/0')"
+        )
+        proc, out_dir, _ = agent(["setsid"], exit_after_start=True, before=take_own_name)
+        taken = os.path.join(CGROUP_PARENT, f"elastix-{proc.pid}")
+        try:
+            assert proc.wait(timeout=90) == 0, log_of(tmp_path)
+            log = log_of(tmp_path)
+            assert f"elastix-{tag}-stale" in log and "removed 1 job cgroup(s)" in log, log
+            assert not os.path.exists(stale)
+            assert all(os.path.isdir(path) for path in (locked, fresh, busy, taken))
+            # it ran in a cgroup of its own, next to the taken one: its setsid grandchildren died with it
+            assert "no cgroup for this job" not in log, log
+            assert_all_gone(recorded(out_dir), marker, tmp_path)
+            assert_no_cgroup_left(proc.pid, kept={f"elastix-{proc.pid}"})
+        finally:
+            remove_cgroup(taken)
+    finally:
+        os.close(lock)
+        sleeper.kill()
+        sleeper.wait()
+        for path in (stale, locked, fresh, busy):
+            if os.path.exists(path):
+                wait_for(lambda p=path: not open(os.path.join(p, "cgroup.procs")).read(), 10, "the sleeper's exit")
+                remove_cgroup(path)

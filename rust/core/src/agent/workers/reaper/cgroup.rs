@@ -1,22 +1,40 @@
-//! The job's cgroup (v2): a directory `elastix-<agent pid>` under the agent's own cgroup, with
-//! one numbered leaf per worker group. Every worker joins its group's leaf before it runs its
+//! The job's cgroup (v2): a directory `elastix-<agent pid>[-<n>]` under the agent's own cgroup,
+//! with one numbered leaf per worker group. Every worker joins its group's leaf before it runs its
 //! program, and everything it starts stays in it, whatever process group or session it moves
 //! to; `cgroup.kill` (Linux >= 5.14) then kills the whole leaf at once. Standby interpreters
 //! wait in the job directory itself and are moved into a leaf when they become workers, so
 //! stopping one attempt's workers never touches the next attempt's standbys. No controller is
 //! enabled anywhere: the cgroups only track membership, so processes may sit in the inner
 //! directory next to the leaves.
+//!
+//! The cgroup file system may be shared with other containers (other pid namespaces) and
+//! outlive any one of them, so a name can be taken by a live agent elsewhere or by one that
+//! died with its watchdog (a whole host killed). A taken name is never reused: the next free
+//! one is. The agent and its watchdog hold an `flock` on the job directory for as long as
+//! either lives; a directory nobody locks, that holds no process and is older than
+//! [`STALE_AFTER`] was left by an agent that died with its watchdog, and the next agent that
+//! starts beside it removes it.
 
 use std::ffi::CString;
+use std::fs::File;
 use std::io;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
+
+use nix::fcntl::{Flock, FlockArg};
 
 /// How long a leaf's removal waits for its killed processes to leave it.
 const RMDIR_WAIT: Duration = Duration::from_secs(10);
 const RMDIR_RETRY: Duration = Duration::from_millis(10);
+/// How many names `elastix-<pid>`, `elastix-<pid>-1`, ... are tried.
+const NAME_TRIES: u32 = 64;
+/// How old an unlocked job directory must be to be taken for a dead agent's: its creator
+/// locks it within microseconds of making it, and older agents (which did not lock) were idle
+/// without a single process in it for this long.
+const STALE_AFTER: Duration = Duration::from_secs(60);
 
 /// A cgroup a child can join between fork and exec.
 #[derive(Clone, Debug)]
@@ -79,10 +97,14 @@ pub struct JobCgroup {
     dir_c: CString,
     cgroup: Cgroup,
     next_leaf: AtomicU32,
+    /// The directory, open and `flock`ed: the watchdog keeps a copy, so that it stays locked
+    /// while the agent or its watchdog lives.
+    lock: Flock<File>,
 }
 
 impl JobCgroup {
-    /// Creates `elastix-<pid>` under the agent's own cgroup, or says why it cannot be used.
+    /// Creates `elastix-<pid>[-<n>]` under the agent's own cgroup, or says why it cannot be
+    /// used; first removes what agents that died with their watchdogs left there.
     pub fn create() -> Result<JobCgroup, String> {
         let own = std::fs::read_to_string("/proc/self/cgroup").map_err(|err| format!("/proc/self/cgroup: {err}"))?;
         let own = unified_path(&own).ok_or("the agent is in no cgroup v2 hierarchy")?;
@@ -93,28 +115,33 @@ impl JobCgroup {
         let parent_procs = parent.join("cgroup.procs");
         nix::unistd::access(&parent_procs, nix::unistd::AccessFlags::W_OK)
             .map_err(|err| format!("{} is not writable ({err})", parent_procs.display()))?;
-        let name = format!("elastix-{}", std::process::id());
+        let removed = remove_stale(&parent);
+        if !removed.is_empty() {
+            tracing::info!(
+                "removed {} job cgroup(s) that agents killed with their cleanup watchdogs left in {}: {}",
+                removed.len(),
+                parent.display(),
+                removed.join(", ")
+            );
+        }
+        let name = create_unique(&parent, std::process::id())
+            .map_err(|err| format!("cannot create a job cgroup in {}: {err}", parent.display()))?;
         let dir = parent.join(&name);
-        if let Err(err) = std::fs::create_dir(&dir) {
-            // a previous agent with this pid that died with its watchdog: reuse it only if empty
-            if err.kind() != io::ErrorKind::AlreadyExists || std::fs::remove_dir(&dir).is_err() {
-                return Err(format!("cannot create {}: {err}", dir.display()));
+        let setup = || -> Result<JobCgroup, String> {
+            if !dir.join("cgroup.kill").exists() {
+                return Err("the kernel has no cgroup.kill (Linux 5.14 or newer is needed)".to_owned());
             }
-            std::fs::create_dir(&dir).map_err(|err| format!("cannot create {}: {err}", dir.display()))?;
-        }
-        if !dir.join("cgroup.kill").exists() {
-            let _ = std::fs::remove_dir(&dir);
-            return Err("the kernel has no cgroup.kill (Linux 5.14 or newer is needed)".to_owned());
-        }
-        let path = format!("{}/{name}", own.trim_end_matches('/'));
-        let setup = || -> io::Result<JobCgroup> {
-            let dir_c = CString::new(dir.as_os_str().as_bytes()).map_err(|_| io::Error::other("a NUL byte"))?;
-            let cgroup = Cgroup::new(&dir, path.clone())?;
-            Ok(JobCgroup { dir: dir.clone(), dir_c, cgroup, next_leaf: AtomicU32::new(0) })
+            let lock = File::open(&dir)
+                .map_err(|err| err.to_string())
+                .and_then(|dir| Flock::lock(dir, FlockArg::LockExclusiveNonblock).map_err(|(_, err)| err.to_string()))
+                .map_err(|err| format!("cannot lock {}: {err}", dir.display()))?;
+            let dir_c = CString::new(dir.as_os_str().as_bytes()).map_err(|_| "a NUL byte in the path".to_owned())?;
+            let cgroup =
+                Cgroup::new(&dir, format!("{}/{name}", own.trim_end_matches('/'))).map_err(|e| e.to_string())?;
+            Ok(JobCgroup { dir: dir.clone(), dir_c, cgroup, next_leaf: AtomicU32::new(0), lock })
         };
-        setup().map_err(|err| {
+        setup().inspect_err(|_| {
             let _ = std::fs::remove_dir(&dir);
-            format!("{}: {err}", dir.display())
         })
     }
 
@@ -124,6 +151,11 @@ impl JobCgroup {
 
     pub fn dir_c(&self) -> &std::ffi::CStr {
         &self.dir_c
+    }
+
+    /// The locked descriptor of the directory, for the watchdog to keep open.
+    pub fn lock_fd(&self) -> RawFd {
+        self.lock.as_raw_fd()
     }
 
     /// Where standbys wait.
@@ -194,6 +226,58 @@ impl Leaf {
     }
 }
 
+/// Makes the first free directory of `elastix-<pid>`, `elastix-<pid>-1`, ... in `parent` and
+/// returns its name. A taken name is never reused: its owner may be alive in another pid
+/// namespace.
+fn create_unique(parent: &Path, pid: u32) -> io::Result<String> {
+    let mut last = None;
+    for n in 0..NAME_TRIES {
+        let name = if n == 0 { format!("elastix-{pid}") } else { format!("elastix-{pid}-{n}") };
+        match std::fs::create_dir(parent.join(&name)) {
+            Ok(()) => return Ok(name),
+            Err(err) if err.kind() == io::ErrorKind::AlreadyExists => last = Some(err),
+            Err(err) => return Err(err),
+        }
+    }
+    let err = last.unwrap_or_else(|| io::Error::other("no name tried"));
+    Err(io::Error::new(err.kind(), format!("elastix-{pid} and {} names after it are taken", NAME_TRIES - 1)))
+}
+
+/// Removes the job directories in `parent` that agents killed with their watchdogs left: not
+/// locked, older than [`STALE_AFTER`], with no process left in them. Returns their names.
+fn remove_stale(parent: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(parent) else { return Vec::new() };
+    let now = SystemTime::now();
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let old =
+            entry.metadata().ok().and_then(|meta| meta.modified().ok()).and_then(|at| now.duration_since(at).ok());
+        if !name.starts_with("elastix-") || !old.is_some_and(|age| age >= STALE_AFTER) {
+            continue;
+        }
+        let dir = entry.path();
+        // held until the directory is gone: a second agent sweeping at once skips it
+        let Ok(_lock) = File::open(&dir).and_then(|file| {
+            Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, err)| io::Error::from(err))
+        }) else {
+            continue; // its agent or watchdog lives
+        };
+        let events = std::fs::read_to_string(dir.join("cgroup.events")).unwrap_or_default();
+        if !events.lines().any(|line| line == "populated 0") {
+            continue; // processes outlived it: not ours to kill
+        }
+        let leaves = std::fs::read_dir(&dir).into_iter().flatten().flatten().filter(|leaf| leaf.path().is_dir());
+        for leaf in leaves {
+            let _ = std::fs::remove_dir(leaf.path());
+        }
+        if std::fs::remove_dir(&dir).is_ok() {
+            removed.push(name);
+        }
+    }
+    removed
+}
+
 /// The cgroup v2 path in the text of `/proc/<pid>/cgroup` (its `0::` line).
 pub fn unified_path(proc_cgroup: &str) -> Option<&str> {
     proc_cgroup.lines().find_map(|line| line.strip_prefix("0::")).filter(|path| path.starts_with('/'))
@@ -260,6 +344,22 @@ mod tests {
         assert_eq!(unified_path(text), Some("/user.slice/session-3.scope"));
         assert_eq!(unified_path("4:memory:/x\n"), None);
         assert_eq!(unified_path("0::\n"), None);
+    }
+
+    #[test]
+    fn a_taken_name_is_skipped_never_reused() {
+        let parent = std::env::temp_dir().join(format!("elastix-cgroup-names-{}", std::process::id()));
+        std::fs::create_dir_all(parent.join("elastix-7/0")).unwrap();
+        std::fs::create_dir(parent.join("elastix-7-1")).unwrap();
+        assert_eq!(create_unique(&parent, 7).unwrap(), "elastix-7-2");
+        assert_eq!(create_unique(&parent, 8).unwrap(), "elastix-8");
+        for n in 3..NAME_TRIES {
+            std::fs::create_dir(parent.join(format!("elastix-7-{n}"))).unwrap();
+        }
+        let err = create_unique(&parent, 7).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::AlreadyExists);
+        assert!(err.to_string().contains("elastix-7 and 63 names after it are taken"), "{err}");
+        std::fs::remove_dir_all(&parent).unwrap();
     }
 
     #[test]

@@ -60,7 +60,8 @@ impl Reaper {
         // starts): the watchdog removes it if the agent is killed
         let secret_dir = crate::auth::secret::private_copy_dir()
             .and_then(|dir| std::ffi::CString::new(dir.into_os_string().into_encoded_bytes()).ok());
-        let watchdog = Watchdog::start(cgroup.as_ref().ok().map(JobCgroup::dir_c), secret_dir.as_deref());
+        let job = cgroup.as_ref().ok().map(|job| (job.dir_c(), job.lock_fd()));
+        let watchdog = Watchdog::start(job, secret_dir.as_deref());
         let (watchdog, cgroup) = match (watchdog, cgroup) {
             (Ok(watchdog), Ok(cgroup)) => {
                 tracing::debug!(

@@ -7,7 +7,8 @@
 //! agent's end is closed: the agent died or exited. The watchdog then SIGKILLs each process
 //! group still watched, kills the job's cgroup, removes its directories and the private copy of
 //! the job secret (if the agent made one), and exits. Its environment holds no secret: it
-//! overwrites `ELASTIX_AUTH_TOKEN`'s value in its copy of the agent's environment first.
+//! overwrites `ELASTIX_AUTH_TOKEN`'s value in its copy of the agent's environment first. It
+//! keeps the job cgroup's lock open (see [`super::cgroup`]) until it has removed the cgroup.
 //!
 //! Why a forked process that never calls exec: the agent lives in a Python extension, so there
 //! is no binary of ours to exec, and an interpreter or a shell may be missing or slow. The
@@ -48,9 +49,10 @@ pub struct Watchdog {
 }
 
 impl Watchdog {
-    /// Starts the watchdog; `job_dir` is the job's cgroup directory, if there is one, and
-    /// `secret_dir` the directory of the job secret's private copy, if there is one.
-    pub fn start(job_dir: Option<&CStr>, secret_dir: Option<&CStr>) -> io::Result<Watchdog> {
+    /// Starts the watchdog; `job` is the job's cgroup directory and the descriptor of its lock
+    /// (kept open until the directory is removed), if there is one, and `secret_dir` the
+    /// directory of the job secret's private copy, if there is one.
+    pub fn start(job: Option<(&CStr, RawFd)>, secret_dir: Option<&CStr>) -> io::Result<Watchdog> {
         let mut fds = [0; 2];
         // SAFETY: socketpair(2) writes two descriptors into `fds`, which is large enough.
         if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) }
@@ -60,7 +62,8 @@ impl Watchdog {
         }
         // SAFETY: both descriptors were just created and are owned by nothing else.
         let (agent_end, watchdog_end) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        let (job_dir, secret_dir) = (job_dir.map(CStr::to_bytes), secret_dir.map(CStr::to_bytes));
+        let (job_dir, job_lock) = (job.map(|(dir, _)| dir.to_bytes()), job.map(|(_, lock)| lock));
+        let secret_dir = secret_dir.map(CStr::to_bytes);
         // SAFETY: see the module comment: both children only make async-signal-safe calls on
         // memory prepared before the fork (the paths are borrowed for the whole call, and the
         // child sees an unchanging copy of them) and end in _exit, never returning or unwinding.
@@ -72,7 +75,7 @@ impl Watchdog {
             // SAFETY: as above; fork(2) and _exit(2) are async-signal-safe.
             unsafe {
                 if libc::fork() == 0 {
-                    watch(watchdog_end.as_raw_fd(), job_dir, secret_dir);
+                    watch(watchdog_end.as_raw_fd(), job_dir, job_lock, secret_dir);
                 }
                 libc::_exit(0);
             }
@@ -172,14 +175,14 @@ impl<const N: usize> Set<N> {
 ///
 /// # Safety
 /// Runs only in a child of fork(2): every call below is async-signal-safe (setsid, signal,
-/// chdir, dup2, open, close, close_range, getpid, write, read, kill, unlink, rmdir, nanosleep,
+/// chdir, fcntl, dup2, open, close, close_range, getpid, write, read, kill, unlink, rmdir, nanosleep,
 /// _exit), buffers are on the stack, nothing allocates, and it never returns.
-unsafe fn watch(socket: RawFd, job_dir: Option<&[u8]>, secret_dir: Option<&[u8]>) -> ! {
+unsafe fn watch(socket: RawFd, job_dir: Option<&[u8]>, job_lock: Option<RawFd>, secret_dir: Option<&[u8]>) -> ! {
     let mut groups = Set::<GROUP_CAPACITY>::new();
     let mut leaves = Set::<LEAF_CAPACITY>::new();
     // SAFETY: the function's contract, which each step's is.
     unsafe {
-        detach(socket);
+        detach(socket, job_lock);
         follow(&mut groups, &mut leaves);
         kill_groups(&groups);
         if let Some(dir) = job_dir {
@@ -192,12 +195,12 @@ unsafe fn watch(socket: RawFd, job_dir: Option<&[u8]>, secret_dir: Option<&[u8]>
     }
 }
 
-/// Leaves the agent's session, signals and descriptors (but `socket`, which becomes stdin),
-/// then says it is ready (its pid, on the socket).
+/// Leaves the agent's session, signals and descriptors (but `socket`, which becomes stdin, and
+/// `keep`, which becomes descriptor 3), then says it is ready (its pid, on the socket).
 ///
 /// # Safety
 /// As [`watch`]'s.
-unsafe fn detach(socket: RawFd) {
+unsafe fn detach(socket: RawFd, keep: Option<RawFd>) {
     // SAFETY: the function's contract; each call gets valid pointers to stack buffers or
     // static NUL-terminated strings.
     unsafe {
@@ -218,7 +221,9 @@ unsafe fn detach(socket: RawFd) {
         }
         // keep no directory busy
         libc::chdir(c"/".as_ptr());
-        // keep no descriptor of the agent's open: not its output, sockets or the workers' pipes
+        // keep no descriptor of the agent's open (not its output, sockets or the workers' pipes)
+        // but the job cgroup's lock, first copied out of the way of the renumbering below
+        let kept = keep.map_or(-1, |fd| libc::fcntl(fd, libc::F_DUPFD, 10));
         if socket != 0 {
             libc::dup2(socket, 0);
         }
@@ -230,7 +235,11 @@ unsafe fn detach(socket: RawFd) {
             libc::dup2(null, 1);
             libc::dup2(null, 2);
         }
-        close_from(3);
+        if kept >= 0 && libc::dup2(kept, 3) == 3 {
+            close_from(4);
+        } else {
+            close_from(3);
+        }
         let pid = libc::getpid().to_ne_bytes();
         libc::write(0, pid.as_ptr().cast(), pid.len());
     }
