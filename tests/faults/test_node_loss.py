@@ -62,6 +62,49 @@ def test_a_host_killed_mid_all_reduce_is_a_lost_node_and_the_others_train_on(tmp
     assert_nothing_left(marker)
 
 
+# heartbeats that lapse only after 5 minutes, and steps whose compute outlasts the tests: a
+# loss is found by the member watching the lost one, or not within the tests' waits at all
+SLOW_HEARTBEATS = "keep_alive_interval=60s,keep_alive_max_attempt=5,join_timeout=60s"
+WATCHED = "closed the connection this node watches it by"
+
+
+@pytest.mark.parametrize("rendezvous", ["c10d", "etcd"], indirect=True)
+def test_a_host_killed_while_the_workers_compute_is_found_lost_by_the_member_watching_it(
+    tmp_path, marker, hosts, rendezvous
+):
+    backend, endpoint = rendezvous
+    env = ("COMPUTE_S=600",)
+    agents = [
+        train_node(tmp_path, marker, hosts, i, "2:3", endpoint, SLOW_HEARTBEATS, "watch", backend=backend, env=env)
+        for i in range(3)
+    ]
+    three = wait_round(tmp_path, 3)
+    hosts.kill(1)  # (with c10d, host 0 serves the store)
+    two = wait_round(
+        tmp_path, 2, after=three, what="the survivors re-forming (no collective broke, no heartbeat lapsed)"
+    )
+    survivors = [agents[0], agents[2]]
+    outputs = [a.output() for a in survivors]
+    assert any(WATCHED in out for out in outputs), outputs
+    assert any("presence port refused the probe" in out for out in outputs), outputs
+    assert {r["restart"] for r in starts(tmp_path) if r["round"] == two} == {0}, starts(tmp_path)
+    finish_all(tmp_path, survivors, marker)
+
+
+def test_watched_members_that_compute_and_end_are_never_taken_for_lost(tmp_path, marker, hosts):
+    endpoint = f"{hosts.addr(0)}:29400"
+    env = ("COMPUTE_S=2",)
+    agents = [
+        train_node(tmp_path, marker, hosts, i, 3, endpoint, SLOW_HEARTBEATS, "healthy", env=env) for i in range(3)
+    ]
+    three = wait_round(tmp_path, 3)
+    trained(tmp_path, three, steps=3 * 3)  # three steps of long compute, each watched
+    finish_all(tmp_path, agents, marker)  # the agents end at different moments: no loss
+    assert rounds_of(tmp_path, 3) == [three], starts(tmp_path)
+    for a in agents:
+        assert WATCHED not in a.output() and "re-forming" not in a.output(), a.output()
+
+
 def test_a_loss_that_leaves_too_few_nodes_ends_the_job_naming_the_lost_node(tmp_path, marker, hosts):
     endpoint = f"{hosts.addr(0)}:29400"
     agents = [train_node(tmp_path, marker, hosts, i, 3, endpoint, "join_timeout=8s", "loss") for i in range(3)]

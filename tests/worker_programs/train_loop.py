@@ -7,7 +7,9 @@ that long (the other nodes wait for it at the exit barrier).
 
 Over network namespaces every node shares the host name, so ELASTIX_COLLECTIVES_HOST_ID (set
 by the test per node) keeps the ranks of different nodes on TCP, as on real machines. With
-TRAIN_RPC=1 every rank also joins elastix RPC and calls its right neighbour every 10 steps."""
+TRAIN_RPC=1 every rank also joins elastix RPC and calls its right neighbour every 10 steps.
+With COMPUTE_S=<seconds>, each step computes that long (a sleep, cut short by the stop file)
+before its all_reduce: a peer's death then reaches no collective for as long."""
 
 import json
 import os
@@ -45,10 +47,14 @@ if os.environ.get("TRAIN_RPC") == "1":
 grad = np.ones(64 * 1024, np.float32)  # 256 KiB: most of a step is spent in the collective
 steps = open(os.path.join(out, f"steps_{record['round']}_{rank}.txt"), "a", buffering=1)
 deadline = time.monotonic() + 180
+compute = float(os.environ.get("COMPUTE_S", "0"))
 step = 0
 while True:
     if time.monotonic() > deadline:
         raise SystemExit("the test never asked this worker to stop")
+    computed = time.monotonic() + compute
+    while time.monotonic() < computed and not os.path.exists(os.path.join(out, "stop")):
+        time.sleep(0.05)
     grad[:] = 1.0
     # the last element carries "stop": every rank leaves after the same step
     grad[-1] = float(os.path.exists(os.path.join(out, "stop")))

@@ -9,6 +9,7 @@ use tokio::sync::watch;
 
 use super::change::{MembershipChange, RendezvousInfo};
 use super::error::Result;
+use super::node::NodeDesc;
 use super::presence::Census;
 use super::records::{AgentFacts, FailureRecord};
 use crate::auth::Secret;
@@ -123,6 +124,12 @@ pub trait Backend: Send {
     /// ([`super::presence`]).
     fn census<'a>(&'a mut self, _only: Option<&'a [u32]>) -> Fut<'a, Census> {
         ready(Census::default())
+    }
+
+    /// The member of the current round with group rank `rank`, as it described itself (its
+    /// address and presence port), if the backend keeps members' descriptions.
+    fn member_node(&mut self, _rank: u32) -> Fut<'_, Option<NodeDesc>> {
+        ready(None)
     }
 
     /// What ended this node's round without its watcher having said so yet: a newer round

@@ -9,12 +9,22 @@
 //! processes all died); a refusal alone is not, for a firewall that rejects answers the same
 //! way; no answer at all is only a suspicion (a stopped agent, a dead machine, a cut link),
 //! which the heartbeats or the lease then settle.
+//!
+//! A member can also be watched: a connection that sends [`WATCH`] is held open, and the
+//! moment the agent dies (with every process of its host, say) its kernel closes it. The
+//! watcher then asks the census at once, where the workers might compute for a while before
+//! a collective breaks, and a heartbeat takes a loss window. Only a few watchers are held
+//! ([`WATCHERS`]); a connection that does not say it watches within [`WATCH_HELLO`] (a probe)
+//! is closed.
 
 use std::io;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{lookup_host, TcpListener, TcpStream};
+use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
 
 use super::node::NodeDesc;
@@ -30,10 +40,21 @@ pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// this long before the others re-form.
 pub const ASK_PATIENCE: Duration = Duration::from_millis(250);
 
+/// What a watcher sends once connected: hold this connection for as long as the agent lives.
+pub const WATCH: u8 = b'W';
+/// Watchers' connections held at once, at most: a round's agents watch one member each, and
+/// strangers may fill the rest (a watcher then goes without, and the census is asked when the
+/// collectives break or the heartbeats lapse, as before).
+const WATCHERS: usize = 64;
+/// How long an accepted connection has to say it watches.
+const WATCH_HELLO: Duration = Duration::from_secs(1);
+
 /// This agent's presence listener; stops when dropped.
 pub struct Presence {
     port: u16,
     task: JoinHandle<()>,
+    /// Dropped with the listener: the watchers' connections close too.
+    _open: watch::Sender<()>,
 }
 
 impl Presence {
@@ -55,16 +76,31 @@ impl Presence {
             }
         };
         let port = listener.local_addr().ok()?.port();
+        let held = Arc::new(Semaphore::new(WATCHERS));
+        let (open, watching) = watch::channel(());
         let task = tokio::spawn(async move {
             loop {
-                // accepted and closed at once: the connection itself is the answer
-                if let Err(err) = listener.accept().await {
-                    tracing::debug!("presence listener: {err}");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
+                // a probe's connection is the answer; a watcher's is held while it watches
+                match listener.accept().await {
+                    Ok((stream, _)) => {
+                        let Ok(place) = held.clone().try_acquire_owned() else { continue };
+                        let mut open = watching.clone();
+                        tokio::spawn(async move {
+                            tokio::select! {
+                                () = hold(stream) => {}
+                                _ = open.changed() => {} // the listener stopped
+                            }
+                            drop(place);
+                        });
+                    }
+                    Err(err) => {
+                        tracing::debug!("presence listener: {err}");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
                 }
             }
         });
-        Some(Presence { port, task })
+        Some(Presence { port, task, _open: open })
     }
 
     pub fn port(&self) -> u16 {
@@ -75,6 +111,41 @@ impl Presence {
 impl Drop for Presence {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+/// Holds a watcher's connection until it goes (or sends anything more); closes any other.
+async fn hold(mut stream: TcpStream) {
+    let mut byte = [0u8; 1];
+    if let Ok(Ok(1)) = tokio::time::timeout(WATCH_HELLO, stream.read(&mut byte)).await {
+        if byte[0] == WATCH {
+            let _ = stream.read(&mut byte).await;
+        }
+    }
+}
+
+/// A connection held to a member's presence port.
+pub struct Watched(TcpStream);
+
+impl Watched {
+    /// Connects to the agent at `host:port` (within `timeout`) and asks it to hold the
+    /// connection.
+    pub async fn connect(host: &str, port: u16, timeout: Duration) -> io::Result<Watched> {
+        let connect = async {
+            let mut stream = TcpStream::connect((host, port)).await?;
+            stream.write_all(&[WATCH]).await?;
+            Ok(Watched(stream))
+        };
+        tokio::time::timeout(timeout, connect)
+            .await
+            .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, format!("no answer within {timeout:?}"))))
+    }
+
+    /// Returns when the other end closed the connection: its agent exited or died, or it
+    /// would not hold it (too many watchers).
+    pub async fn closed(&mut self) {
+        let mut byte = [0u8; 1];
+        while let Ok(1..) = self.0.read(&mut byte).await {}
     }
 }
 
@@ -201,6 +272,39 @@ mod tests {
         let census = census(members, Duration::from_millis(200)).await;
         assert_eq!(census.gone.iter().map(|(rank, _)| *rank).collect::<Vec<_>>(), [2]);
         assert_eq!(census.unsure.iter().map(|(rank, _)| *rank).collect::<Vec<_>>(), [3]);
+    }
+
+    #[tokio::test]
+    async fn a_watch_is_held_while_the_agent_lives_and_closes_when_it_goes() {
+        let presence = Presence::start("127.0.0.1").unwrap();
+        let mut watched = Watched::connect("127.0.0.1", presence.port(), PROBE_TIMEOUT).await.unwrap();
+        let held = tokio::time::timeout(Duration::from_millis(1500), watched.closed()).await;
+        assert!(held.is_err(), "the watch closed while the agent lives (past the hello's deadline too)");
+        // probes are answered as before while a watch is held
+        assert_eq!(probe("127.0.0.1", presence.port(), PROBE_TIMEOUT).await, Probe::Present);
+        drop(presence);
+        tokio::time::timeout(Duration::from_secs(10), watched.closed()).await.expect("the watch closed with the agent");
+    }
+
+    #[tokio::test]
+    async fn strangers_who_fill_the_watchers_places_are_held_apart_from_probes() {
+        let presence = Presence::start("127.0.0.1").unwrap();
+        let mut strangers = Vec::new();
+        for _ in 0..WATCHERS {
+            strangers.push(Watched::connect("127.0.0.1", presence.port(), PROBE_TIMEOUT).await.unwrap());
+        }
+        // one more is closed at once (its watcher falls back on the census when the
+        // collectives break); a probe is still answered
+        let mut late = Watched::connect("127.0.0.1", presence.port(), PROBE_TIMEOUT).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(10), late.closed()).await.expect("closed at once");
+        assert_eq!(probe("127.0.0.1", presence.port(), PROBE_TIMEOUT).await, Probe::Present);
+        // a connection that never says it watches is closed after the hello's deadline
+        let mut silent = TcpStream::connect(("127.0.0.1", presence.port())).await.unwrap();
+        drop(strangers.pop());
+        tokio::time::sleep(Duration::from_millis(50)).await; // its place is given back
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(WATCH_HELLO * 5, silent.read(&mut byte)).await;
+        assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "a silent connection was held: {read:?}");
     }
 
     #[tokio::test]

@@ -17,8 +17,13 @@ impl Agent {
     /// breaks its peers' collectives at once, a loss window before its heartbeats lapse. The
     /// members' agents are asked directly ([`Rendezvous::census`]; the gone ones are reported
     /// lost to everyone); a member that does not answer is settled by its heartbeats or lease,
-    /// waited for up to a loss window. `Some`: the change that explains the failure.
-    pub(super) async fn member_loss(&mut self, changes: &mut Changes) -> Result<Option<MembershipChange>> {
+    /// waited for up to a loss window when `patience` says so. `Some`: the change that
+    /// explains the failure.
+    pub(super) async fn member_loss(
+        &mut self,
+        changes: &mut Changes,
+        patience: Patience,
+    ) -> Result<Option<MembershipChange>> {
         // another member may have found the loss first
         if let Some(change) = changes.as_ref().and_then(|changes| changes.borrow().clone()) {
             return Ok(Some(change));
@@ -52,6 +57,10 @@ impl Agent {
             }
             Verdict::Unsure(unsure) => unsure,
         };
+        if patience == Patience::Answers {
+            tracing::info!("{} did not answer: the heartbeats will tell", unsure.join(", "));
+            return Ok(None);
+        }
         tracing::info!(
             "the workers failed and {} did not answer; waiting up to {window:.1?} for the heartbeats to say whether it is lost",
             unsure.join(", ")
@@ -61,6 +70,16 @@ impl Agent {
             (signal, _) = self.signals.recv() => Err(AgentError::Interrupted(signal)),
         }
     }
+}
+
+/// How long a question about a member's loss waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Patience {
+    /// For the answers and the probes only: a suspicion while the workers run on.
+    Answers,
+    /// Then for the heartbeats of the members that did not answer, up to a loss window: the
+    /// workers failed and wait for the verdict.
+    Heartbeats,
 }
 
 /// What asking the round's members found after the workers failed.

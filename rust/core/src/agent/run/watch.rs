@@ -7,6 +7,8 @@ use nix::sys::signal::Signal;
 
 use super::agent::Agent;
 use super::changes::{next_change, Changes};
+use super::loss::Patience;
+use super::neighbor::NeighborWatch;
 use super::report::{End, Report};
 use super::{describe, State};
 use crate::agent::error::{AgentError, Result};
@@ -37,6 +39,14 @@ pub(super) struct Attempt {
     pub(super) changes: Changes,
 }
 
+/// What makes the agent ask whether a member is lost while its workers run.
+enum Suspicion {
+    /// Elastic workers whose collective failed (pid, why).
+    Broken(Vec<(u32, String)>),
+    /// The member this node watches closed the connection.
+    NeighborClosed,
+}
+
 /// What ended one attempt.
 pub(super) enum Event {
     Workers(GroupOutcome),
@@ -61,9 +71,10 @@ impl Agent {
         // the summary of a failure that ends the job lists all that fail with it
         let last_chance = report.restart_count >= i64::from(self.config.max_restarts);
         let together = if last_chance { FAILED_TOGETHER } else { Duration::ZERO };
+        let mut neighbor = NeighborWatch::start(&mut self.rdzv, &info).await;
         let event = loop {
-            let event = tokio::select! {
-                waited = group.wait(&mut dumps, &mut self.standbys, together) => Ok(match waited {
+            let suspicion = tokio::select! {
+                waited = group.wait(&mut dumps, &mut self.standbys, together) => break match waited {
                     Waited::Done(outcome) => Event::Workers(outcome),
                     // describing and stopping hung workers (their stacks, who holds them up,
                     // across nodes too) is not cut short by a change another node's failure
@@ -71,26 +82,44 @@ impl Agent {
                     Waited::Hung(hung) => {
                         Event::Workers(GroupOutcome::Failed(group.stop_hung(hung, dumps.exchange()).await))
                     }
-                }),
-                change = next_change(&mut changes) => Ok(Event::Change(change)),
-                (signal, forward) = self.signals.recv() => Ok(Event::Signal(signal, forward)),
-                broken = next_broken(&mut self.control) => Err(broken),
+                },
+                change = next_change(&mut changes) => break Event::Change(change),
+                (signal, forward) = self.signals.recv() => break Event::Signal(signal, forward),
+                broken = next_broken(&mut self.control) => Suspicion::Broken(broken),
+                () = neighbor.closed() => Suspicion::NeighborClosed,
             };
-            let broken = match event {
-                Ok(event) => break event,
-                Err(broken) => broken,
+            // an elastic worker's collective failed and it waits for word, or the member this
+            // node watches closed its connection: a member's loss is asked about now, as a
+            // failed plain worker would have it asked
+            let (why, patience) = match &suspicion {
+                Suspicion::Broken(broken) => (
+                    format!("the collective of worker pid {} failed ({})", broken[0].0, broken[0].1),
+                    Patience::Heartbeats,
+                ),
+                // the workers run on meanwhile: a member that does not answer is left to its
+                // heartbeats rather than waited for here
+                Suspicion::NeighborClosed => (
+                    format!("{} closed the connection this node watches it by", neighbor.describe()),
+                    Patience::Answers,
+                ),
             };
-            // an elastic worker's collective failed and it waits for word: a member's loss is
-            // asked about now, as a failed plain worker would have it asked
-            let (pid, why) = &broken[0];
-            tracing::info!("the collective of worker pid {pid} failed ({why}); asking whether a member is lost");
-            match self.member_loss(&mut changes).await {
+            tracing::info!("{why}; asking whether a member is lost");
+            match self.member_loss(&mut changes, patience).await {
                 Ok(Some(change)) => break Event::Change(change),
-                Ok(None) => tracing::info!("every member is there: the workers wait for the job to re-form"),
+                Ok(None) => match suspicion {
+                    Suspicion::Broken(_) => {
+                        tracing::info!("every member is there: the workers wait for the job to re-form")
+                    }
+                    Suspicion::NeighborClosed => {
+                        tracing::info!("no member is lost: {} is watched again", neighbor.describe());
+                        neighbor.again();
+                    }
+                },
                 Err(AgentError::Interrupted(signal)) => break Event::Signal(signal, false),
                 Err(err) => return Err(err),
             }
         };
+        drop(neighbor);
         count_exits(&event, self.config.local_world_size);
         match event {
             Event::Workers(GroupOutcome::Succeeded) => {
@@ -134,7 +163,7 @@ impl Agent {
         report: &mut Report,
     ) -> Result<State> {
         let grace = self.config.shutdown_timeout();
-        let loss = match self.member_loss(changes).await {
+        let loss = match self.member_loss(changes, Patience::Heartbeats).await {
             Ok(loss) => loss,
             Err(AgentError::Interrupted(signal)) => {
                 self.events.workers_failed(&failures, None).await;

@@ -210,6 +210,16 @@ impl<S: RendezvousStore> Backend for DynamicRendezvous<S> {
         })
     }
 
+    /// The member record of group rank `rank` in the current round, read as a question is.
+    fn member_node(&mut self, rank: u32) -> Fut<'_, Option<NodeDesc>> {
+        Box::pin(async move {
+            let outer = self.connect_by.replace(ConnectBound::question(&self.me.settings));
+            let node = self.read_member(rank).await;
+            self.connect_by = outer;
+            node
+        })
+    }
+
     /// What ended this node's round without its watcher having said so yet: a newer round
     /// (the others re-formed without it: this agent was stopped, or cut off, while they did),
     /// the store losing the state the round lived in (it restarted empty), or an event about

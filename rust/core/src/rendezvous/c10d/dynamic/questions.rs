@@ -4,6 +4,13 @@
 use super::*;
 
 impl<S: RendezvousStore> DynamicRendezvous<S> {
+    /// How group rank `rank` of the current round described itself when it arrived.
+    pub(super) async fn read_member(&mut self, rank: u32) -> Result<Option<NodeDesc>> {
+        let Some(round) = self.current.as_ref().map(|m| m.round) else { return Ok(None) };
+        let bytes = self.with_conn(async |conn| conn.try_get(&member_key(round, rank)).await).await?;
+        Ok(bytes.and_then(|bytes| decode::<Arrival>(&bytes, "member").ok()).and_then(|arrival| arrival.node))
+    }
+
     /// `census`, its new connections bounded as a question's: the workers' failure
     /// that prompts it often came with the store's loss.
     pub(super) async fn ask_members(&mut self, only: Option<&[u32]>) -> Result<Census> {

@@ -178,6 +178,21 @@ impl Backend for EtcdRendezvous {
         })
     }
 
+    /// The member key of group rank `rank` in the current round (as sealed), decoded.
+    fn member_node(&mut self, rank: u32) -> Fut<'_, Option<NodeDesc>> {
+        Box::pin(async move {
+            let Some(membership) = &self.current else { return Ok(None) };
+            let request = ops::members_as_sealed(
+                &self.keys.members(membership.round),
+                membership.sealed_at,
+                membership.last_member,
+            );
+            let response = self.client.range(request).await.map_err(|err| self.error(err))?;
+            let member = response.kvs.get(rank as usize);
+            Ok(member.and_then(|kv| decode::<Arrival>(&kv.value, "member").ok()).and_then(|arrival| arrival.node))
+        })
+    }
+
     /// Asks the other members of the current round (`only` these group ranks, if given)
     /// whether they are still there: through etcd first (a member whose agent runs and reaches
     /// etcd answers in its ask key at once), then, for those that do not answer, at their
