@@ -67,6 +67,32 @@ def test_a_save_that_does_not_block_copies_beside_the_caller_and_wait_returns_on
     assert same(elastix.checkpoint.open(memory=memory).load(), state(5))
 
 
+def test_pipelined_saves_fault_in_the_slot_the_next_save_takes_and_touch_no_step(tmp_path):
+    memory = tmp_path / "memory"
+    slots = memory / "rank-0"
+    big = {"w": np.arange(1 << 20, dtype=np.float32)}  # 4 MiB
+    size = big["w"].nbytes
+
+    memory.mkdir()
+
+    def saved(step, pinned=()):
+        (memory / "pinned.json").write_text(json.dumps({"v": 1, "steps": list(pinned)}))
+        with elastix.checkpoint.open(memory=str(memory)) as ckpt:  # close: the copier's queue is done
+            ckpt.save(step, {"w": big["w"] + step}, block=False)
+        return sorted(p.name for p in slots.glob("slot-*.data"))
+
+    assert saved(0) == ["slot-0.data", "slot-1.data"], "slot 1, which the next save takes, is prepared"
+    assert os.stat(slots / "slot-1.data").st_blocks * 512 >= size, "its pages are in"
+    assert not (slots / "slot-1.json").exists(), "a prepared slot holds no step"
+    assert slot_steps(memory) == [0] and same(elastix.checkpoint.open(memory=str(memory)).load(), {"w": big["w"]})
+    # the next saves alternate between the two: nothing more is prepared
+    assert saved(1) == saved(2) == ["slot-0.data", "slot-1.data"]
+    # a pinned step keeps its slot: the save after the next one takes a fresh slot, prepared now
+    assert saved(3, pinned=[2]) == ["slot-0.data", "slot-1.data", "slot-2.data"]
+    assert slot_steps(memory) == [2, 3]
+    assert same(elastix.checkpoint.open(memory=str(memory)).load(), {"w": big["w"] + 3})
+
+
 def test_a_slot_torn_by_a_crash_mid_save_is_not_used(tmp_path):
     memory = tmp_path / "memory"
     ckpt = elastix.checkpoint.open(memory=str(memory))

@@ -84,6 +84,8 @@ class Checkpoint:
         if self._copier is None:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastix-checkpoint")
         self._copying = self._copier.submit(self._memory.save, step, self.world_size, structure, flat)
+        # the slot the next save takes, faulted in while the loop goes on if it is fresh
+        self._copier.submit(self._memory.own.prepare, flat.size)
 
     def wait(self) -> None:
         """Returns once the copy of the last ``save(block=False)`` is done (at once when none is
