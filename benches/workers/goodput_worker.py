@@ -11,6 +11,8 @@ Writes to $OUT_DIR: steps-<rank>.txt ("<unix time> <step>" per step done: traine
 saves, saved), starts-<rank>.txt
 ("<step restored or -1> <seconds the restore took> <unix time>" per start), saves-<rank>.txt ("<seconds
 the save blocked the loop, with the wait for its copy> <step>"), memcpy-<rank>.txt (a plain copy of the same state, the floor),
+phases-<rank>.txt ("<unix time> <step> <seconds the compute overran> <seconds in the
+all_reduce> <seconds waiting for the last save's copy>": where a slow step's time went),
 final.txt (rank 0's last step). Stops, every rank after the same step, once $OUT_DIR/stop
 exists."""
 
@@ -166,12 +168,16 @@ def train(job) -> None:
     # copy is whole, which the next wait tells
     copying = None
     while True:
+        step_began = time.perf_counter()
         time.sleep(args.step_s)  # the step's compute
+        computed = time.perf_counter()
         flag[0] = float(os.path.exists(os.path.join(out, "stop")))
         job.all_reduce(flag)
-        began = time.perf_counter()
+        reduced = time.perf_counter()
         job.wait()  # the last save's copy, before the state changes
-        waited = time.perf_counter() - began
+        waited = time.perf_counter() - reduced
+        late = computed - step_began - args.step_s
+        log("phases", f"{time.time():.3f} {step} {late:.4f} {reduced - computed:.4f} {waited:.4f}")
         if copying is not None:
             log("steps", f"{time.time():.3f} {copying}")
             copying = None
