@@ -91,14 +91,18 @@ class AgentLine:
                 self._cond.wait(left)
             return self._notice
 
-    def place(self, step: float) -> Optional[Place]:
-        """The next place, waiting up to ``step`` seconds for it (None: not yet)."""
+    def place(self, step: float, after: int = -1) -> Optional[Place]:
+        """The place in a round after ``after``, waiting up to ``step`` seconds for it (None:
+        not yet)."""
         with self._cond:
-            if self._place is None and not self._closed:
+            if not self._placed(after) and not self._closed:
                 self._cond.wait(step)
-            if self._place is None and self._closed:
+            if not self._placed(after) and self._closed:
                 raise ConnectionError("this worker's elastix agent closed its line before placing it")
-            return self._place
+            return self._place if self._placed(after) else None
+
+    def _placed(self, after: int) -> bool:
+        return self._place is not None and self._place.round > after
 
     def settled(self, took: float, left: float, placed: float) -> None:
         """Forgets the re-form just done and tells the agent the worker trains again, ``took``

@@ -67,6 +67,8 @@ def _run(
         ckpt: Optional[_checkpoint.Checkpoint] = None
         try:
             with interrupter.armed():
+                if line is not None:
+                    _stop_if_over(line)
                 collectives.init_process_group(backend=backend, timeout=timeout)
                 ckpt = _checkpoint.open()
                 if line is not None and notice is not None:
@@ -104,13 +106,26 @@ def _reform_notice(line: Optional[AgentLine], err: BaseException) -> Optional[No
     return notice
 
 
+def _stop_if_over(line: AgentLine) -> None:
+    """Raises :class:`Reforming` if the round this worker is about to join is over already:
+    the agent re-formed again while the worker had no span armed (between the notice and its
+    place), so that re-form's interrupt was not raised, and joining would wait for peers that
+    went on to the next round."""
+    notice = line.notice(0)
+    joining = int(os.environ.get("ELASTIX_ROUND", "-1"))
+    if notice is not None and notice.round >= joining:
+        raise Reforming(f"round {joining} is over: {notice.why}")
+
+
 def _await_place(line: AgentLine, notice: Notice) -> Place:
-    """The worker's place in the next round, waited for until the notice's deadline."""
+    """The worker's place in a round after the notice's, waited for until the notice's
+    deadline (a place in an earlier round, given before the agent re-formed again, is not
+    taken)."""
     until = time.strftime("%H:%M:%S", time.localtime(time.time() + notice.until - time.monotonic()))
     _say(f"the job re-forms ({notice.why}); waiting for this worker's place in round > {notice.round}, until {until}")
     while True:
         progress.heartbeat()
-        place = line.place(min(_BEAT_EVERY, max(0.0, notice.until - time.monotonic())))
+        place = line.place(min(_BEAT_EVERY, max(0.0, notice.until - time.monotonic())), after=notice.round)
         if place is not None:
             return place
         if time.monotonic() >= notice.until:
