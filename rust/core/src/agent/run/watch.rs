@@ -88,35 +88,8 @@ impl Agent {
                 broken = next_broken(&mut self.control) => Suspicion::Broken(broken),
                 () = neighbor.closed() => Suspicion::NeighborClosed,
             };
-            // an elastic worker's collective failed and it waits for word, or the member this
-            // node watches closed its connection: a member's loss is asked about now, as a
-            // failed plain worker would have it asked
-            let (why, patience) = match &suspicion {
-                Suspicion::Broken(broken) => (
-                    format!("the collective of worker pid {} failed ({})", broken[0].0, broken[0].1),
-                    Patience::Heartbeats,
-                ),
-                // the workers run on meanwhile: a member that does not answer is left to its
-                // heartbeats rather than waited for here
-                Suspicion::NeighborClosed => (
-                    format!("{} closed the connection this node watches it by", neighbor.describe()),
-                    Patience::Answers,
-                ),
-            };
-            tracing::info!("{why}; asking whether a member is lost");
-            match self.member_loss(&mut changes, patience).await {
-                Ok(Some(change)) => break Event::Change(change),
-                Ok(None) => match suspicion {
-                    Suspicion::Broken(_) => {
-                        tracing::info!("every member is there: the workers wait for the job to re-form")
-                    }
-                    Suspicion::NeighborClosed => {
-                        tracing::info!("no member is lost: {} is watched again", neighbor.describe());
-                        neighbor.again();
-                    }
-                },
-                Err(AgentError::Interrupted(signal)) => break Event::Signal(signal, false),
-                Err(err) => return Err(err),
+            if let Some(event) = self.ask_after(suspicion, &mut changes, &mut neighbor).await? {
+                break event;
             }
         };
         drop(neighbor);
@@ -147,6 +120,45 @@ impl Agent {
                 self.events.workers_stopped(info.round, "signal").await;
                 Ok(State::End(End::Interrupted(signal)))
             }
+        }
+    }
+
+    /// An elastic worker's collective failed and it waits for word, or the member this node
+    /// watches closed its connection: a member's loss is asked about now, as a failed plain
+    /// worker would have it asked. `Some`: the event that ends the attempt.
+    async fn ask_after(
+        &mut self,
+        suspicion: Suspicion,
+        changes: &mut Changes,
+        neighbor: &mut NeighborWatch,
+    ) -> Result<Option<Event>> {
+        let (why, patience) = match &suspicion {
+            Suspicion::Broken(broken) => {
+                (format!("the collective of worker pid {} failed ({})", broken[0].0, broken[0].1), Patience::Heartbeats)
+            }
+            // the workers run on meanwhile: a member that does not answer is left to its
+            // heartbeats rather than waited for here
+            Suspicion::NeighborClosed => {
+                (format!("{} closed the connection this node watches it by", neighbor.describe()), Patience::Answers)
+            }
+        };
+        tracing::info!("{why}; asking whether a member is lost");
+        match self.member_loss(changes, patience).await {
+            Ok(Some(change)) => Ok(Some(Event::Change(change))),
+            Ok(None) => {
+                match suspicion {
+                    Suspicion::Broken(_) => {
+                        tracing::info!("every member is there: the workers wait for the job to re-form")
+                    }
+                    Suspicion::NeighborClosed => {
+                        tracing::info!("no member is lost: {} is watched again", neighbor.describe());
+                        neighbor.again();
+                    }
+                }
+                Ok(None)
+            }
+            Err(AgentError::Interrupted(signal)) => Ok(Some(Event::Signal(signal, false))),
+            Err(err) => Err(err),
         }
     }
 
