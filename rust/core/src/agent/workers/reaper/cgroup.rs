@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime};
 
-use nix::fcntl::{Flock, FlockArg};
+use nix::fcntl::Flock;
 
 /// How long a leaf's removal waits for its killed processes to leave it.
 const RMDIR_WAIT: Duration = Duration::from_secs(10);
@@ -131,10 +131,7 @@ impl JobCgroup {
             if !dir.join("cgroup.kill").exists() {
                 return Err("the kernel has no cgroup.kill (Linux 5.14 or newer is needed)".to_owned());
             }
-            let lock = File::open(&dir)
-                .map_err(|err| err.to_string())
-                .and_then(|dir| Flock::lock(dir, FlockArg::LockExclusiveNonblock).map_err(|(_, err)| err.to_string()))
-                .map_err(|err| format!("cannot lock {}: {err}", dir.display()))?;
+            let lock = crate::agent::shm::hold(&dir).map_err(|err| err.to_string())?;
             let dir_c = CString::new(dir.as_os_str().as_bytes()).map_err(|_| "a NUL byte in the path".to_owned())?;
             let cgroup =
                 Cgroup::new(&dir, format!("{}/{name}", own.trim_end_matches('/'))).map_err(|e| e.to_string())?;
@@ -258,9 +255,7 @@ fn remove_stale(parent: &Path) -> Vec<String> {
         }
         let dir = entry.path();
         // held until the directory is gone: a second agent sweeping at once skips it
-        let Ok(_lock) = File::open(&dir).and_then(|file| {
-            Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, err)| io::Error::from(err))
-        }) else {
+        let Ok(_lock) = crate::agent::shm::hold(&dir) else {
             continue; // its agent or watchdog lives
         };
         let events = std::fs::read_to_string(dir.join("cgroup.events")).unwrap_or_default();
