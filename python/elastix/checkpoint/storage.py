@@ -95,8 +95,9 @@ class Slots:
             data = self._paths(slot)[0]
             if slot in self._maps or os.path.exists(data):
                 return  # written before: its pages are in
-            stats = os.statvfs(self.dir)
-            if stats.f_bavail * stats.f_frsize < size:
+            try:
+                self._check_room(data, size)
+            except CheckpointError:
                 return  # a page fault past the room would kill the process; the save says why
             memory = self._mapped(slot, data, max(size, 1))
             # one write per page; NumPy lets go of the GIL for it
