@@ -87,6 +87,11 @@ def test_a_host_killed_mid_all_reduce_leaves_the_survivors_training_in_the_same_
     assert by_host["host1"]["source"] == "peer" and by_host["host1"]["call"] == 1, joined
     assert {h: by_host[h]["pid"] for h in ("host0", "host2")} == {h: pids[h] for h in ("host0", "host2")}, joined
     assert len({record["step"] for record in joined}) == 1 and all(r["exact"] for r in joined), joined
+    # and nothing was lost to it: the survivors finished the step they computed and stopped in
+    # its save (before logging it), the step the agents agreed on; the job went on from there
+    assert joined[0]["step"] == max(steps(tmp_path, two)) + 1, (joined, sorted(steps(tmp_path, two))[-3:])
+    assert all(left(tmp_path, two, r["rank"], r["pid"]) == "Reforming" for r in after), after
+    assert f"stopped after its save of step {joined[0]['step']}" in agents[0].output()
     wait_for(lambda: trained(tmp_path, grown, 3, 5), timeout=60, what="three nodes training again")
     assert_replicas_agree(tmp_path, grown, joined[0]["step"])
     finish_all(tmp_path, [agents[0], agents[2], joiner], marker)

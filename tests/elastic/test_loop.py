@@ -1,7 +1,8 @@
 """The elastic loop's side of its line to the agent (elastix/elastic/loop.py, line.py): the test
 plays the agent on a socket pair. The agent may re-form twice in a row (a node lost, then its
 replacement joining a few milliseconds later); a worker still between the first notice and its
-place must neither join the round already over nor take its place."""
+place must neither join the round already over nor take its place. A node that joins is
+waited for at a step boundary instead: the worker stops in its save of the agreed step."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from elastix.elastic.interrupt import Reforming
 from elastix.elastic.line import AgentLine, Notice
-from elastix.elastic.loop import _await_place, _stop_if_over
+from elastix.elastic.loop import _await_place, _drain_point, _stop_if_over
 
 
 @pytest.fixture
@@ -26,6 +27,21 @@ def agent_and_line():
         agent.sendall(json.dumps({"kind": kind, "round": round_, **fields}).encode() + b"\n")
 
     yield say, line
+    agent.close()
+
+
+@pytest.fixture
+def agent_hearing_line():
+    """As agent_and_line, and what the worker says on the line, a message at a time."""
+    agent, worker = socket.socketpair()
+    line = AgentLine(worker, notice_within=1.0)
+    heard = agent.makefile("rb")
+
+    def say(kind, round_, **fields):
+        agent.sendall(json.dumps({"kind": kind, "round": round_, **fields}).encode() + b"\n")
+
+    agent.settimeout(5)
+    yield say, line, lambda: json.loads(heard.readline())
     agent.close()
 
 
@@ -67,3 +83,71 @@ def test_joining_a_round_that_is_over_raises_reforming(agent_and_line, monkeypat
     notice_of(line, 2)
     with pytest.raises(Reforming, match="round 2 is over: round 2 re-forms"):
         _stop_if_over(line)
+
+
+def drain(say, round_, step):
+    say("drain", round_, step=step, why=f"a node joins: round {round_} re-forms after step {step}", deadline_ms=60_000)
+
+
+def drain_told(line, step):
+    """Waits until the line holds the agent's drain (the agent's messages arrive on a thread)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with line._cond:
+            if line._drain is not None and line._drain.step == step:
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"no drain after step {step}")
+
+
+def test_a_drain_stops_the_worker_in_its_save_of_the_agreed_step_and_says_so(agent_hearing_line):
+    say, line, heard = agent_hearing_line
+    after_save = _drain_point(line)
+    after_save(3)
+    drain(say, 2, 5)
+    drain_told(line, 5)
+    after_save(4)  # the steps before go on, and no abort came: nothing was interrupted
+    assert line.notice(0) is None
+    with pytest.raises(Reforming, match="re-forms after step 5"):
+        after_save(5)
+    notice = line.notice(0)
+    assert notice is not None and notice.round == 2
+    line.drained()
+    assert heard() == {"kind": "drained", "round": 2, "step": 5}
+    # the place comes in the next round, as after an abort
+    say("assign", 3, env={"ELASTIX_ROUND": "3"})
+    assert _await_place(line, notice).round == 3
+    line.settled(0.1, 0.0, 0.05)
+    assert heard()["kind"] == "reformed"
+    after_save(6)  # the drain is over with its round
+    assert line.notice(0) is None
+    # the next round restored an older step: a drain for a step below the last saved is not
+    # taken for one this worker is past
+    line.settled(0.1, 0.0, 0.05)
+    drain(say, 3, 4)
+    drain_told(line, 4)
+    assert line.notice(0) is None
+    with pytest.raises(Reforming):
+        after_save(4)
+
+
+def test_a_worker_told_to_stop_after_a_step_it_saved_already_stops_at_once(agent_hearing_line):
+    say, line, heard = agent_hearing_line
+    aborted = []
+    line.on_abort = aborted.append
+    _drain_point(line)(7)  # its peers stop after their save of step 7: it is past it
+    drain(say, 4, 7)
+    notice = notice_of(line, 4)
+    assert aborted == [notice.why] and "had saved it already" in notice.why
+    line.drained()
+    assert heard() == {"kind": "drained", "round": 4, "step": 7}
+
+
+def test_a_worker_with_no_drain_says_nothing_when_it_leaves(agent_hearing_line):
+    say, line, heard = agent_hearing_line
+    _drain_point(line)(1)
+    abort(say, 1)
+    notice_of(line, 1)
+    line.drained()  # it left for an abort: the agent waits for no drain
+    line.broken("x")
+    assert heard() == {"kind": "broken", "why": "x"}

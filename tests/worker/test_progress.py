@@ -58,3 +58,36 @@ def test_a_slot_claimed_by_another_process_is_left_alone(tmp_path):
     words, done = run_with_a_page(tmp_path, "import elastix\nelastix.heartbeat()\nprint('ok')\n", claimed)
     assert done.stdout == "ok\n", done.stderr
     assert words == tuple(claimed), "nothing written"
+
+
+def test_checkpoint_saves_and_restores_tell_the_agent_the_step_the_state_is_at(tmp_path):
+    # word 29 (after the flight recorder): where the agent stops the workers when a node joins
+    code = f"""
+        import os, struct
+        import numpy as np
+        import elastix
+        page = open(os.environ["ELASTIX_HEARTBEAT_FILE"], "rb")
+
+        def saved():
+            page.seek(0)
+            return struct.unpack("32Q", page.read(256))[29]
+
+        seen = [saved()]
+        ckpt = elastix.checkpoint.open(memory={str(tmp_path / "a")!r})
+        ckpt.load()
+        seen.append(saved())  # nothing restored
+        for step in range(3):
+            ckpt.save(step, {{"w": np.full(4, step)}}, block=step != 1)
+            seen.append(saved())
+        ckpt.close()
+        other = elastix.checkpoint.open(memory={str(tmp_path / "b")!r})
+        other.save(7, {{"w": np.full(4, 7)}})
+        seen.append(saved())
+        # a restore of an older step than the last saved: the state is at that step again
+        again = elastix.checkpoint.open(memory={str(tmp_path / "a")!r})
+        again.load()
+        seen.append(saved())
+        print(seen)
+    """
+    words, done = run_with_a_page(tmp_path, code)
+    assert done.stdout.strip() == str([0, 0, 1, 2, 3, 8, 3]), done.stdout + done.stderr

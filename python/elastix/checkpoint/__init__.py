@@ -33,6 +33,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, List, Optional, Set
 
+from ..worker import progress
 from .errors import CheckpointError
 from .storage import Disk, Memory
 from .tree import first_difference, flatten, rebuild
@@ -68,6 +69,9 @@ class Checkpoint:
         # the copy of a save(block=False) in flight, on the one thread that copies
         self._copier: Optional[ThreadPoolExecutor] = None
         self._copying: Optional[Future] = None
+        #: Called with the step of each save once it is under way: where elastix.elastic
+        #: stops the training function when the job re-forms for a joining node.
+        self.after_save: Optional[Callable[[int], None]] = None
 
     def save(self, step: int, state: Any, *, block: bool = True) -> None:
         """Copies ``state`` (its step ``step``) into the agent's memory, and returns. With
@@ -78,14 +82,17 @@ class Checkpoint:
             raise CheckpointError(f"step must be an int >= 0, got {step!r}")
         self.wait()
         structure, flat = flatten(state)
+        progress.checkpoint_saved(step)
         if block:
             self._memory.save(step, self.world_size, structure, flat)
-            return
-        if self._copier is None:
-            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastix-checkpoint")
-        self._copying = self._copier.submit(self._memory.save, step, self.world_size, structure, flat)
-        # the slot the next save takes, faulted in while the loop goes on if it is fresh
-        self._copier.submit(self._memory.own.prepare, flat.size)
+        else:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastix-checkpoint")
+            self._copying = self._copier.submit(self._memory.save, step, self.world_size, structure, flat)
+            # the slot the next save takes, faulted in while the loop goes on if it is fresh
+            self._copier.submit(self._memory.own.prepare, flat.size)
+        if self.after_save is not None:
+            self.after_save(step)
 
     def wait(self) -> None:
         """Returns once the copy of the last ``save(block=False)`` is done (at once when none is
@@ -129,6 +136,7 @@ class Checkpoint:
             if step is None:
                 self._nothing_held()
                 self.step = self.source = None
+                progress.checkpoint_saved(None)
                 return None
             held = self._memory.read(step)
             found = held[1:] if held else self._disk.read(step)
@@ -146,6 +154,7 @@ class Checkpoint:
             self.step, self.source = step, source
             state = rebuild(manifest["structure"], read)
             self._memory.restored(step, source)
+            progress.checkpoint_saved(step)  # the state is at this step again, whatever was saved since
             return state
         raise CheckpointError(f"no saved step could be read by every rank (refused: {sorted(refused)})")
 

@@ -18,10 +18,13 @@ on (from the agent's memory, or a peer's) and calls the training function again:
 
     elastix.elastic.run(train)
 
-A re-form interrupts the training function where it is (:class:`Reforming` is raised in it,
-as a signal's ``KeyboardInterrupt`` would be): a step that computes is not finished first, since
-the re-form restores a saved step anyway. ``run(train, interrupt=False)`` lets it run on to its
-next collective instead.
+A re-form for a lost member or a failed worker interrupts the training function where it is
+(:class:`Reforming` is raised in it, as a signal's ``KeyboardInterrupt`` would be): a step that
+computes is not finished first, since the re-form restores a saved step anyway.
+``run(train, interrupt=False)`` lets it run on to its next collective instead. A re-form for a
+node that joins loses nothing: every worker finishes the step it computes and stops in its
+``ckpt.save`` of the step the agents agreed on (the next one to be saved), and the job goes on
+from there.
 
 A worker that dies, or raises anything but a collective's failure, is restarted as before (its
 state may be half updated); its peers re-form in process. Plain scripts are unchanged.

@@ -4,7 +4,9 @@ the agent answers how long to wait for its word after a collective failed (the w
 such a failure: ``broken``). When the job re-forms, the agent says so (``abort``: every
 collective of this process is aborted at once, from the line's thread, and the training
 function is interrupted, :mod:`.interrupt`) and later gives the worker its place in the next
-round (``assign``)."""
+round (``assign``). For a node that joins, nothing is lost: the agent rather says after which
+step's checkpoint save to stop (``drain``; at once, as for an abort, if this worker saved that
+step already), and the worker says when it did (``drained``)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,16 @@ class Notice:
 
 
 @dataclass(frozen=True)
+class Drain:
+    """The agent's word that the job re-forms once every worker saved step ``step``."""
+
+    round: int
+    step: int
+    why: str
+    until: float
+
+
+@dataclass(frozen=True)
 class Place:
     """The worker's place in the next round: the environment a worker started now would get."""
 
@@ -50,6 +62,8 @@ class AgentLine:
         self._cond = threading.Condition()
         self._notice: Optional[Notice] = None
         self._place: Optional[Place] = None
+        self._drain: Optional[Drain] = None
+        self._saved: Optional[int] = None  # the step of this worker's last checkpoint save
         self._closed = False
         #: Called with the reason, from the line's thread, once the collectives are aborted.
         self.on_abort: Optional[Callable[[str], None]] = None
@@ -104,12 +118,34 @@ class AgentLine:
     def _placed(self, after: int) -> bool:
         return self._place is not None and self._place.round > after
 
+    def at_save(self, step: int) -> Optional[Notice]:
+        """Notes this worker's checkpoint save of ``step``; the notice to stop now if the job
+        re-forms after this step (the worker then leaves its group and calls :meth:`drained`)."""
+        with self._cond:
+            self._saved = step
+            drain = self._drain
+            if drain is None or step < drain.step or self._notice is not None:
+                return None
+            self._notice = Notice(drain.round, drain.why, drain.until, time.monotonic())
+            self._cond.notify_all()
+            return self._notice
+
+    def drained(self) -> None:
+        """Tells the agent this worker left its group for the drain it was told of, if any,
+        with the step of its last save (whole: the save was waited for)."""
+        with self._cond:
+            drain, self._drain = self._drain, None
+            saved = self._saved
+        if drain is not None:
+            self._send({"kind": "drained", "round": drain.round, "step": saved})
+
     def settled(self, took: float, left: float, placed: float) -> None:
         """Forgets the re-form just done and tells the agent the worker trains again, ``took``
         seconds after it was told; it had left its group after ``left`` and its place after
         ``placed``."""
         with self._cond:
-            place, self._notice, self._place = self._place, None, None
+            place, self._notice, self._place, self._drain = self._place, None, None, None
+            self._saved = None  # the new round's saves start from the step it restored
         if place is not None:
             message = {"kind": "reformed", "round": place.round, "took_ms": int(took * 1000)}
             self._send({**message, "left_ms": int(left * 1000), "placed_ms": int(placed * 1000)})
@@ -130,18 +166,9 @@ class AgentLine:
             message = json.loads(raw)
             kind = message.get("kind")
             if kind == "abort":
-                notice = Notice(
-                    int(message["round"]),
-                    str(message["why"]),
-                    time.monotonic() + message["deadline_ms"] / 1000,
-                    time.monotonic(),
-                )
-                with self._cond:
-                    self._notice = notice  # first: whatever the abort makes the worker raise, this explains it
-                    self._cond.notify_all()
-                _abort_collectives(f"the job re-forms: {notice.why}")
-                if self.on_abort is not None:
-                    self.on_abort(notice.why)
+                self._abort(int(message["round"]), str(message["why"]), message["deadline_ms"] / 1000)
+            elif kind == "drain":
+                self._drain_after(message)
             elif kind == "assign":
                 with self._cond:
                     self._place = Place(int(message["round"]), dict(message["env"]))
@@ -149,6 +176,27 @@ class AgentLine:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    def _abort(self, round: int, why: str, deadline: float) -> None:
+        notice = Notice(round, why, time.monotonic() + deadline, time.monotonic())
+        with self._cond:
+            self._notice = notice  # first: whatever the abort makes the worker raise, this explains it
+            self._cond.notify_all()
+        _abort_collectives(f"the job re-forms: {notice.why}")
+        if self.on_abort is not None:
+            self.on_abort(notice.why)
+
+    def _drain_after(self, message: Dict[str, Any]) -> None:
+        """A drain: kept until the save of its step (:meth:`at_save`), or an abort now if this
+        worker saved that step already (its peers stop there: it would wait for them in its
+        next collective)."""
+        deadline = message["deadline_ms"] / 1000
+        drain = Drain(int(message["round"]), int(message["step"]), str(message["why"]), time.monotonic() + deadline)
+        with self._cond:
+            self._drain = drain
+            past = self._saved is not None and self._saved >= drain.step and self._notice is None
+        if past:
+            self._abort(drain.round, f"{drain.why} (this worker had saved it already)", deadline)
 
 
 def _abort_collectives(reason: str) -> None:

@@ -71,6 +71,8 @@ def _run(
                     _stop_if_over(line)
                 collectives.init_process_group(backend=backend, timeout=timeout)
                 ckpt = _checkpoint.open()
+                if line is not None:
+                    ckpt.after_save = _drain_point(line)
                 if line is not None and notice is not None:
                     line.settled(time.monotonic() - notice.at, left - notice.at, placed - notice.at)
                 return train(ckpt)
@@ -83,6 +85,7 @@ def _run(
             if collectives.is_initialized():
                 collectives.destroy_process_group()
         assert line is not None  # a notice came on it
+        line.drained()
         left = time.monotonic()
         _take(_await_place(line, notice))
         placed = time.monotonic()
@@ -104,6 +107,18 @@ def _reform_notice(line: Optional[AgentLine], err: BaseException) -> Optional[No
         )
         notice = line.notice(line.notice_within)
     return notice
+
+
+def _drain_point(line: AgentLine) -> Callable[[int], None]:
+    """What runs after each checkpoint save: when the job re-forms after this step (a node
+    joins), the training function stops here, its step saved."""
+
+    def after_save(step: int) -> None:
+        notice = line.at_save(step)
+        if notice is not None:
+            raise Reforming(notice.why)
+
+    return after_save
 
 
 def _stop_if_over(line: AgentLine) -> None:

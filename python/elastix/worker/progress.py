@@ -30,6 +30,7 @@ from typing import Iterator, List, Optional, Union
 _WORDS = 32
 _LAST_BEAT, _WINDOW, _DEADLINE, _DUMP_SIGNAL, _MOVED, _OWNER, _BEATS, _STEP, _FLIGHT_COUNT = range(9)
 _FLIGHT_RING, _FLIGHT_WORDS, _FLIGHTS = 9, 5, 4  # the last 4 collectives, 5 words each
+_SAVED = _FLIGHT_RING + _FLIGHT_WORDS * _FLIGHTS  # the step of the last checkpoint save, plus one
 
 _words: Optional[memoryview] = None  # this worker's page, as 64-bit words
 _base = 0  # its slot's first word
@@ -100,6 +101,15 @@ def heartbeat(step: Optional[int] = None) -> None:
             if step < 0:
                 raise ValueError(f"heartbeat(step={step!r}): a step is a non-negative int")
             words[_base + _STEP] = step + 1  # 0: no step given
+
+
+def checkpoint_saved(step: Optional[int]) -> None:
+    """Tells the agent this worker saves the checkpoint of ``step``, or restored it (None:
+    restored nothing); elastix.checkpoint calls it. The agent stops the workers at such a step
+    boundary when the job re-forms for a joining node."""
+    words = _words if _looked else _slot()
+    if words is not None:
+        words[_base + _SAVED] = 0 if step is None else step + 1  # 0: none
 
 
 def _nanoseconds(duration: Union[timedelta, float, int], name: str) -> int:

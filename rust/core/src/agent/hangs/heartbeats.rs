@@ -7,7 +7,8 @@
 //! which it dumps its threads' stacks (0 until armed), a spare word, and the pid of the
 //! process that owns the slot, then its collective flight recorder: how many collectives it
 //! entered, and the last [`FLIGHTS`] of them ([`Flight`], written by elastix.collectives as
-//! each starts and ends); the rest is spare. Times are `CLOCK_MONOTONIC` nanoseconds, the
+//! each starts and ends), then the step of its last checkpoint save (written by
+//! elastix.checkpoint: where a re-form for a joining node can stop it); the rest is spare. Times are `CLOCK_MONOTONIC` nanoseconds, the
 //! clock Python's `time.monotonic_ns()` reads; 0 means none.
 //!
 //! Every Python worker claims its slot with no change to its code: elastix's site hook
@@ -50,6 +51,8 @@ const FLIGHT_RING: usize = 9;
 const FLIGHT_WORDS: usize = 5;
 /// Collectives each slot remembers.
 pub const FLIGHTS: usize = 4;
+/// The step of the worker's last `elastix.checkpoint` save, plus one (0: none yet).
+const SAVED: usize = FLIGHT_RING + FLIGHTS * FLIGHT_WORDS;
 
 /// One collective as its rank recorded it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -100,6 +103,8 @@ pub struct Slot {
     pub step: Option<u64>,
     /// When it entered the elastix collective it is inside, if it is inside one (0: none).
     pub collective_since: u64,
+    /// The step of its last checkpoint save, if it saved one.
+    pub saved: Option<u64>,
 }
 
 impl Heartbeats {
@@ -284,6 +289,7 @@ impl Heartbeats {
             beats: self.word(slot, BEATS),
             step: self.word(slot, STEP).checked_sub(1),
             collective_since: self.flights(slot).last().filter(|flight| flight.finished == 0).map_or(0, |f| f.entered),
+            saved: self.word(slot, SAVED).checked_sub(1),
         }
     }
 }
@@ -364,6 +370,7 @@ mod tests {
             let at = SLOT_WORDS + FLIGHT_RING + (n as usize % FLIGHTS) * FLIGHT_WORDS;
             words[at..at + FLIGHT_WORDS].copy_from_slice(&[1 | (3 << 8), n + 1, 64, 100 + n, 200 + n]);
         }
+        words[SLOT_WORDS + SAVED] = 18; // its last checkpoint save was of step 17
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
         std::os::unix::fs::FileExt::write_all_at(&map, &bytes, 0).unwrap();
         assert_eq!(page.slot(0).last_beat, 7);
@@ -378,9 +385,11 @@ mod tests {
                 beats: 9,
                 step: Some(41),
                 collective_since: 0,
+                saved: Some(17),
             }
         );
         assert_eq!((page.slot(0).beats, page.slot(0).step), (0, None), "no step named");
+        assert_eq!(page.slot(0).saved, None, "no checkpoint saved");
         let flights = page.flights(1);
         assert_eq!(flights.iter().map(|f| f.seq).collect::<Vec<_>>(), [2, 3, 4, 5]);
         assert_eq!(flights[3], Flight { kind: 1, group: 3, seq: 5, bytes: 64, entered: 104, finished: 204 });

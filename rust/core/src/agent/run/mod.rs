@@ -25,7 +25,8 @@
 //!   a round) unless [`loss`] finds that a member's loss broke the workers; within the budget
 //!   the agent re-joins, which opens the next round everywhere; past it, the job is closed as
 //!   failed and every agent exits 1 with the root cause. A membership change re-forms without
-//!   spending the budget. Each member watches the next one ([`neighbor`]): its death is asked
+//!   spending the budget; for a node that joins, the elastic workers first finish the step
+//!   they compute ([`drain`]). Each member watches the next one ([`neighbor`]): its death is asked
 //!   about the moment its connection closes. A signal is forwarded to the workers, which are then stopped; the
 //!   agent exits with 128+N and leaves the rendezvous open (the others re-form without it).
 //! * [`barrier`]: this node's workers succeeded; once every node is through, the job is done
@@ -43,6 +44,7 @@
 mod agent;
 mod barrier;
 mod changes;
+mod drain;
 mod loss;
 mod neighbor;
 mod preflight;

@@ -93,6 +93,13 @@ impl Agent {
             }
         };
         drop(neighbor);
+        let event = match event {
+            // nothing was lost: the workers finish the step they compute first
+            Event::Change(MembershipChange::NodesWaiting) => {
+                self.drain(&info, &group, &mut changes).await.unwrap_or(Event::Change(MembershipChange::NodesWaiting))
+            }
+            event => event,
+        };
         count_exits(&event, self.config.local_world_size);
         match event {
             Event::Workers(GroupOutcome::Succeeded) => {

@@ -2,8 +2,11 @@
 //! this agent connect to. A worker that says hello on it is one the agent may keep running
 //! through a re-form: the agent tells it at once to stop its collectives (`abort`), and, once
 //! the next round formed, gives it its new place (`assign`: the environment a new worker would
-//! start with). The worker tells when it trains again (`reformed`), and when a collective failed
-//! before the agent said anything (`broken`: a peer's death reaches the workers first).
+//! start with). For a node that joins, nothing is lost, so the workers are rather told to stop
+//! at a step boundary the members agreed on (`drain`: after their checkpoint save of that step),
+//! and say when they did (`drained`). The worker tells when it trains again (`reformed`), and
+//! when a collective failed before the agent said anything (`broken`: a peer's death reaches
+//! the workers first).
 //!
 //! Which worker is on a line is what the kernel says (the peer's pid, `SO_PEERCRED`), never what
 //! it claims: the group keeps a worker only if the pid on the line is that worker's.
@@ -45,6 +48,9 @@ pub enum ToWorker<'a> {
     Abort { round: u64, why: &'a str, deadline_ms: u64 },
     /// The new round's place: every variable a worker started now would get.
     Assign { round: u64, env: &'a BTreeMap<String, String> },
+    /// The job re-forms (`why`) once every worker saved step `step`: stop after that save (at
+    /// once if it is done already), and say so; the next place comes within `deadline_ms`.
+    Drain { round: u64, step: u64, why: &'a str, deadline_ms: u64 },
 }
 
 /// What a worker tells the agent.
@@ -70,6 +76,13 @@ enum FromWorker {
     Broken {
         why: String,
     },
+    /// It stopped for the drain of `round` and left its group; its last save (of `step`, if
+    /// any) is whole.
+    Drained {
+        round: u64,
+        #[serde(default)]
+        step: Option<u64>,
+    },
 }
 
 /// One worker's line: its local rank, as it said, and what goes to it.
@@ -79,8 +92,29 @@ struct Line {
 }
 
 type Lines = Arc<Mutex<HashMap<u32, Line>>>;
-/// Where the lines report a worker's failed collective.
-type Reports = mpsc::UnboundedSender<(u32, String)>;
+/// Where the lines report what a worker says outside the hello: its failed collectives, its
+/// drains.
+#[derive(Clone)]
+struct Reports {
+    broken: mpsc::UnboundedSender<(u32, String)>,
+    drained: mpsc::UnboundedSender<Drained>,
+}
+
+/// What the workers report while they drain.
+#[derive(Debug, PartialEq, Eq)]
+pub enum DrainReport {
+    Drained(Drained),
+    /// A worker's collective failed (its pid, why).
+    Broken((u32, String)),
+}
+
+/// A worker that stopped for a drain: its pid, the round, the step of its last save.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Drained {
+    pub pid: u32,
+    pub round: u64,
+    pub step: Option<u64>,
+}
 
 /// The socket and the workers on it, by pid.
 pub struct Control {
@@ -89,6 +123,8 @@ pub struct Control {
     accept: JoinHandle<()>,
     /// Workers whose collective failed: their pids and why.
     broken: mpsc::UnboundedReceiver<(u32, String)>,
+    /// Workers that stopped for a drain.
+    drained: mpsc::UnboundedReceiver<Drained>,
 }
 
 impl Control {
@@ -107,9 +143,11 @@ impl Control {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
         let lines: Lines = Arc::default();
         let welcome = encode(&ToWorker::Welcome { notice_within_ms: millis(notice_within) });
-        let (reports, broken) = mpsc::unbounded_channel();
+        let (broken_tx, broken) = mpsc::unbounded_channel();
+        let (drained_tx, drained) = mpsc::unbounded_channel();
+        let reports = Reports { broken: broken_tx, drained: drained_tx };
         let accept = tokio::spawn(serve(listener, lines.clone(), welcome, reports));
-        Ok(Control { path, lines, accept, broken })
+        Ok(Control { path, lines, accept, broken, drained })
     }
 
     /// The variable that points the workers at the socket.
@@ -133,9 +171,28 @@ impl Control {
         all
     }
 
-    /// Forgets the failed collectives reported so far (they were of a round that is over).
+    /// Forgets the failed collectives and drains reported so far (they were of a round that
+    /// is over).
     pub fn forget_broken(&mut self) {
         while self.broken.try_recv().is_ok() {}
+        while self.drained.try_recv().is_ok() {}
+    }
+
+    /// The next worker that stopped for a drain.
+    pub async fn drained(&mut self) -> Drained {
+        match self.drained.recv().await {
+            Some(drained) => drained,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// What the workers report next while they drain: one stopped, or collectives failed.
+    pub async fn drain_report(&mut self) -> DrainReport {
+        tokio::select! {
+            Some(drained) = self.drained.recv() => DrainReport::Drained(drained),
+            Some(broken) = self.broken.recv() => DrainReport::Broken(broken),
+            else => std::future::pending().await,
+        }
     }
 
     /// Sends `message` to process `pid`; false if it is not on a line (any more).
@@ -158,7 +215,7 @@ impl Drop for Control {
 }
 
 /// Accepts workers' connections until the agent drops the [`Control`].
-async fn serve(listener: UnixListener, lines: Lines, welcome: Vec<u8>, broken: Reports) {
+async fn serve(listener: UnixListener, lines: Lines, welcome: Vec<u8>, reports: Reports) {
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -172,12 +229,12 @@ async fn serve(listener: UnixListener, lines: Lines, welcome: Vec<u8>, broken: R
         else {
             continue;
         };
-        tokio::spawn(talk(stream, pid, lines.clone(), welcome.clone(), broken.clone()));
+        tokio::spawn(talk(stream, pid, lines.clone(), welcome.clone(), reports.clone()));
     }
 }
 
 /// One worker's line, from its hello until it closes.
-async fn talk(stream: UnixStream, pid: u32, lines: Lines, welcome: Vec<u8>, broken: Reports) {
+async fn talk(stream: UnixStream, pid: u32, lines: Lines, welcome: Vec<u8>, reports: Reports) {
     let (mut reader, mut writer) = stream.into_split();
     let (out, mut queue) = mpsc::unbounded_channel::<Vec<u8>>();
     let writes = tokio::spawn(async move {
@@ -198,7 +255,10 @@ async fn talk(stream: UnixStream, pid: u32, lines: Lines, welcome: Vec<u8>, brok
                 registered = true;
             }
             Ok(FromWorker::Broken { why }) if registered => {
-                let _ = broken.send((pid, why));
+                let _ = reports.broken.send((pid, why));
+            }
+            Ok(FromWorker::Drained { round, step }) if registered => {
+                let _ = reports.drained.send(Drained { pid, round, step });
             }
             Ok(FromWorker::Reformed { round, took_ms, left_ms, placed_ms }) => {
                 let phases = phases(took_ms, left_ms, placed_ms);
@@ -315,6 +375,18 @@ mod tests {
         let mut writer = writer;
         writer.write_all(b"{\"kind\":\"broken\",\"why\":\"rank 4 died\"}\n").await.unwrap();
         assert_eq!(control.broken().await, vec![(me, "rank 4 died".to_owned())]);
+        // a drain is told with its step, and the worker's stop reported
+        assert!(control.send(me, &ToWorker::Drain { round: 4, step: 17, why: "a node joins", deadline_ms: 10 }));
+        line.clear();
+        reader.read_line(&mut line).await.unwrap();
+        assert_eq!(line, "{\"kind\":\"drain\",\"round\":4,\"step\":17,\"why\":\"a node joins\",\"deadline_ms\":10}\n");
+        writer.write_all(b"{\"kind\":\"drained\",\"round\":4,\"step\":17}\n").await.unwrap();
+        assert_eq!(control.drained().await, Drained { pid: me, round: 4, step: Some(17) });
+        // one reported before the round was over is forgotten with its broken collectives
+        writer.write_all(b"{\"kind\":\"drained\",\"round\":4}\n{\"kind\":\"broken\",\"why\":\"x\"}\n").await.unwrap();
+        assert_eq!(control.broken().await, vec![(me, "x".to_owned())]);
+        control.forget_broken();
+        assert!(control.drained.try_recv().is_err());
         // a closed line is forgotten
         drop((reader, writer));
         for _ in 0..100 {

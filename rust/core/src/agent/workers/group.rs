@@ -169,6 +169,13 @@ impl WorkerGroup {
             .collect()
     }
 
+    /// The step of each running worker's last checkpoint save, as its heartbeat slot says
+    /// (`None`: it saved none yet).
+    pub fn saved_steps(&self) -> Vec<Option<u64>> {
+        let running = self.workers.iter().enumerate().filter(|(_, w)| w.exit.is_none());
+        running.map(|(index, _)| self.heartbeats.as_ref().and_then(|page| page.slot(index).saved)).collect()
+    }
+
     /// Starts again, each in its place in `launch`'s round, the workers found exited (see
     /// [`WorkerGroup::collect_exits`]) while the others were kept through a re-form; returns
     /// their indexes.
