@@ -226,6 +226,19 @@ def test_a_grown_world_restores_each_new_rank_from_a_replica_and_a_peer_s_copy_i
     assert (restored["step"], restored["source"]) == (6, "peer")
 
 
+def test_a_new_rank_restores_the_replica_its_agent_chose(tmp_path, monkeypatch):
+    # the node holds rank 0's state, not rank 1's: its agent tells new rank 3 to take rank 0's
+    memory = tmp_path / "memory"
+    Checkpoint(str(memory), None, 0, 2).save(6, state(6))
+    monkeypatch.setenv("ELASTIX_CHECKPOINT_SAVED_WORLD", "2")
+    monkeypatch.setenv("ELASTIX_CHECKPOINT_SOURCES", "2:1,3:0")
+    monkeypatch.setenv("RANK", "3")
+    chosen = elastix.checkpoint.open(memory=str(memory))
+    assert chosen.source_rank == 0
+    monkeypatch.setenv("RANK", "5")  # not named: rank % saved world size
+    assert elastix.checkpoint.open(memory=str(memory)).source_rank == 1
+
+
 def test_a_round_re_formed_without_a_restart_agrees_on_its_own_keys(tmp_path, monkeypatch):
     """A member lost or joining re-forms the job with the restart count unchanged: the ranks of
     the new round must not read what the round before left in the store."""

@@ -92,6 +92,9 @@ def test_a_host_killed_mid_all_reduce_leaves_the_survivors_training_in_the_same_
     assert joined[0]["step"] == max(steps(tmp_path, two)) + 1, (joined, sorted(steps(tmp_path, two))[-3:])
     assert all(left(tmp_path, two, r["rank"], r["pid"]) == "Reforming" for r in after), after
     assert f"stopped after its save of step {joined[0]['step']}" in agents[0].output()
+    # only the joiner took a copy across the network: a survivor given a rank new to the job
+    # restores a replica its own node holds
+    assert all("took rank" not in agents[i].output() for i in (0, 2)), (agents[0].output(), agents[2].output())
     wait_for(lambda: trained(tmp_path, grown, 3, 5), timeout=60, what="three nodes training again")
     assert_replicas_agree(tmp_path, grown, joined[0]["step"])
     finish_all(tmp_path, [agents[0], agents[2], joiner], marker)

@@ -46,18 +46,27 @@ DIR_VAR = "ELASTIX_CHECKPOINT_DIR"
 SAVED_WORLD_VAR = "ELASTIX_CHECKPOINT_SAVED_WORLD"
 #: The newest step every rank's state was held for in the agents' memory when the round formed.
 HELD_STEP_VAR = "ELASTIX_CHECKPOINT_HELD_STEP"
+#: Whose state each rank restores, where the agent chose (``rank:source,...``): a rank new to
+#: the job takes a replica its node holds.
+SOURCES_VAR = "ELASTIX_CHECKPOINT_SOURCES"
 
 
 class Checkpoint:
     """This rank's checkpoints: see the module's documentation."""
 
     def __init__(
-        self, memory: str, directory: Optional[str], rank: int, world_size: int, saved_world: Optional[int] = None
+        self,
+        memory: str,
+        directory: Optional[str],
+        rank: int,
+        world_size: int,
+        saved_world: Optional[int] = None,
+        source_rank: Optional[int] = None,
     ) -> None:
         self.rank, self.world_size = rank, world_size
         #: The rank whose saved state this one restores: itself, unless the world grew since
-        #: the save (then a replica's: ``rank % saved world size``).
-        self.source_rank = rank % saved_world if saved_world else rank
+        #: the save (then a replica's: the one the agent chose, or ``rank % saved world size``).
+        self.source_rank = source_rank if source_rank is not None else rank % saved_world if saved_world else rank
         self._memory = Memory(memory, rank, self.source_rank)
         self._disk = Disk(directory, self.source_rank)
         self._loads = 0
@@ -211,4 +220,13 @@ def open(memory: Optional[str] = None, directory: Optional[str] = None) -> Check
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     saved_world = int(os.environ.get(SAVED_WORLD_VAR, "0")) or None
-    return Checkpoint(memory, directory, rank, world_size, saved_world)
+    return Checkpoint(memory, directory, rank, world_size, saved_world, _source_of(rank))
+
+
+def _source_of(rank: int) -> Optional[int]:
+    """The rank whose state ``rank`` restores, if the agent chose it."""
+    for pair in os.environ.get(SOURCES_VAR, "").split(","):
+        mine, _, source = pair.partition(":")
+        if mine.strip() == str(rank) and source.strip().isdigit():
+            return int(source)
+    return None

@@ -18,7 +18,7 @@ from .line import AgentLine, Notice, Place
 T = TypeVar("T")
 
 #: Variables the agent sets for a round only when they apply: gone from a place, gone here.
-_ROUND_ONLY = (_checkpoint.SAVED_WORLD_VAR, _checkpoint.HELD_STEP_VAR)
+_ROUND_ONLY = (_checkpoint.SAVED_WORLD_VAR, _checkpoint.HELD_STEP_VAR, _checkpoint.SOURCES_VAR)
 _BEAT_EVERY = 1.0  # seconds between heartbeats while a place is awaited
 
 

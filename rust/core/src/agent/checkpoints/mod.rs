@@ -37,7 +37,8 @@ pub const MEMORY_VAR: &str = "ELASTIX_CHECKPOINT_MEMORY";
 /// The variable that tells a worker where the job's checkpoints are persisted.
 pub const DIR_VAR: &str = "ELASTIX_CHECKPOINT_DIR";
 /// The variable that tells a worker the world size the newest step was saved in: rank `r`
-/// restores the state of rank `r % that` ([`copies::plan::source`]).
+/// restores the state of rank `r % that` ([`copies::plan::source`]) unless
+/// [`copies::plan::SOURCES_VAR`] names another.
 pub const SAVED_WORLD_VAR: &str = "ELASTIX_CHECKPOINT_SAVED_WORLD";
 /// The variable that tells a worker the newest step every rank's state is held for in the
 /// members' memory: a restore that finds none refuses to start afresh.
@@ -48,7 +49,9 @@ impl Restore {
     pub fn worker_env(&self) -> Vec<(String, String)> {
         let world = self.saved_world.map(|world| (SAVED_WORLD_VAR.to_owned(), world.to_string()));
         let step = self.step.map(|step| (HELD_STEP_VAR.to_owned(), step.to_string()));
-        world.into_iter().chain(step).collect()
+        let sources = (!self.sources.is_empty())
+            .then(|| (copies::plan::SOURCES_VAR.to_owned(), copies::plan::sources_value(&self.sources)));
+        world.into_iter().chain(step).chain(sources).collect()
     }
 }
 /// The start of each agent's checkpoint memory's name: `<prefix><run id>-<agent pid>`.

@@ -9,6 +9,7 @@ use super::report::{End, Report};
 use super::round_store::connect_store;
 use super::watch::Attempt;
 use super::{describe, State, MAX_LOST_STARTS};
+use crate::agent::checkpoints::copies::plan::SOURCES_VAR;
 use crate::agent::checkpoints::copies::{Restore, Round};
 use crate::agent::checkpoints::{HELD_STEP_VAR, SAVED_WORLD_VAR};
 use crate::agent::error::{AgentError, Result};
@@ -105,6 +106,7 @@ impl Agent {
         };
         self.config.env.remove(SAVED_WORLD_VAR);
         self.config.env.remove(HELD_STEP_VAR);
+        self.config.env.remove(SOURCES_VAR);
         self.config.env.extend(restore.worker_env());
         if let Some(step) = restore.step {
             self.events.checkpoint_restore(info.round, step, &restore.taken).await;

@@ -58,6 +58,8 @@ pub struct Restore {
     pub step: Option<u64>,
     /// The ranks whose state this node took from a peer: (rank, member).
     pub taken: Vec<(u32, u32)>,
+    /// This node's workers' global ranks, and the rank whose state each restores.
+    pub sources: Vec<(u32, u32)>,
 }
 
 /// This agent's copy server and its sending to the buddy.
@@ -104,9 +106,10 @@ impl Copies {
         ring::lock(&self.ring).enter_round(ring_round);
         let mut restore = Restore { saved_world: plan::saved_world(&all), ..Restore::default() };
         match plan::restore(&all, round.me as usize, &round.ranks, round.world) {
-            Some((step, fetches)) => {
+            Some(plan::Plan { step, fetches, sources }) => {
                 tracing::info!("every rank's state of step {step} is in the members' memory: the workers restore it");
                 restore.step = Some(step);
+                restore.sources = sources;
                 for fetch in fetches {
                     let Some(from) = peer(fetch.from) else { continue };
                     if self.take(&from, fetch.rank, fetch.step).await {

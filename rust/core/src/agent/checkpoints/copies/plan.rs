@@ -2,9 +2,10 @@
 //! must copy from its peers before its workers start: pure decisions, no I/O.
 //!
 //! A worker of global rank `r` restores the state saved by rank `r` while `r` was in the
-//! world that saved it, else by rank `r % saved world size` (a job that grew: its new ranks
-//! start from a replica's state, right for data parallelism). The Python side
-//! (`elastix.checkpoint`) applies the same rule; the agent gives it the saved world size.
+//! world that saved it; a rank new to the job (it grew) starts from a replica's state, right
+//! for data parallelism: one its node holds if it holds one (no copy to take), else rank
+//! `r % saved world size`'s. The agent tells the workers which ([`SOURCES_VAR`]); without it
+//! the Python side (`elastix.checkpoint`) applies the `r % saved world size` rule.
 
 use std::collections::BTreeMap;
 
@@ -54,11 +55,26 @@ pub fn source(rank: u32, saved_world: u32) -> u32 {
     }
 }
 
+/// The variable that tells the workers whose state each of their global ranks restores:
+/// `rank:source` pairs, comma-separated.
+pub const SOURCES_VAR: &str = "ELASTIX_CHECKPOINT_SOURCES";
+
+/// What member `me` restores in a round.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// The newest step whose state every rank of the new world can get from some member's memory.
+    pub step: u64,
+    /// The copies `me` must take for its workers to hold theirs.
+    pub fetches: Vec<Fetch>,
+    /// Each of its workers' global ranks, and the rank whose state it restores.
+    pub sources: Vec<(u32, u32)>,
+}
+
 /// What a round restores: the newest step whose state every rank of the new world (`world`
-/// ranks) can get from some member's memory, and the copies member `me` must take for its
-/// workers' global `ranks` to hold theirs. `None` when no step is held for every rank (the
-/// workers then agree on one from disk, or start afresh).
-pub fn restore(all: &[Holdings], me: usize, ranks: &[u32], world: u32) -> Option<(u64, Vec<Fetch>)> {
+/// ranks) can get from some member's memory, whose state member `me`'s workers (global
+/// `ranks`) restore and the copies it must take for them. `None` when no step is held for
+/// every rank (the workers then agree on one from disk, or start afresh).
+pub fn restore(all: &[Holdings], me: usize, ranks: &[u32], world: u32) -> Option<Plan> {
     let saved = saved_world(all)?;
     let held = |rank: u32| -> Vec<u64> {
         all.iter().filter_map(|holdings| holdings.ranks.get(&rank)).flatten().map(|held| held.step).collect()
@@ -75,12 +91,22 @@ pub fn restore(all: &[Holdings], me: usize, ranks: &[u32], world: u32) -> Option
     let holds = |holdings: &Holdings, rank: u32| {
         holdings.ranks.get(&rank).is_some_and(|steps| steps.iter().any(|held| held.step == step))
     };
-    let mut wanted: Vec<u32> = ranks.iter().map(|&rank| source(rank, saved)).collect();
+    // a new rank may take any old rank's state (the step is held for every old rank: a world
+    // that grew has them all): one this node holds saves a copy across the network
+    let held_here = |rank: u32| all.get(me).is_some_and(|mine| holds(mine, rank));
+    let sources: Vec<(u32, u32)> = ranks
+        .iter()
+        .map(|&rank| match rank < saved {
+            true => (rank, rank),
+            false => (rank, (0..saved).find(|&old| held_here(old)).unwrap_or_else(|| source(rank, saved))),
+        })
+        .collect();
+    let mut wanted: Vec<u32> = sources.iter().map(|&(_, source)| source).collect();
     wanted.sort_unstable();
     wanted.dedup();
     let fetches = wanted
         .into_iter()
-        .filter(|&rank| !all.get(me).is_some_and(|mine| holds(mine, rank)))
+        .filter(|&rank| !held_here(rank))
         .filter_map(|rank| {
             // the nearest member after this one that serves it (its buddy first)
             let from = (1..all.len())
@@ -89,7 +115,12 @@ pub fn restore(all: &[Holdings], me: usize, ranks: &[u32], world: u32) -> Option
             Some(Fetch { rank, step, from })
         })
         .collect();
-    Some((step, fetches))
+    Some(Plan { step, fetches, sources })
+}
+
+/// [`SOURCES_VAR`]'s value for `sources`.
+pub fn sources_value(sources: &[(u32, u32)]) -> String {
+    sources.iter().map(|(rank, source)| format!("{rank}:{source}")).collect::<Vec<_>>().join(",")
 }
 
 /// The member this one copies its checkpoints to: the next in the round, if there is another.
@@ -118,9 +149,11 @@ mod tests {
         let all = [holds(true, &[(0, &[40, 41])], 3), holds(true, &[(1, &[39, 40]), (2, &[40, 41])], 3)];
         assert_eq!(saved_world(&all), Some(3));
         // step 41 is not held for rank 1: the round restores 40, which member 1 holds for rank 1
-        assert_eq!(restore(&all, 1, &[1], 2), Some((40, vec![])));
+        assert_eq!(restore(&all, 1, &[1], 2), Some(Plan { step: 40, fetches: vec![], sources: vec![(1, 1)] }));
         // member 0 would take it from member 1 if it ran rank 1
-        assert_eq!(restore(&all, 0, &[0, 1], 2), Some((40, vec![Fetch { rank: 1, step: 40, from: 1 }])));
+        let fetch = Fetch { rank: 1, step: 40, from: 1 };
+        let plan = Plan { step: 40, fetches: vec![fetch], sources: vec![(0, 0), (1, 1)] };
+        assert_eq!(restore(&all, 0, &[0, 1], 2), Some(plan));
     }
 
     #[test]
@@ -128,9 +161,23 @@ mod tests {
         // the two survivors stopped one step apart; the joining node holds nothing
         let all = [holds(true, &[(0, &[7, 8])], 2), holds(true, &[(1, &[6, 7])], 2), holds(true, &[], 0)];
         // a grown world: rank 2 restores rank 0's state (a replica), at the step all can get
-        assert_eq!(restore(&all, 2, &[2], 3), Some((7, vec![Fetch { rank: 0, step: 7, from: 0 }])));
+        let plan = Plan { step: 7, fetches: vec![Fetch { rank: 0, step: 7, from: 0 }], sources: vec![(2, 0)] };
+        assert_eq!(restore(&all, 2, &[2], 3), Some(plan));
         assert_eq!(source(3, 2), 1);
         assert_eq!(source(1, 4), 1);
+    }
+
+    #[test]
+    fn a_survivor_given_a_new_rank_restores_a_replica_it_holds_and_the_joiner_takes_one() {
+        // two survivors of ranks 0 and 1 hold their step 7; a node joins, and the new ranks put
+        // it between them: member 1 (the joiner) is rank 1, member 2 (old rank 1) is rank 2
+        let all = [holds(true, &[(0, &[6, 7])], 2), holds(true, &[], 0), holds(true, &[(1, &[6, 7])], 2)];
+        // rank 2 is new: it restores old rank 1's state, which its node holds (no copy)
+        assert_eq!(restore(&all, 2, &[2], 3), Some(Plan { step: 7, fetches: vec![], sources: vec![(2, 1)] }));
+        // rank 1 was in the saved world: its own state, from the member that holds it
+        let plan = Plan { step: 7, fetches: vec![Fetch { rank: 1, step: 7, from: 2 }], sources: vec![(1, 1)] };
+        assert_eq!(restore(&all, 1, &[1], 3), Some(plan));
+        assert_eq!(sources_value(&[(2, 1), (5, 0)]), "2:1,5:0");
     }
 
     #[test]
@@ -140,7 +187,7 @@ mod tests {
         assert_eq!(restore(&[holds(true, &[], 0), holds(true, &[], 0)], 0, &[0], 2), None);
         // a member that serves none is not asked
         let all = [holds(false, &[(0, &[7])], 1), holds(true, &[], 0)];
-        assert_eq!(restore(&all, 1, &[0], 1), Some((7, vec![])));
+        assert_eq!(restore(&all, 1, &[0], 1), Some(Plan { step: 7, fetches: vec![], sources: vec![(0, 0)] }));
         assert_eq!(saved_world(&[]), None);
     }
 
