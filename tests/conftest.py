@@ -26,6 +26,11 @@ def pytest_configure(config):
     # what the tests' agents note of their jobs' ends (rust/core/src/agent/finished.rs) stays
     # with this session, not in the user's own state directory
     os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="elastix-test-state-")
+    # a shell that starts a job in the background (`nohup pytest &`) has it ignore SIGINT, an
+    # ignored signal stays ignored across exec, and Python then installs no KeyboardInterrupt:
+    # the tests that press Ctrl-C on their programs need it delivered
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_unconfigure(config):
