@@ -89,5 +89,5 @@ def test_checkpoint_saves_and_restores_tell_the_agent_the_step_the_state_is_at(t
         seen.append(saved())
         print(seen)
     """
-    words, done = run_with_a_page(tmp_path, code)
+    _, done = run_with_a_page(tmp_path, code)
     assert done.stdout.strip() == str([0, 0, 1, 2, 3, 8, 3]), done.stdout + done.stderr
