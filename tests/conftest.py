@@ -26,6 +26,10 @@ def pytest_configure(config):
     # what the tests' agents note of their jobs' ends (rust/core/src/agent/finished.rs) stays
     # with this session, not in the user's own state directory
     os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="elastix-test-state-")
+    # and so does what they keep in the temporary directory: the log directories of the jobs
+    # that failed on purpose (an agent keeps them, as torchrun does), some hundred a run. The
+    # tests' own temporary directories stay where they were (tempfile has read them already)
+    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="elastix-test-tmp-")
     # a shell that starts a job in the background (`nohup pytest &`) has it ignore SIGINT, an
     # ignored signal stays ignored across exec, and Python then installs no KeyboardInterrupt:
     # the tests that press Ctrl-C on their programs need it delivered
@@ -35,6 +39,7 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     shutil.rmtree(os.environ.pop("XDG_STATE_HOME", ""), ignore_errors=True)
+    shutil.rmtree(os.environ.pop("TMPDIR", ""), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
