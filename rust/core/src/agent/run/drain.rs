@@ -12,6 +12,7 @@ use tokio::time::Instant;
 
 use super::agent::Agent;
 use super::changes::{new_change, Changes};
+use super::reform::PLACE_DEADLINE;
 use super::round_store::connect_store;
 use super::watch::Event;
 use crate::agent::error::AgentError;
@@ -30,8 +31,6 @@ const DRAIN_WITHIN: Duration = Duration::from_secs(20);
 const LOOK_EVERY: Duration = Duration::from_millis(100);
 /// What a member whose workers cannot stop at a step publishes instead of its step.
 const NO_DRAIN: &[u8] = b"-";
-/// How long a drained worker waits for its place (as for an abort, see `reform.rs`).
-const PLACE_DEADLINE_MS: u64 = 900_000;
 
 impl Agent {
     /// A node joins: this member's elastic workers stop after the save of the step the
@@ -49,7 +48,7 @@ impl Agent {
         let (mut waiting, _) = workers?;
         let control = self.control.as_mut()?;
         let why = format!("a node joins: the job re-forms after step {step}");
-        let deadline_ms = PLACE_DEADLINE_MS;
+        let deadline_ms = PLACE_DEADLINE.as_millis() as u64; // as for an abort
         waiting.retain(|pid| control.send(*pid, &ToWorker::Drain { round: self.round, step, why: &why, deadline_ms }));
         let deadline = Instant::now() + DRAIN_WITHIN;
         tracing::info!(

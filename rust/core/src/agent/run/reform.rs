@@ -16,7 +16,7 @@ use crate::agent::workers::standby::StandbyPool;
 /// How long a kept worker waits for its next place before it gives up and exits. The agent's
 /// own bounds (the join timeout, the rank exchange) end a re-form first, and an agent that
 /// gives up stops its workers; this is the worker's backstop should its agent vanish.
-const PLACE_DEADLINE: Duration = Duration::from_secs(900);
+pub(super) const PLACE_DEADLINE: Duration = Duration::from_secs(900);
 
 impl Agent {
     /// Keeps `group` through the re-form `why` if every running worker runs `elastix.elastic`:

@@ -178,14 +178,6 @@ impl Control {
         while self.drained.try_recv().is_ok() {}
     }
 
-    /// The next worker that stopped for a drain.
-    pub async fn drained(&mut self) -> Drained {
-        match self.drained.recv().await {
-            Some(drained) => drained,
-            None => std::future::pending().await,
-        }
-    }
-
     /// What the workers report next while they drain: one stopped, or collectives failed.
     pub async fn drain_report(&mut self) -> DrainReport {
         tokio::select! {
@@ -381,7 +373,7 @@ mod tests {
         reader.read_line(&mut line).await.unwrap();
         assert_eq!(line, "{\"kind\":\"drain\",\"round\":4,\"step\":17,\"why\":\"a node joins\",\"deadline_ms\":10}\n");
         writer.write_all(b"{\"kind\":\"drained\",\"round\":4,\"step\":17}\n").await.unwrap();
-        assert_eq!(control.drained().await, Drained { pid: me, round: 4, step: Some(17) });
+        assert_eq!(control.drain_report().await, DrainReport::Drained(Drained { pid: me, round: 4, step: Some(17) }));
         // one reported before the round was over is forgotten with its broken collectives
         writer.write_all(b"{\"kind\":\"drained\",\"round\":4}\n{\"kind\":\"broken\",\"why\":\"x\"}\n").await.unwrap();
         assert_eq!(control.broken().await, vec![(me, "x".to_owned())]);
