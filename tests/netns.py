@@ -33,14 +33,33 @@ SLOW_LINKS = {
 }
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
+def _ip(*args: str) -> str:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def _free_tag() -> str:
+    """A tag no link, namespace or subnet here uses yet. A namespace deleted by an earlier test
+    can outlive it (its sockets still retransmit to a cut peer), and keeps its veth's name in
+    this namespace for minutes: a tag drawn again would collide with it."""
+    for _ in range(20):
+        tag = secrets.token_hex(3)
+        taken = _ip("-o", "link", "show") + _ip("netns", "list") + _ip("-4", "-o", "addr", "show")
+        if tag not in taken and f" {_subnet_of(tag)}." not in taken:
+            return tag
+    raise RuntimeError("no free tag for simulated hosts in 20 draws")
+
+
+def _subnet_of(tag: str) -> str:
+    return f"10.{200 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
 
 
 class Hosts:
     def __init__(self, count: int):
-        tag = secrets.token_hex(2)
-        self._subnet = f"10.{200 + int(tag[:2], 16) % 50}.{int(tag[2:], 16)}"
+        tag = _free_tag()
+        self._subnet = _subnet_of(tag)
         self.bridge = f"elxbr{tag}"
         self.names = [f"elx{tag}h{i}" for i in range(count)]
         self._veths = [f"elx{tag}v{i}" for i in range(count)]
@@ -162,6 +181,10 @@ class Hosts:
         return pids
 
     def close(self) -> None:
+        # the veths go first: a namespace can outlive its deletion (see _free_tag), its veth
+        # with it, and deleting one end of a pair deletes both
+        for veth in self._veths:
+            subprocess.run(["ip", "link", "del", veth], capture_output=True)
         for name in self.names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)

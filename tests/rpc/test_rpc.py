@@ -121,6 +121,26 @@ def exceptions():
     return out
 
 
+def _wait_stopped(pid: int) -> None:
+    """Until every thread of `pid` is stopped: kill() returns before they all are, and on a
+    busy machine a thread not yet stopped can still answer a call."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                    states.append(stat.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                pass
+        if all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not stop within 10 s of SIGSTOP")
+
+
 def timeouts():
     import rpc_targets as t
 
@@ -139,6 +159,7 @@ def timeouts():
         # a stopped callee (SIGSTOP) is silent, not gone: a timeout, then calls go on after SIGCONT
         pid = rpc.rpc_sync("w1", os.getpid)
         os.kill(pid, signal.SIGSTOP)
+        _wait_stopped(pid)
         try:
             rpc.rpc_sync("w1", t.noop, timeout=0.5)
         except TimeoutError as err:
