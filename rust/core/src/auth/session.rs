@@ -179,10 +179,8 @@ impl Sealer {
             self.seq += 1;
             let tag = match self.mode {
                 Mode::Encrypted => self.cipher.encrypt_in_place_detached(&nonce, &head, &mut out[start..]),
-                Mode::Authenticated => {
-                    let aad = [&head[..], chunk].concat();
-                    self.cipher.encrypt_in_place_detached(&nonce, &aad, &mut [])
-                }
+                // the head and the payload, as they lie in `out`: no copy of the record
+                Mode::Authenticated => self.cipher.encrypt_in_place_detached(&nonce, &out[start - HEAD..], &mut []),
             }
             .expect("ChaCha20-Poly1305 seals any record of at most MAX_RECORD bytes");
             out.put_slice(&tag);
@@ -234,25 +232,29 @@ impl Opener {
         if raw.len() < total {
             return Ok(false);
         }
-        let record = raw.split_to(total);
-        let (head, rest) = record.split_at(HEAD);
-        let (payload, tag) = rest.split_at(rest.len() - TAG);
+        // opened where it lies (split off `raw` without a copy), and handed over whole when
+        // `out` is empty, as a reader's is: a record's payload is copied once, to its reader
+        let mut record = raw.split_to(total);
+        let tag = *Tag::from_slice(&record[total - TAG..]);
         let nonce = nonce(self.seq);
-        let tag = Tag::from_slice(tag);
-        let start = out.len();
-        out.put_slice(payload);
         let opened = match self.mode {
-            Mode::Encrypted => self.cipher.decrypt_in_place_detached(&nonce, head, &mut out[start..], tag),
-            Mode::Authenticated => {
-                let aad = [head, payload].concat();
-                self.cipher.decrypt_in_place_detached(&nonce, &aad, &mut [], tag)
+            Mode::Encrypted => {
+                let (head, payload) = record[..total - TAG].split_at_mut(HEAD);
+                self.cipher.decrypt_in_place_detached(&nonce, head, payload, &tag)
             }
+            Mode::Authenticated => self.cipher.decrypt_in_place_detached(&nonce, &record[..total - TAG], &mut [], &tag),
         };
         if opened.is_err() {
-            out.truncate(start);
             return Err(OpenError::Forged);
         }
         self.seq += 1;
+        record.truncate(total - TAG);
+        record.advance(HEAD);
+        if out.is_empty() {
+            *out = record;
+        } else {
+            out.extend_from_slice(&record);
+        }
         Ok(true)
     }
 }
@@ -281,6 +283,10 @@ impl SealedReader {
                 let n = self.plain.len().min(buf.remaining());
                 buf.put_slice(&self.plain[..n]);
                 self.plain.advance(n);
+                if self.plain.is_empty() {
+                    // let go of the record's buffer, which `raw` can then use again
+                    self.plain = BytesMut::new();
+                }
                 return Poll::Ready(Ok(()));
             }
             if self.opener.open(&mut self.raw, &mut self.plain)? {
@@ -493,6 +499,31 @@ mod tests {
             assert!(opener.open(&mut wire, &mut out).unwrap() && opener.open(&mut wire, &mut out).unwrap());
             assert_eq!(&out[..], b"firstsecond");
             assert!(!opener.open(&mut wire, &mut out).unwrap(), "nothing more");
+        }
+    }
+
+    #[test]
+    fn a_record_is_its_length_its_payload_and_the_aeads_tag_over_them() {
+        for mode in [Mode::Authenticated, Mode::Encrypted] {
+            let (connector, _) = pair(mode);
+            let cipher = ChaCha20Poly1305::new((&connector.send).into());
+            let (mut sealer, _) = connector.split();
+            let mut wire = BytesMut::new();
+            sealer.seal(b"first", &mut wire);
+            sealer.seal(b"second", &mut wire);
+            for (seq, payload) in [(0u64, &b"first"[..]), (1, b"second")] {
+                let head = (payload.len() as u32).to_le_bytes();
+                let mut body = payload.to_vec();
+                let tag = match mode {
+                    Mode::Encrypted => cipher.encrypt_in_place_detached(&nonce(seq), &head, &mut body),
+                    Mode::Authenticated => {
+                        cipher.encrypt_in_place_detached(&nonce(seq), &[&head[..], payload].concat(), &mut [])
+                    }
+                }
+                .unwrap();
+                let record = wire.split_to(OVERHEAD + payload.len());
+                assert_eq!(&record[..], &[&head[..], &body, &tag].concat()[..], "{mode:?}, record {seq}");
+            }
         }
     }
 
