@@ -12,10 +12,12 @@
 //! * [`persist`]: copying the newest steps to disk, keeping the newest few ([`writeback`]:
 //!   without a burst of dirty pages).
 //! * [`copies`]: the copies held by peers, and taking them back.
+//! * [`quiet`]: persisting and copies held back while a round restores.
 
 pub mod copies;
 pub mod layout;
 pub mod persist;
+pub mod quiet;
 mod writeback;
 
 use std::collections::{HashMap, HashSet};
@@ -29,6 +31,7 @@ use tokio::task::JoinHandle;
 
 use self::copies::{Copies, Restore, Round};
 use self::persist::{PersistError, Persister};
+use self::quiet::Quiet;
 use crate::agent::progress::HeldView;
 use crate::rendezvous::records::HeldCheckpoint;
 
@@ -76,6 +79,8 @@ pub struct Checkpoints {
     task: Option<JoinHandle<()>>,
     /// The copies held for and by peers (`None`: no copy server could be started).
     copies: Option<Arc<Copies>>,
+    /// Holds back persisting and copies while a round restores.
+    quiet: Arc<Quiet>,
 }
 
 impl Checkpoints {
@@ -98,18 +103,25 @@ impl Checkpoints {
         let memory = shm.join(format!("{MEMORY_PREFIX}{}-{}", sanitized(run_id), std::process::id()));
         fs::DirBuilder::new().recursive(true).mode(0o700).create(&memory)?;
         let held = crate::agent::shm::hold(&memory)?;
-        let persister = dir.map(|dir| Persister::new(memory.clone(), dir.join(run_id), keep));
+        let quiet = Arc::new(Quiet::new(memory.clone()));
+        let persister = dir.map(|dir| Persister::new(memory.clone(), dir.join(run_id), keep, quiet.clone()));
         let persisted = persister.as_ref().map_or_else(Arc::default, Persister::record);
         let persister = persister.map(|persister| Arc::new(Mutex::new(persister)));
         let task = persister.clone().map(|persister| tokio::spawn(persist_now_and_then(persister)));
-        let copies = match Copies::start(memory.clone(), host, copy_rate) {
+        let copies = match Copies::start(memory.clone(), host, copy_rate, quiet.clone()) {
             Ok(copies) => Some(Arc::new(copies)),
             Err(err) => {
                 tracing::warn!("cannot serve checkpoint copies ({err}): no peer holds this node's checkpoints");
                 None
             }
         };
-        Ok(Checkpoints { memory, _held: held, persister, persisted, task, copies })
+        Ok(Checkpoints { memory, _held: held, persister, persisted, task, copies, quiet })
+    }
+
+    /// A round starts: persisting and copies to the buddy wait until the workers train again
+    /// ([`quiet`]), leaving the machine to the round's restore.
+    pub fn hush(&self) {
+        self.quiet.hush();
     }
 
     /// A new round: the members learn what each holds, this node takes the copies its workers
@@ -165,6 +177,7 @@ impl Checkpoints {
         if let Some(task) = self.task.take() {
             task.abort();
         }
+        self.quiet.lift();
         let Some(persister) = self.persister.take() else { return };
         tracing::debug!("persisting the checkpoints in memory, for at most {within:?}");
         let pass = tokio::task::spawn_blocking(move || lock(&persister).pass());

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::layout::{rank_dir, rank_of, read_slot, step_dir, step_of, DiskManifest, SlotManifest, SLOTS};
+use super::quiet::Quiet;
 use super::writeback;
 
 /// Bytes copied per read.
@@ -54,12 +55,14 @@ pub struct Persister {
     /// The newest step persisted per rank, and when (ms since the epoch): what a pass skips,
     /// and what `elastix status` shows.
     record: Record,
+    quiet: Arc<Quiet>,
 }
 
 impl Persister {
-    /// Persists what is saved under `memory` into `run_dir`, keeping the newest `keep` steps.
-    pub fn new(memory: PathBuf, run_dir: PathBuf, keep: usize) -> Persister {
-        Persister { memory, run_dir, keep: keep.max(1), record: Arc::default() }
+    /// Persists what is saved under `memory` into `run_dir`, keeping the newest `keep` steps,
+    /// waiting between chunks while `quiet` holds it back.
+    pub fn new(memory: PathBuf, run_dir: PathBuf, keep: usize, quiet: Arc<Quiet>) -> Persister {
+        Persister { memory, run_dir, keep: keep.max(1), record: Arc::default(), quiet }
     }
 
     /// Each rank's newest step persisted, and when (ms since the epoch), kept up to date.
@@ -103,7 +106,7 @@ impl Persister {
             source,
         };
         fs::create_dir_all(&dir).map_err(|err| failed(err, &dir))?;
-        let crc32 = copy_with_checksum(data, &target, manifest.size).map_err(|err| {
+        let crc32 = copy_with_checksum(data, &target, manifest.size, &self.quiet).map_err(|err| {
             let _ = fs::remove_file(target.with_extension("data.tmp")); // a full disk keeps no half file
             failed(err, &target)
         })?;
@@ -168,8 +171,8 @@ pub(super) fn slot_generation(memory: &Path, rank: u32, manifest: &SlotManifest)
 }
 
 /// Copies the first `size` bytes of `from` to `to` (through a temporary name, synced) and
-/// returns their CRC-32.
-fn copy_with_checksum(from: &Path, to: &Path, size: u64) -> io::Result<u32> {
+/// returns their CRC-32, waiting before each chunk while `quiet` holds it back.
+fn copy_with_checksum(from: &Path, to: &Path, size: u64, quiet: &Quiet) -> io::Result<u32> {
     let mut source = File::open(from)?.take(size);
     let temporary = to.with_extension("data.tmp");
     let mut target = File::create(&temporary)?;
@@ -179,6 +182,7 @@ fn copy_with_checksum(from: &Path, to: &Path, size: u64) -> io::Result<u32> {
     // where each written chunk began: the one two behind is waited for (see `writeback`)
     let mut behind = std::collections::VecDeque::with_capacity(3);
     loop {
+        quiet.wait_blocking();
         let n = read_chunk(&mut source, &mut buffer)?;
         if n == 0 {
             break;
@@ -242,6 +246,10 @@ mod tests {
     use crate::agent::checkpoints::layout::fixtures::{manifest, write_slot};
     use crate::agent::checkpoints::layout::slot_paths;
 
+    fn unhushed(memory: &Path) -> Arc<Quiet> {
+        Arc::new(Quiet::new(memory.to_owned()))
+    }
+
     /// A directory of the test's own, removed when dropped.
     struct Scratch(PathBuf);
 
@@ -277,7 +285,7 @@ mod tests {
         save(&memory, 1, 0, 4, b"FOUR");
         // a slot being written has no manifest: it does not count
         fs::write(slot_paths(&rank_dir(&memory, 1), 1).0, b"half").unwrap();
-        let mut persister = Persister::new(memory.clone(), run_dir.clone(), 2);
+        let mut persister = Persister::new(memory.clone(), run_dir.clone(), 2, unhushed(&memory));
         let done: Vec<_> = persister.pass().into_iter().map(Result::unwrap).map(|p| (p.rank, p.step)).collect();
         assert_eq!(done, [(0, 4), (1, 4)]);
         let dir = step_dir(&run_dir, 4);
@@ -293,7 +301,7 @@ mod tests {
     fn only_the_newest_steps_are_kept() {
         let root = Scratch::new("keep");
         let (memory, run_dir) = (root.path().join("memory"), root.path().join("run"));
-        let mut persister = Persister::new(memory.clone(), run_dir.clone(), 2);
+        let mut persister = Persister::new(memory.clone(), run_dir.clone(), 2, unhushed(&memory));
         for step in 1..=4 {
             save(&memory, 0, (step % 2) as u32, step, format!("step {step}").as_bytes());
             assert!(persister.pass().into_iter().all(|outcome| outcome.is_ok()));
@@ -307,8 +315,10 @@ mod tests {
     fn a_shared_directory_keeps_the_steps_of_the_ranks_of_other_nodes() {
         let root = Scratch::new("shared");
         let (mine, theirs, run_dir) = (root.path().join("mine"), root.path().join("theirs"), root.path().join("run"));
-        let mut persisters =
-            [Persister::new(mine.clone(), run_dir.clone(), 1), Persister::new(theirs.clone(), run_dir.clone(), 1)];
+        let mut persisters = [
+            Persister::new(mine.clone(), run_dir.clone(), 1, unhushed(&mine)),
+            Persister::new(theirs.clone(), run_dir.clone(), 1, unhushed(&theirs)),
+        ];
         // the other node's rank 1 persisted step 1 and then died; this node's rank 0 goes on
         save(&theirs, 1, 0, 1, b"theirs");
         assert!(persisters[1].pass().into_iter().all(|outcome| outcome.is_ok()));
@@ -329,7 +339,7 @@ mod tests {
         save(&memory, 0, 0, 1, b"one");
         let blocker = root.path().join("not-a-dir");
         fs::write(&blocker, b"a file").unwrap();
-        let mut persister = Persister::new(memory.clone(), blocker.join("run"), 2);
+        let mut persister = Persister::new(memory.clone(), blocker.join("run"), 2, unhushed(&memory));
         let outcome = persister.pass().pop().unwrap();
         assert!(matches!(outcome, Err(PersistError::Write { rank: 0, step: 1, .. })), "{outcome:?}");
         assert_eq!(newest_slots(&memory).len(), 1, "the memory copy is kept");

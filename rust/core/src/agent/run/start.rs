@@ -79,6 +79,9 @@ impl Agent {
         let me = RoleInfo { role: self.config.role.clone(), local_world_size: self.config.local_world_size };
         let secret = self.rdzv.secret().cloned();
         let checkpoints = self.checkpoints.as_ref();
+        if let Some(checkpoints) = checkpoints {
+            checkpoints.hush(); // the round's restore comes first
+        }
         let exchange = async {
             let at = (info.store_host.clone(), info.store_port);
             let store = connect_store(&mut self.store, &at, secret.as_ref(), STORE_TIMEOUT).await?;

@@ -134,7 +134,7 @@ async fn give(stream: &mut SealedStream<TcpStream>, memory: &Path, want: &Want) 
         return stream.flush().await;
     };
     wire::write_json(stream, &manifest).await?;
-    wire::send_slot(stream, root, &manifest, &data, 0).await?;
+    wire::send_slot(stream, root, &manifest, &data, 0, None).await?;
     Ok(())
 }
 
@@ -143,6 +143,7 @@ mod tests {
     use super::super::peer::Peer;
     use super::*;
     use crate::agent::checkpoints::layout::fixtures::{manifest, scratch, write_slot};
+    use crate::agent::checkpoints::quiet::Quiet;
 
     fn saved(root: &Path, rank: u32, step: u64, data: &[u8]) -> (SlotManifest, PathBuf) {
         let manifest = manifest(rank, step, data.len() as u64);
@@ -159,7 +160,7 @@ mod tests {
         let addr = format!("127.0.0.1:{}", holder.port());
         let buddy = Peer { addr: addr.clone(), key: key.clone(), me: 0, them: 1 };
         let (manifest, data) = saved(&sender, 0, 9, b"weights of step 9");
-        assert!(buddy.put(&sender, &manifest, &data, 1_000_000).await.unwrap());
+        assert!(buddy.put(&sender, &manifest, &data, 1_000_000, &Quiet::new(sender.clone())).await.unwrap());
         assert!(wire::find_slot(&peers_dir(&holder_memory), 0, 9).is_some());
 
         let taker_peer = Peer { addr: addr.clone(), key, me: 2, them: 1 };
@@ -183,11 +184,35 @@ mod tests {
         let (manifest, data) = saved(&sender, 0, 1, b"x");
         let stranger =
             Peer { addr: addr.clone(), key: Key::from_bytes(b"a guess at the key, 32 bytes long"), me: 0, them: 1 };
-        assert!(stranger.put(&sender, &manifest, &data, 0).await.is_err());
+        assert!(stranger.put(&sender, &manifest, &data, 0, &Quiet::new(sender.clone())).await.is_err());
         let misdirected = Peer { addr, key: Key::from_bytes(b"the round's key, thirty-two bytes"), me: 0, them: 2 };
-        assert!(misdirected.put(&sender, &manifest, &data, 0).await.is_err());
+        assert!(misdirected.put(&sender, &manifest, &data, 0, &Quiet::new(sender.clone())).await.is_err());
         assert!(wire::find_slot(&peers_dir(&holder_memory), 0, 1).is_none());
         for dir in [sender, holder_memory] {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_hushed_sender_holds_its_copy_back_until_its_workers_save_a_newer_step() {
+        let (sender, holder_memory) = (scratch("hushed"), scratch("hushed-holder"));
+        let holder = Holder::start(holder_memory.clone(), "127.0.0.1").unwrap();
+        let key = Key::from_bytes(b"the round's key, thirty-two bytes");
+        holder.enter_round(key.clone(), 1);
+        let buddy = Peer { addr: format!("127.0.0.1:{}", holder.port()), key, me: 0, them: 1 };
+        let (nine, data) = saved(&sender, 0, 9, b"weights of step 9");
+        let quiet = Quiet::new(sender.clone());
+        quiet.hush(); // a round starts: step 9 is the newest held
+        let put = buddy.put(&sender, &nine, &data, 0, &quiet);
+        tokio::pin!(put);
+        let waited = tokio::time::timeout(std::time::Duration::from_millis(300), &mut put).await;
+        assert!(waited.is_err(), "held back while the round restores");
+        assert!(wire::find_slot(&peers_dir(&holder_memory), 0, 9).is_none());
+        // the workers train again: step 10 saved into another slot
+        write_slot(&sender, 1, &manifest(0, 10, 1), b"x");
+        assert!(put.await.unwrap());
+        assert!(wire::find_slot(&peers_dir(&holder_memory), 0, 9).is_some());
+        for dir in [&sender, &holder_memory] {
             let _ = std::fs::remove_dir_all(dir);
         }
     }

@@ -17,6 +17,7 @@ pub mod ring;
 pub mod wire;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::RngCore;
@@ -27,6 +28,7 @@ use self::peer::Peer;
 use self::plan::{Held, Holdings};
 use self::ring::{RingRound, RoundStore};
 use super::layout::{peers_dir, rank_dir, rank_of, read_slot, SLOTS};
+use super::quiet::Quiet;
 use crate::agent::error::{AgentError, Result};
 use crate::auth::{Key, Secret};
 use crate::store::TcpStore;
@@ -73,11 +75,12 @@ pub struct Copies {
 
 impl Copies {
     /// Serves `memory` to the round's members and sends to the buddy at most `rate` bytes a
-    /// second (0: unlimited). Must run inside a tokio runtime.
-    pub fn start(memory: PathBuf, host: &str, rate: u64) -> std::io::Result<Copies> {
+    /// second (0: unlimited), waiting while `quiet` holds it back. Must run inside a tokio
+    /// runtime.
+    pub fn start(memory: PathBuf, host: &str, rate: u64, quiet: Arc<Quiet>) -> std::io::Result<Copies> {
         let holder = Holder::start(memory.clone(), host)?;
         let ring = ring::Shared::default();
-        let task = tokio::spawn(ring::send_now_and_then(memory.clone(), ring.clone(), rate));
+        let task = tokio::spawn(ring::send_now_and_then(memory.clone(), ring.clone(), rate, quiet));
         Ok(Copies { memory, host: host.to_owned(), holder, ring, task })
     }
 

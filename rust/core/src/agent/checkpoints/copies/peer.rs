@@ -8,6 +8,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::super::layout::SlotManifest;
+use super::super::quiet::Quiet;
 use super::holder::COPY_DEADLINE;
 use super::wire::{self, Want, GET, PURPOSE, PUT};
 use crate::auth::pair;
@@ -29,14 +30,22 @@ pub struct Peer {
 }
 
 impl Peer {
-    /// Sends `manifest`'s slot (its data in `data`, under `root`) at most `rate` bytes a second:
-    /// true when the peer keeps it (false: it was saved into meanwhile).
-    pub async fn put(&self, root: &Path, manifest: &SlotManifest, data: &Path, rate: u64) -> io::Result<bool> {
+    /// Sends `manifest`'s slot (its data in `data`, under `root`) at most `rate` bytes a second,
+    /// waiting while `quiet` holds it back: true when the peer keeps it (false: it was saved
+    /// into meanwhile).
+    pub async fn put(
+        &self,
+        root: &Path,
+        manifest: &SlotManifest,
+        data: &Path,
+        rate: u64,
+        quiet: &Quiet,
+    ) -> io::Result<bool> {
         self.within(async {
             let mut stream = self.open().await?;
             stream.write_u8(PUT).await?;
             wire::write_json(&mut stream, manifest).await?;
-            let whole = wire::send_slot(&mut stream, root, manifest, data, rate).await?;
+            let whole = wire::send_slot(&mut stream, root, manifest, data, rate, Some(quiet)).await?;
             Ok(stream.read_u8().await? == 1 && whole)
         })
         .await

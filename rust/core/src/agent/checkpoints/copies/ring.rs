@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::super::layout::{FORMAT_VERSION, PINNED};
 use super::super::persist::newest_slots;
+use super::super::quiet::Quiet;
 use super::peer::Peer;
 use super::wire::find_slot;
 pub use crate::agent::round_store::RoundStore;
@@ -80,7 +81,7 @@ const MAX_LEAD: u64 = 4096;
 
 /// Copies targets to the buddy, round after round, forever (the task is aborted when the
 /// agent ends).
-pub async fn send_now_and_then(memory: PathBuf, ring: Shared, rate: u64) {
+pub async fn send_now_and_then(memory: PathBuf, ring: Shared, rate: u64, quiet: Arc<Quiet>) {
     // kept across rounds: they protect steps until the new round's are known
     let mut pinned = Vec::new();
     let mut failing = false;
@@ -93,7 +94,8 @@ pub async fn send_now_and_then(memory: PathBuf, ring: Shared, rate: u64) {
             tokio::time::sleep(SEND_EVERY).await;
             continue;
         };
-        let mut copier = Copier { round: &round, entered, memory: &memory, ring: &ring, rate, pinned: &mut pinned };
+        let mut copier =
+            Copier { round: &round, entered, memory: &memory, ring: &ring, rate, quiet: &quiet, pinned: &mut pinned };
         match copier.run(&mut failing).await {
             Ok(()) => {}
             // a copy of the round that just ended, refused by a buddy already in the next one
@@ -120,6 +122,7 @@ struct Copier<'a> {
     memory: &'a Path,
     ring: &'a Shared,
     rate: u64,
+    quiet: &'a Quiet,
     pinned: &'a mut Vec<u64>,
 }
 
@@ -134,7 +137,7 @@ impl Copier<'_> {
             };
             self.pin([safe, Some(target)].into_iter().flatten().collect());
             let sent = loop {
-                match send_target(self.round, self.memory, self.ring, self.rate, target).await? {
+                match send_target(self, target).await? {
                     Sent::NotYet if self.current() => tokio::time::sleep(POLL).await,
                     Sent::NotYet => return Ok(()),
                     done => break done,
@@ -238,7 +241,8 @@ enum Sent {
 }
 
 /// Sends each local rank's `target` step the buddy does not have yet.
-async fn send_target(round: &RingRound, memory: &Path, ring: &Shared, rate: u64, target: u64) -> Result<Sent, String> {
+async fn send_target(copier: &Copier<'_>, target: u64) -> Result<Sent, String> {
+    let (round, memory, ring) = (copier.round, copier.memory, copier.ring);
     let newest: HashMap<u32, u64> = newest_slots(memory).into_iter().map(|(rank, m, _)| (rank, m.step)).collect();
     for &rank in &round.ranks {
         if lock(ring).sent(rank).is_some_and(|(step, _)| step >= target) {
@@ -248,7 +252,11 @@ async fn send_target(round: &RingRound, memory: &Path, ring: &Shared, rate: u64,
             return Ok(if newest.get(&rank).is_some_and(|&step| step > target) { Sent::Missed } else { Sent::NotYet });
         };
         let started = Instant::now();
-        let kept = round.buddy.put(memory, &manifest, &data, rate).await.map_err(|err| err.to_string())?;
+        let kept = round
+            .buddy
+            .put(memory, &manifest, &data, copier.rate, copier.quiet)
+            .await
+            .map_err(|err| err.to_string())?;
         if !kept {
             return Ok(Sent::Missed);
         }

@@ -25,6 +25,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::super::layout::{rank_dir, read_slot, slot_paths, SlotManifest, PEER_SLOTS, SLOTS};
 use super::super::persist::slot_generation;
+use super::super::quiet::Quiet;
 use crate::auth::pair::Purpose;
 
 /// Agent-to-agent checkpoint copies: bound to (connector, acceptor) group ranks, two u32 LE.
@@ -86,13 +87,15 @@ pub fn find_slot(root: &Path, rank: u32, step: u64) -> Option<(SlotManifest, Pat
 }
 
 /// Sends the data of the slot `manifest` describes (`data`, under `root`), at most `rate` bytes
-/// a second (0: as fast as it goes), then the commit byte; true when it was whole throughout.
+/// a second (0: as fast as it goes) and waiting before each chunk while `quiet` holds it back,
+/// then the commit byte; true when it was whole throughout.
 pub async fn send_slot<W: AsyncWrite + Unpin>(
     stream: &mut W,
     root: &Path,
     manifest: &SlotManifest,
     data: &Path,
     rate: u64,
+    quiet: Option<&Quiet>,
 ) -> io::Result<bool> {
     // read with plain positioned reads on a blocking thread: one copy per byte (tokio's file
     // reads go through a buffer of their own, a second copy)
@@ -101,6 +104,9 @@ pub async fn send_slot<W: AsyncWrite + Unpin>(
     let mut buffer = vec![0u8; CHUNK.min(manifest.size as usize).max(1)];
     let mut sent = 0u64;
     while sent < manifest.size {
+        if let Some(quiet) = quiet {
+            quiet.wait().await;
+        }
         let want = buffer.len().min((manifest.size - sent) as usize);
         let reading = file.clone();
         let (read, back) = tokio::task::spawn_blocking(move || {
@@ -160,16 +166,28 @@ pub async fn receive_slot<R: AsyncRead + Unpin>(
         Err(err) if err.kind() != io::ErrorKind::NotFound => return Err(err),
         _ => {}
     }
-    let mut file = tokio::fs::File::create(&data).await?;
-    let mut left = manifest.size;
-    let mut buffer = vec![0u8; CHUNK.min(left as usize).max(1)];
-    while left > 0 {
-        let want = buffer.len().min(left as usize);
+    // written over, not truncated (freeing and allocating again hundreds of MB of pages), with
+    // plain positioned writes on a blocking thread: tokio's file writes copy into a buffer of
+    // their own first
+    let file = std::fs::OpenOptions::new().write(true).create(true).truncate(false).open(&data)?;
+    let file = Arc::new(file);
+    let mut written = 0u64;
+    let mut buffer = vec![0u8; CHUNK.min(manifest.size as usize).max(1)];
+    while written < manifest.size {
+        let want = buffer.len().min((manifest.size - written) as usize);
         stream.read_exact(&mut buffer[..want]).await?;
-        file.write_all(&buffer[..want]).await?;
-        left -= want as u64;
+        let writing = file.clone();
+        let (wrote, back) = tokio::task::spawn_blocking(move || {
+            let wrote = writing.write_all_at(&buffer[..want], written);
+            (wrote, buffer)
+        })
+        .await
+        .map_err(io::Error::other)?;
+        buffer = back;
+        wrote?;
+        written += want as u64;
     }
-    file.flush().await?;
+    file.set_len(manifest.size)?; // a longer step held in the slot before
     if stream.read_u8().await? != 1 {
         return Ok(false);
     }
@@ -190,10 +208,12 @@ mod tests {
         let sent = manifest(1, 5, 10);
         write_slot(&from, 0, &sent, b"0123456789");
         write_slot(&to, 0, &manifest(1, 4, 3), b"old");
+        // an older, longer step in the slot it goes to: written over, and no byte of it left
+        write_slot(&to, 1, &manifest(1, 3, 20), b"an older longer step");
         let (mut a, mut b) = tokio::io::duplex(64);
         let data = slot_paths(&rank_dir(&from, 1), 0).0;
         let (whole, received) =
-            tokio::join!(send_slot(&mut a, &from, &sent, &data, 0), receive_slot(&mut b, &to, &sent));
+            tokio::join!(send_slot(&mut a, &from, &sent, &data, 0, None), receive_slot(&mut b, &to, &sent));
         assert!(whole.unwrap() && received.unwrap());
         let (got, path) = find_slot(&to, 1, 5).unwrap();
         assert_eq!(got, sent);
@@ -212,7 +232,7 @@ mod tests {
         let (mut a, mut b) = tokio::io::duplex(64);
         let data = slot_paths(&rank_dir(&from, 0), 0).0;
         let (whole, received) =
-            tokio::join!(send_slot(&mut a, &from, &sent, &data, 0), receive_slot(&mut b, &to, &sent));
+            tokio::join!(send_slot(&mut a, &from, &sent, &data, 0, None), receive_slot(&mut b, &to, &sent));
         assert!(!whole.unwrap() && !received.unwrap());
         assert!(find_slot(&to, 0, 5).is_none());
         let _ = (std::fs::remove_dir_all(from), std::fs::remove_dir_all(to));
