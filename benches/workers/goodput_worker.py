@@ -10,8 +10,7 @@ overlaps the next step's compute, and the loop waits for it before it changes th
 Writes to $OUT_DIR: steps-<rank>.txt ("<unix time> <step>" per step done: trained and, if it
 saves, saved), starts-<rank>.txt
 ("<step restored or -1> <seconds the restore took> <unix time>" per start), saves-<rank>.txt ("<seconds
-the save blocked the loop, with the wait for its copy> <step>"), memcpy-<rank>.txt (a plain copy of the same state, the floor),
-phases-<rank>.txt ("<unix time> <step> <seconds the compute overran> <seconds in the
+the save blocked the loop, with the wait for its copy> <step>"), phases-<rank>.txt ("<unix time> <step> <seconds the compute overran> <seconds in the
 all_reduce> <seconds waiting for the last save's copy>": where a slow step's time went),
 final.txt (rank 0's last step). Stops, every rank after the same step, once $OUT_DIR/stop
 exists."""
@@ -144,24 +143,10 @@ def main() -> None:
     train(Elastix() if args.mode in ("elastix-restart", "none") else Torch(args.mode == "torch-dcp"))
 
 
-def memcpy_floor(w: np.ndarray) -> float:
-    """The least time a plain copy of ``w`` takes (into memory already touched)."""
-    floor = np.zeros_like(w)
-    floor.fill(1.0)  # touched: the copy pays no page faults
-    copies = []
-    for _ in range(3):
-        began = time.perf_counter()
-        np.copyto(floor, w)
-        copies.append(time.perf_counter() - began)
-    return min(copies)
-
-
 def train(job) -> None:
     started = time.perf_counter()
     w, restored = job.load()
     log("starts", f"{restored} {time.perf_counter() - started:.3f} {time.time():.3f}")
-    if restored < 0:  # the floor, once per rank: not in the time a restart or a re-form takes
-        log("memcpy", f"{memcpy_floor(w):.4f}")
     flag = np.zeros(1, np.float32)
     step = restored + 1
     # a step is done once trained and, where it saves, saved: a pipelined save's step once its

@@ -100,6 +100,32 @@ def test_a_host_killed_mid_all_reduce_leaves_the_survivors_training_in_the_same_
     finish_all(tmp_path, [agents[0], agents[2], joiner], marker)
 
 
+def test_a_join_interrupts_workers_that_cannot_stop_at_a_step(tmp_path, marker):
+    # workers that never save cannot stop after a save: the members do not wait for one (20 s)
+    # but interrupt them as for any re-form, and the job grows at once
+    store = elastix.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    endpoint = f"127.0.0.1:{store.port}"
+
+    def node(i):
+        args = node_args("2:3", endpoint, f"127.0.0.{i + 1}", FAST_RDZV, PROGRAM, run_id="no-save")
+        return agent(tmp_path, marker, f"n{i}", "run", *args, python=("env", "NO_SAVE=1", sys.executable))
+
+    agents = [node(0), node(1)]
+    zero, first = wait_for(lambda: started(tmp_path, 2), timeout=90, what="two ranks training")
+    wait_for(lambda: trained(tmp_path, zero, 2, 3), timeout=60, what="three steps of two ranks")
+    agents.append(node(2))
+    grown, joined = wait_for(lambda: started(tmp_path, 3, after=zero), timeout=60, what="the job growing to 3")
+    kept = {record["pid"] for record in first}
+    assert kept <= {record["pid"] for record in joined}, (first, joined)
+    for record in first:
+        assert left(tmp_path, zero, record["rank"], record["pid"]) == "Reforming", record
+    for member in agents[:2]:
+        assert "this node's workers cannot stop at a step" in member.output()
+        assert "stop after their checkpoint save" not in member.output()
+    wait_for(lambda: trained(tmp_path, grown, 3, 2), timeout=60, what="three ranks training")
+    finish_all(tmp_path, agents, marker)
+
+
 def test_a_worker_that_raises_mid_update_is_restarted_and_its_peers_are_not(tmp_path, marker):
     store = elastix.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     endpoint = f"127.0.0.1:{store.port}"

@@ -44,6 +44,12 @@ impl Agent {
         changes: &mut Changes,
     ) -> Option<Event> {
         let workers = self.drainable(group);
+        if workers.is_none() {
+            tracing::info!(
+                "a node joins: this node's workers cannot stop at a step (a worker is not on its line, or has saved no \
+                 checkpoint yet); the job re-forms by interrupting them"
+            );
+        }
         let step = self.agree_on_drain_step(info, workers.as_ref().map(|(_, saved)| *saved)).await?;
         let (mut waiting, _) = workers?;
         let control = self.control.as_mut()?;
