@@ -232,8 +232,9 @@ impl Opener {
         if raw.len() < total {
             return Ok(false);
         }
-        // opened where it lies (split off `raw` without a copy), and handed over whole when
-        // `out` is empty, as a reader's is: a record's payload is copied once, to its reader
+        // opened where it lies (split off `raw` without a copy), and handed over whole to an
+        // `out` that holds no buffer, as a reader's: a record's payload is copied once, to its
+        // reader (an `out` made with room for many records gets each appended, as before)
         let mut record = raw.split_to(total);
         let tag = *Tag::from_slice(&record[total - TAG..]);
         let nonce = nonce(self.seq);
@@ -250,7 +251,7 @@ impl Opener {
         self.seq += 1;
         record.truncate(total - TAG);
         record.advance(HEAD);
-        if out.is_empty() {
+        if out.capacity() == 0 {
             *out = record;
         } else {
             out.extend_from_slice(&record);
