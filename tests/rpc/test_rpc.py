@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import collectives_harness as harness
-from agents import elastix_run, finish
+from agents import elastix_run, finish, wait_for
 
 WORKERS = [f"w{rank}" for rank in range(4)]
 
@@ -121,24 +121,17 @@ def exceptions():
     return out
 
 
-def _wait_stopped(pid: int) -> None:
-    """Until every thread of `pid` is stopped: kill() returns before they all are, and on a
-    busy machine a thread not yet stopped can still answer a call."""
-    import time
-
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        states = []
-        for task in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{task}/stat") as stat:
-                    states.append(stat.read().rsplit(")", 1)[1].split()[0])
-            except FileNotFoundError:
-                pass
-        if all(state in ("T", "t") for state in states):
-            return
-        time.sleep(0.01)
-    raise TimeoutError(f"process {pid} did not stop within 10 s of SIGSTOP")
+def _stopped(pid: int) -> bool:
+    """Whether every thread of `pid` is stopped: kill(SIGSTOP) returns before they all are, and
+    on a busy machine a thread not yet stopped can still answer a call."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:
+            pass
+    return all(state in ("T", "t") for state in states)
 
 
 def timeouts():
@@ -159,7 +152,7 @@ def timeouts():
         # a stopped callee (SIGSTOP) is silent, not gone: a timeout, then calls go on after SIGCONT
         pid = rpc.rpc_sync("w1", os.getpid)
         os.kill(pid, signal.SIGSTOP)
-        _wait_stopped(pid)
+        wait_for(lambda: _stopped(pid), timeout=10, what=f"worker {pid}'s threads all stopped by SIGSTOP")
         try:
             rpc.rpc_sync("w1", t.noop, timeout=0.5)
         except TimeoutError as err:
