@@ -48,7 +48,11 @@ impl Quiet {
         let Some((newest, since)) = *self.lock() else { return false };
         let over = since.elapsed() >= MAX_HUSH || self.newest() > newest;
         if over {
-            self.lift();
+            let mut hushed = self.lock();
+            // the hush looked at, not one a new round began meanwhile
+            if hushed.is_some_and(|(_, began)| began == since) {
+                *hushed = None;
+            }
         }
         !over
     }
