@@ -131,6 +131,38 @@ def test_a_drain_stops_the_worker_in_its_save_of_the_agreed_step_and_says_so(age
         after_save(4)
 
 
+def test_word_about_the_round_being_joined_outlives_the_join(agent_hearing_line):
+    """A host's replacement arrives as the survivors' round forms: the agent's drain (or a
+    second abort) for the new round can reach a worker still joining it. Settling in must not
+    forget it, or the worker trains past the step its peers stop after."""
+    say, line, heard = agent_hearing_line
+    after_save = _drain_point(line)
+    abort(say, 4)  # a node is lost
+    notice = notice_of(line, 4)
+    line.drained()
+    say("assign", 5, env={"ELASTIX_ROUND": "5"})
+    assert _await_place(line, notice).round == 5
+    drain(say, 5, 9)  # a node joins round 5 while this worker still joins it
+    drain_told(line, 9)
+    line.settled(0.1, 0.0, 0.05)
+    assert heard()["kind"] == "reformed"
+    assert line.notice(0) is None, "the notice of round 4 is over"
+    after_save(8)
+    with pytest.raises(Reforming, match="re-forms after step 9"):
+        after_save(9)
+    line.drained()
+    assert heard() == {"kind": "drained", "round": 5, "step": 9}
+    # an abort of the round being joined is kept too
+    say("assign", 6, env={"ELASTIX_ROUND": "6"})
+    assert _await_place(line, notice_of(line, 5)).round == 6
+    abort(say, 6)
+    notice_of(line, 6)
+    line.settled(0.1, 0.0, 0.05)
+    assert heard()["kind"] == "reformed"
+    kept = line.notice(0)
+    assert kept is not None and kept.round == 6, "the abort of round 6 explains what the worker raises next"
+
+
 def test_a_worker_told_to_stop_after_a_step_it_saved_already_stops_at_once(agent_hearing_line):
     say, line, heard = agent_hearing_line
     aborted = []

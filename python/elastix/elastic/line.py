@@ -142,9 +142,15 @@ class AgentLine:
     def settled(self, took: float, left: float, placed: float) -> None:
         """Forgets the re-form just done and tells the agent the worker trains again, ``took``
         seconds after it was told; it had left its group after ``left`` and its place after
-        ``placed``."""
+        ``placed``. Word about the round it joined, which can come while it joins (a node's
+        replacement arrives as the round forms: a drain), is kept for it."""
         with self._cond:
-            place, self._notice, self._place, self._drain = self._place, None, None, None
+            place, self._place = self._place, None
+            joined = place.round if place is not None else None
+            if joined is None or (self._notice is not None and self._notice.round < joined):
+                self._notice = None
+            if joined is None or (self._drain is not None and self._drain.round < joined):
+                self._drain = None
             self._saved = None  # the new round's saves start from the step it restored
         if place is not None:
             message = {"kind": "reformed", "round": place.round, "took_ms": int(took * 1000)}
