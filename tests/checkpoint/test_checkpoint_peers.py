@@ -75,6 +75,10 @@ def test_a_host_killed_is_restored_from_its_buddys_memory_bit_for_bit(tmp_path, 
     assert next(r for r in grown if r["host"] == f"host{victim}")["source"] == "peer", grown
     assert "from member" in joiner.output(), joiner.output()
     finish_all(tmp_path, [*survivors, joiner], marker)
+    # each agent removed its memory as it exited, copies from its peers still arriving or not
+    memories = [f"/dev/shm/elastix-ckpt-peers-{a.proc.pid}" for a in [*survivors, joiner]]
+    left = [glob.glob(f"{memory}/**", recursive=True) for memory in memories if os.path.exists(memory)]
+    assert not left, left
     # the agents said which step the round restores, and the joiner which ranks it took
     joined = [json.loads(line) for line in open(tmp_path / "joiner-events.jsonl")]
     restore = next(event for event in joined if event["event"] == "checkpoint_restore")

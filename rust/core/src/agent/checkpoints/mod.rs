@@ -172,8 +172,12 @@ impl Checkpoints {
     }
 
     /// Persists what is in memory now, up to `within` (the run is ending: a failure, a stop
-    /// signal, success), then stops persisting.
+    /// signal, success), then stops persisting. Copies to and from peers stop first: no round
+    /// will restore from this agent, and the disk gets the machine.
     pub async fn flush(&mut self, within: Duration) {
+        if let Some(copies) = &self.copies {
+            copies.stop();
+        }
         if let Some(task) = self.task.take() {
             task.abort();
         }
@@ -194,12 +198,29 @@ impl Drop for Checkpoints {
         if let Some(task) = &self.task {
             task.abort();
         }
-        if let Err(err) = fs::remove_dir_all(&self.memory) {
-            if err.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!("cannot remove the checkpoint memory {}: {err}", self.memory.display());
-            }
+        if let Some(copies) = &self.copies {
+            copies.stop(); // a put still arriving would write into the memory as it goes
+        }
+        if let Err(err) = remove_memory(&self.memory) {
+            tracing::warn!("cannot remove the checkpoint memory {}: {err}", self.memory.display());
         }
     }
+}
+
+/// Removes the memory directory. A file operation of a copy stopped a moment ago can still
+/// finish on a blocking thread (stopping a task does not stop those) and create a file while
+/// the directory is emptied: then the removal fails, and is tried again a few times.
+fn remove_memory(memory: &Path) -> std::io::Result<()> {
+    const ATTEMPTS: u32 = 5;
+    const PAUSE: Duration = Duration::from_millis(20);
+    for attempt in 1..=ATTEMPTS {
+        match fs::remove_dir_all(memory) {
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(_) if attempt < ATTEMPTS => std::thread::sleep(PAUSE),
+            done => return done,
+        }
+    }
+    Ok(())
 }
 
 /// Persists every [`PERSIST_EVERY`], on a blocking thread, resting after each pass that wrote

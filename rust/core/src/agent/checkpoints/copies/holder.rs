@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 
 use super::super::layout::{peers_dir, SlotManifest};
 use super::wire::{self, Want, GET, PURPOSE, PUT};
@@ -27,7 +27,7 @@ pub const COPY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(60
 /// The round's key and this agent's group rank in it: what a connection must prove and name.
 pub type RoundKey = Arc<Mutex<Option<(Key, u32)>>>;
 
-/// The copy server; stops when dropped.
+/// The copy server; stops, with the connections it serves, when stopped or dropped.
 pub struct Holder {
     port: u16,
     round: RoundKey,
@@ -56,17 +56,26 @@ impl Holder {
     pub fn enter_round(&self, key: Key, me: u32) {
         *self.round.lock().unwrap_or_else(PoisonError::into_inner) = Some((key, me));
     }
+
+    /// Accepts no more connections and ends those in progress: a put still coming writes
+    /// nothing more into the memory (which the agent is about to remove).
+    pub fn stop(&self) {
+        self.task.abort();
+    }
 }
 
 impl Drop for Holder {
     fn drop(&mut self) {
-        self.task.abort();
+        self.stop();
     }
 }
 
 async fn serve(listener: TcpListener, memory: PathBuf, round: RoundKey) {
     let at_once = Arc::new(Semaphore::new(AT_ONCE));
+    // owned here: when the server is stopped (this future dropped), so are its connections
+    let mut connections = JoinSet::new();
     loop {
+        while connections.try_join_next().is_some() {}
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(err) => {
@@ -81,7 +90,7 @@ async fn serve(listener: TcpListener, memory: PathBuf, round: RoundKey) {
         };
         let Some((key, me)) = round.lock().unwrap_or_else(PoisonError::into_inner).clone() else { continue };
         let memory = memory.clone();
-        tokio::spawn(async move {
+        connections.spawn(async move {
             match tokio::time::timeout(COPY_DEADLINE, connection(stream, &memory, &key, me)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(err)) => tracing::debug!("checkpoint copy connection from {peer}: {err}"),
@@ -212,6 +221,29 @@ mod tests {
         write_slot(&sender, 1, &manifest(0, 10, 1), b"x");
         assert!(put.await.unwrap());
         assert!(wire::find_slot(&peers_dir(&holder_memory), 0, 9).is_some());
+        for dir in [&sender, &holder_memory] {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stopped_holder_ends_the_puts_in_progress_and_keeps_nothing_of_them() {
+        let (sender, holder_memory) = (scratch("stopped"), scratch("stopped-holder"));
+        let holder = Holder::start(holder_memory.clone(), "127.0.0.1").unwrap();
+        let key = Key::from_bytes(b"the round's key, thirty-two bytes");
+        holder.enter_round(key.clone(), 1);
+        let buddy = Peer { addr: format!("127.0.0.1:{}", holder.port()), key, me: 0, them: 1 };
+        let (nine, data) = saved(&sender, 0, 9, b"weights of step 9");
+        let quiet = Quiet::new(sender.clone());
+        quiet.hush(); // the put connects, then waits before its data
+        let put = buddy.put(&sender, &nine, &data, 0, &quiet);
+        tokio::pin!(put);
+        assert!(tokio::time::timeout(std::time::Duration::from_millis(300), &mut put).await.is_err());
+        holder.stop(); // the agent's run is over
+        write_slot(&sender, 1, &manifest(0, 10, 1), b"x"); // the data goes out now
+        assert!(put.await.is_err(), "the holder closed the connection");
+        assert!(wire::find_slot(&peers_dir(&holder_memory), 0, 9).is_none());
+        assert!(buddy.put(&sender, &nine, &data, 0, &quiet).await.is_err(), "nor is a new one served");
         for dir in [&sender, &holder_memory] {
             let _ = std::fs::remove_dir_all(dir);
         }

@@ -179,11 +179,17 @@ impl Copies {
     pub fn sent(&self, rank: u32) -> Option<(u64, u64)> {
         ring::lock(&self.ring).sent(rank)
     }
+
+    /// Sends nothing more to the buddy and serves no one: the run is over for this agent.
+    pub fn stop(&self) {
+        self.task.abort();
+        self.holder.stop();
+    }
 }
 
 impl Drop for Copies {
     fn drop(&mut self) {
-        self.task.abort();
+        self.stop();
     }
 }
 
