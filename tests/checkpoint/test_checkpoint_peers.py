@@ -13,11 +13,14 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 import elastix
 from agents import WORKERS, agent, finish_all, node_args, started, wait_for
 
 PROGRAM = os.path.join(WORKERS, "checkpoint_loop.py")
 CONF = "join_timeout=60s"
+LOG = ("--log-level", "debug")  # each copy to the buddy says how it was made
 
 
 def steps_logged(tmp_path, round_):
@@ -28,16 +31,20 @@ def steps_logged(tmp_path, round_):
     return count
 
 
-def node(tmp_path, marker, hosts, i, endpoint, name=None, nnodes="2:3", flags=(), conf=CONF):
-    python = hosts.command(i, "env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", sys.executable)
+def node(tmp_path, marker, hosts, i, endpoint, name=None, nnodes="2:3", flags=(), conf=CONF, env=()):
+    python = hosts.command(i, "env", f"ELASTIX_COLLECTIVES_HOST_ID=host{i}", *env, sys.executable)
     args = node_args(nnodes, endpoint, hosts.addr(i), conf, PROGRAM, run_id="peers", max_restarts=0)
     events = tmp_path / f"{name or f'h{i}'}-events.jsonl"
     return agent(tmp_path, marker, name or f"h{i}", "run", "--event-log", events, *flags, *args, python=python)
 
 
-def test_a_host_killed_is_restored_from_its_buddys_memory_bit_for_bit(tmp_path, marker, hosts):
+@pytest.mark.parametrize("replicated", [False, True], ids=["sharded", "replicated"])
+def test_a_host_killed_is_restored_from_its_buddys_memory_bit_for_bit(tmp_path, marker, hosts, replicated):
+    """Sharded: each rank's state its own, sent to the buddy. Replicated (plain data
+    parallelism): the buddy's own rank saved the same bytes, and it copies them itself."""
     endpoint = ",".join(f"{hosts.addr(i)}:29400" for i in range(3))
-    agents = [node(tmp_path, marker, hosts, i, endpoint) for i in range(3)]
+    env = ("REPLICATED=1",) if replicated else ()
+    agents = [node(tmp_path, marker, hosts, i, endpoint, flags=LOG, env=env) for i in range(3)]
     three, first = wait_for(lambda: started(tmp_path, 3), timeout=90, what="three nodes training")
     assert all(record["step"] is None for record in first), first  # a first start: nothing to restore
     wait_for(lambda: steps_logged(tmp_path, three) >= 3 * 40, timeout=60, what="40 steps on every rank")
@@ -68,13 +75,18 @@ def test_a_host_killed_is_restored_from_its_buddys_memory_bit_for_bit(tmp_path, 
     wait_for(lambda: steps_logged(tmp_path, two) >= 2 * 5, timeout=60, what="the survivors training again")
     # a new node on the dead host's address joins: it holds nothing, and takes its ranks'
     # state (a replica's: the world grows from 2 to 3) from a survivor's memory
-    joiner = node(tmp_path, marker, hosts, victim, endpoint, name="joiner")
+    joiner = node(tmp_path, marker, hosts, victim, endpoint, name="joiner", flags=LOG, env=env)
     _, grown = wait_for(lambda: started(tmp_path, 3, after=two), timeout=90, what="the job growing back to 3")
     assert all(record["exact"] for record in grown), grown
     assert len({record["step"] for record in grown}) == 1 and grown[0]["step"] is not None, grown
     assert next(r for r in grown if r["host"] == f"host{victim}")["source"] == "peer", grown
     assert "from member" in joiner.output(), joiner.output()
     finish_all(tmp_path, [*survivors, joiner], marker)
+    # how the buddies came to hold their copies: sent, or made from their own replica
+    # (a replicated one is sent too where the buddy's worker had not saved the step yet)
+    said = "".join(a.output() for a in [*agents, joiner])
+    assert ("from its own identical save" in said) == replicated, said[-3000:]
+    assert replicated or "checkpoint copied to member" in said, said[-3000:]
     # each agent removed its memory as it exited, copies from its peers still arriving or not
     memories = [f"/dev/shm/elastix-ckpt-peers-{a.proc.pid}" for a in [*survivors, joiner]]
     left = [glob.glob(f"{memory}/**", recursive=True) for memory in memories if os.path.exists(memory)]

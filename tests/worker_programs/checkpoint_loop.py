@@ -3,7 +3,8 @@ checkpoints held by peers. Rank r's state at step s is a known array (`state_of`
 restore is checked bit for bit; each start is reported to $OUT_DIR/start_<round>_<rank>_<pid>.json
 with what was restored (step, from where, whose state, whether every byte matched), every
 step is logged to $OUT_DIR/steps_<round>_<rank>.txt, and the ranks stop together once
-$OUT_DIR/stop exists (or 180 s pass)."""
+$OUT_DIR/stop exists (or 180 s pass). With REPLICATED=1 every rank's state is rank 0's (plain
+data parallelism, replicas), else each rank's is its own (sharded)."""
 
 import json
 import os
@@ -16,10 +17,11 @@ import elastix
 import elastix.collectives as ec
 
 FLOATS = 128 * 1024  # 1 MiB of float64 per rank
+REPLICATED = os.environ.get("REPLICATED") == "1"
 
 
 def state_of(rank: int, step: int) -> np.ndarray:
-    return np.random.default_rng([rank, step]).random(FLOATS)
+    return np.random.default_rng([0 if REPLICATED else rank, step]).random(FLOATS)
 
 
 out = os.environ["OUT_DIR"]

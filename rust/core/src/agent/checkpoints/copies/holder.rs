@@ -13,7 +13,8 @@ use tokio::sync::Semaphore;
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::super::layout::{peers_dir, SlotManifest};
-use super::wire::{self, Want, GET, PURPOSE, PUT};
+use super::replica;
+use super::wire::{self, Offer, Want, GET, OFFER, PURPOSE, PUT};
 use crate::auth::pair;
 use crate::auth::session::{Mode, SealedStream};
 use crate::auth::{Key, HANDSHAKE_DEADLINE};
@@ -122,6 +123,20 @@ async fn connection(mut stream: TcpStream, memory: &Path, key: &Key, me: u32) ->
             stream.write_u8(u8::from(stored)).await?;
             stream.flush().await
         }
+        OFFER => {
+            let Some(offer) = wire::read_json::<_, Offer>(&mut stream).await? else {
+                return Err(io::Error::new(io::ErrorKind::InvalidData, "an offer without a manifest"));
+            };
+            let filled = fill_from_replica(memory, &offer).await;
+            stream.write_u8(u8::from(filled)).await?;
+            stream.flush().await?;
+            if !filled {
+                let stored = wire::receive_slot(&mut stream, &peers_dir(memory), &offer.manifest).await?;
+                stream.write_u8(u8::from(stored)).await?;
+                stream.flush().await?;
+            }
+            Ok(())
+        }
         GET => {
             let Some(want) = wire::read_json::<_, Want>(&mut stream).await? else {
                 return Err(io::Error::new(io::ErrorKind::InvalidData, "a get that names nothing"));
@@ -129,6 +144,27 @@ async fn connection(mut stream: TcpStream, memory: &Path, key: &Key, me: u32) ->
             give(&mut stream, memory, &want).await
         }
         op => Err(io::Error::new(io::ErrorKind::InvalidData, format!("unknown request {op}"))),
+    }
+}
+
+/// Whether this agent filled the offered copy from its own rank's identical save of the step
+/// (on a blocking thread: a pass through memory); a failure to is said, and the data is sent.
+async fn fill_from_replica(memory: &Path, offer: &Offer) -> bool {
+    let Some(digest) = replica::from_hex(&offer.digest) else { return false };
+    let (memory, manifest) = (memory.to_path_buf(), offer.manifest.clone());
+    let filling = tokio::task::spawn_blocking(move || {
+        replica::fill_from_replica(&memory, &peers_dir(&memory), &manifest, digest)
+    });
+    match filling.await.map_err(io::Error::other) {
+        Ok(Ok(filled)) => filled,
+        Ok(Err(err)) | Err(err) => {
+            tracing::debug!(
+                "cannot copy rank {}'s step {} from a replica here: {err}",
+                offer.manifest.rank,
+                offer.manifest.step
+            );
+            false
+        }
     }
 }
 
@@ -149,7 +185,7 @@ async fn give(stream: &mut SealedStream<TcpStream>, memory: &Path, want: &Want) 
 
 #[cfg(test)]
 mod tests {
-    use super::super::peer::Peer;
+    use super::super::peer::{Peer, Put};
     use super::*;
     use crate::agent::checkpoints::layout::fixtures::{manifest, scratch, write_slot};
     use crate::agent::checkpoints::quiet::Quiet;
@@ -169,7 +205,8 @@ mod tests {
         let addr = format!("127.0.0.1:{}", holder.port());
         let buddy = Peer { addr: addr.clone(), key: key.clone(), me: 0, them: 1 };
         let (manifest, data) = saved(&sender, 0, 9, b"weights of step 9");
-        assert!(buddy.put(&sender, &manifest, &data, 1_000_000, &Quiet::new(sender.clone())).await.unwrap());
+        let put = buddy.put(&sender, &manifest, &data, 1_000_000, &Quiet::new(sender.clone()), true).await.unwrap();
+        assert_eq!(put, Put::Sent, "the holder has no replica of its own: the data was sent");
         assert!(wire::find_slot(&peers_dir(&holder_memory), 0, 9).is_some());
 
         let taker_peer = Peer { addr: addr.clone(), key, me: 2, them: 1 };
@@ -193,9 +230,9 @@ mod tests {
         let (manifest, data) = saved(&sender, 0, 1, b"x");
         let stranger =
             Peer { addr: addr.clone(), key: Key::from_bytes(b"a guess at the key, 32 bytes long"), me: 0, them: 1 };
-        assert!(stranger.put(&sender, &manifest, &data, 0, &Quiet::new(sender.clone())).await.is_err());
+        assert!(stranger.put(&sender, &manifest, &data, 0, &Quiet::new(sender.clone()), true).await.is_err());
         let misdirected = Peer { addr, key: Key::from_bytes(b"the round's key, thirty-two bytes"), me: 0, them: 2 };
-        assert!(misdirected.put(&sender, &manifest, &data, 0, &Quiet::new(sender.clone())).await.is_err());
+        assert!(misdirected.put(&sender, &manifest, &data, 0, &Quiet::new(sender.clone()), true).await.is_err());
         assert!(wire::find_slot(&peers_dir(&holder_memory), 0, 1).is_none());
         for dir in [sender, holder_memory] {
             let _ = std::fs::remove_dir_all(dir);
@@ -212,14 +249,14 @@ mod tests {
         let (nine, data) = saved(&sender, 0, 9, b"weights of step 9");
         let quiet = Quiet::new(sender.clone());
         quiet.hush(); // a round starts: step 9 is the newest held
-        let put = buddy.put(&sender, &nine, &data, 0, &quiet);
+        let put = buddy.put(&sender, &nine, &data, 0, &quiet, true);
         tokio::pin!(put);
         let waited = tokio::time::timeout(std::time::Duration::from_millis(300), &mut put).await;
         assert!(waited.is_err(), "held back while the round restores");
         assert!(wire::find_slot(&peers_dir(&holder_memory), 0, 9).is_none());
         // the workers train again: step 10 saved into another slot
         write_slot(&sender, 1, &manifest(0, 10, 1), b"x");
-        assert!(put.await.unwrap());
+        assert_eq!(put.await.unwrap(), Put::Sent);
         assert!(wire::find_slot(&peers_dir(&holder_memory), 0, 9).is_some());
         for dir in [&sender, &holder_memory] {
             let _ = std::fs::remove_dir_all(dir);
@@ -233,17 +270,47 @@ mod tests {
         let key = Key::from_bytes(b"the round's key, thirty-two bytes");
         holder.enter_round(key.clone(), 1);
         let buddy = Peer { addr: format!("127.0.0.1:{}", holder.port()), key, me: 0, them: 1 };
-        let (nine, data) = saved(&sender, 0, 9, b"weights of step 9");
+        // 5 MiB at 4 MB/s: the first 4 MiB go at once, the rest a second later
+        let (nine, data) = saved(&sender, 0, 9, &vec![9u8; 5 << 20]);
         let quiet = Quiet::new(sender.clone());
-        quiet.hush(); // the put connects, then waits before its data
-        let put = buddy.put(&sender, &nine, &data, 0, &quiet);
+        let put = buddy.put(&sender, &nine, &data, 4_000_000, &quiet, true);
         tokio::pin!(put);
-        assert!(tokio::time::timeout(std::time::Duration::from_millis(300), &mut put).await.is_err());
-        holder.stop(); // the agent's run is over
-        write_slot(&sender, 1, &manifest(0, 10, 1), b"x"); // the data goes out now
+        assert!(tokio::time::timeout(std::time::Duration::from_millis(500), &mut put).await.is_err());
+        holder.stop(); // the agent's run is over, the put half done
         assert!(put.await.is_err(), "the holder closed the connection");
         assert!(wire::find_slot(&peers_dir(&holder_memory), 0, 9).is_none());
-        assert!(buddy.put(&sender, &nine, &data, 0, &quiet).await.is_err(), "nor is a new one served");
+        assert!(buddy.put(&sender, &nine, &data, 0, &quiet, true).await.is_err(), "nor is a new one served");
+        for dir in [&sender, &holder_memory] {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_holder_whose_own_rank_saved_the_same_bytes_copies_them_itself_and_nothing_is_sent() {
+        let (sender, holder_memory) = (scratch("replica-sender"), scratch("replica-holder"));
+        let holder = Holder::start(holder_memory.clone(), "127.0.0.1").unwrap();
+        let key = Key::from_bytes(b"the round's key, thirty-two bytes");
+        holder.enter_round(key.clone(), 1);
+        let buddy = Peer { addr: format!("127.0.0.1:{}", holder.port()), key, me: 0, them: 1 };
+        // data parallelism: the holder's rank 1 saved step 9 as the sender's rank 0 did
+        saved(&holder_memory, 1, 9, b"replicated weights");
+        let (nine, data) = saved(&sender, 0, 9, b"replicated weights");
+        let quiet = Quiet::new(sender.clone());
+        assert_eq!(buddy.put(&sender, &nine, &data, 0, &quiet, true).await.unwrap(), Put::Replica);
+        let (held, path) = wire::find_slot(&peers_dir(&holder_memory), 0, 9).unwrap();
+        assert_eq!(held, nine);
+        assert_eq!(std::fs::read(path).unwrap(), b"replicated weights");
+        // a state of its own per rank: sent, and held as the sender's bytes
+        saved(&holder_memory, 1, 10, b"rank 1's own state");
+        let (ten, data) = saved(&sender, 0, 10, b"rank 0's own state");
+        assert_eq!(buddy.put(&sender, &ten, &data, 0, &quiet, true).await.unwrap(), Put::Sent);
+        let (_, path) = wire::find_slot(&peers_dir(&holder_memory), 0, 10).unwrap();
+        assert_eq!(std::fs::read(path).unwrap(), b"rank 0's own state");
+        // not offered (a rank whose copies found no replica lately): sent, replica or not
+        let (eleven, data) = saved(&sender, 0, 11, b"replicated weights");
+        saved(&holder_memory, 1, 11, b"replicated weights");
+        assert_eq!(buddy.put(&sender, &eleven, &data, 0, &quiet, false).await.unwrap(), Put::Sent);
+        assert!(wire::find_slot(&peers_dir(&holder_memory), 0, 11).is_some());
         for dir in [&sender, &holder_memory] {
             let _ = std::fs::remove_dir_all(dir);
         }

@@ -7,12 +7,14 @@
 //!
 //! * [`plan`]: what each member holds, and what a node must take (pure).
 //! * [`wire`]: the exchange between two agents.
+//! * [`replica`]: a copy the holder makes from its own rank's identical save (data parallelism).
 //! * [`holder`]: the server every agent runs; [`peer`]: the client.
 //! * [`ring`]: sending to the buddy in the background, the same steps on every member.
 
 pub mod holder;
 pub mod peer;
 pub mod plan;
+pub mod replica;
 pub mod ring;
 pub mod wire;
 

@@ -8,15 +8,28 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::super::layout::SlotManifest;
+use super::super::persist::slot_generation;
 use super::super::quiet::Quiet;
 use super::holder::COPY_DEADLINE;
-use super::wire::{self, Want, GET, PURPOSE, PUT};
+use super::replica;
+use super::wire::{self, Offer, Want, GET, OFFER, PURPOSE, PUT};
 use crate::auth::pair;
 use crate::auth::session::{Mode, SealedStream};
 use crate::auth::{Key, HANDSHAKE_DEADLINE};
 
 /// How long reaching a peer's copy server may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What became of a put.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Put {
+    /// The peer copied its own rank's identical save of the step: no data was sent.
+    Replica,
+    /// The data was sent, and the peer keeps it.
+    Sent,
+    /// The slot was saved into meanwhile: the peer keeps nothing.
+    Changed,
+}
 
 /// Another member's copy server, as seen from this one.
 #[derive(Clone, Debug)]
@@ -30,9 +43,10 @@ pub struct Peer {
 }
 
 impl Peer {
-    /// Sends `manifest`'s slot (its data in `data`, under `root`) at most `rate` bytes a second,
-    /// waiting while `quiet` holds it back: true when the peer keeps it (false: it was saved
-    /// into meanwhile).
+    /// Gives the peer `manifest`'s slot (its data in `data`, under `root`), waiting while
+    /// `quiet` holds it back: with `offer`, by its digest first, which a peer holding the same
+    /// bytes for the step (a replica) copies itself; else (or then) sent at most `rate` bytes
+    /// a second.
     pub async fn put(
         &self,
         root: &Path,
@@ -40,13 +54,37 @@ impl Peer {
         data: &Path,
         rate: u64,
         quiet: &Quiet,
-    ) -> io::Result<bool> {
+        offer: bool,
+    ) -> io::Result<Put> {
+        let mut digest = None;
+        if offer {
+            quiet.wait().await;
+            let (path, size) = (data.to_path_buf(), manifest.size);
+            let read = tokio::task::spawn_blocking(move || replica::digest(&path, size));
+            digest = Some(read.await.map_err(io::Error::other)??);
+            if slot_generation(root, manifest.rank, manifest) != Some(manifest.generation) {
+                return Ok(Put::Changed); // saved into while it was read: the digest is of no one step
+            }
+        }
         self.within(async {
             let mut stream = self.open().await?;
-            stream.write_u8(PUT).await?;
-            wire::write_json(&mut stream, manifest).await?;
+            match digest {
+                Some(digest) => {
+                    stream.write_u8(OFFER).await?;
+                    let offer = Offer { manifest: manifest.clone(), digest: replica::to_hex(digest) };
+                    wire::write_json(&mut stream, &offer).await?;
+                    stream.flush().await?;
+                    if stream.read_u8().await? == 1 {
+                        return Ok(Put::Replica);
+                    }
+                }
+                None => {
+                    stream.write_u8(PUT).await?;
+                    wire::write_json(&mut stream, manifest).await?;
+                }
+            }
             let whole = wire::send_slot(&mut stream, root, manifest, data, rate, Some(quiet)).await?;
-            Ok(stream.read_u8().await? == 1 && whole)
+            Ok(if stream.read_u8().await? == 1 && whole { Put::Sent } else { Put::Changed })
         })
         .await
     }

@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 use super::super::layout::{FORMAT_VERSION, PINNED};
 use super::super::persist::newest_slots;
 use super::super::quiet::Quiet;
-use super::peer::Peer;
+use super::peer::{Peer, Put};
+use super::replica::Offering;
 use super::wire::find_slot;
 pub use crate::agent::round_store::RoundStore;
 use crate::store::{StoreError, TcpStore};
@@ -94,8 +95,16 @@ pub async fn send_now_and_then(memory: PathBuf, ring: Shared, rate: u64, quiet: 
             tokio::time::sleep(SEND_EVERY).await;
             continue;
         };
-        let mut copier =
-            Copier { round: &round, entered, memory: &memory, ring: &ring, rate, quiet: &quiet, pinned: &mut pinned };
+        let mut copier = Copier {
+            round: &round,
+            entered,
+            memory: &memory,
+            ring: &ring,
+            rate,
+            quiet: &quiet,
+            pinned: &mut pinned,
+            offering: HashMap::new(),
+        };
         match copier.run(&mut failing).await {
             Ok(()) => {}
             // a copy of the round that just ended, refused by a buddy already in the next one
@@ -124,6 +133,8 @@ struct Copier<'a> {
     rate: u64,
     quiet: &'a Quiet,
     pinned: &'a mut Vec<u64>,
+    /// Per local rank: whether its copies are offered to the buddy's replica first.
+    offering: HashMap<u32, Offering>,
 }
 
 impl Copier<'_> {
@@ -241,7 +252,7 @@ enum Sent {
 }
 
 /// Sends each local rank's `target` step the buddy does not have yet.
-async fn send_target(copier: &Copier<'_>, target: u64) -> Result<Sent, String> {
+async fn send_target(copier: &mut Copier<'_>, target: u64) -> Result<Sent, String> {
     let (round, memory, ring) = (copier.round, copier.memory, copier.ring);
     let newest: HashMap<u32, u64> = newest_slots(memory).into_iter().map(|(rank, m, _)| (rank, m.step)).collect();
     for &rank in &round.ranks {
@@ -252,23 +263,35 @@ async fn send_target(copier: &Copier<'_>, target: u64) -> Result<Sent, String> {
             return Ok(if newest.get(&rank).is_some_and(|&step| step > target) { Sent::Missed } else { Sent::NotYet });
         };
         let started = Instant::now();
-        let kept = round
+        let offering = copier.offering.entry(rank).or_default();
+        let offer = offering.offer();
+        let put = round
             .buddy
-            .put(memory, &manifest, &data, copier.rate, copier.quiet)
+            .put(memory, &manifest, &data, copier.rate, copier.quiet, offer)
             .await
             .map_err(|err| err.to_string())?;
-        if !kept {
-            return Ok(Sent::Missed);
-        }
         let took = started.elapsed();
-        tracing::debug!(
-            rank,
-            step = target,
-            "checkpoint copied to member {}: {} bytes in {took:.0?} ({:.0} MB/s)",
-            round.buddy.them,
-            manifest.size,
-            manifest.size as f64 / took.as_secs_f64().max(1e-9) / 1e6
-        );
+        if offer && put != Put::Changed {
+            offering.offered(put == Put::Replica);
+        }
+        match put {
+            Put::Changed => return Ok(Sent::Missed),
+            Put::Replica => tracing::debug!(
+                rank,
+                step = target,
+                "checkpoint held by member {} from its own identical save of the step ({} bytes, none sent; {took:.0?})",
+                round.buddy.them,
+                manifest.size
+            ),
+            Put::Sent => tracing::debug!(
+                rank,
+                step = target,
+                "checkpoint copied to member {}: {} bytes in {took:.0?} ({:.0} MB/s)",
+                round.buddy.them,
+                manifest.size,
+                manifest.size as f64 / took.as_secs_f64().max(1e-9) / 1e6
+            ),
+        }
         let mut ring = lock(ring);
         if ring.round.as_ref().is_some_and(|now| now.buddy.addr == round.buddy.addr) {
             ring.sent.insert(rank, (target, super::now_ms()));

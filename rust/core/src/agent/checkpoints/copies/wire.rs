@@ -2,12 +2,15 @@
 //! ([`PURPOSE`]) and inside its sealed session:
 //!
 //! ```text
-//! request  = op (1: put, 2: get) | length (u32 LE) | JSON (put: the slot's manifest;
-//!                                                          get: {"rank", "step"})
+//! request  = op (1: put, 2: get, 3: offer) | length (u32 LE)
+//!            | JSON (put: the slot's manifest; get: {"rank", "step"};
+//!                    offer: {"manifest", "digest": 32 hex digits})
 //! put      = request | data (manifest.size bytes) | commit (1: whole, 0: changed meanwhile)
 //!            -> stored (1) or not (0)
 //! get      -> length (u32 LE) | JSON manifest, or length 0 when not held
 //!             | data | commit
+//! offer    -> 1: the holder copied the same bytes from its own rank's save of the step
+//!                (kept; [`super::replica`]), or 0: then data | commit -> stored, as a put's
 //! ```
 //!
 //! The side that sends data checks after sending that the slot was not saved into meanwhile
@@ -34,6 +37,7 @@ pub const PURPOSE: Purpose = Purpose { magic: *b"ELXCKP01", label: b"elastix che
 pub const KEY_LABEL: &[u8] = b"checkpoints";
 pub const PUT: u8 = 1;
 pub const GET: u8 = 2;
+pub const OFFER: u8 = 3;
 /// The largest request JSON (a manifest's structure included).
 const MAX_HEADER: usize = 16 << 20;
 /// Bytes moved per read and write.
@@ -44,6 +48,13 @@ const CHUNK: usize = 4 << 20;
 pub struct Want {
     pub rank: u32,
     pub step: u64,
+}
+
+/// What an offer names: the slot, and the digest of its data ([`super::replica::digest`]).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Offer {
+    pub manifest: SlotManifest,
+    pub digest: String,
 }
 
 pub fn binding(connector: u32, acceptor: u32) -> [u8; 8] {
@@ -155,17 +166,10 @@ pub async fn receive_slot<R: AsyncRead + Unpin>(
     root: &Path,
     manifest: &SlotManifest,
 ) -> io::Result<bool> {
-    let dir = rank_dir(root, manifest.rank);
-    tokio::fs::create_dir_all(&dir).await?;
-    let held: Vec<_> =
-        (0..PEER_SLOTS).filter_map(|slot| Some((slot, read_slot(&dir, manifest.rank, slot)?.0.step))).collect();
-    let newest = held.iter().max_by_key(|(_, step)| *step).map(|(slot, _)| *slot);
-    let slot = (0..PEER_SLOTS).find(|slot| Some(*slot) != newest).unwrap_or(0);
-    let (data, json) = slot_paths(&dir, slot);
-    match tokio::fs::remove_file(&json).await {
-        Err(err) if err.kind() != io::ErrorKind::NotFound => return Err(err),
-        _ => {}
-    }
+    let (root_owned, wanted) = (root.to_path_buf(), manifest.clone());
+    let (data, json) = tokio::task::spawn_blocking(move || prepare_peer_slot(&root_owned, &wanted))
+        .await
+        .map_err(io::Error::other)??;
     // written over, not truncated (freeing and allocating again hundreds of MB of pages), with
     // plain positioned writes on a blocking thread: tokio's file writes copy into a buffer of
     // their own first
@@ -191,10 +195,34 @@ pub async fn receive_slot<R: AsyncRead + Unpin>(
     if stream.read_u8().await? != 1 {
         return Ok(false);
     }
-    let temporary = json.with_extension("json.tmp");
-    tokio::fs::write(&temporary, serde_json::to_vec(manifest).map_err(io::Error::other)?).await?;
-    tokio::fs::rename(&temporary, &json).await?;
+    let wanted = manifest.clone();
+    tokio::task::spawn_blocking(move || commit_peer_slot(&json, &wanted)).await.map_err(io::Error::other)??;
     Ok(true)
+}
+
+/// The slot `manifest`'s copy goes into among its rank's peer slots under `root`: the one not
+/// holding the newest step, its manifest removed (not whole until [`commit_peer_slot`]).
+/// Returns its data file and manifest path.
+pub fn prepare_peer_slot(root: &Path, manifest: &SlotManifest) -> io::Result<(PathBuf, PathBuf)> {
+    let dir = rank_dir(root, manifest.rank);
+    std::fs::create_dir_all(&dir)?;
+    let held: Vec<_> =
+        (0..PEER_SLOTS).filter_map(|slot| Some((slot, read_slot(&dir, manifest.rank, slot)?.0.step))).collect();
+    let newest = held.iter().max_by_key(|(_, step)| *step).map(|(slot, _)| *slot);
+    let slot = (0..PEER_SLOTS).find(|slot| Some(*slot) != newest).unwrap_or(0);
+    let (data, json) = slot_paths(&dir, slot);
+    match std::fs::remove_file(&json) {
+        Err(err) if err.kind() != io::ErrorKind::NotFound => return Err(err),
+        _ => {}
+    }
+    Ok((data, json))
+}
+
+/// Makes a peer slot's copy whole: its manifest, written through a temporary name.
+pub fn commit_peer_slot(json: &Path, manifest: &SlotManifest) -> io::Result<()> {
+    let temporary = json.with_extension("json.tmp");
+    std::fs::write(&temporary, serde_json::to_vec(manifest).map_err(io::Error::other)?)?;
+    std::fs::rename(&temporary, json)
 }
 
 #[cfg(test)]
