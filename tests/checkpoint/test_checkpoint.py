@@ -11,6 +11,7 @@ import pytest
 
 import elastix
 from elastix.checkpoint import Checkpoint, CheckpointError
+from elastix.checkpoint.storage import Slots
 
 
 def state(step):
@@ -77,8 +78,10 @@ def test_pipelined_saves_fault_in_the_slot_the_next_save_takes_and_touch_no_step
 
     def saved(step, pinned=()):
         (memory / "pinned.json").write_text(json.dumps({"v": 1, "steps": list(pinned)}))
-        with elastix.checkpoint.open(memory=str(memory)) as ckpt:  # close: the copier's queue is done
-            ckpt.save(step, {"w": big["w"] + step}, block=False)
+        ckpt = elastix.checkpoint.open(memory=str(memory))
+        ckpt.save(step, {"w": big["w"] + step}, block=False)
+        ckpt._copier.shutdown()  # the copy, then the head start on the next save's slot, done
+        ckpt.close()
         return sorted(p.name for p in slots.glob("slot-*.data"))
 
     assert saved(0) == ["slot-0.data", "slot-1.data"], "slot 1, which the next save takes, is prepared"
@@ -91,6 +94,22 @@ def test_pipelined_saves_fault_in_the_slot_the_next_save_takes_and_touch_no_step
     assert saved(3, pinned=[2]) == ["slot-0.data", "slot-1.data", "slot-2.data"]
     assert slot_steps(memory) == [2, 3]
     assert same(elastix.checkpoint.open(memory=str(memory)).load(), {"w": big["w"] + 3})
+
+
+def test_closing_gives_up_the_head_start_on_a_slot_no_save_here_will_use(tmp_path):
+    """A worker leaving its group for a re-form closes its checkpoint: the next save may be
+    another rank's (other slots), so faulting in this rank's next slot would only make the
+    re-form wait."""
+    slots = Slots(str(tmp_path / "rank-0"), 0)
+    os.makedirs(slots.dir)
+    size = 8 << 20
+    slots.stop_preparing()  # as Checkpoint.close does first
+    slots.prepare(size)
+    data = tmp_path / "rank-0" / "slot-0.data"
+    assert os.stat(data).st_blocks * 512 < size, "no page faulted in once told to stop"
+    slots.close()  # the slots can be used again: a later head start runs, over the one given up
+    slots.prepare(size)
+    assert os.stat(data).st_blocks * 512 >= size
 
 
 def test_a_slot_torn_by_a_crash_mid_save_is_not_used(tmp_path):

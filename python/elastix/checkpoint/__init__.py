@@ -112,7 +112,9 @@ class Checkpoint:
 
     def close(self) -> None:
         """Waits for a save in flight, then lets go of the shared memory this rank's saves keep
-        mapped (a later save maps it again); also at the end of a ``with`` block."""
+        mapped (a later save maps it again); also at the end of a ``with`` block. The head start
+        on the next save's slot is given up: there is no next save here."""
+        self._memory.own.stop_preparing()
         try:
             self.wait()
         finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import threading
 import time
 import zlib
 from typing import Any, Dict, List, Optional, Tuple
@@ -20,6 +21,8 @@ FORMAT_VERSION = 1
 #: it copies them to a peer (``pinned.json``: at most two).
 SLOTS = (0, 1, 2, 3)
 PINNED = "pinned.json"
+#: Bytes a slot's head start faults in between looks at whether it should stop.
+_PREPARE_CHUNK = 16 << 20
 
 
 def _read_json(path: str) -> Optional[Dict[str, Any]]:
@@ -60,9 +63,18 @@ class Slots:
         # which Python calls holding the GIL, and a pipelined save's first copy into a slot
         # would stall the training loop for as long, 0.2-1.3 s per 256 MB here)
         self._maps: Dict[int, Tuple[int, mmap.mmap]] = {}
+        # set while the slots close: a head start in progress (prepare) gives up
+        self._closing = threading.Event()
+
+    def stop_preparing(self) -> None:
+        """Ends a :meth:`prepare` in progress at its next chunk: the process leaves its group
+        (a re-form: the next save may be another rank's, into other slots), and closing would
+        wait for faults no save of this rank here will use."""
+        self._closing.set()
 
     def close(self) -> None:
         """Unmaps the slots (the next save maps them again)."""
+        self._closing.clear()
         for _, memory in self._maps.values():
             memory.close()
         self._maps.clear()
@@ -93,15 +105,18 @@ class Slots:
         try:
             slot = self._slot_to_write()
             data = self._paths(slot)[0]
-            if slot in self._maps or os.path.exists(data):
-                return  # written before: its pages are in
+            if slot in self._maps or (os.path.exists(data) and os.stat(data).st_blocks * 512 >= size):
+                return  # written before (or prepared whole): its pages are in
             try:
                 self._check_room(data, size)
             except CheckpointError:
                 return  # a page fault past the room would kill the process; the save says why
-            memory = self._mapped(slot, data, max(size, 1))
-            # one write per page; NumPy lets go of the GIL for it
-            np.frombuffer(memory, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+            pages = np.frombuffer(self._mapped(slot, data, max(size, 1)), dtype=np.uint8)
+            # one write per page, a chunk at a time; NumPy lets go of the GIL for each
+            for start in range(0, pages.size, _PREPARE_CHUNK):
+                if self._closing.is_set():
+                    return
+                pages[start : start + _PREPARE_CHUNK : mmap.PAGESIZE] = 0
         except OSError:
             pass  # only a head start: the save into the slot meets the error and names it
 
