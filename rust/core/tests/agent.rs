@@ -6,11 +6,28 @@ use std::path::{Path, PathBuf};
 use elastix_core::agent::{run_agent, AgentConfig, RunState};
 use serde_json::json;
 
-fn temp_dir(name: &str) -> PathBuf {
+/// A directory of the test's own, removed when dropped (after a failed assertion too).
+struct TempDir(PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn temp_dir(name: &str) -> TempDir {
     let dir = std::env::temp_dir().join(format!("elastix-agent-test-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    TempDir(dir)
 }
 
 /// A standalone single-node job running `script` with `sh -c` in each of `n` workers.
@@ -100,12 +117,12 @@ async fn past_the_budget_the_job_fails_with_the_root_cause() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redirected_and_teed_output_lands_in_per_attempt_files() {
     let logs = temp_dir("logs");
-    let mut config = config(2, "echo out-$LOCAL_RANK; echo err-$LOCAL_RANK >&2", 0, Some(&logs));
+    let mut config = config(2, "echo out-$LOCAL_RANK; echo err-$LOCAL_RANK >&2", 0, Some(&*logs));
     config.redirects = vec![3, 0];
     config.tee = vec![0, 1];
     let result = run_agent(config).await;
     assert_eq!(result.state, RunState::Succeeded);
-    let run_dir = std::fs::read_dir(&logs).unwrap().next().unwrap().unwrap().path();
+    let run_dir = std::fs::read_dir(&*logs).unwrap().next().unwrap().unwrap().path();
     let attempt = run_dir.join("attempt_0");
     assert_eq!(std::fs::read_to_string(attempt.join("0/stdout.log")).unwrap(), "out-0\n");
     assert_eq!(std::fs::read_to_string(attempt.join("0/stderr.log")).unwrap(), "err-0\n");
