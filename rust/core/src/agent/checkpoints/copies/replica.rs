@@ -57,8 +57,9 @@ pub fn fill_from_replica(memory: &Path, peers: &Path, manifest: &SlotManifest, d
         to.write_all_at(&buffer[..want], done)?;
         done += want as u64;
     }
-    to.set_len(manifest.size)?; // a longer step held in the slot before
-                                // what was written is the sender's bytes, and the replica was one save throughout
+    // a longer step held in the slot before is cut off
+    to.set_len(manifest.size)?;
+    // what was written is the sender's bytes, and the replica was one save throughout
     let same = hasher.digest128() == digest && slot_generation(memory, own_rank, &own) == Some(own.generation);
     if same {
         commit_peer_slot(&json, manifest)?;
@@ -70,8 +71,8 @@ pub fn fill_from_replica(memory: &Path, peers: &Path, manifest: &SlotManifest, d
 /// and data file.
 fn replica_of(memory: &Path, manifest: &SlotManifest) -> Option<(u32, SlotManifest, PathBuf)> {
     let entries = std::fs::read_dir(memory).ok()?;
-    let ranks = entries.flatten().filter_map(|entry| entry.file_name().to_str().and_then(rank_of));
-    ranks.into_iter().find_map(|rank| {
+    let mut ranks = entries.flatten().filter_map(|entry| entry.file_name().to_str().and_then(rank_of));
+    ranks.find_map(|rank| {
         (0..SLOTS).find_map(|slot| {
             let (own, data) = read_slot(&rank_dir(memory, rank), rank, slot)?;
             (own.step == manifest.step && own.size == manifest.size).then_some((rank, own, data))
