@@ -53,6 +53,7 @@ def test_a_host_killed_is_restored_from_its_buddys_memory_bit_for_bit(tmp_path, 
     lost_rank = next(r["rank"] for r in first if r["host"] == f"host{victim}")
     assert hosts.kill(victim), f"host {victim} had no process to kill"
     killed_at = time.time()
+    agents[victim].proc.wait(10)  # reaped: the next agent started here removes what it held
     two, after = wait_for(lambda: started(tmp_path, 2, after=three), timeout=90, what="the survivors re-forming")
     # every byte of every rank's state is what that rank saved at the step they agreed on
     assert all(record["exact"] for record in after), after
@@ -87,8 +88,9 @@ def test_a_host_killed_is_restored_from_its_buddys_memory_bit_for_bit(tmp_path, 
     said = "".join(a.output() for a in [*agents, joiner])
     assert ("from its own identical save" in said) == replicated, said[-3000:]
     assert replicated or "checkpoint copied to member" in said, said[-3000:]
-    # each agent removed its memory as it exited, copies from its peers still arriving or not
-    memories = [f"/dev/shm/elastix-ckpt-peers-{a.proc.pid}" for a in [*survivors, joiner]]
+    # each agent removed its memory as it exited, copies from its peers still arriving or not,
+    # and the joiner's removed the killed agent's
+    memories = [f"/dev/shm/elastix-ckpt-peers-{a.proc.pid}" for a in [*agents, joiner]]
     left = [glob.glob(f"{memory}/**", recursive=True) for memory in memories if os.path.exists(memory)]
     assert not left, left
     # the agents said which step the round restores, and the joiner which ranks it took
