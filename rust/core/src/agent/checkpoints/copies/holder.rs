@@ -190,6 +190,15 @@ mod tests {
     use crate::agent::checkpoints::layout::fixtures::{manifest, scratch, write_slot};
     use crate::agent::checkpoints::quiet::Quiet;
 
+    /// A holder serving `memory` as member 1 of a round, and member 0 as its buddy sees it.
+    fn serving(memory: &Path) -> (Holder, Peer) {
+        let holder = Holder::start(memory.to_path_buf(), "127.0.0.1").unwrap();
+        let key = Key::from_bytes(b"the round's key, thirty-two bytes");
+        holder.enter_round(key.clone(), 1);
+        let buddy = Peer { addr: format!("127.0.0.1:{}", holder.port()), key, me: 0, them: 1 };
+        (holder, buddy)
+    }
+
     fn saved(root: &Path, rank: u32, step: u64, data: &[u8]) -> (SlotManifest, PathBuf) {
         let manifest = manifest(rank, step, data.len() as u64);
         let data_path = write_slot(root, 0, &manifest, data);
@@ -242,10 +251,7 @@ mod tests {
     #[tokio::test]
     async fn a_hushed_sender_holds_its_copy_back_until_its_workers_save_a_newer_step() {
         let (sender, holder_memory) = (scratch("hushed"), scratch("hushed-holder"));
-        let holder = Holder::start(holder_memory.clone(), "127.0.0.1").unwrap();
-        let key = Key::from_bytes(b"the round's key, thirty-two bytes");
-        holder.enter_round(key.clone(), 1);
-        let buddy = Peer { addr: format!("127.0.0.1:{}", holder.port()), key, me: 0, them: 1 };
+        let (_holder, buddy) = serving(&holder_memory);
         let (nine, data) = saved(&sender, 0, 9, b"weights of step 9");
         let quiet = Quiet::new(sender.clone());
         quiet.hush(); // a round starts: step 9 is the newest held
@@ -266,10 +272,7 @@ mod tests {
     #[tokio::test]
     async fn a_stopped_holder_ends_the_puts_in_progress_and_keeps_nothing_of_them() {
         let (sender, holder_memory) = (scratch("stopped"), scratch("stopped-holder"));
-        let holder = Holder::start(holder_memory.clone(), "127.0.0.1").unwrap();
-        let key = Key::from_bytes(b"the round's key, thirty-two bytes");
-        holder.enter_round(key.clone(), 1);
-        let buddy = Peer { addr: format!("127.0.0.1:{}", holder.port()), key, me: 0, them: 1 };
+        let (holder, buddy) = serving(&holder_memory);
         // 5 MiB at 4 MB/s: the first 4 MiB go at once, the rest a second later
         let (nine, data) = saved(&sender, 0, 9, &vec![9u8; 5 << 20]);
         let quiet = Quiet::new(sender.clone());
@@ -288,10 +291,7 @@ mod tests {
     #[tokio::test]
     async fn a_holder_whose_own_rank_saved_the_same_bytes_copies_them_itself_and_nothing_is_sent() {
         let (sender, holder_memory) = (scratch("replica-sender"), scratch("replica-holder"));
-        let holder = Holder::start(holder_memory.clone(), "127.0.0.1").unwrap();
-        let key = Key::from_bytes(b"the round's key, thirty-two bytes");
-        holder.enter_round(key.clone(), 1);
-        let buddy = Peer { addr: format!("127.0.0.1:{}", holder.port()), key, me: 0, them: 1 };
+        let (_holder, buddy) = serving(&holder_memory);
         // data parallelism: the holder's rank 1 saved step 9 as the sender's rank 0 did
         saved(&holder_memory, 1, 9, b"replicated weights");
         let (nine, data) = saved(&sender, 0, 9, b"replicated weights");
