@@ -5,7 +5,10 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use elastix_core::store::{BackgroundServer, ServerConfig};
+use elastix_core::store::ServerConfig;
+
+mod common;
+use common::{on_both_servers, Engine, Server};
 
 /// VALIDATE then PING 7: true when the echo comes back, false on EOF or reset.
 fn ping(stream: &mut TcpStream) -> bool {
@@ -37,14 +40,13 @@ fn refused(stream: &mut TcpStream) -> bool {
     }
 }
 
-fn connect(server: &BackgroundServer) -> TcpStream {
+fn connect(server: &Server) -> TcpStream {
     TcpStream::connect(("127.0.0.1", server.port())).unwrap()
 }
 
-#[test]
-fn clients_past_the_cap_are_refused_at_once_and_the_served_ones_go_on() {
+fn clients_past_the_cap_are_refused_at_once_and_the_served_ones_go_on(engine: Engine) {
     let config = ServerConfig { max_connections: 3, ..ServerConfig::default() };
-    let server = BackgroundServer::start(&config, 2).unwrap();
+    let server = Server::start(engine, &config);
     let mut served: Vec<TcpStream> = (0..3).map(|_| connect(&server)).collect();
     for stream in &mut served {
         assert!(ping(stream));
@@ -53,14 +55,14 @@ fn clients_past_the_cap_are_refused_at_once_and_the_served_ones_go_on() {
         let mut extra = connect(&server);
         assert!(refused(&mut extra), "a client past the cap must be closed at once, not served or left waiting");
     }
-    assert_eq!(server.server().refused(), 5);
+    assert_eq!(server.refused(), 5);
     for stream in &mut served {
         assert!(ping_again(stream), "served clients go on");
     }
     // a closed connection frees its place
     drop(served.pop());
     let deadline = Instant::now() + Duration::from_secs(30);
-    while server.server().connections() != 2 {
+    while server.connections() != 2 {
         assert!(Instant::now() < deadline, "the closed connection was never counted out");
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -95,12 +97,11 @@ fn send(stream: &mut TcpStream, requests: &[elastix_core::store::request::Reques
     stream.write_all(&out).unwrap();
 }
 
-#[test]
-fn an_idle_timeout_closes_silent_clients_but_not_waiting_or_talking_ones() {
+fn an_idle_timeout_closes_silent_clients_but_not_waiting_or_talking_ones(engine: Engine) {
     use elastix_core::store::request::{Keys, Request};
     let idle = Duration::from_millis(300);
     let config = ServerConfig { idle_timeout: Some(idle), ..ServerConfig::default() };
-    let server = BackgroundServer::start(&config, 2).unwrap();
+    let server = Server::start(engine, &config);
     let mut silent = connect(&server);
     let mut waiting = connect(&server);
     let mut talking = connect(&server);
@@ -122,3 +123,8 @@ fn an_idle_timeout_closes_silent_clients_but_not_waiting_or_talking_ones() {
     waiting.read_exact(&mut byte).unwrap();
     assert_eq!(byte, [0], "the waiting client got its STOP_WAITING, not EOF");
 }
+
+on_both_servers!(
+    clients_past_the_cap_are_refused_at_once_and_the_served_ones_go_on,
+    an_idle_timeout_closes_silent_clients_but_not_waiting_or_talking_ones,
+);

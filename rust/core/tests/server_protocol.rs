@@ -8,20 +8,23 @@ use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use elastix_core::store::request::{Keys, Request};
-use elastix_core::store::{BackgroundServer, Limits, ServerConfig};
+use elastix_core::store::{Limits, ServerConfig};
+
+mod common;
+use common::{on_both_servers, Engine, Server};
 
 const MAGIC: u32 = 0x3C85_F7CE;
 
-fn server() -> BackgroundServer {
-    BackgroundServer::start(&ServerConfig::default(), 2).unwrap()
+fn server(engine: Engine) -> Server {
+    Server::start(engine, &ServerConfig::default())
 }
 
 /// Waits until `n` clients are blocked in the server (a bounded poll of its own count), so
 /// that what follows happens after their waits were registered.
-fn until_waiting(server: &BackgroundServer, n: usize) {
+fn until_waiting(server: &Server, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(30);
-    while server.server().waiting() != n {
-        assert!(Instant::now() < deadline, "{} waiting clients, expected {n}", server.server().waiting());
+    while server.waiting() != n {
+        assert!(Instant::now() < deadline, "{} waiting clients, expected {n}", server.waiting());
         std::thread::sleep(Duration::from_millis(1));
     }
 }
@@ -41,14 +44,14 @@ fn str_reply(value: &[u8]) -> Vec<u8> {
 struct Raw(TcpStream);
 
 impl Raw {
-    fn open(server: &BackgroundServer) -> Raw {
+    fn open(server: &Server) -> Raw {
         let stream = TcpStream::connect(("127.0.0.1", server.port())).unwrap();
         stream.set_nodelay(true).unwrap();
         stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
         Raw(stream)
     }
 
-    fn validated(server: &BackgroundServer) -> Raw {
+    fn validated(server: &Server) -> Raw {
         let mut raw = Raw::open(server);
         raw.send(&[Request::Validate { magic: MAGIC }]);
         raw
@@ -96,17 +99,16 @@ impl Raw {
     }
 }
 
-fn get(server: &BackgroundServer, key: &[u8]) -> Vec<u8> {
+fn get(server: &Server, key: &[u8]) -> Vec<u8> {
     let mut raw = Raw::validated(server);
     raw.send(&[Request::Get { key }]);
     let len = u64::from_le_bytes(raw.read(8).try_into().unwrap()) as usize;
     raw.read(len)
 }
 
-#[test]
-fn pipelined_requests_in_one_segment_are_answered_in_order() {
+fn pipelined_requests_in_one_segment_are_answered_in_order(engine: Engine) {
     // E7
-    let server = server();
+    let server = server(engine);
     let mut raw = Raw::open(&server);
     raw.send(&[
         Request::Validate { magic: MAGIC },
@@ -119,11 +121,10 @@ fn pipelined_requests_in_one_segment_are_answered_in_order() {
     assert_eq!(raw.read(expected.len()), expected);
 }
 
-#[test]
-fn bursts_and_large_values_through_buffers_that_start_small_and_adapt() {
+fn bursts_and_large_values_through_buffers_that_start_small_and_adapt(engine: Engine) {
     // a connection's buffers start at hundreds of bytes: thousands of pipelined requests, a
     // 4 MiB value each way, then small requests again, all on one connection
-    let server = server();
+    let server = server(engine);
     let mut raw = Raw::validated(&server);
     let burst: Vec<Request> = (0..5_000u32).map(|nonce| Request::Ping { nonce }).collect();
     raw.send(&burst);
@@ -143,10 +144,31 @@ fn bursts_and_large_values_through_buffers_that_start_small_and_adapt() {
     }
 }
 
-#[test]
-fn requests_arriving_byte_by_byte_are_reassembled() {
+fn many_clients_sending_large_values_at_once_are_all_served(engine: Engine) {
+    // 32 clients write 2 MiB each at the same moment, 16 times what io_uring's shared receive
+    // pool holds (rust/store/tests/cli.rs empties it for sure, with the server stopped)
+    let server = server(engine);
+    let writers: Vec<_> = (0..32u8)
+        .map(|i| {
+            let mut raw = Raw::validated(&server);
+            std::thread::spawn(move || {
+                let key = format!("/large/{i}").into_bytes();
+                let value = vec![i; 2 << 20];
+                raw.send(&[Request::Set { key: &key, value: &value }, Request::Get { key: &key }]);
+                assert_eq!(u64::from_le_bytes(raw.read(8).try_into().unwrap()), value.len() as u64);
+                assert!(raw.read(value.len()) == value, "client {i} read back another value");
+            })
+        })
+        .collect();
+    for writer in writers {
+        writer.join().unwrap();
+    }
+    assert!(Raw::validated(&server).ping(3));
+}
+
+fn requests_arriving_byte_by_byte_are_reassembled(engine: Engine) {
     // E8, and E22: torch's libuv server closes a connection whose VALIDATE is split.
-    let server = server();
+    let server = server(engine);
     let mut raw = Raw::open(&server);
     let wire = bytes_of(&[
         Request::Validate { magic: MAGIC },
@@ -160,10 +182,9 @@ fn requests_arriving_byte_by_byte_are_reassembled() {
     assert_eq!(raw.read(12), str_reply(b"slow"));
 }
 
-#[test]
-fn a_partial_request_does_not_stall_other_clients() {
+fn a_partial_request_does_not_stall_other_clients(engine: Engine) {
     // E23: torch's legacy server stalls everyone until the partial request completes.
-    let server = server();
+    let server = server(engine);
     let mut stalled = Raw::validated(&server);
     let wire = bytes_of(&[Request::Set { key: b"/half", value: b"0123456789" }]);
     stalled.0.write_all(&wire[..wire.len() - 3]).unwrap();
@@ -174,9 +195,8 @@ fn a_partial_request_does_not_stall_other_clients() {
     assert_eq!(get(&server, b"/half"), b"0123456789");
 }
 
-#[test]
-fn a_connection_must_start_with_a_valid_validate() {
-    let server = server();
+fn a_connection_must_start_with_a_valid_validate(engine: Engine) {
+    let server = server(engine);
     // E1: a SET first is refused and not applied (libuv would apply it later)
     let mut raw = Raw::open(&server);
     raw.send(&[Request::Set { key: b"/e1", value: b"v" }, Request::Ping { nonce: 7 }]);
@@ -202,10 +222,9 @@ fn a_connection_must_start_with_a_valid_validate() {
     assert!(Raw::validated(&server).ping(1));
 }
 
-#[test]
-fn size_limits_close_only_the_offending_connection() {
+fn size_limits_close_only_the_offending_connection(engine: Engine) {
     // E9: keys up to 8192 bytes and values up to 8 MiB are accepted, one more byte is not.
-    let server = server();
+    let server = server(engine);
     let limits = Limits::default();
     let mut bystander = Raw::validated(&server);
     let key = vec![b'k'; limits.max_key_len];
@@ -247,13 +266,12 @@ fn size_limits_close_only_the_offending_connection() {
     assert_eq!(get(&server, b"/big").len(), limits.max_value_len);
 }
 
-#[test]
-fn configured_limits_are_enforced() {
+fn configured_limits_are_enforced(engine: Engine) {
     let config = ServerConfig {
         limits: Limits { max_key_len: 16, max_value_len: 32, max_keys_per_request: 2 },
         ..ServerConfig::default()
     };
-    let server = BackgroundServer::start(&config, 1).unwrap();
+    let server = Server::start(engine, &config);
     let mut raw = Raw::validated(&server);
     raw.send(&[Request::Set { key: b"/ok", value: &[0u8; 32] }]);
     assert!(raw.ping(1));
@@ -264,10 +282,9 @@ fn configured_limits_are_enforced() {
     assert!(raw.closed_by_server());
 }
 
-#[test]
-fn add_on_a_non_integer_closes_that_connection_only() {
+fn add_on_a_non_integer_closes_that_connection_only(engine: Engine) {
     // E6
-    let server = server();
+    let server = server(engine);
     let mut raw = Raw::validated(&server);
     raw.send(&[Request::Set { key: b"/t", value: b"12abc" }, Request::Add { key: b"/t", delta: 1 }]);
     assert_eq!(raw.read(8), 13i64.to_le_bytes());
@@ -280,17 +297,16 @@ fn add_on_a_non_integer_closes_that_connection_only() {
     assert!(raw.closed_by_server());
 }
 
-#[test]
-fn wait_is_answered_when_the_last_missing_key_is_written() {
+fn wait_is_answered_when_the_last_missing_key_is_written(engine: Engine) {
     // E11, E12
-    let server = server();
+    let server = server(engine);
     let mut waiter = Raw::validated(&server);
     let mut writer = Raw::validated(&server);
     waiter.send(&[Request::Wait { keys: Keys::from_iter([&b"/k1"[..], b"/k2", b"/k2"]) }]);
     until_waiting(&server, 1);
     writer.send(&[Request::Set { key: b"/k1", value: b"1" }]);
     assert!(writer.ping(1));
-    assert_eq!(server.server().waiting(), 1, "one key is still missing");
+    assert_eq!(server.waiting(), 1, "one key is still missing");
     assert!(waiter.silent());
     writer.send(&[Request::Set { key: b"/k2", value: b"2" }]);
     assert_eq!(waiter.read(1), [0]);
@@ -299,10 +315,9 @@ fn wait_is_answered_when_the_last_missing_key_is_written() {
     assert_eq!(waiter.read(1), [0]);
 }
 
-#[test]
-fn every_kind_of_write_wakes_waiters_but_delete_does_not() {
+fn every_kind_of_write_wakes_waiters_but_delete_does_not(engine: Engine) {
     // E16, E16b, E17, E17b, E17c, E19b
-    let server = server();
+    let server = server(engine);
     let writes: Vec<(&str, Vec<Request>)> = vec![
         ("set", vec![Request::Set { key: b"/w", value: b"v" }]),
         ("add", vec![Request::Add { key: b"/w", delta: 1 }]),
@@ -324,7 +339,7 @@ fn every_kind_of_write_wakes_waiters_but_delete_does_not() {
         until_waiting(&server, 1);
         writer.send(&[Request::DeleteKey { key: b"/w" }]);
         writer.read(8);
-        assert_eq!(server.server().waiting(), 1, "{name}: delete must not wake");
+        assert_eq!(server.waiting(), 1, "{name}: delete must not wake");
         assert!(waiter.silent(), "{name}: delete must not wake");
         writer.send(&write);
         if name == "failed compare_set" {
@@ -334,10 +349,9 @@ fn every_kind_of_write_wakes_waiters_but_delete_does_not() {
     }
 }
 
-#[test]
-fn cancel_wait_is_always_acknowledged_and_a_lost_race_answers_00_01() {
+fn cancel_wait_is_always_acknowledged_and_a_lost_race_answers_00_01(engine: Engine) {
     // E14, E15
-    let server = server();
+    let server = server(engine);
     let mut raw = Raw::validated(&server);
     raw.send(&[Request::CancelWait]);
     assert_eq!(raw.read(1), [1]);
@@ -352,10 +366,9 @@ fn cancel_wait_is_always_acknowledged_and_a_lost_race_answers_00_01() {
     assert!(raw.silent());
 }
 
-#[test]
-fn a_client_that_disconnects_mid_wait_leaves_no_waiter_behind() {
+fn a_client_that_disconnects_mid_wait_leaves_no_waiter_behind(engine: Engine) {
     // E10
-    let server = server();
+    let server = server(engine);
     for _ in 0..20 {
         let mut raw = Raw::validated(&server);
         raw.send(&[Request::Wait { keys: Keys::from_iter([&b"/never"[..], b"/nope"]) }]);
@@ -367,10 +380,9 @@ fn a_client_that_disconnects_mid_wait_leaves_no_waiter_behind() {
     assert!(Raw::validated(&server).ping(5));
 }
 
-#[test]
-fn barrier_releases_all_arrivals_together() {
+fn barrier_releases_all_arrivals_together(engine: Engine) {
     // E19, E19b, E19d
-    let server = server();
+    let server = server(engine);
     let mut first = Raw::validated(&server);
     let mut second = Raw::validated(&server);
     first.send(&[Request::Barrier { key: b"/bar", world_size: 2 }]);
@@ -390,10 +402,9 @@ fn barrier_releases_all_arrivals_together() {
     assert_eq!(first.read(1), [0]);
 }
 
-#[test]
-fn queues_wake_one_waiter_per_push() {
+fn queues_wake_one_waiter_per_push(engine: Engine) {
     // E18, E18b, E18c, E18d, E20
-    let server = server();
+    let server = server(engine);
     let mut w1 = Raw::validated(&server);
     let mut w2 = Raw::validated(&server);
     let mut pusher = Raw::validated(&server);
@@ -405,7 +416,7 @@ fn queues_wake_one_waiter_per_push() {
     until_waiting(&server, 2);
     pusher.send(&[Request::QueuePush { key: b"/q", value: b"a" }]);
     assert_eq!(w1.read(1), [0]);
-    assert_eq!(server.server().waiting(), 1, "one push wakes one waiter");
+    assert_eq!(server.waiting(), 1, "one push wakes one waiter");
     assert!(w2.silent());
     pusher.send(&[Request::QueuePush { key: b"/q", value: b"b" }]);
     assert_eq!(w2.read(1), [0]);
@@ -419,10 +430,9 @@ fn queues_wake_one_waiter_per_push() {
     assert_eq!(pusher.read(1 + 1 + 8 + 8), [&[0u8, 0][..], &[0u8; 8], &0i64.to_le_bytes()].concat());
 }
 
-#[test]
-fn stopping_the_server_releases_blocked_clients_at_once() {
+fn stopping_the_server_releases_blocked_clients_at_once(engine: Engine) {
     // E21
-    let server = server();
+    let server = server(engine);
     let mut waiter = Raw::validated(&server);
     waiter.send(&[Request::Wait { keys: Keys::from_iter([&b"/forever"[..]]) }]);
     until_waiting(&server, 1);
@@ -431,9 +441,8 @@ fn stopping_the_server_releases_blocked_clients_at_once() {
     assert!(waiter.closed_by_server());
 }
 
-#[test]
-fn random_garbage_from_many_clients_leaves_the_server_serving() {
-    let server = server();
+fn random_garbage_from_many_clients_leaves_the_server_serving(engine: Engine) {
+    let server = server(engine);
     let mut honest = Raw::validated(&server);
     honest.send(&[Request::Set { key: b"/keep", value: b"safe" }]);
     let mut rng = fastrand::Rng::with_seed(7);
@@ -461,9 +470,8 @@ fn random_garbage_from_many_clients_leaves_the_server_serving() {
     assert_eq!(get(&server, b"/t1"), b"");
 }
 
-#[test]
-fn a_client_that_leaves_between_requests_is_no_error_however_it_leaves() {
-    let server = server();
+fn a_client_that_leaves_between_requests_is_no_error_however_it_leaves(engine: Engine) {
+    let server = server(engine);
     let mut left = 0;
     for reset in [false, true] {
         let mut stream = TcpStream::connect(("127.0.0.1", server.port())).unwrap();
@@ -478,20 +486,41 @@ fn a_client_that_leaves_between_requests_is_no_error_however_it_leaves() {
         drop(stream);
         left += 1;
         let deadline = Instant::now() + Duration::from_secs(30);
-        while server.server().connections() > 0 {
+        while server.connections() > 0 {
             assert!(Instant::now() < deadline, "the server kept the connection");
             std::thread::sleep(Duration::from_millis(1));
         }
     }
-    assert_eq!((left, server.server().closed_on_errors()), (2, 0), "neither is an error to warn about");
+    assert_eq!((left, server.closed_on_errors()), (2, 0), "neither is an error to warn about");
     // one cut off in the middle of a request is
     let mut stream = TcpStream::connect(("127.0.0.1", server.port())).unwrap();
     stream.write_all(&bytes_of(&[Request::Validate { magic: MAGIC }])).unwrap();
     stream.write_all(&[0x01, 9, 0]).unwrap();
     drop(stream);
     let deadline = Instant::now() + Duration::from_secs(30);
-    while server.server().closed_on_errors() == 0 {
+    while server.closed_on_errors() == 0 {
         assert!(Instant::now() < deadline, "a truncated request was not counted");
         std::thread::sleep(Duration::from_millis(1));
     }
 }
+
+on_both_servers!(
+    many_clients_sending_large_values_at_once_are_all_served,
+    pipelined_requests_in_one_segment_are_answered_in_order,
+    bursts_and_large_values_through_buffers_that_start_small_and_adapt,
+    requests_arriving_byte_by_byte_are_reassembled,
+    a_partial_request_does_not_stall_other_clients,
+    a_connection_must_start_with_a_valid_validate,
+    size_limits_close_only_the_offending_connection,
+    configured_limits_are_enforced,
+    add_on_a_non_integer_closes_that_connection_only,
+    wait_is_answered_when_the_last_missing_key_is_written,
+    every_kind_of_write_wakes_waiters_but_delete_does_not,
+    cancel_wait_is_always_acknowledged_and_a_lost_race_answers_00_01,
+    a_client_that_disconnects_mid_wait_leaves_no_waiter_behind,
+    barrier_releases_all_arrivals_together,
+    queues_wake_one_waiter_per_push,
+    stopping_the_server_releases_blocked_clients_at_once,
+    random_garbage_from_many_clients_leaves_the_server_serving,
+    a_client_that_leaves_between_requests_is_no_error_however_it_leaves,
+);

@@ -9,6 +9,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use elastix_core::auth::{PlainClients, Secret};
+use elastix_core::store::server::uring::UringServer;
 use elastix_core::store::{BackgroundServer, Client, ConnectOptions, ServerConfig, StoreError};
 
 fn secret(text: &str) -> Secret {
@@ -170,6 +171,17 @@ async fn a_client_with_a_secret_learns_at_once_that_the_server_has_none() {
     let err = refusal(Client::connect(&options(&server, Some(secret("the job's")))).await);
     assert!(err.to_string().contains("runs without a job secret"), "{err}");
     assert!(!err.is_unreachable(), "final, not retried until the deadline");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_with_a_secret_learns_at_once_that_the_io_uring_server_has_none() {
+    let server = UringServer::start(&ServerConfig::default()).expect("the io_uring server");
+    let options =
+        ConnectOptions { secret: Some(secret("the job's")), ..ConnectOptions::new("127.0.0.1", server.port(), None) };
+    let err = refusal(Client::connect(&options).await);
+    assert!(err.to_string().contains("runs without a job secret"), "{err}");
+    assert!(!err.is_unreachable(), "final, not retried until the deadline");
+    assert_eq!(server.closed_on_errors(), 1);
 }
 
 /// Opens `count` connections from `source` to `port` that say nothing.

@@ -8,7 +8,10 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use elastix_core::store::request::{Decoded, Request};
-use elastix_core::store::{BackgroundServer, Limits, ServerConfig};
+use elastix_core::store::{Limits, ServerConfig};
+
+mod common;
+use common::{on_both_servers, Engine, Server};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -135,9 +138,9 @@ impl Replay {
 }
 
 /// Waits until `n` clients are blocked in the server (a bounded poll of its own count).
-fn until_waiting(server: &BackgroundServer, n: usize) {
+fn until_waiting(server: &Server, n: usize) {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while server.server().waiting() != n {
+    while server.waiting() != n {
         assert!(std::time::Instant::now() < deadline, "the WAIT never reached the server");
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -146,8 +149,8 @@ fn until_waiting(server: &BackgroundServer, n: usize) {
 /// Replays one backend's recording, in order, on a fresh elastix server, and checks that
 /// every reply is byte-for-byte the recorded one (the PING nonce is the recorded one too,
 /// since the server echoes what the replay sends).
-fn replay(backend_prefix: &str) -> usize {
-    let server = BackgroundServer::start(&ServerConfig::default(), 1).unwrap();
+fn replay(engine: Engine, backend_prefix: &str) -> usize {
+    let server = Server::start(engine, &ServerConfig::default());
     let mut replay = Replay { port: server.port(), connections: HashMap::new() };
     let mut replies_checked = 0;
     for trace in traces().iter().filter(|t| t.backend.starts_with(backend_prefix)) {
@@ -191,12 +194,12 @@ fn replay(backend_prefix: &str) -> usize {
     replies_checked
 }
 
-#[test]
-fn server_replies_match_torch_libuv_recording() {
-    assert!(replay("libuv") > 50);
+fn server_replies_match_torch_libuv_recording(engine: Engine) {
+    assert!(replay(engine, "libuv") > 50);
 }
 
-#[test]
-fn server_replies_match_torch_legacy_recording() {
-    assert!(replay("legacy") > 40);
+fn server_replies_match_torch_legacy_recording(engine: Engine) {
+    assert!(replay(engine, "legacy") > 40);
 }
+
+on_both_servers!(server_replies_match_torch_libuv_recording, server_replies_match_torch_legacy_recording);

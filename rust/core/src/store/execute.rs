@@ -32,6 +32,17 @@ impl Db {
         Self::default()
     }
 
+    /// A store that also lists which waits completed, for a server that answers them by id
+    /// (see [`Db::take_completed`]).
+    pub fn listing_completed() -> Self {
+        Db { state: KvState::default(), waiters: Waiters::listing_completed() }
+    }
+
+    /// Moves the ids of the waits completed since the last call into `into`.
+    pub fn take_completed(&mut self, into: &mut Vec<WaiterId>) {
+        self.waiters.take_completed(into);
+    }
+
     pub fn state(&self) -> &KvState {
         &self.state
     }

@@ -63,6 +63,10 @@ impl Waker {
 pub struct Waiters {
     by_key: HashMap<Bytes, VecDeque<WaiterId>>,
     pending: HashMap<WaiterId, Pending>,
+    /// The parties whose waits completed since the last [`Waiters::take_completed`], for a
+    /// server that finds the connection to answer by its id (io_uring's loop) rather than by
+    /// a wake-up; `None` where nobody asks.
+    completed: Option<Vec<WaiterId>>,
 }
 
 #[derive(Debug)]
@@ -79,6 +83,19 @@ struct Pending {
 pub struct AlreadyWaiting;
 
 impl Waiters {
+    /// Waiters that also list the ids of completed waits (see [`Waiters::take_completed`]).
+    pub fn listing_completed() -> Waiters {
+        Waiters { completed: Some(Vec::new()), ..Waiters::default() }
+    }
+
+    /// Moves the ids of the waits completed since the last call into `into` (nothing unless
+    /// made [`Waiters::listing_completed`]).
+    pub fn take_completed(&mut self, into: &mut Vec<WaiterId>) {
+        if let Some(completed) = self.completed.as_mut() {
+            into.append(completed);
+        }
+    }
+
     /// Registers `id` as waiting until each key in `missing` has been written (duplicates
     /// count once per occurrence). `missing` must not be empty.
     pub fn register(&mut self, id: WaiterId, missing: &[&[u8]], waker: Waker) -> Result<(), AlreadyWaiting> {
@@ -129,8 +146,7 @@ impl Waiters {
             if let Some(pending) = self.pending.get_mut(&id) {
                 pending.outstanding -= 1;
                 if pending.outstanding == 0 {
-                    let pending = self.pending.remove(&id).expect("present");
-                    pending.waker.wake();
+                    complete(&mut self.pending, &mut self.completed, id);
                     woken = true;
                 }
             }
@@ -162,8 +178,7 @@ impl Waiters {
         let Some(pending) = self.pending.get_mut(&id) else { return };
         pending.outstanding -= 1;
         if pending.outstanding == 0 {
-            let pending = self.pending.remove(&id).expect("present");
-            pending.waker.wake();
+            complete(&mut self.pending, &mut self.completed, id);
         }
     }
 
@@ -171,6 +186,15 @@ impl Waiters {
     #[cfg(test)]
     fn registrations(&self) -> usize {
         self.by_key.values().map(VecDeque::len).sum()
+    }
+}
+
+/// The wait of `id` is over: it is woken, and listed where completions are.
+fn complete(pending: &mut HashMap<WaiterId, Pending>, completed: &mut Option<Vec<WaiterId>>, id: WaiterId) {
+    let pending = pending.remove(&id).expect("present");
+    pending.waker.wake();
+    if let Some(completed) = completed.as_mut() {
+        completed.push(id);
     }
 }
 
@@ -262,6 +286,31 @@ mod tests {
         waiters.item_pushed(b"q");
         assert!(woken(&mut rx2));
         assert_eq!(waiters.registrations(), 0);
+    }
+
+    #[test]
+    fn completed_waits_are_listed_once_where_asked_and_a_cancelled_one_never() {
+        let mut waiters = Waiters::listing_completed();
+        waiters.register(1, &[b"a"], waiter().0).unwrap();
+        waiters.register(2, &[b"a", b"b"], waiter().0).unwrap();
+        waiters.register(3, &[b"q"], waiter().0).unwrap();
+        waiters.register(4, &[b"a"], waiter().0).unwrap();
+        waiters.cancel(4);
+        waiters.key_written(b"a");
+        waiters.item_pushed(b"q");
+        let mut completed = Vec::new();
+        waiters.take_completed(&mut completed);
+        assert_eq!(completed, [1, 3]);
+        waiters.key_written(b"b");
+        waiters.take_completed(&mut completed);
+        assert_eq!(completed, [1, 3, 2]);
+        waiters.take_completed(&mut completed);
+        assert_eq!(completed.len(), 3, "each once");
+        let mut unlisted = Waiters::default();
+        unlisted.register(1, &[b"a"], waiter().0).unwrap();
+        unlisted.key_written(b"a");
+        unlisted.take_completed(&mut completed);
+        assert_eq!(completed.len(), 3);
     }
 
     #[test]

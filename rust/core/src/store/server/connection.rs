@@ -13,6 +13,7 @@ use tokio::time::Sleep;
 
 use super::shutdown::Shutdown;
 use super::Shared;
+use crate::address_log::AddressLog;
 use crate::store::execute::ExecError;
 use crate::store::protocol::{Opcode, STOP_WAITING, VALIDATION_MAGIC};
 use crate::store::request::{Decoded, FrameError, Request};
@@ -26,6 +27,9 @@ const MIN_READ: usize = 64;
 const MAX_READ: usize = 64 * 1024;
 /// A reply buffer grown past this (a large GET) is released once written.
 const KEPT_WRITE: usize = 4 * 1024;
+/// Replies queued past this stop the execution of a client's requests until they are written:
+/// a client that asks and does not read holds this much of the server, not what it asked for.
+pub(super) const MOST_QUEUED: usize = 1 << 20;
 /// What a client blocked in WAIT is offered to read: it may only cancel, ping or close, and
 /// thousands of them sit like that through a rendezvous.
 const WAITING_READ: usize = 64;
@@ -59,6 +63,9 @@ pub(super) struct Connection {
     read_size: usize,
     /// Do not decode again until this many bytes are buffered.
     needed: usize,
+    /// Whole requests wait in `read_buf` until the replies queued before them are written
+    /// (see [`MOST_QUEUED`]).
+    held_back: bool,
     session: Session,
 }
 
@@ -81,6 +88,7 @@ impl Connection {
             read_buf: BytesMut::new(),
             read_size: MIN_READ,
             needed: 1,
+            held_back: false,
             session: Session {
                 id: shared.next_waiter_id(),
                 shared,
@@ -99,17 +107,7 @@ impl Connection {
     pub(super) async fn run(&mut self, shutdown: &mut Shutdown) {
         let result = self.serve(shutdown).await;
         self.session.shared.db().forget(self.session.id);
-        match result {
-            Ok(()) => tracing::debug!(peer = %self.peer, "connection closed"),
-            Err(reason) => match self.session.shared.closed_on_error.note(self.peer.ip()) {
-                Some(count) => tracing::warn!(
-                    "closing the connection from {}: {reason} ({count} closed on errors so far; said at most once a \
-                     minute per address)",
-                    self.peer
-                ),
-                None => tracing::debug!(peer = %self.peer, "closing connection: {reason}"),
-            },
-        }
+        say_closed(self.peer, &result, &self.session.shared.closed_on_error);
     }
 
     async fn serve(&mut self, shutdown: &mut Shutdown) -> Result<(), CloseReason> {
@@ -159,29 +157,36 @@ impl Connection {
                     self.process_buffered()?;
                 }
             }
-            let replies = &mut self.session.write_buf;
-            if replies.is_empty() {
-                continue;
-            }
-            // Replies almost always fit the socket buffer: write at once, and wait for
-            // room (still watching for shutdown) only when it is full (a sealed stream always
-            // writes whole records this way).
-            match self.stream.try_write(replies) {
-                Ok(written) => replies.advance(written),
-                Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}
-                Err(err) => return Err(err.into()),
-            }
-            if !replies.is_empty() {
-                tokio::select! {
-                    biased;
-                    _ = &mut stop => return Ok(()),
-                    written = self.stream.write_all(replies) => written?,
+            loop {
+                let replies = &mut self.session.write_buf;
+                if replies.is_empty() {
+                    break;
                 }
-            }
-            if replies.capacity() > KEPT_WRITE {
-                *replies = BytesMut::new();
-            } else {
-                replies.clear();
+                // Replies almost always fit the socket buffer: write at once, and wait for
+                // room (still watching for shutdown) only when it is full (a sealed stream
+                // always writes whole records this way).
+                match self.stream.try_write(replies) {
+                    Ok(written) => replies.advance(written),
+                    Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(err) => return Err(err.into()),
+                }
+                if !replies.is_empty() {
+                    tokio::select! {
+                        biased;
+                        _ = &mut stop => return Ok(()),
+                        written = self.stream.write_all(replies) => written?,
+                    }
+                }
+                if replies.capacity() > KEPT_WRITE {
+                    *replies = BytesMut::new();
+                } else {
+                    replies.clear();
+                }
+                // requests held back while their replies queued up run now that those are out
+                if !self.held_back {
+                    break;
+                }
+                self.process_buffered()?;
             }
         }
     }
@@ -216,13 +221,18 @@ impl Connection {
 
     /// Executes every whole request in the read buffer.
     fn process_buffered(&mut self) -> Result<(), CloseReason> {
-        if !self.session.validated && self.read_buf.first() == Some(&crate::auth::pair::STORE.magic[0]) {
+        if !self.session.validated && offers_secret(&self.read_buf) {
             // an elastix client with a secret: it learns that no retry will help (33 bytes fit
             // the empty socket buffer)
             let _ = self.stream.try_write(&crate::auth::pair::no_secret_challenge());
             return Err(CloseReason::SecretOffered);
         }
+        self.held_back = false;
         while self.read_buf.len() >= self.needed {
+            self.held_back = self.session.write_buf.len() >= MOST_QUEUED;
+            if self.held_back {
+                return Ok(());
+            }
             let limits = &self.session.shared.limits;
             let used = match Request::decode(&self.read_buf, limits)? {
                 Decoded::Incomplete { needed } => {
@@ -242,7 +252,7 @@ impl Connection {
 }
 
 /// Whether `err` says the peer is gone (its connection reset or closed under a write).
-fn gone(err: &io::Error) -> bool {
+pub(super) fn gone(err: &io::Error) -> bool {
     matches!(err.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionAborted)
 }
 
@@ -268,14 +278,9 @@ impl Session {
     }
 
     fn validate(&mut self, request: &Request<'_>) -> Result<(), CloseReason> {
-        match request {
-            Request::Validate { magic } if *magic == VALIDATION_MAGIC => {
-                self.validated = true;
-                Ok(())
-            }
-            Request::Validate { magic } => Err(CloseReason::BadMagic(*magic)),
-            other => Err(CloseReason::NotValidated(other.opcode().name())),
-        }
+        validate(request)?;
+        self.validated = true;
+        Ok(())
     }
 
     fn execute(&mut self, request: &Request<'_>) -> Result<(), CloseReason> {
@@ -290,18 +295,53 @@ impl Session {
         db.execute(self.id, &self.waker, request, &mut self.write_buf)?;
         self.waiting = db.is_waiting(self.id);
         drop(db);
-        if let Some(started) = started {
-            let opcode = request.opcode();
-            // a WAIT lasts as long as its keys take to appear: counted, not timed
-            let took = (opcode != Opcode::Wait).then(|| started.elapsed());
-            crate::metrics::store::server().request(opcode as usize, opcode.name(), took);
-        }
+        count_request(request, started);
         Ok(())
     }
 }
 
+/// Whether a connection's first bytes are an elastix client's offer of the job secret.
+pub(super) fn offers_secret(first: &[u8]) -> bool {
+    first.first() == Some(&crate::auth::pair::STORE.magic[0])
+}
+
+/// A connection's first request must be VALIDATE with torch's magic.
+pub(super) fn validate(request: &Request<'_>) -> Result<(), CloseReason> {
+    match request {
+        Request::Validate { magic } if *magic == VALIDATION_MAGIC => Ok(()),
+        Request::Validate { magic } => Err(CloseReason::BadMagic(*magic)),
+        other => Err(CloseReason::NotValidated(other.opcode().name())),
+    }
+}
+
+/// Counts a request in the metrics, timed from `started` (which is `Some` only where metrics
+/// are on: the clock costs more than the counting).
+pub(super) fn count_request(request: &Request<'_>, started: Option<std::time::Instant>) {
+    if let Some(started) = started {
+        let opcode = request.opcode();
+        // a WAIT lasts as long as its keys take to appear: counted, not timed
+        let took = (opcode != Opcode::Wait).then(|| started.elapsed());
+        crate::metrics::store::server().request(opcode as usize, opcode.name(), took);
+    }
+}
+
+/// Says how a connection ended: a clean end at DEBUG; an error at WARN once a minute per
+/// address (counted in `closed_on_error`), else at DEBUG.
+pub(super) fn say_closed(peer: SocketAddr, result: &Result<(), CloseReason>, closed_on_error: &AddressLog) {
+    match result {
+        Ok(()) => tracing::debug!(%peer, "connection closed"),
+        Err(reason) => match closed_on_error.note(peer.ip()) {
+            Some(count) => tracing::warn!(
+                "closing the connection from {peer}: {reason} ({count} closed on errors so far; said at most once a \
+                 minute per address)"
+            ),
+            None => tracing::debug!(%peer, "closing connection: {reason}"),
+        },
+    }
+}
+
 /// One STOP_WAITING per completed wait.
-fn answer_waits(replies: &mut BytesMut, completed: usize) {
+pub(super) fn answer_waits(replies: &mut BytesMut, completed: usize) {
     for _ in 0..completed {
         replies.put_u8(STOP_WAITING);
     }

@@ -9,6 +9,7 @@ mod connection;
 pub mod listener;
 pub mod port_holder;
 mod shutdown;
+pub mod uring;
 
 use std::io;
 use std::net::SocketAddr;
