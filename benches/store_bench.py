@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Store benchmark: elastix-store, the server embedded in elastix (what an agent or an
+"""Store benchmark: elastix-store (on io_uring, and on epoll), the server embedded in elastix (what an agent or an
 `elastix.TCPStore(is_master=True)` serves), torch's libuv TCPStore server, and the floor: the
 least a conventional server pays on this machine (benches/floors/epoll_store.c, one epoll
 thread, built here with cc). Same load, same run.
@@ -127,11 +127,16 @@ def start_servers(
     children: Children, store_bin: Path, args: argparse.Namespace, have_torch: bool
 ) -> tuple[dict[str, tuple[subprocess.Popen, int]], str | None]:
     """Every server measured, by name: its process and port; and torch's version."""
-    store_cmd = [str(store_bin), "--host", "127.0.0.1", "--port", "0", "--log-level", "warn"]
-    if getattr(args, "store_threads", None):
-        store_cmd += ["--threads", str(args.store_threads)]
-    store = children.start(store_cmd)
-    servers = {"elastix-store": (store, int(first_line(children, store, "elastix-store", 30).rsplit(":", 1)[1]))}
+    servers = {}
+    # elastix-store on each of its servers: io_uring (its default where the kernel allows) and epoll
+    for name, io in (("elastix-store", "uring"), ("store (epoll)", "epoll")):
+        if io == "uring" and getattr(args, "store_threads", None):
+            continue  # one thread is io_uring's: --store-threads measures the epoll server
+        store_cmd = [str(store_bin), "--host", "127.0.0.1", "--port", "0", "--log-level", "warn", "--io", io]
+        if io == "epoll" and getattr(args, "store_threads", None):
+            store_cmd += ["--threads", str(args.store_threads)]
+        store = children.start(store_cmd)
+        servers[name] = (store, int(first_line(children, store, name, 30).rsplit(":", 1)[1]))
     embedded = children.start([sys.executable, "-c", EMBEDDED_SERVER])
     servers["embedded"] = (embedded, int(first_line(children, embedded, "the embedded server", 60)))
     torch_version = None
@@ -211,7 +216,8 @@ def verdict(rows: list[tuple[int, dict[str, dict]]]) -> list[str]:
     benchmark reports, never fails)."""
     said = []
     for conns, by_server in rows:
-        e, t, floor = by_server["elastix-store"], by_server.get("torch"), by_server.get("floor")
+        e = by_server.get("elastix-store") or by_server["store (epoll)"]
+        t, floor = by_server.get("torch"), by_server.get("floor")
         if conns == 256 and t:
             ops, p99 = e["ops_per_s"] / t["ops_per_s"], e["p99_us"] / t["p99_us"]
             met = ops >= TARGET_OPS_RATIO and p99 <= TARGET_P99_RATIO
@@ -286,9 +292,10 @@ def main() -> int:
         print(table(rows))
         for line in verdict(rows):
             print(line)
-        warnings = children.stderr_of(servers["elastix-store"][0]).strip()
-        if warnings:
-            print("\nelastix-store stderr:\n" + "\n".join(warnings.splitlines()[-20:]))
+        for name in ("elastix-store", "store (epoll)"):
+            warnings = children.stderr_of(servers[name][0]).strip() if name in servers else ""
+            if warnings:
+                print(f"\n{name} stderr:\n" + "\n".join(warnings.splitlines()[-20:]))
         if args.json:
             out = {
                 "duration_s": args.duration,

@@ -5,9 +5,10 @@
 use std::ffi::OsString;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use elastix_core::auth::{PlainClients, Secret, SecretError};
 use elastix_core::metrics::{Exposes, MetricsServer};
+use elastix_core::store::server::uring::{self, UringServer};
 use elastix_core::store::{Limits, ServerConfig, StoreServer};
 
 /// How long connections get to close after a stop signal before the process exits anyway.
@@ -57,6 +58,13 @@ pub struct Args {
     /// thousands of clients.
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
+    /// How the server waits for its clients: io_uring (one thread; every client's receives
+    /// and sends handed to the kernel together, one system call per turn), epoll (tokio), or
+    /// auto: io_uring where the kernel lets this process use it (Linux 6.0 or later, not
+    /// disabled by kernel.io_uring_disabled or a seccomp filter) and the job has no secret and
+    /// one thread, epoll otherwise (said at start).
+    #[arg(long, value_enum, default_value_t = Io::Auto, env = "ELASTIX_STORE_IO")]
+    pub io: Io,
     /// A file holding the job secret (only its owner may read it): every client must prove
     /// it before any request. torch's clients cannot, so they are refused. Default: the file
     /// ELASTIX_AUTH_TOKEN_FILE names, if set.
@@ -69,7 +77,42 @@ pub struct Args {
     pub metrics_port: Option<u16>,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Io {
+    Auto,
+    Uring,
+    Epoll,
+}
+
 impl Args {
+    /// The server `--io` asks for, given what the job needs and the kernel allows; an error
+    /// (a usage error) where `--io uring` cannot be had.
+    fn io(&self, secret: bool) -> Result<Io, String> {
+        let epoll_because = if secret {
+            Some("the job secret's handshake runs on epoll")
+        } else if self.threads > 1 {
+            Some("--threads asks for more than one thread")
+        } else {
+            None
+        };
+        match (self.io, epoll_because) {
+            (Io::Epoll, _) => Ok(Io::Epoll),
+            (Io::Uring, Some(reason)) => Err(format!("--io uring: {reason}")),
+            (Io::Uring, None) => Ok(Io::Uring),
+            (Io::Auto, Some(reason)) => {
+                tracing::info!("serving on epoll: {reason}");
+                Ok(Io::Epoll)
+            }
+            (Io::Auto, None) => match uring::available() {
+                Ok(()) => Ok(Io::Uring),
+                Err(err) => {
+                    tracing::info!("serving on epoll: {err}");
+                    Ok(Io::Epoll)
+                }
+            },
+        }
+    }
+
     fn server_config(&self, secret: Option<Secret>) -> ServerConfig {
         ServerConfig {
             host: self.host.clone(),
@@ -125,7 +168,14 @@ where
             return 2;
         }
     };
-    match serve(&args, secret) {
+    let io = match args.io(secret.is_some()) {
+        Ok(io) => io,
+        Err(err) => {
+            eprintln!("elastix-store: {err}");
+            return 2;
+        }
+    };
+    match serve(&args, io, secret) {
         Ok(()) => 0,
         Err(err) => {
             eprintln!("elastix-store: {err}");
@@ -134,7 +184,42 @@ where
     }
 }
 
-fn serve(args: &Args, secret: Option<Secret>) -> std::io::Result<()> {
+/// The server running, on whichever `--io` chose.
+enum Serving {
+    Epoll(StoreServer),
+    Uring(UringServer),
+}
+
+impl Serving {
+    fn start(io: Io, config: &ServerConfig) -> std::io::Result<Serving> {
+        Ok(match io {
+            Io::Uring => Serving::Uring(UringServer::start(config)?),
+            Io::Epoll | Io::Auto => Serving::Epoll(StoreServer::start(config)?),
+        })
+    }
+
+    fn local_addr(&self) -> std::net::SocketAddr {
+        match self {
+            Serving::Epoll(server) => server.local_addr(),
+            Serving::Uring(server) => server.local_addr(),
+        }
+    }
+
+    /// Closes every connection and waits for the server to end, at most `grace`.
+    async fn shutdown(self, grace: Duration) {
+        let stopped = async {
+            match self {
+                Serving::Epoll(server) => server.shutdown().await,
+                Serving::Uring(server) => drop(tokio::task::spawn_blocking(move || server.shutdown()).await),
+            }
+        };
+        if tokio::time::timeout(grace, stopped).await.is_err() {
+            tracing::warn!("connections still open after {grace:?}; exiting anyway");
+        }
+    }
+}
+
+fn serve(args: &Args, io: Io, secret: Option<Secret>) -> std::io::Result<()> {
     let mut runtime = match args.threads {
         0 | 1 => tokio::runtime::Builder::new_current_thread(),
         threads => {
@@ -148,7 +233,7 @@ fn serve(args: &Args, secret: Option<Secret>) -> std::io::Result<()> {
         // Handlers first: a signal right after the address is printed must not kill us.
         let stop = StopSignals::install()?;
         let open = secret.is_none();
-        let server = StoreServer::start(&args.server_config(secret))?;
+        let server = Serving::start(io, &args.server_config(secret))?;
         // after the store, so that its first line of output stays the store's address
         let metrics = match args.metrics_port {
             Some(port) => Some(MetricsServer::start(args.host.as_deref(), port, Exposes::Store)?),
@@ -163,16 +248,14 @@ fn serve(args: &Args, secret: Option<Secret>) -> std::io::Result<()> {
                 "no job secret: anyone who can reach port {} of this host can read and change the jobs' \
                  rendezvous; give --auth-token-file (a file only you can read; the agents take the same file \
                  as ELASTIX_AUTH_TOKEN_FILE)",
-                server.port()
+                server.local_addr().port()
             );
         }
         use std::io::Write;
         std::io::stdout().flush()?;
         let signal = stop.recv().await;
         tracing::info!("received {signal}, shutting down");
-        if tokio::time::timeout(SHUTDOWN_GRACE, server.shutdown()).await.is_err() {
-            tracing::warn!("connections still open after {SHUTDOWN_GRACE:?}; exiting anyway");
-        }
+        server.shutdown(SHUTDOWN_GRACE).await;
         elastix_core::logging::flush(SHUTDOWN_GRACE).await;
         Ok(())
     })
