@@ -4,9 +4,9 @@ connects, sends VALIDATE and PING (torch's client handshake), ADDs itself to one
 WAITs for the key the last one sets. elastix-loadgen --storm (benches/loadgen) times the
 phases: when the slowest client was connected, validated (PING echoed), added and released.
 
-N = 200 runs against elastix-store and torch's libuv TCPStore server side by side (torch is
-optional: pip install -e '.[bench]'); larger N against elastix-store alone (torch's server
-takes minutes there). A fresh server per storm, so no storm inherits another's connections.
+N = 200 runs against elastix-store (on io_uring, and on epoll: "epoll") and torch's libuv
+TCPStore server side by side (torch is optional: pip install -e '.[bench]'); larger N against
+elastix-store alone (torch's server takes minutes there). A fresh server per storm, so no storm inherits another's connections.
 It prints figures and asserts nothing.
 
     python benches/storm_bench.py [--clients 200,1000,4000,8000,16000] [--torch-clients 200]
@@ -52,8 +52,10 @@ def storm(loadgen, port: int, server_pid: int, clients: int, threads: int, timeo
 
 def server(children: Children, which: str, store_bin) -> tuple[object, int]:
     """A fresh server: (process, port)."""
-    if which == "elastix":
-        proc = children.start([str(store_bin), "--host", "127.0.0.1", "--port", "0", "--log-level", "warn"])
+    if which in ("elastix", "epoll"):
+        io = "uring" if which == "elastix" else "epoll"
+        cmd = [str(store_bin), "--host", "127.0.0.1", "--port", "0", "--log-level", "warn", "--io", io]
+        proc = children.start(cmd)
         return proc, int(first_line(children, proc, "elastix-store", 30).rsplit(":", 1)[1])
     proc = children.start([sys.executable, "-c", TORCH_SERVER])
     return proc, int(first_line(children, proc, "torch TCPStore", 120).split()[0])
@@ -87,7 +89,7 @@ def main() -> int:
             if clients > largest:
                 print(f"{clients} clients: skipped, the open-file limit is {hard}", file=sys.stderr)
                 continue
-            for which in ("elastix", "torch"):
+            for which in ("elastix", "epoll", "torch"):
                 if which == "torch" and not (have_torch and clients in torch_sizes):
                     continue
                 children = Children()

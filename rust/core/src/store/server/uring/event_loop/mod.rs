@@ -32,7 +32,7 @@ pub(super) const STOP_GRACE: Duration = Duration::from_secs(2);
 const RING_ENTRIES: u32 = 4096;
 /// The receive pool: enough buffers for a turn of hundreds of busy clients; a receive that
 /// finds none is rearmed once buffers come back.
-const POOL_BUFFERS: u16 = 1024;
+const POOL_BUFFERS: u16 = 512;
 const POOL_BUFFER_BYTES: usize = 4096;
 /// How long a failed accept (out of descriptors) waits before accepting again.
 const ACCEPT_RETRY: Duration = Duration::from_millis(100);
