@@ -17,9 +17,11 @@ use super::server::{BackgroundServer, ServerConfig};
 use crate::auth::{PlainClients, Secret};
 use crate::interrupt::Interrupt;
 
-/// Threads of an in-process server: enough to serve a job's workers, few enough to stay out
-/// of the training process's way.
-const IN_PROCESS_SERVER_THREADS: usize = 2;
+/// Threads of an in-process server: one. Every request takes the data's one lock and most of
+/// its cost is the kernel's TCP path, so a second thread served less and later: on two, 0.81x
+/// the requests/s of the one-threaded elastix-store at 16 connections and 3x its p99 at 256;
+/// on one, 0.90x and the same p99 (store_bench.py, two cores shared with the clients).
+const IN_PROCESS_SERVER_THREADS: usize = 1;
 
 /// The arguments of torch's `TCPStore(...)` constructor.
 #[derive(Clone, Debug)]
