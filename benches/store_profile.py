@@ -8,7 +8,10 @@ measure, as store_bench prints it) split into user and kernel time as /proc saw 
 wake-ups per request (voluntary context switches of every thread: the times one slept and was
 woken); then, in a second run under `strace -c -f`
 (which slows the server, so its counts are read as ratios, not times), the system calls per
-request and the three most frequent. strace missing: that part is left out, saying so.
+request and the three most frequent. strace missing: that part is left out, saying so. Then,
+in a third run under `perf record -g`, the share of the server's time in each path: the send
+(and within it the loopback's delivery of the reply into the client), the receive, sleeping
+and waking, and user code. perf missing: left out, saying so.
 
     python benches/store_profile.py [--duration 3] [--connections 1,256]
 """
@@ -91,6 +94,56 @@ def syscalls(loadgen, pid: int, port: int, conns: int, args) -> tuple[float, str
     return sum(calls for calls, _ in rows) / n, top
 
 
+# Where a server's time goes, as perf's call graphs attribute it (each a share of all its samples,
+# a path counted with everything it calls): the kernel functions that begin each path.
+PATHS = {
+    "send": "tcp_sendmsg",
+    "delivery": "net_rx_action",  # loopback: the reply's receive into the client, run by the sender
+    "receive": "tcp_recvmsg",
+    "sleep+wake": "schedule",
+}
+
+
+def paths(loadgen, pid: int, port: int, conns: int, args) -> dict | None:
+    """Shares of the server's samples under perf: each path of PATHS, and user time."""
+    if shutil.which("perf") is None:
+        return None
+    out = tempfile.mktemp(prefix="elastix-perf-")
+    recorder = subprocess.Popen(
+        ["perf", "record", "-q", "-g", "-p", str(pid), "-o", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        store_bench.load(loadgen, port, pid, conns, args)
+    finally:
+        recorder.send_signal(signal.SIGINT)
+        recorder.wait(timeout=60)
+    try:
+        report = ["perf", "report", "-i", out, "--stdio", "-g", "none"]
+        by_symbol = subprocess.run(
+            [*report, "--children", "--sort", "sym"], capture_output=True, text=True, check=True
+        ).stdout
+        by_dso = subprocess.run([*report, "--no-children", "--sort", "dso"], capture_output=True, text=True).stdout
+    except subprocess.CalledProcessError:
+        return None
+    finally:
+        for leftover in (out, out + ".old"):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+    children = {}
+    for line in by_symbol.splitlines():
+        found = re.match(r"\s*([\d.]+)%\s+[\d.]+%\s+\[[k.]\]\s+(\S+)", line)
+        if found:
+            children.setdefault(found.group(2), float(found.group(1)))
+    shares = {name: children.get(symbol, 0.0) for name, symbol in PATHS.items()}
+    user = 0.0
+    for line in by_dso.splitlines():
+        found = re.match(r"\s*([\d.]+)%\s+(\S+)", line)
+        if found and "kernel" not in found.group(2):
+            user += float(found.group(1))
+    shares["user"] = user
+    return shares
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=3.0)
@@ -118,9 +171,26 @@ def main() -> int:
                     f"{found['wakeups']:8.3f} {calls:8.2f}  {top}",
                     flush=True,
                 )
+        print_paths(loadgen, servers, args)
         return 0
     finally:
         children.stop_all()
+
+
+def print_paths(loadgen, servers: dict, args) -> None:
+    """A third run of each server under perf: the shares of its time by path."""
+    if shutil.which("perf") is None:
+        print("\n(no perf here: where the time goes by path is left out)")
+        return
+    print("\nshare of each server's time (perf call graphs; delivery is part of send)")
+    names = [*PATHS, "user"]
+    head = f"{'conns':>5}  {'server':<14} " + " ".join(f"{name:>10}" for name in names)
+    print(head + "\n" + "-" * len(head))
+    for conns in [int(c) for c in args.connections.split(",")]:
+        for i, (name, (proc, port)) in enumerate(servers.items()):
+            shares = paths(loadgen, proc.pid, port, conns, args)
+            cells = " ".join(f"{shares[n]:9.1f}%" for n in names) if shares else "(perf failed)"
+            print(f"{conns if i == 0 else '':>5}  {name:<14} {cells}", flush=True)
 
 
 if __name__ == "__main__":
