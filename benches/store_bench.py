@@ -17,10 +17,12 @@ served) and that against the floor's. torch is optional (pip install -e '.[bench
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,7 +67,9 @@ def binaries() -> tuple[Path, Path]:
 
 def floor_binary() -> Path | None:
     """The floor server, compiled into a temporary directory; None without a C compiler."""
-    out = Path(tempfile.mkdtemp(prefix="elastix-floor-")) / "epoll_store"
+    built = tempfile.mkdtemp(prefix="elastix-floor-")
+    atexit.register(shutil.rmtree, built, ignore_errors=True)  # the binary lives as long as the bench
+    out = Path(built) / "epoll_store"
     try:
         subprocess.run(["cc", "-O2", "-o", str(out), str(FLOOR_SOURCE)], check=True, capture_output=True, text=True)
     except (OSError, subprocess.CalledProcessError) as err:
