@@ -3,51 +3,14 @@
 //! connection task does between a read and a write). Counted by this test binary's own global
 //! allocator, on the test's thread only.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use bytes::BytesMut;
 use elastix_core::store::execute::Db;
 use elastix_core::store::limits::Limits;
 use elastix_core::store::request::{Decoded, Keys, Request};
 use elastix_core::store::waiters::Waker;
 
-struct Counting;
-
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
-thread_local! {
-    // const-initialised, no destructor: reading it never allocates
-    static COUNTING: Cell<bool> = const { Cell::new(false) };
-}
-
-fn count() {
-    if COUNTING.with(Cell::get) {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-// SAFETY: every call is passed on unchanged to the system allocator, which upholds
-// GlobalAlloc's contract; counting touches only an atomic and a const thread-local.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count();
-        // SAFETY: the caller's layout, as GlobalAlloc::alloc requires of it
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from System through this allocator, with this layout
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count();
-        // SAFETY: as for dealloc, and `new_size` as the caller gave it
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+mod counting;
+use counting::Counting;
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
@@ -85,17 +48,17 @@ fn set_get_add_check_wait_and_multi_get_on_keys_that_exist_allocate_nothing() {
     }
     out.clear();
 
-    COUNTING.with(|counting| counting.set(true));
-    for round in 0..800 {
-        let value = if round % 2 == 0 { &set_again } else { &set };
-        for bytes in [value, &get, &add, &check, &wait, &multi_get] {
-            serve(&mut db, &waker, bytes, &limits, &mut out);
+    let allocations = counting::on_this_thread(|| {
+        for round in 0..800 {
+            let value = if round % 2 == 0 { &set_again } else { &set };
+            for bytes in [value, &get, &add, &check, &wait, &multi_get] {
+                serve(&mut db, &waker, bytes, &limits, &mut out);
+            }
+            out.clear();
         }
-        out.clear();
-    }
-    COUNTING.with(|counting| counting.set(false));
+    });
 
-    assert_eq!(ALLOCATIONS.load(Ordering::Relaxed), 0, "allocations in 4,800 requests");
+    assert_eq!(allocations, 0, "allocations in 4,800 requests");
     // and they did what they say: the last SET, and ADD from 100 by 800
     serve(&mut db, &waker, &get, &limits, &mut out);
     assert_eq!(&out[8..], b"training step 000123");

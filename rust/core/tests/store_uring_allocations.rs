@@ -4,10 +4,8 @@
 //! binary's own global allocator over the whole process, with a client that itself allocates
 //! nothing (fixed buffers, plain socket calls); so this file holds this one test.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -15,37 +13,8 @@ use elastix_core::store::request::{Keys, Request};
 use elastix_core::store::server::uring::UringServer;
 use elastix_core::store::ServerConfig;
 
-struct Counting;
-
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
-fn count() {
-    if COUNTING.load(Ordering::Relaxed) {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-// SAFETY: every call is passed on unchanged to the system allocator, which upholds
-// GlobalAlloc's contract; counting touches only atomics.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count();
-        // SAFETY: the caller's layout, as GlobalAlloc::alloc requires of it
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from System through this allocator, with this layout
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count();
-        // SAFETY: as for dealloc, and `new_size` as the caller gave it
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+mod counting;
+use counting::Counting;
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
@@ -92,13 +61,13 @@ fn requests_on_the_io_uring_server_allocate_nothing_once_its_buffers_have_grown(
         exchange(round); // the keys are made and the buffers grow: that allocates
     }
 
-    COUNTING.store(true, Ordering::Relaxed);
-    for round in 0..800 {
-        exchange(round);
-    }
-    COUNTING.store(false, Ordering::Relaxed);
+    let allocations = counting::in_process(|| {
+        for round in 0..800 {
+            exchange(round);
+        }
+    });
 
-    assert_eq!(ALLOCATIONS.load(Ordering::Relaxed), 0, "allocations in 4,800 requests");
+    assert_eq!(allocations, 0, "allocations in 4,800 requests");
     // and they did what they say: the last SET, and ADD from 100 by 850
     assert_eq!(&replies[8..28], b"training step 000124");
     assert_eq!(i64::from_le_bytes(replies[28..36].try_into().unwrap()), 950);
