@@ -11,13 +11,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
-use tonic::{Code, Status};
+use tonic::Status;
 
 use crate::pb::etcdserverpb::kv_client::KvClient;
 use crate::pb::etcdserverpb::{
     request_op, DeleteRangeRequest, PutRequest, PutResponse, RangeRequest, RangeResponse, RequestOp, TxnRequest,
     TxnResponse,
 };
+use crate::retry::{passing, Delays, Passing};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EtcdError {
@@ -209,20 +210,23 @@ impl EtcdClient {
         Fut: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let deadline = tokio::time::Instant::now() + self.patience;
-        let mut delay = Duration::from_millis(20);
+        let mut delays = Delays::new();
         loop {
             // a cluster with no member up leaves a request pending, not failed: bound each try
             let bound = ATTEMPT_TIMEOUT.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
             count_request();
             let (member, channel) = self.member();
             let outcome = tokio::time::timeout(bound.max(Duration::from_millis(50)), request(channel)).await;
-            let status = match outcome {
+            let (why, status) = match outcome {
                 Ok(Ok(response)) => return Ok(response.into_inner()),
-                Ok(Err(status)) if !passes(&status) => {
-                    return Err(EtcdError::Refused { endpoints: self.endpoints.to_string(), status: describe(&status) })
-                }
-                Ok(Err(status)) => describe(&status),
-                Err(_) => format!("no answer within {bound:?}"),
+                Ok(Err(status)) => match passing(&status) {
+                    Some(why) => (why, describe(&status)),
+                    None => {
+                        let status = describe(&status);
+                        return Err(EtcdError::Refused { endpoints: self.endpoints.to_string(), status });
+                    }
+                },
+                Err(_) => (Passing::Outage, format!("no answer within {bound:?}")),
             };
             self.failed(member);
             let now = tokio::time::Instant::now();
@@ -234,28 +238,8 @@ impl EtcdClient {
                 });
             }
             tracing::debug!(endpoints = %self.endpoints, "etcd request failed, retrying: {status}");
-            tokio::time::sleep(delay.min(deadline - now)).await;
-            delay = (delay * 2).min(Duration::from_millis(500));
+            tokio::time::sleep(delays.next(why).min(deadline - now)).await;
         }
-    }
-}
-
-/// Failures that pass: a member down or unreachable, an election under way, a timeout, or a
-/// member shedding load ("too many requests": its applying lags its commits by thousands of
-/// entries, as when 10,000 nodes join one round at once).
-pub(crate) fn passes(status: &Status) -> bool {
-    let message = status.message();
-    match status.code() {
-        Code::Unavailable | Code::DeadlineExceeded | Code::Aborted | Code::Cancelled => true,
-        Code::ResourceExhausted => message.contains("too many requests"),
-        // etcd reports a lost leader, a slow commit or its load this way
-        Code::Unknown => {
-            message.contains("leader")
-                || message.contains("timed out")
-                || message.contains("transport")
-                || message.contains("too many requests")
-        }
-        _ => false,
     }
 }
 
@@ -299,14 +283,58 @@ pub fn put_op(key: &[u8], value: &[u8]) -> RequestOp {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicU32;
+
     use super::*;
 
-    #[test]
-    fn an_overloaded_member_is_retried_but_a_request_too_large_is_not() {
-        assert!(passes(&Status::unknown("etcdserver: too many requests")));
-        assert!(passes(&Status::resource_exhausted("etcdserver: too many requests")));
-        assert!(!passes(&Status::resource_exhausted("grpc: received message larger than max")));
-        assert!(!passes(&Status::invalid_argument("etcdserver: too many operations in txn request")));
+    /// A client of a cluster that is never reached: the requests below answer for themselves.
+    fn client(patience: Duration) -> EtcdClient {
+        let endpoints = vec!["127.0.0.1:1".to_owned()];
+        EtcdClient::new(&EtcdOptions { endpoints, tls: None, patience }).expect("a client")
+    }
+
+    /// Runs `retry` over a request that fails with `status` `failures` times, then succeeds;
+    /// returns the outcome and the tries made.
+    async fn tries(patience: Duration, status: fn() -> Status, failures: u32) -> (Result<(), EtcdError>, u32) {
+        let made = AtomicU32::new(0);
+        let outcome = client(patience)
+            .retry(|_channel| {
+                let try_number = made.fetch_add(1, Ordering::Relaxed);
+                async move {
+                    if try_number < failures {
+                        Err(status())
+                    } else {
+                        Ok(tonic::Response::new(()))
+                    }
+                }
+            })
+            .await;
+        (outcome, made.load(Ordering::Relaxed))
+    }
+
+    #[tokio::test]
+    async fn a_member_shedding_load_is_retried_and_left_alone_longer_than_one_down() {
+        let shedding = || Status::unknown("etcdserver: too many requests");
+        let down = || Status::unavailable("connection refused");
+        let (outcome, made) = tries(Duration::from_secs(5), shedding, 2).await;
+        assert!(outcome.is_ok() && made == 3, "{outcome:?} after {made} tries");
+        // within one second: at most 5 tries while shedding (waits of at least 50, 100, 200,
+        // 400 ms), at least 6 while down (20, 40, 80, 160, 320 ms, each at most that)
+        let second = Duration::from_secs(1);
+        let (outcome, shed) = tries(second, shedding, u32::MAX).await;
+        assert!(matches!(outcome, Err(EtcdError::Unavailable { .. })), "{outcome:?}");
+        let (_, outage) = tries(second, down, u32::MAX).await;
+        assert!(shed <= 5 && outage >= 6, "{shed} tries while shedding, {outage} while down");
+    }
+
+    #[tokio::test]
+    async fn a_connection_closed_under_load_is_retried_and_a_refusal_is_not() {
+        let calm = || Status::resource_exhausted("h2 protocol error: http2 error");
+        let (outcome, made) = tries(Duration::from_secs(5), calm, 1).await;
+        assert!(outcome.is_ok() && made == 2, "{outcome:?} after {made} tries");
+        let too_large = || Status::resource_exhausted("grpc: received message larger than max");
+        let (outcome, made) = tries(Duration::from_secs(5), too_large, 1).await;
+        assert!(matches!(outcome, Err(EtcdError::Refused { .. })) && made == 1, "{outcome:?} after {made} tries");
     }
 
     #[test]

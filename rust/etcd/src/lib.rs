@@ -5,6 +5,7 @@
 
 mod client;
 mod lease;
+mod retry;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod watch;

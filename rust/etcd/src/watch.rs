@@ -10,11 +10,12 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 
-use crate::client::{count_request, describe, passes, EtcdClient, EtcdError};
+use crate::client::{count_request, describe, EtcdClient, EtcdError};
 use crate::pb::etcdserverpb::watch_client::WatchClient;
 use crate::pb::etcdserverpb::watch_request::RequestUnion;
 use crate::pb::etcdserverpb::{WatchCreateRequest, WatchRequest, WatchResponse};
 use crate::pb::mvccpb::Event;
+use crate::retry::passing;
 
 /// Longest pause between attempts to open a watch again.
 const MAX_REOPEN_DELAY: Duration = Duration::from_secs(1);
@@ -147,7 +148,7 @@ async fn open(client: &EtcdClient, create: WatchCreateRequest) -> Result<Result<
     let mut watch_client = WatchClient::new(channel);
     match tokio::time::timeout(client.patience(), watch_client.watch(request)).await {
         Ok(Ok(stream)) => Ok(Ok(Open { member, _requests: requests, responses: stream.into_inner() })),
-        Ok(Err(status)) if passes(&status) => {
+        Ok(Err(status)) if passing(&status).is_some() => {
             client.failed(member);
             Ok(Err(describe(&status)))
         }
