@@ -108,27 +108,29 @@ def elastix_round(nodes: int) -> float:
     return elastix_bench(nodes)["seconds"]
 
 
-def etcd_main(node_counts: list[int], members: int) -> None:
+def etcd_main(node_counts: list[int], members: int, modes: list[str]) -> None:
     import tempfile
 
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from etcd_cluster import EtcdCluster
 
+    extra = {"own": (), "shared": ("--shared-client",)}
     with tempfile.TemporaryDirectory() as data:
         cluster = EtcdCluster(data, members=members)
         try:
             print(
-                f"{'nodes':>6} | {'c10d s':>8} | {'etcd s, own clients':>20} | {'etcd s, shared client':>22} | requests/node"
+                f"{'nodes':>6} | {'c10d s':>8} | " + " | ".join(f"etcd, {m} client(s): s, requests/node" for m in modes)
             )
             for nodes in node_counts:
-                c10d = elastix_round(nodes)
-                own = elastix_bench(nodes, "--etcd", cluster.endpoints)
-                shared = elastix_bench(nodes, "--etcd", cluster.endpoints, "--shared-client")
-                print(
-                    f"{nodes:>6} | {c10d:>8.3f} | {own['seconds']:>20.3f} | {shared['seconds']:>22.3f} | "
-                    f"{own['requests_per_node']:.1f}",
-                    flush=True,
-                )
+                cells = [f"{elastix_round(nodes):>8.3f}"]
+                for mode in modes:
+                    try:
+                        r = elastix_bench(nodes, "--etcd", cluster.endpoints, *extra[mode])
+                        cells.append(f"{r['seconds']:.3f} s, {r['requests_per_node']:.2f}")
+                    except RuntimeError as err:  # a round that failed: say so, measure the rest
+                        print(f"etcd, {mode} clients, {nodes} nodes failed: {err}", file=sys.stderr)
+                        cells.append("failed")
+                print(f"{nodes:>6} | " + " | ".join(cells), flush=True)
         finally:
             cluster.close()
 
@@ -184,9 +186,17 @@ def main() -> None:
     parser.add_argument("--torch-libuv", action="store_true", help="torch's store on its libuv server")
     parser.add_argument("--backend", choices=["c10d", "etcd"], default="c10d")
     parser.add_argument("--etcd-members", type=int, default=3, help="members of the etcd cluster (--backend etcd)")
+    parser.add_argument(
+        "--etcd-clients",
+        default="own,shared",
+        help="which etcd rounds to run (--backend etcd): own (a client per node), shared (one client), or both",
+    )
     args = parser.parse_args()
     if args.backend == "etcd":
-        etcd_main(args.nodes, args.etcd_members)
+        modes = [m for m in args.etcd_clients.split(",") if m]
+        if not modes or any(m not in ("own", "shared") for m in modes):
+            parser.error(f"--etcd-clients: a list of own and shared, got {args.etcd_clients!r}")
+        etcd_main(args.nodes, args.etcd_members, modes)
         return
     try:
         import torch  # noqa: F401
