@@ -57,10 +57,10 @@ def all_reduce(
     what: str = "all_reduce",
 ) -> None:
     """In place; with ``root`` it is a reduce: only the root's array changes."""
-    p, me, dt, n = comm.n, comm.me, x.dtype, x.size
-    if x.nbytes <= small_limit(comm):
-        comm.native_step(comm.waiter.all_reduce_small, desc, what, x, code, op, div, root is None or root == me)
+    if x.nbytes <= (comm.small_bytes or small_limit(comm)):  # first: the latency-bound case
+        comm.native_step(comm.waiter.all_reduce_small, desc, what, x, code, op, div, root is None or root == comm.me)
         return
+    p, me, dt, n = comm.n, comm.me, x.dtype, x.size
     region = _region(comm)
     per_chunk = region // dt.itemsize
     per_seg = per_chunk * p
