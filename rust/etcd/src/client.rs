@@ -312,19 +312,21 @@ mod tests {
         (outcome, made.load(Ordering::Relaxed))
     }
 
-    #[tokio::test]
+    // on a paused clock, which moves only when every task waits: each wait is exact
+    #[tokio::test(start_paused = true)]
     async fn a_member_shedding_load_is_retried_and_left_alone_longer_than_one_down() {
         let shedding = || Status::unknown("etcdserver: too many requests");
         let down = || Status::unavailable("connection refused");
         let (outcome, made) = tries(Duration::from_secs(5), shedding, 2).await;
         assert!(outcome.is_ok() && made == 3, "{outcome:?} after {made} tries");
-        // within one second: at most 5 tries while shedding (waits of at least 50, 100, 200,
-        // 400 ms), at least 6 while down (20, 40, 80, 160, 320 ms, each at most that)
-        let second = Duration::from_secs(1);
-        let (outcome, shed) = tries(second, shedding, u32::MAX).await;
+        // within 3 s, and one last try at the end: while down, tries at 0, 20, 60, 140, 300,
+        // 620, 1120, 1620, 2120 and 2620 ms; while shedding at most at 0, 50, 150, 350, 750,
+        // 1550 and 2550 ms (each wait at least half its span of 100 ms doubling to 2 s)
+        let patience = Duration::from_secs(3);
+        let (outcome, shed) = tries(patience, shedding, u32::MAX).await;
         assert!(matches!(outcome, Err(EtcdError::Unavailable { .. })), "{outcome:?}");
-        let (_, outage) = tries(second, down, u32::MAX).await;
-        assert!(shed <= 5 && outage >= 6, "{shed} tries while shedding, {outage} while down");
+        let (_, outage) = tries(patience, down, u32::MAX).await;
+        assert!(shed <= 8 && outage == 11, "{shed} tries while shedding, {outage} while down");
     }
 
     #[tokio::test]
