@@ -111,9 +111,13 @@ class EtcdCluster:
         self.procs: dict[int, subprocess.Popen | None] = {}
         initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports))
         self._initial = initial
-        for i in range(members):
-            self.start(i, state="new")
-        self.wait_healthy()
+        try:
+            for i in range(members):
+                self.start(i, state="new")
+            self.wait_healthy()
+        except BaseException:  # a cluster that never formed: its members are still ours to stop
+            self.close()
+            raise
 
     @property
     def endpoints(self) -> str:
