@@ -18,8 +18,6 @@ from ..worker import progress
 from .errors import GroupError, NotInitializedError
 from .work import Executor
 
-_flight_enter, _flight_exit = progress.flight_enter, progress.flight_exit  # every collective's path
-
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 STORE_PREFIX = "elastix/collectives"
 BACKENDS = ("cpu", "nccl")
@@ -95,22 +93,18 @@ class ProcessGroup:
         """Runs the collective ``fn`` (described by ``desc``) on this thread, behind any pending
         asynchronous work, with its start and end in the flight recorder (as ``recorded``,
         without a closure: this is every blocking collective's path)."""
-        executor = self.executor
         if self.send_executor._pending:
             self.send_executor.drain()  # a collective never shares a connection with a pending send
-        if executor._pending:
-            executor.submit(self.recorded(fn, desc)).result()
+        if self.executor._pending:
+            self.executor.submit(self.recorded(fn, desc)).result()
             return
-        self.collectives += 1
-        at = _flight_enter(desc[0], self.number, self.collectives, desc[4])
-        with executor.inline_lock:
-            if at is None:  # outside elastix run: nothing to record
-                fn()
-                return
+        at = self._flight_enter(desc)
+        with self.executor.inline_lock:
             try:
                 fn()
             finally:
-                _flight_exit(at)
+                if at is not None:
+                    progress.flight_exit(at)
 
     def size(self) -> int:
         return len(self.ranks)
