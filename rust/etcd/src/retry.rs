@@ -22,12 +22,12 @@ pub(crate) fn passing(status: &Status) -> Option<Passing> {
     let shedding = message.contains("too many requests");
     match status.code() {
         Code::Unavailable | Code::DeadlineExceeded | Code::Aborted | Code::Cancelled => Some(Passing::Outage),
-        Code::ResourceExhausted if shedding => Some(Passing::Shedding),
+        // etcd reports its load with either code
+        Code::ResourceExhausted | Code::Unknown if shedding => Some(Passing::Shedding),
         // the connection was closed under load ("enhance your calm": HTTP/2's own limits, as
         // on thousands of requests multiplexed on one connection); the next try opens another
         Code::ResourceExhausted if message.contains("h2 protocol error") => Some(Passing::Outage),
-        // etcd reports a lost leader, a slow commit or its load this way
-        Code::Unknown if shedding => Some(Passing::Shedding),
+        // and a lost leader or a slow commit this way
         Code::Unknown if ["leader", "timed out", "transport"].iter().any(|word| message.contains(word)) => {
             Some(Passing::Outage)
         }
