@@ -108,27 +108,26 @@ def paths(loadgen, pid: int, port: int, conns: int, args) -> dict | None:
     """Shares of the server's samples under perf: each path of PATHS, and user time."""
     if shutil.which("perf") is None:
         return None
-    out = tempfile.mktemp(prefix="elastix-perf-")
-    recorder = subprocess.Popen(
-        ["perf", "record", "-q", "-g", "-p", str(pid), "-o", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        store_bench.load(loadgen, port, pid, conns, args)
-    finally:
-        recorder.send_signal(signal.SIGINT)
-        recorder.wait(timeout=60)
-    try:
+    with tempfile.TemporaryDirectory(prefix="elastix-perf-") as recorded:
+        out = os.path.join(recorded, "perf.data")
+        recorder = subprocess.Popen(
+            ["perf", "record", "-q", "-g", "-p", str(pid), "-o", out],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            store_bench.load(loadgen, port, pid, conns, args)
+        finally:
+            recorder.send_signal(signal.SIGINT)
+            recorder.wait(timeout=60)
         report = ["perf", "report", "-i", out, "--stdio", "-g", "none"]
-        by_symbol = subprocess.run(
-            [*report, "--children", "--sort", "sym"], capture_output=True, text=True, check=True
-        ).stdout
-        by_dso = subprocess.run([*report, "--no-children", "--sort", "dso"], capture_output=True, text=True).stdout
-    except subprocess.CalledProcessError:
-        return None
-    finally:
-        for leftover in (out, out + ".old"):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
+        try:
+            by_symbol = subprocess.run(
+                [*report, "--children", "--sort", "sym"], capture_output=True, text=True, check=True
+            ).stdout
+            by_dso = subprocess.run([*report, "--no-children", "--sort", "dso"], capture_output=True, text=True).stdout
+        except subprocess.CalledProcessError:
+            return None
     children = {}
     for line in by_symbol.splitlines():
         found = re.match(r"\s*([\d.]+)%\s+[\d.]+%\s+\[[k.]\]\s+(\S+)", line)
