@@ -126,6 +126,8 @@ def test_store_metrics_count_requests_by_operation():
         metrics = int(re.search(r":(\d+)/metrics", proc.stdout.readline()).group(1))
         client = elastix.TCPStore("127.0.0.1", store_port, timeout=timedelta(seconds=10))
         client.set("warm", "up")
+        # a SET has no reply: the GET's reply says the server has served it before the scrape
+        assert client.get("warm") == b"up"
         before = scrape(metrics)
         for i in range(10):
             client.set(f"k{i}", b"v")
