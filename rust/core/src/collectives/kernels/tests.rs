@@ -133,6 +133,38 @@ fn the_f16c_path_gives_what_the_half_crate_gives() {
 }
 
 #[test]
+fn the_avx2_build_gives_what_the_baseline_gives_bit_for_bit() {
+    if !std::is_x86_feature_detected!("avx2") {
+        return;
+    }
+    let n = BLOCK * 2 + 29; // whole blocks and a tail
+    let mut rng = fastrand::Rng::with_seed(11);
+    for dtype in DType::ALL {
+        let bytes = n * dtype.size();
+        // random bits: floats include NaNs, infinities and subnormals; bools are 0 or 1
+        let mut source = || -> Vec<u8> {
+            (0..bytes).map(|_| if dtype == DType::Bool { rng.u8(0..2) } else { rng.u8(..) }).collect()
+        };
+        let inputs = [source(), source(), source()];
+        for op in ReduceOp::ALL {
+            for (sources, divisor) in [(2, 1), (3, 1), (2, 3)] {
+                if (op.is_bitwise() && dtype.is_float()) || (divisor > 1 && !dtype.is_float()) {
+                    continue;
+                }
+                let srcs: Vec<*const u8> = inputs[..sources].iter().map(|v| v.as_ptr()).collect();
+                let (mut baseline, mut avx2) = (vec![0u8; bytes], vec![0u8; bytes]);
+                // SAFETY: every buffer holds n elements of dtype; the processor has AVX2 (checked above).
+                unsafe {
+                    any_kernel(dtype, op, &srcs, &[baseline.as_mut_ptr()], n, divisor);
+                    run_kernel_avx2(dtype, op, &srcs, &[avx2.as_mut_ptr()], n, divisor);
+                }
+                assert!(baseline == avx2, "{dtype:?} {op:?} from {sources} sources, divided by {divisor}");
+            }
+        }
+    }
+}
+
+#[test]
 fn destination_may_be_a_source_and_several_destinations_get_the_same() {
     let n = BLOCK + 1;
     let mut a: Vec<f32> = (0..n).map(|i| i as f32).collect();
