@@ -1,23 +1,28 @@
 #!/usr/bin/env python3
-"""all_reduce benchmark: elastix.collectives (cpu backend) against torch's gloo, same machine,
-same run. It prints figures and asserts nothing.
+"""Collectives benchmark (all_reduce, or the one --op names): elastix.collectives (cpu backend)
+against torch's gloo, same machine, same run. It prints figures and asserts nothing.
 
 For each world size (local ranks, spawned as processes) and each message size it reports the
-time of one all_reduce of float32 (the slowest rank's mean over the iterations) and the bus
-bandwidth, busbw = size / time x 2(p-1)/p (the nccl-tests definition), for elastix and, when
+time of one collective of float32 (the slowest rank's mean over the iterations) and the bus
+bandwidth (the nccl-tests definition: for all_reduce busbw = size / time x 2(p-1)/p), for elastix and, when
 torch is installed (pip install -e '.[bench]'), for gloo, and the ratio. Targets: >= 2x
 gloo's busbw at >= 1 MiB (design.md), and a 4 KiB all_reduce in <= 5 us on 2 local ranks
 (design.md's 50 us, tightened once the roofline work showed what the exchange costs). With
 CuPy and at least two GPUs it also measures the nccl backend.
 
-The roofline: the least time the bytes an all_reduce must move take at this machine's memory
-bandwidth. On p ranks in shared memory each rank reads the whole buffer (its part and the
-others') to reduce its 1/p part, writes that part, then reads and writes the other reduced
-parts: (3 - 1/p) x the buffer's bytes per rank (2.5x on 2), p times that in all. The
-bandwidth is what the machine's cores copy at together, as many as run ranks (more ranks than
-cores share them), measured by benches/floors/stream.c (built here with cc) over arrays far
-larger than the caches; the "roof" column is elastix's share of that bound (100%: at the
-roofline). A buffer that fits in the caches can beat it: the bound is memory's.
+The roofline: the least time the bytes a collective must move take at this machine's memory
+bandwidth, in shared memory where every rank reads the others' buffers directly (N: the size
+column, what each rank sends; reduce_scatter's N is its whole input):
+  all_reduce      each rank reads the whole buffer (its part and the others') to reduce its 1/p
+                  part, writes that part, then reads and writes the other reduced parts:
+                  (3 - 1/p) N per rank (2.5 N on 2);
+  reduce_scatter  each rank reads its 1/p part of every rank's input and writes it: (1 + 1/p) N;
+  all_gather      each rank reads every rank's N (its own included) and writes them: 2 p N;
+  broadcast       each rank but the root reads N and writes it: 2 N; the root moves nothing.
+The bandwidth is what the machine's cores copy at together, as many as ranks that move bytes
+(more than the cores share them), measured by benches/floors/stream.c (built here with cc) over
+arrays far larger than the caches; the "roof" column is elastix's share of that bound (100%: at
+the roofline). A buffer that fits in the caches can beat it: the bound is memory's.
 
     python benches/collectives_bench.py [--op all_reduce|broadcast|all_gather|reduce_scatter]
         [--ranks 2,4] [--max-size 256M] [--json out.json]
@@ -29,6 +34,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -229,8 +235,8 @@ def run_impl(impl: str, op: str, world: int, sizes, budget: float, timeout: floa
             port_holder.close()
 
 
-def copy_bandwidth(cores: int) -> float | None:
-    """GB/s `cores` cores copy at together (STREAM's count: read + write)."""
+def copy_bandwidth(cores: int) -> dict[int, float]:
+    """GB/s 1..`cores` cores copy at together (STREAM's count: read + write); empty if unknown."""
     source = REPO / "benches" / "floors" / "stream.c"
     binary = Path(tempfile.mkdtemp(prefix="elastix-stream-")) / "stream"
     try:
@@ -238,18 +244,28 @@ def copy_bandwidth(cores: int) -> float | None:
         done = subprocess.run([str(binary), "256", str(cores)], check=True, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as err:
         print(f"  no roofline ({err})")
-        return None
-    for line in done.stdout.splitlines():
-        found = json.loads(line)
-        if found["kernel"] == "copy" and found["cores"] == cores:
-            return float(found["total_gbs"])
-    return None
+        return {}
+    finally:
+        shutil.rmtree(binary.parent, ignore_errors=True)
+    found = (json.loads(line) for line in done.stdout.splitlines())
+    return {int(f["cores"]): float(f["total_gbs"]) for f in found if f["kernel"] == "copy"}
 
 
-def roofline_s(nbytes: int, world: int, gbs: float) -> float:
-    """The least time an all_reduce of `nbytes` on `world` ranks takes when the machine moves
-    `gbs` in all."""
-    return world * (3 - 1 / world) * nbytes / (gbs * 1e9)
+def bytes_per_rank(op: str, nbytes: int, world: int) -> list[float]:
+    """What each rank must read and write for `op` of `nbytes` (the docstring's model)."""
+    p = world
+    if op == "broadcast":  # the root is rank 0
+        return [0.0] + [2.0 * nbytes] * (p - 1)
+    per_rank = {"reduce_scatter": 1 + 1 / p, "all_gather": 2.0 * p}.get(op, 3 - 1 / p)
+    return [per_rank * nbytes] * p
+
+
+def roofline_s(op: str, nbytes: int, world: int, gbs: dict[int, float]) -> float | None:
+    """The least time `op` of `nbytes` on `world` ranks takes when the ranks that move bytes copy
+    at the bandwidth that many cores get together (`gbs`, by core count)."""
+    moved = [b for b in bytes_per_rank(op, nbytes, world) if b > 0]
+    cores = min(len(moved), max(gbs, default=0))
+    return sum(moved) / (gbs[cores] * 1e9) if cores in gbs else None
 
 
 def busbw(nbytes: int, seconds: float, world: int, op: str = "all_reduce") -> float:
@@ -276,7 +292,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--op", choices=OPS, default="all_reduce", help="the collective (roofline: all_reduce only)")
+    ap.add_argument("--op", choices=OPS, default="all_reduce", help="the collective")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--sizes", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -311,8 +327,8 @@ def main() -> int:
             figures[impl] = result
         report[world] = figures
         cores = min(world, os.cpu_count() or world)
-        gbs = copy_bandwidth(cores) if op == "all_reduce" else None
-        bandwidth = f"; {cores} cores copy at {gbs:.1f} GB/s together (stream.c)" if gbs else ""
+        gbs = copy_bandwidth(cores)
+        bandwidth = f"; {cores} cores copy at {gbs[cores]:.1f} GB/s together (stream.c)" if cores in gbs else ""
         print(f"\n{world} ranks{bandwidth}")
         head = f"{'size':>9} | {'elastix':>10} {'busbw':>9} {'roof':>5}"
         if "gloo" in figures:
@@ -323,7 +339,8 @@ def main() -> int:
         print("-" * len(head))
         for n in sizes:
             e = figures.get("elastix", {}).get(n)
-            roof = f"{roofline_s(n, world, gbs) / e:>5.0%}" if e and gbs else f"{'-':>5}"
+            bound = roofline_s(op, n, world, gbs)
+            roof = f"{bound / e:>5.0%}" if e and bound else f"{'-':>5}"
             line = f"{human(n):>9} | " + (
                 f"{e * 1e6:>8.1f}us {busbw(n, e, world, op):>5.2f}GB/s {roof}" if e else f"{'-':>26}"
             )

@@ -12,9 +12,10 @@ from elastix.collectives import ReduceOp, _native, descriptor, dtypes
 from elastix.collectives.reduce_op import as_op, kernel_op
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["cached", "streaming"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("nsrc", [1, 2, 3, 5])
-def test_kernels_match_numpy(dtype, nsrc):
+def test_kernels_match_numpy(dtype, nsrc, streaming):
     for op in ops_for(dtype):
         ins = [data(dtype, k, 3001, op) for k in range(nsrc)]
         kind = dtypes.reduce_kind(ins[0].dtype, "bfloat16" if dtype == "bfloat16" else None)
@@ -22,7 +23,12 @@ def test_kernels_match_numpy(dtype, nsrc):
         out = np.empty_like(ins[0])
         other = np.empty_like(ins[0])
         _native.reduce(
-            kind.code, code, [x.view(kind.view) for x in ins], [out.view(kind.view), other.view(kind.view)], div
+            kind.code,
+            code,
+            [x.view(kind.view) for x in ins],
+            [out.view(kind.view), other.view(kind.view)],
+            div,
+            streaming=streaming,
         )
         assert close(dtype, out, reference(dtype, op, ins), True), (dtype, op)
         assert np.array_equal(out.view(np.uint8), other.view(np.uint8))
@@ -46,6 +52,29 @@ def test_kernel_refuses_bad_buffers():
     ro.flags.writeable = False
     with pytest.raises((BufferError, ValueError)):
         _native.reduce(11, 0, [np.zeros(3, np.float32)], [ro])
+
+
+def test_a_streaming_copy_writes_exactly_its_destination():
+    rng = np.random.default_rng(5)
+    for length in (0, 1, 15, 16, 17, 4099, 1 << 20):
+        for shift in (0, 1, 8, 15):  # the destination's alignment, which streaming stores need
+            src = rng.integers(0, 256, length, dtype=np.uint8)
+            dst = np.full(length + 32, 0xAB, np.uint8)
+            _native.copy_streaming(dst[shift : shift + length], src)
+            assert np.array_equal(dst[shift : shift + length], src), (length, shift)
+            assert (dst[:shift] == 0xAB).all() and (dst[shift + length :] == 0xAB).all(), (length, shift)
+
+
+def test_a_streaming_copy_refuses_bad_buffers():
+    with pytest.raises(ValueError, match="the destination has 3 bytes and the source 4"):
+        _native.copy_streaming(np.zeros(3, np.uint8), np.zeros(4, np.uint8))
+    both = np.zeros(64, np.uint8)
+    with pytest.raises(ValueError, match="overlaps"):
+        _native.copy_streaming(both[8:40], both[:32])
+    ro = np.zeros(3, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises((BufferError, ValueError)):
+        _native.copy_streaming(ro, np.zeros(3, np.uint8))
 
 
 def test_float16_and_bfloat16_round_once():

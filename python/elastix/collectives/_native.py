@@ -6,7 +6,8 @@ from __future__ import annotations
 from .._core import collectives as _mod
 
 reduce = _mod.reduce
+copy_streaming = _mod.copy_streaming
 Segment = _mod.Segment
 Waiter = _mod.Waiter
 
-__all__ = ["reduce", "Segment", "Waiter"]
+__all__ = ["reduce", "copy_streaming", "Segment", "Waiter"]

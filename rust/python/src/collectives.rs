@@ -14,10 +14,12 @@ use crate::shm::{PySegment, Waiter};
 /// Reductions at least this large run with the GIL released.
 pub(crate) const DETACH_BYTES: usize = 64 * 1024;
 
-/// `reduce(dtype, op, srcs, dsts, divisor=1)`: every destination gets the reduction of every
-/// source (same byte length, contiguous), in source order; `divisor` > 1 averages (floats).
+/// `reduce(dtype, op, srcs, dsts, divisor=1, streaming=False)`: every destination gets the
+/// reduction of every source (same byte length, contiguous), in source order; `divisor` > 1
+/// averages (floats); `streaming` writes the destinations around the caches, for large ones that
+/// no one reads soon (`elastix_core::collectives::kernels::streaming`).
 #[pyfunction]
-#[pyo3(signature = (dtype, op, srcs, dsts, divisor = 1))]
+#[pyo3(signature = (dtype, op, srcs, dsts, divisor = 1, streaming = false))]
 fn reduce(
     py: Python<'_>,
     dtype: u8,
@@ -25,6 +27,7 @@ fn reduce(
     srcs: &Bound<'_, PyList>,
     dsts: &Bound<'_, PyList>,
     divisor: u32,
+    streaming: bool,
 ) -> PyResult<()> {
     let dtype = DType::from_code(dtype).ok_or_else(|| PyValueError::new_err(format!("unknown dtype code {dtype}")))?;
     let op = ReduceOp::from_code(op).ok_or_else(|| PyValueError::new_err(format!("unknown op code {op}")))?;
@@ -50,10 +53,45 @@ fn reduce(
         // destinations writable) until we return. Buffers that partly overlap only get
         // meaningless values: the kernels reach them through raw pointers, never holding
         // references into two of them at once.
-        unsafe { core::reduce(dtype, op, &srcs, &dsts, n, divisor) }
+        unsafe {
+            if streaming {
+                core::reduce_streaming(dtype, op, &srcs, &dsts, n, divisor)
+            } else {
+                core::reduce(dtype, op, &srcs, &dsts, n, divisor)
+            }
+        }
     };
     let result = if nbytes >= DETACH_BYTES { py.detach(run) } else { run() };
     result.map_err(|err| PyValueError::new_err(err.to_string()))
+}
+
+/// `copy_streaming(dst, src)`: copies `src` into `dst` (contiguous, the same byte length) around
+/// the caches, for a large destination that no one reads soon.
+#[pyfunction]
+fn copy_streaming(py: Python<'_>, dst: &Bound<'_, PyAny>, src: &Bound<'_, PyAny>) -> PyResult<()> {
+    let (dst, src) = (RawBuf::get(dst, true)?, RawBuf::get(src, false)?);
+    if dst.len() != src.len() {
+        return Err(PyValueError::new_err(format!(
+            "copy_streaming: the destination has {} bytes and the source {}",
+            dst.len(),
+            src.len()
+        )));
+    }
+    let (to, from, len) = (dst.addr(), src.addr(), src.len());
+    if to < from + len && from < to + len {
+        return Err(PyValueError::new_err("copy_streaming: the destination overlaps the source"));
+    }
+    let run = move || {
+        // SAFETY: both buffers are held (alive, contiguous, of `len` bytes, `dst` writable)
+        // until we return, and they do not overlap (checked above).
+        unsafe { core::kernels::streaming::copy(from as *const u8, to as *mut u8, len) }
+    };
+    if len >= DETACH_BYTES {
+        py.detach(run)
+    } else {
+        run()
+    }
+    Ok(())
 }
 
 /// Whether this process's memfds can be opened by its peers (`/proc/<pid>/fd/<n>`): not once
@@ -67,6 +105,7 @@ fn memfd_attachable() -> bool {
 pub fn register(parent: &Bound<'_, PyModule>) -> PyResult<()> {
     let module = PyModule::new(parent.py(), "collectives")?;
     module.add_function(wrap_pyfunction!(reduce, &module)?)?;
+    module.add_function(wrap_pyfunction!(copy_streaming, &module)?)?;
     module.add_function(wrap_pyfunction!(memfd_attachable, &module)?)?;
     module.add_class::<PySegment>()?;
     module.add_class::<Waiter>()?;

@@ -12,6 +12,7 @@ use std::ptr::copy_nonoverlapping;
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
+use smallvec::SmallVec;
 
 use super::dtype::{DType, ReduceOp};
 
@@ -45,6 +46,56 @@ pub unsafe fn reduce(
     n: usize,
     divisor: u32,
 ) -> Result<(), KernelError> {
+    check(dtype, op, srcs, divisor)?;
+    // SAFETY: the caller's guarantees (above) are what every kernel needs.
+    unsafe { run_kernel(dtype, op, srcs, dsts, n, divisor) };
+    Ok(())
+}
+
+/// As [`reduce`], with the destinations written by streaming stores, fenced before it returns
+/// (see [`streaming`]): for destinations too large to stay in the caches that no one reads soon.
+///
+/// # Safety
+/// As for [`reduce`].
+pub unsafe fn reduce_streaming(
+    dtype: DType,
+    op: ReduceOp,
+    srcs: &[*const u8],
+    dsts: &[*mut u8],
+    n: usize,
+    divisor: u32,
+) -> Result<(), KernelError> {
+    check(dtype, op, srcs, divisor)?;
+    // Each stage is reduced into a buffer on the stack, which stays in L1, then streamed out.
+    let mut stage = [0u8; STAGE_BYTES];
+    let per_stage = STAGE_BYTES / dtype.size();
+    let mut shifted: SmallVec<[*const u8; 8]> = SmallVec::from_slice(srcs);
+    let mut done = 0;
+    while done < n {
+        let len = per_stage.min(n - done);
+        let offset = done * dtype.size();
+        // SAFETY: elements done..done + len are inside every buffer (the caller's contract),
+        // and the stage holds len elements; each stage's sources are all read before its
+        // destinations are written, so a destination may be a source, as for `reduce`.
+        unsafe {
+            for (at, src) in shifted.iter_mut().zip(srcs) {
+                *at = src.add(offset);
+            }
+            run_kernel(dtype, op, &shifted, &[stage.as_mut_ptr()], len, divisor);
+            for dst in dsts {
+                streaming::copy_unfenced(stage.as_ptr(), dst.add(offset), len * dtype.size());
+            }
+        }
+        done += len;
+    }
+    streaming::fence();
+    Ok(())
+}
+
+/// Bytes [`reduce_streaming`] reduces at a time: a multiple of every element size.
+const STAGE_BYTES: usize = 8 << 10;
+
+fn check(dtype: DType, op: ReduceOp, srcs: &[*const u8], divisor: u32) -> Result<(), KernelError> {
     if srcs.is_empty() {
         return Err(KernelError::NoSources);
     }
@@ -54,8 +105,6 @@ pub unsafe fn reduce(
     if divisor > 1 && !dtype.is_float() {
         return Err(KernelError::DivisorOnInteger(dtype));
     }
-    // SAFETY: the caller's guarantees (above) are what every kernel needs.
-    unsafe { run_kernel(dtype, op, srcs, dsts, n, divisor) };
     Ok(())
 }
 
@@ -501,6 +550,8 @@ mod f16c {
         }
     }
 }
+
+pub mod streaming;
 
 #[cfg(test)]
 mod tests;

@@ -165,6 +165,40 @@ fn the_avx2_build_gives_what_the_baseline_gives_bit_for_bit() {
 }
 
 #[test]
+fn streaming_gives_what_caching_gives_at_any_alignment() {
+    let n = STAGE_BYTES / 2 + 37; // several stages of every dtype, and a tail
+    let mut rng = fastrand::Rng::with_seed(3);
+    for dtype in DType::ALL {
+        let bytes = n * dtype.size();
+        let mut source = || -> Vec<u8> {
+            (0..bytes).map(|_| if dtype == DType::Bool { rng.u8(0..2) } else { rng.u8(..) }).collect()
+        };
+        let inputs = [source(), source()];
+        let srcs: Vec<*const u8> = inputs.iter().map(|v| v.as_ptr()).collect();
+        let mut cached = vec![0u8; bytes];
+        // SAFETY: every buffer holds n elements of dtype.
+        unsafe { reduce(dtype, ReduceOp::Max, &srcs, &[cached.as_mut_ptr()], n, 1).unwrap() };
+        for shift in [0, 1, 7] {
+            let mut streamed = vec![0xABu8; bytes + 16];
+            // SAFETY: as above, `shift` bytes into a buffer 16 bytes longer.
+            unsafe {
+                reduce_streaming(dtype, ReduceOp::Max, &srcs, &[streamed.as_mut_ptr().add(shift)], n, 1).unwrap()
+            };
+            assert!(streamed[shift..shift + bytes] == cached[..], "{dtype:?} shifted by {shift}");
+            assert!(streamed[..shift].iter().chain(&streamed[shift + bytes..]).all(|b| *b == 0xAB));
+        }
+    }
+}
+
+#[test]
+fn a_streaming_reduction_refuses_what_a_cached_one_refuses() {
+    let source = [0u8; 4];
+    // SAFETY: refused before any buffer is read (and there is no destination).
+    let err = unsafe { reduce_streaming(DType::F32, ReduceOp::BitAnd, &[source.as_ptr()], &[], 1, 1) };
+    assert_eq!(err, Err(KernelError::BitwiseOnFloat(DType::F32)));
+}
+
+#[test]
 fn destination_may_be_a_source_and_several_destinations_get_the_same() {
     let n = BLOCK + 1;
     let mut a: Vec<f32> = (0..n).map(|i| i as f32).collect();

@@ -1,0 +1,68 @@
+//! Stores that bypass the caches (non-temporal), for destinations too large to stay in them and
+//! that no one reads soon: a reduce_scatter's output, an all_gather's. A store through the cache
+//! first reads the line it writes (read for ownership), so writing N bytes moves 2N bytes of
+//! memory; a streaming store moves N. Measured here on 2 ranks at 64 MiB: an all_gather took
+//! 17.2-18.6 ms through the cache and 14.0-15.3 ms streaming; a reduce_scatter's reductions
+//! 4.8-5.0 ms and 4.5-4.6 ms.
+//!
+//! Streaming stores are weakly ordered: they must be fenced before a peer is told the data is
+//! there, or the peer may read what was there before. [`copy`] fences; [`copy_unfenced`] leaves
+//! it to the caller, who fences once after many.
+
+use std::ptr::copy_nonoverlapping;
+
+/// Copies `len` bytes from `src` to `dst` with streaming stores, and fences them.
+///
+/// # Safety
+/// `src` must be valid for reading and `dst` for writing `len` bytes; they must not overlap.
+pub unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: the caller's guarantees.
+    unsafe { copy_unfenced(src, dst, len) };
+    fence();
+}
+
+/// Orders this thread's streaming stores before its later stores (such as the one that tells a
+/// peer a step is done).
+pub fn fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SFENCE is part of SSE, which every x86-64 processor has.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
+/// As [`copy`], without the fence.
+///
+/// # Safety
+/// As for [`copy`].
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn copy_unfenced(src: *const u8, dst: *mut u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+    const LANE: usize = 16;
+    // a streaming store needs an aligned destination: the bytes before the first aligned
+    // address, and those after the last whole lane, go through the cache
+    let head = dst.align_offset(LANE).min(len);
+    let lanes = (len - head) / LANE;
+    // SAFETY: every access is inside the first `len` bytes of `src` and `dst` (the caller's
+    // guarantees); `dst + head` is 16-byte aligned, as `_mm_stream_si128` needs; SSE2, which
+    // these intrinsics need, is part of every x86-64 processor.
+    unsafe {
+        copy_nonoverlapping(src, dst, head);
+        for lane in 0..lanes {
+            let at = head + lane * LANE;
+            _mm_stream_si128(dst.add(at) as *mut __m128i, _mm_loadu_si128(src.add(at) as *const __m128i));
+        }
+        let tail = head + lanes * LANE;
+        copy_nonoverlapping(src.add(tail), dst.add(tail), len - tail);
+    }
+}
+
+/// Elsewhere, an ordinary copy.
+///
+/// # Safety
+/// As for [`copy`].
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn copy_unfenced(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: the caller's guarantees.
+    unsafe { copy_nonoverlapping(src, dst, len) };
+}
