@@ -108,7 +108,7 @@ def elastix_round(nodes: int) -> float:
     return elastix_bench(nodes)["seconds"]
 
 
-def etcd_main(node_counts: list[int], members: int, modes: list[str]) -> None:
+def etcd_main(node_counts: list[int], members: int, modes: list[str], elections_ms: tuple[int, int]) -> None:
     import tempfile
 
     sys.path.insert(0, os.path.join(REPO, "tests"))
@@ -116,23 +116,38 @@ def etcd_main(node_counts: list[int], members: int, modes: list[str]) -> None:
 
     extra = {"own": (), "shared": ("--shared-client",)}
     with tempfile.TemporaryDirectory() as data:
-        cluster = EtcdCluster(data, members=members)
+        cluster = EtcdCluster(data, members=members, elections_ms=elections_ms)
         try:
+            print(f"etcd: {members} members, heartbeat {elections_ms[0]} ms, election timeout {elections_ms[1]} ms")
             print(
-                f"{'nodes':>6} | {'c10d s':>8} | " + " | ".join(f"etcd, {m} client(s): s, requests/node" for m in modes)
+                f"{'nodes':>6} | {'c10d s':>8} | "
+                + " | ".join(f"etcd, {m} client(s): s, requests/node, elections" for m in modes)
             )
             for nodes in node_counts:
                 cells = [f"{elastix_round(nodes):>8.3f}"]
                 for mode in modes:
+                    term = raft_term(cluster)
                     try:
                         r = elastix_bench(nodes, "--etcd", cluster.endpoints, *extra[mode])
                         cells.append(f"{r['seconds']:.3f} s, {r['requests_per_node']:.2f}")
                     except RuntimeError as err:  # a round that failed: say so, measure the rest
                         print(f"etcd, {mode} clients, {nodes} nodes failed: {err}", file=sys.stderr)
                         cells.append("failed")
+                    cells[-1] += f", {raft_term(cluster) - term}"
                 print(f"{nodes:>6} | " + " | ".join(cells), flush=True)
         finally:
             cluster.close()
+
+
+def raft_term(cluster) -> int:
+    """The cluster's Raft term: each election during a round adds one (a member that does not
+    answer within 30 s counts as none)."""
+    deadline = time.monotonic() + 30
+    while True:
+        terms = [int(s.get("raftTerm", 0)) for i in range(len(cluster.names)) if (s := cluster.status(i))]
+        if terms or time.monotonic() > deadline:
+            return max(terms, default=0)
+        time.sleep(0.5)
 
 
 def torch_round(nodes: int, use_libuv: bool) -> float:
@@ -191,12 +206,21 @@ def main() -> None:
         default="own,shared",
         help="which etcd rounds to run (--backend etcd): own (a client per node), shared (one client), or both",
     )
+    parser.add_argument(
+        "--etcd-elections-ms",
+        default="100,1000",
+        help="the members' heartbeat interval and election timeout (default: etcd's own; the tests' "
+        "50,500 made overloaded members elect a new leader mid-round at 10,000 nodes)",
+    )
     args = parser.parse_args()
     if args.backend == "etcd":
+        heartbeat, _, election = args.etcd_elections_ms.partition(",")
+        if not (heartbeat.isdigit() and election.isdigit()):
+            parser.error(f"--etcd-elections-ms: two whole numbers of milliseconds, got {args.etcd_elections_ms!r}")
         modes = [m for m in args.etcd_clients.split(",") if m]
         if not modes or any(m not in ("own", "shared") for m in modes):
             parser.error(f"--etcd-clients: a list of own and shared, got {args.etcd_clients!r}")
-        etcd_main(args.nodes, args.etcd_members, modes)
+        etcd_main(args.nodes, args.etcd_members, modes, (int(heartbeat), int(election)))
         return
     try:
         import torch  # noqa: F401

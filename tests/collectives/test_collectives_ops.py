@@ -117,3 +117,23 @@ def test_descriptors_describe_calls():
     assert descriptor.make("all_reduce", np.dtype(np.float32), (5, 4), 0) != d
     big = descriptor.make("broadcast", np.dtype(np.int8), (1,) * 9, -1, 2)
     assert "..." in descriptor.describe(big) and "root 2" in descriptor.describe(big)
+
+
+def test_outputs_stream_above_the_last_level_cache_or_the_knob(monkeypatch):
+    from elastix.collectives import shm_algos
+
+    try:
+        for env, want in [(None, shm_algos.last_level_cache_bytes()), ("4096", 4096)]:
+            shm_algos.stream_bytes.cache_clear()
+            if env is None:
+                monkeypatch.delenv("ELASTIX_SHM_STREAM_BYTES", raising=False)
+            else:
+                monkeypatch.setenv("ELASTIX_SHM_STREAM_BYTES", env)
+            assert shm_algos.stream_bytes() == want
+        assert shm_algos.last_level_cache_bytes() >= 1 << 20  # this machine's sysfs, or the 32 MiB guess
+        shm_algos.stream_bytes.cache_clear()
+        monkeypatch.setenv("ELASTIX_SHM_STREAM_BYTES", "lots")
+        with pytest.raises(ValueError, match="ELASTIX_SHM_STREAM_BYTES must be a number of bytes, not 'lots'"):
+            shm_algos.stream_bytes()
+    finally:
+        shm_algos.stream_bytes.cache_clear()

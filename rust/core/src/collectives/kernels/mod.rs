@@ -16,6 +16,8 @@ use smallvec::SmallVec;
 
 use super::dtype::{DType, ReduceOp};
 
+pub mod streaming;
+
 /// Elements per block: the accumulator lives on the stack.
 const BLOCK: usize = 2048;
 
@@ -550,8 +552,6 @@ mod f16c {
         }
     }
 }
-
-pub mod streaming;
 
 #[cfg(test)]
 mod tests;
