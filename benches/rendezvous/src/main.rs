@@ -19,7 +19,7 @@ use elastix_core::rendezvous::records::now_ms;
 use elastix_core::rendezvous::store::TcpRendezvousStore;
 use elastix_core::rendezvous::{Backend, DynamicRendezvous, RendezvousSettings};
 use elastix_core::store::{BackgroundServer, Client, ConnectOptions, ServerConfig};
-use elastix_etcd::{EtcdClient, EtcdOptions};
+use elastix_etcd::{EtcdClient, EtcdOptions, RequestCounts};
 
 #[derive(Parser)]
 struct Args {
@@ -89,8 +89,14 @@ fn main() {
     };
     if let Some(endpoints) = &args.etcd {
         let (timing, requests) = runtime.block_on(etcd_round(&round, endpoints, args.shared_client));
-        let per_node = requests as f64 / f64::from(round.here);
-        println!(r#"{{"nodes": {}, {timing}, "requests_per_node": {per_node:.2}}}"#, args.nodes);
+        let per_node = |count: u64| count as f64 / f64::from(round.here);
+        println!(
+            r#"{{"nodes": {}, {timing}, "requests_per_node": {:.2}, "shed_per_node": {:.2}, "renewals_per_node": {:.2}}}"#,
+            args.nodes,
+            per_node(requests.sent),
+            per_node(requests.shed),
+            per_node(requests.renewals)
+        );
         return;
     }
     let server = match args.endpoint {
@@ -207,7 +213,7 @@ async fn connects(host: &str, port: u16, count: u32, secret: Option<Secret>) -> 
 }
 
 /// One round on etcd, and the etcd requests it took.
-async fn etcd_round(round: &Round, endpoints: &str, shared_client: bool) -> (String, u64) {
+async fn etcd_round(round: &Round, endpoints: &str, shared_client: bool) -> (String, RequestCounts) {
     let prefix = format!("/elastix/rdzv/{}/", round.run_id);
     let options = EtcdOptions {
         endpoints: endpoints.split(',').map(str::to_owned).collect(),

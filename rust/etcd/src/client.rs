@@ -67,16 +67,50 @@ pub struct EtcdClient {
     patience: Duration,
 }
 
-/// Requests sent by every client of this process (unary attempts and watches opened), for
-/// benchmarks that report the cost of a rendezvous in etcd requests.
+/// Requests sent by every client of this process (unary attempts, lease renewals and watches
+/// opened), for benchmarks that report the cost of a rendezvous in etcd requests; and of
+/// those, the attempts etcd shed ("too many requests") and the lease renewals.
 static REQUESTS: AtomicU64 = AtomicU64::new(0);
+static SHED: AtomicU64 = AtomicU64::new(0);
+static RENEWALS: AtomicU64 = AtomicU64::new(0);
 
-pub fn requests_sent() -> u64 {
-    REQUESTS.load(Ordering::Relaxed)
+/// What every client of this process has sent so far (see [`requests_sent`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RequestCounts {
+    pub sent: u64,
+    /// Attempts etcd refused for being too busy (each retried).
+    pub shed: u64,
+    /// Lease renewals (a node's liveness, every third of its lease's TTL).
+    pub renewals: u64,
+}
+
+impl std::ops::Sub for RequestCounts {
+    type Output = RequestCounts;
+
+    fn sub(self, earlier: RequestCounts) -> RequestCounts {
+        RequestCounts {
+            sent: self.sent - earlier.sent,
+            shed: self.shed - earlier.shed,
+            renewals: self.renewals - earlier.renewals,
+        }
+    }
+}
+
+pub fn requests_sent() -> RequestCounts {
+    RequestCounts {
+        sent: REQUESTS.load(Ordering::Relaxed),
+        shed: SHED.load(Ordering::Relaxed),
+        renewals: RENEWALS.load(Ordering::Relaxed),
+    }
 }
 
 pub(crate) fn count_request() {
     REQUESTS.fetch_add(1, Ordering::Relaxed);
+}
+
+pub(crate) fn count_renewal() {
+    RENEWALS.fetch_add(1, Ordering::Relaxed);
+    count_request();
 }
 
 /// etcd refuses transactions of more operations than this (its `--max-txn-ops` default):
@@ -220,7 +254,12 @@ impl EtcdClient {
             let (why, status) = match outcome {
                 Ok(Ok(response)) => return Ok(response.into_inner()),
                 Ok(Err(status)) => match passing(&status) {
-                    Some(why) => (why, describe(&status)),
+                    Some(why) => {
+                        if why == Passing::Shedding {
+                            SHED.fetch_add(1, Ordering::Relaxed);
+                        }
+                        (why, describe(&status))
+                    }
                     None => {
                         let status = describe(&status);
                         return Err(EtcdError::Refused { endpoints: self.endpoints.to_string(), status });
@@ -317,8 +356,12 @@ mod tests {
     async fn a_member_shedding_load_is_retried_and_left_alone_longer_than_one_down() {
         let shedding = || Status::unknown("etcdserver: too many requests");
         let down = || Status::unavailable("connection refused");
+        let before = requests_sent();
         let (outcome, made) = tries(Duration::from_secs(5), shedding, 2).await;
         assert!(outcome.is_ok() && made == 3, "{outcome:?} after {made} tries");
+        // counted for the benchmarks (other tests of this process may add to the counts)
+        let counted = requests_sent() - before;
+        assert!(counted.sent >= 3 && counted.shed >= 2, "{counted:?}");
         // within 3 s, and one last try at the end: while down, tries at 0, 20, 60, 140, 300,
         // 620, 1120, 1620, 2120 and 2620 ms; while shedding at most at 0, 50, 150, 350, 750,
         // 1550 and 2550 ms (each wait at least half its span of 100 ms doubling to 2 s)

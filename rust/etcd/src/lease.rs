@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 
-use crate::client::{count_request, describe, EtcdClient, EtcdError};
+use crate::client::{count_renewal, describe, EtcdClient, EtcdError};
 use crate::pb::etcdserverpb::lease_client::LeaseClient;
 use crate::pb::etcdserverpb::{LeaseGrantRequest, LeaseKeepAliveRequest, LeaseKeepAliveResponse, LeaseRevokeRequest};
 
@@ -187,7 +187,7 @@ async fn renew(client: EtcdClient, lease: Lease, outage_limit: Duration, state: 
 async fn open(client: &EtcdClient, id: i64) -> Result<Session, String> {
     let (member, channel) = client.member();
     let (requests, receiver) = mpsc::channel(1);
-    count_request();
+    count_renewal();
     // the channel has room for it: it was just made
     let _ = requests.try_send(LeaseKeepAliveRequest { id });
     let mut lease_client = LeaseClient::new(channel);
@@ -207,7 +207,7 @@ async fn open(client: &EtcdClient, id: i64) -> Result<Session, String> {
 
 /// One renewal: whether the lease is still alive.
 async fn renew_once(session: &mut Session, id: i64) -> Result<bool, String> {
-    count_request();
+    count_renewal();
     if session.requests.send(LeaseKeepAliveRequest { id }).await.is_err() {
         return Err("the keep-alive stream closed".into());
     }

@@ -10,7 +10,9 @@ mod retry;
 pub mod testing;
 mod watch;
 
-pub use client::{put_op, range_op, requests_sent, EtcdClient, EtcdError, EtcdOptions, TlsFiles, MAX_TXN_OPS};
+pub use client::{
+    put_op, range_op, requests_sent, EtcdClient, EtcdError, EtcdOptions, RequestCounts, TlsFiles, MAX_TXN_OPS,
+};
 pub use lease::{KeepAlive, Lease, LeaseState};
 pub use watch::{WatchItem, Watcher};
 
