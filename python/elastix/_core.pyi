@@ -188,15 +188,7 @@ class _Collectives:
 
     Segment: type[Segment]
     Waiter: type[Waiter]
-    def reduce(
-        self,
-        dtype: int,
-        op: int,
-        srcs: Sequence[object],
-        dsts: Sequence[object],
-        divisor: int = 1,
-        streaming: bool = False,
-    ) -> None: ...
+    def reduce(self, dtype: int, op: int, srcs: Sequence[object], dsts: Sequence[object], divisor: int = 1) -> None: ...
     def copy_streaming(self, dst: object, src: object) -> None: ...
     def memfd_attachable(self) -> bool: ...
 

@@ -14,8 +14,8 @@ and after the step copies the other chunks of segment t-1 out of their owners' s
 moves (p-1)/p of the data in and out, the reduction work is split p ways, and a segment stays
 in cache between its steps.
 
-reduce_scatter and all_gather write outputs that no step reads again; when those of all local
-ranks together outgrow the last-level cache they are written with streaming stores (``_streams``).
+all_gather writes outputs that no step reads again; when those of all local ranks together
+outgrow the last-level cache they are copied with streaming stores (``_streams``).
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def _streams(comm: ShmComm, written: int) -> bool:
     around the caches: when the local ranks' outputs together outgrow the last-level cache, a
     store through it costs a read of the line first (a 2-rank all_gather of 64 MiB: 71-81% of
     the roofline, 87-95% streaming); below that, the outputs stay cached for the caller (a
-    4 MiB reduce_scatter took 190 us, and 315 us streaming)."""
+    reduce_scatter, streaming its 4 MiB output, took 315 us against 190). A reduce_scatter of
+    64 MiB gained nothing from it once the reduction ran at NumPy's speed, so it does not stream."""
     return written * comm.n > stream_bytes()
 
 
@@ -217,7 +218,6 @@ def reduce_scatter(
     if n <= per:  # one step, natively
         comm.native_step(comm.waiter.reduce_scatter_small, desc, "reduce_scatter", ins, out, region, code, op, div)
         return
-    streaming = _streams(comm, out.nbytes)
     for t in _segments(n, per):
         a, e = t * per, min(n, (t + 1) * per)
         b = comm.next_buf
@@ -227,7 +227,7 @@ def reduce_scatter(
         comm.step(desc if t == 0 else None, "reduce_scatter")
         if e > a:
             srcs = [ins[me][a:e] if j == me else comm.slot(j, b, dt, me * region, e - a) for j in range(p)]
-            _native.reduce(code, op, srcs, [out[a:e]], div, streaming=streaming)
+            _native.reduce(code, op, srcs, [out[a:e]], div)
 
 
 def all_to_all(comm: ShmComm, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray], desc: List[int]) -> None:

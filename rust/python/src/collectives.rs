@@ -14,12 +14,10 @@ use crate::shm::{PySegment, Waiter};
 /// Reductions at least this large run with the GIL released.
 pub(crate) const DETACH_BYTES: usize = 64 * 1024;
 
-/// `reduce(dtype, op, srcs, dsts, divisor=1, streaming=False)`: every destination gets the
-/// reduction of every source (same byte length, contiguous), in source order; `divisor` > 1
-/// averages (floats); `streaming` writes the destinations around the caches, for large ones that
-/// no one reads soon (`elastix_core::collectives::kernels::streaming`).
+/// `reduce(dtype, op, srcs, dsts, divisor=1)`: every destination gets the reduction of every
+/// source (same byte length, contiguous), in source order; `divisor` > 1 averages (floats).
 #[pyfunction]
-#[pyo3(signature = (dtype, op, srcs, dsts, divisor = 1, streaming = false))]
+#[pyo3(signature = (dtype, op, srcs, dsts, divisor = 1))]
 fn reduce(
     py: Python<'_>,
     dtype: u8,
@@ -27,7 +25,6 @@ fn reduce(
     srcs: &Bound<'_, PyList>,
     dsts: &Bound<'_, PyList>,
     divisor: u32,
-    streaming: bool,
 ) -> PyResult<()> {
     let dtype = DType::from_code(dtype).ok_or_else(|| PyValueError::new_err(format!("unknown dtype code {dtype}")))?;
     let op = ReduceOp::from_code(op).ok_or_else(|| PyValueError::new_err(format!("unknown op code {op}")))?;
@@ -53,13 +50,7 @@ fn reduce(
         // destinations writable) until we return. Buffers that partly overlap only get
         // meaningless values: the kernels reach them through raw pointers, never holding
         // references into two of them at once.
-        unsafe {
-            if streaming {
-                core::reduce_streaming(dtype, op, &srcs, &dsts, n, divisor)
-            } else {
-                core::reduce(dtype, op, &srcs, &dsts, n, divisor)
-            }
-        }
+        unsafe { core::reduce(dtype, op, &srcs, &dsts, n, divisor) }
     };
     let result = if nbytes >= DETACH_BYTES { py.detach(run) } else { run() };
     result.map_err(|err| PyValueError::new_err(err.to_string()))

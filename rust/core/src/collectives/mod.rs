@@ -24,7 +24,7 @@ pub mod slots;
 
 pub use counters::{publish, wait_all, wake, Liveness, Peer, SpinPolicy, WaitError};
 pub use dtype::{DType, ReduceOp};
-pub use kernels::{reduce, reduce_streaming, KernelError};
+pub use kernels::{reduce, KernelError};
 pub use mapping::{Backing, Handle, OffsetError, SharedMemory};
 pub use rank_counters::{Descriptors, StepEnd, Waiter, Words};
 pub use segment::{Segment, SegmentError};

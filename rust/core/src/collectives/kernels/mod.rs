@@ -12,7 +12,6 @@ use std::ptr::copy_nonoverlapping;
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use smallvec::SmallVec;
 
 use super::dtype::{DType, ReduceOp};
 
@@ -53,49 +52,6 @@ pub unsafe fn reduce(
     unsafe { run_kernel(dtype, op, srcs, dsts, n, divisor) };
     Ok(())
 }
-
-/// As [`reduce`], with the destinations written by streaming stores, fenced before it returns
-/// (see [`streaming`]): for destinations too large to stay in the caches that no one reads soon.
-///
-/// # Safety
-/// As for [`reduce`].
-pub unsafe fn reduce_streaming(
-    dtype: DType,
-    op: ReduceOp,
-    srcs: &[*const u8],
-    dsts: &[*mut u8],
-    n: usize,
-    divisor: u32,
-) -> Result<(), KernelError> {
-    check(dtype, op, srcs, divisor)?;
-    // Each stage is reduced into a buffer on the stack, which stays in L1, then streamed out.
-    let mut stage = [0u8; STAGE_BYTES];
-    let per_stage = STAGE_BYTES / dtype.size();
-    let mut shifted: SmallVec<[*const u8; 8]> = SmallVec::from_slice(srcs);
-    let mut done = 0;
-    while done < n {
-        let len = per_stage.min(n - done);
-        let offset = done * dtype.size();
-        // SAFETY: elements done..done + len are inside every buffer (the caller's contract),
-        // and the stage holds len elements; each stage's sources are all read before its
-        // destinations are written, so a destination may be a source, as for `reduce`.
-        unsafe {
-            for (at, src) in shifted.iter_mut().zip(srcs) {
-                *at = src.add(offset);
-            }
-            run_kernel(dtype, op, &shifted, &[stage.as_mut_ptr()], len, divisor);
-            for dst in dsts {
-                streaming::copy_unfenced(stage.as_ptr(), dst.add(offset), len * dtype.size());
-            }
-        }
-        done += len;
-    }
-    streaming::fence();
-    Ok(())
-}
-
-/// Bytes [`reduce_streaming`] reduces at a time: a multiple of every element size.
-const STAGE_BYTES: usize = 8 << 10;
 
 fn check(dtype: DType, op: ReduceOp, srcs: &[*const u8], divisor: u32) -> Result<(), KernelError> {
     if srcs.is_empty() {
@@ -161,10 +117,11 @@ unsafe fn any_kernel(dtype: DType, op: ReduceOp, srcs: &[*const u8], dsts: &[*mu
     }
 }
 
-/// Runs `combine` over the sources and writes `post(result)` to every destination: the sources
-/// are combined block by block in a stack buffer (first two fused) that is then copied out.
-/// The stack buffer is what lets the loops vectorise: a direct pass from the sources into the
-/// destinations, which may alias them, did not (it ran at 40% of this one's speed).
+/// Runs `combine` over the sources and writes `post(result)` to every destination. Two aligned
+/// sources whose destinations provably do not overlap them wrongly take one pass over slices
+/// ([`direct`]); otherwise the sources are combined block by block in a stack buffer (first two
+/// fused) that is then copied out. Both vectorise: a pass over raw pointers into destinations
+/// that may alias the sources did not (it ran at 40% of the block path's speed).
 ///
 /// # Safety
 /// As for [`reduce`]: sources readable and destinations writable for `n` elements of `T`.
@@ -176,6 +133,10 @@ unsafe fn drive<T: Copy + Default>(
     combine: impl Fn(T, T) -> T + Copy,
     post: impl Fn(T) -> T + Copy,
 ) {
+    // SAFETY: the caller's contract, passed on.
+    if unsafe { direct::<T>(srcs, dsts, n, combine, post) } {
+        return;
+    }
     let size = size_of::<T>();
     let mut block = [T::default(); BLOCK];
     let mut done = 0;
@@ -210,6 +171,69 @@ unsafe fn drive<T: Copy + Default>(
         }
         done += len;
     }
+}
+
+/// Two sources, aligned, whose destinations are either the first source itself or apart from
+/// both: one fused pass into one destination, as slices the compiler can vectorise knowing
+/// they do not overlap, then a copy into the others (while the first is in cache). False when
+/// the buffers do not qualify; nothing was written then.
+///
+/// The block path costs a second pass through the stack: a 2-rank reduce_scatter's reduction
+/// into its output (32 MiB) took 4.4 ms on it, NumPy's `add` 2.0 ms.
+///
+/// # Safety
+/// As for [`drive`].
+#[inline(always)]
+unsafe fn direct<T: Copy>(
+    srcs: &[*const u8],
+    dsts: &[*mut u8],
+    n: usize,
+    combine: impl Fn(T, T) -> T + Copy,
+    post: impl Fn(T) -> T + Copy,
+) -> bool {
+    let [a, b] = srcs else { return false };
+    let bytes = n * size_of::<T>();
+    let range = |p: usize| p..p + bytes;
+    let apart = |p: usize, q: usize| range(p).end <= q || range(q).end <= p;
+    let aligned =
+        srcs.iter().map(|p| *p as usize).chain(dsts.iter().map(|p| *p as usize)).all(|p| p % align_of::<T>() == 0);
+    let (a, b) = (*a as usize, *b as usize);
+    let in_place = dsts.iter().position(|d| *d as usize == a);
+    let target = in_place.unwrap_or(0);
+    let Some(&first) = dsts.get(target) else { return false };
+    let first = first as usize;
+    let fits = dsts.iter().enumerate().all(|(i, d)| {
+        let d = *d as usize;
+        apart(d, b)
+            && (Some(i) == in_place || apart(d, a))
+            && dsts.iter().enumerate().all(|(j, e)| i == j || apart(d, *e as usize))
+    });
+    if !aligned || !fits || n == 0 {
+        return n == 0;
+    }
+    // SAFETY: every buffer is valid for n elements of T (the caller's contract) and aligned for
+    // T (checked); the target overlaps no buffer it is borrowed beside (checked: it is apart from
+    // `b`, and either is `a`, which is then not borrowed, or is apart from it).
+    unsafe {
+        let out = std::slice::from_raw_parts_mut(first as *mut T, n);
+        let b = std::slice::from_raw_parts(b as *const T, n);
+        if in_place.is_some() {
+            for (o, y) in out.iter_mut().zip(b) {
+                *o = post(combine(*o, *y));
+            }
+        } else {
+            let a = std::slice::from_raw_parts(a as *const T, n);
+            for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
+                *o = post(combine(*x, *y));
+            }
+        }
+        for (i, d) in dsts.iter().enumerate() {
+            if i != target {
+                copy_nonoverlapping(first as *const u8, *d, bytes);
+            }
+        }
+    }
+    true
 }
 
 /// No finishing step.

@@ -1,13 +1,11 @@
 //! Stores that bypass the caches (non-temporal), for destinations too large to stay in them and
-//! that no one reads soon: a reduce_scatter's output, an all_gather's. A store through the cache
+//! that no one reads soon, such as an all_gather's output. A store through the cache
 //! first reads the line it writes (read for ownership), so writing N bytes moves 2N bytes of
 //! memory; a streaming store moves N. Measured here on 2 ranks at 64 MiB: an all_gather took
-//! 17.2-18.6 ms through the cache and 14.0-15.3 ms streaming; a reduce_scatter's reductions
-//! 4.8-5.0 ms and 4.5-4.6 ms.
+//! 17.2-18.6 ms through the cache and 14.0-15.3 ms streaming.
 //!
 //! Streaming stores are weakly ordered: they must be fenced before a peer is told the data is
-//! there, or the peer may read what was there before. [`copy`] fences; [`copy_unfenced`] leaves
-//! it to the caller, who fences once after many.
+//! there, or the peer may read what was there before. [`copy`] fences.
 
 use std::ptr::copy_nonoverlapping;
 
@@ -23,7 +21,7 @@ pub unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
 
 /// Orders this thread's streaming stores before its later stores (such as the one that tells a
 /// peer a step is done).
-pub fn fence() {
+fn fence() {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: SFENCE is part of SSE, which every x86-64 processor has.
     unsafe {
@@ -36,7 +34,7 @@ pub fn fence() {
 /// # Safety
 /// As for [`copy`].
 #[cfg(target_arch = "x86_64")]
-pub(super) unsafe fn copy_unfenced(src: *const u8, dst: *mut u8, len: usize) {
+unsafe fn copy_unfenced(src: *const u8, dst: *mut u8, len: usize) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
     const LANE: usize = 16;
     // a streaming store needs an aligned destination: the bytes before the first aligned
@@ -62,7 +60,7 @@ pub(super) unsafe fn copy_unfenced(src: *const u8, dst: *mut u8, len: usize) {
 /// # Safety
 /// As for [`copy`].
 #[cfg(not(target_arch = "x86_64"))]
-pub(super) unsafe fn copy_unfenced(src: *const u8, dst: *mut u8, len: usize) {
+unsafe fn copy_unfenced(src: *const u8, dst: *mut u8, len: usize) {
     // SAFETY: the caller's guarantees.
     unsafe { copy_nonoverlapping(src, dst, len) };
 }

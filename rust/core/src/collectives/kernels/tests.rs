@@ -165,37 +165,35 @@ fn the_avx2_build_gives_what_the_baseline_gives_bit_for_bit() {
 }
 
 #[test]
-fn streaming_gives_what_caching_gives_at_any_alignment() {
-    let n = STAGE_BYTES / 2 + 37; // several stages of every dtype, and a tail
-    let mut rng = fastrand::Rng::with_seed(3);
+fn the_direct_pass_gives_what_the_block_pass_gives() {
+    // aligned and apart: the direct pass; the same data one byte off: the block pass
+    let n = BLOCK + 21;
+    let mut rng = fastrand::Rng::with_seed(5);
     for dtype in DType::ALL {
         let bytes = n * dtype.size();
-        let mut source = || -> Vec<u8> {
-            (0..bytes).map(|_| if dtype == DType::Bool { rng.u8(0..2) } else { rng.u8(..) }).collect()
+        let mut source = || -> Vec<u64> {
+            (0..bytes.div_ceil(8))
+                .map(|_| if dtype == DType::Bool { 0x0101_0001_0100_0101 } else { rng.u64(..) })
+                .collect()
         };
-        let inputs = [source(), source()];
-        let srcs: Vec<*const u8> = inputs.iter().map(|v| v.as_ptr()).collect();
-        let mut cached = vec![0u8; bytes];
-        // SAFETY: every buffer holds n elements of dtype.
-        unsafe { reduce(dtype, ReduceOp::Max, &srcs, &[cached.as_mut_ptr()], n, 1).unwrap() };
-        for shift in [0, 1, 7] {
-            let mut streamed = vec![0xABu8; bytes + 16];
-            // SAFETY: as above, `shift` bytes into a buffer 16 bytes longer.
+        let (a, b) = (source(), source());
+        for op in ReduceOp::ALL {
+            if op.is_bitwise() && dtype.is_float() {
+                continue;
+            }
+            let mut direct = vec![0u64; bytes.div_ceil(8)];
+            let mut shifted = vec![0u8; bytes + 1];
+            let srcs = [a.as_ptr() as *const u8, b.as_ptr() as *const u8];
+            // SAFETY: every buffer holds at least `bytes` bytes (the shifted one after its first).
             unsafe {
-                reduce_streaming(dtype, ReduceOp::Max, &srcs, &[streamed.as_mut_ptr().add(shift)], n, 1).unwrap()
-            };
-            assert!(streamed[shift..shift + bytes] == cached[..], "{dtype:?} shifted by {shift}");
-            assert!(streamed[..shift].iter().chain(&streamed[shift + bytes..]).all(|b| *b == 0xAB));
+                reduce(dtype, op, &srcs, &[direct.as_mut_ptr() as *mut u8], n, 1).unwrap();
+                reduce(dtype, op, &srcs, &[shifted.as_mut_ptr().add(1)], n, 1).unwrap();
+            }
+            // SAFETY: `direct` holds at least `bytes` bytes.
+            let direct = unsafe { std::slice::from_raw_parts(direct.as_ptr() as *const u8, bytes) };
+            assert!(direct == &shifted[1..], "{dtype:?} {op:?}");
         }
     }
-}
-
-#[test]
-fn a_streaming_reduction_refuses_what_a_cached_one_refuses() {
-    let source = [0u8; 4];
-    // SAFETY: refused before any buffer is read (and there is no destination).
-    let err = unsafe { reduce_streaming(DType::F32, ReduceOp::BitAnd, &[source.as_ptr()], &[], 1, 1) };
-    assert_eq!(err, Err(KernelError::BitwiseOnFloat(DType::F32)));
 }
 
 #[test]
