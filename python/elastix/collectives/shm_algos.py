@@ -56,17 +56,17 @@ def stream_bytes() -> int:
 
 def last_level_cache_bytes() -> int:
     """This machine's largest cache (sysfs; 32 MiB where it says nothing)."""
-    sizes = [32 << 20]
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
     for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         try:
             with open(index) as f:
                 text = f.read().strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         if text[:-1].isdigit() and text[-1:] in units:
             sizes.append(int(text[:-1]) * units[text[-1]])
-    return max(sizes[1:] or sizes)
+    return max(sizes, default=32 << 20)
 
 
 def _streams(comm: ShmComm, written: int) -> bool:

@@ -47,13 +47,6 @@ pub unsafe fn reduce(
     n: usize,
     divisor: u32,
 ) -> Result<(), KernelError> {
-    check(dtype, op, srcs, divisor)?;
-    // SAFETY: the caller's guarantees (above) are what every kernel needs.
-    unsafe { run_kernel(dtype, op, srcs, dsts, n, divisor) };
-    Ok(())
-}
-
-fn check(dtype: DType, op: ReduceOp, srcs: &[*const u8], divisor: u32) -> Result<(), KernelError> {
     if srcs.is_empty() {
         return Err(KernelError::NoSources);
     }
@@ -63,6 +56,8 @@ fn check(dtype: DType, op: ReduceOp, srcs: &[*const u8], divisor: u32) -> Result
     if divisor > 1 && !dtype.is_float() {
         return Err(KernelError::DivisorOnInteger(dtype));
     }
+    // SAFETY: the caller's guarantees (above) are what every kernel needs.
+    unsafe { run_kernel(dtype, op, srcs, dsts, n, divisor) };
     Ok(())
 }
 
@@ -192,6 +187,9 @@ unsafe fn direct<T: Copy>(
     post: impl Fn(T) -> T + Copy,
 ) -> bool {
     let [a, b] = srcs else { return false };
+    if n == 0 {
+        return true;
+    }
     let bytes = n * size_of::<T>();
     let range = |p: usize| p..p + bytes;
     let apart = |p: usize, q: usize| range(p).end <= q || range(q).end <= p;
@@ -208,8 +206,8 @@ unsafe fn direct<T: Copy>(
             && (Some(i) == in_place || apart(d, a))
             && dsts.iter().enumerate().all(|(j, e)| i == j || apart(d, *e as usize))
     });
-    if !aligned || !fits || n == 0 {
-        return n == 0;
+    if !aligned || !fits {
+        return false;
     }
     // SAFETY: every buffer is valid for n elements of T (the caller's contract) and aligned for
     // T (checked); the target overlaps no buffer it is borrowed beside (checked: it is apart from

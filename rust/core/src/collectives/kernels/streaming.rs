@@ -9,33 +9,14 @@
 
 use std::ptr::copy_nonoverlapping;
 
-/// Copies `len` bytes from `src` to `dst` with streaming stores, and fences them.
+/// Copies `len` bytes from `src` to `dst` with streaming stores, and fences them: they are
+/// ordered before this thread's later stores (such as the one that tells a peer a step is done).
 ///
 /// # Safety
 /// `src` must be valid for reading and `dst` for writing `len` bytes; they must not overlap.
-pub unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
-    // SAFETY: the caller's guarantees.
-    unsafe { copy_unfenced(src, dst, len) };
-    fence();
-}
-
-/// Orders this thread's streaming stores before its later stores (such as the one that tells a
-/// peer a step is done).
-fn fence() {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: SFENCE is part of SSE, which every x86-64 processor has.
-    unsafe {
-        std::arch::x86_64::_mm_sfence()
-    };
-}
-
-/// As [`copy`], without the fence.
-///
-/// # Safety
-/// As for [`copy`].
 #[cfg(target_arch = "x86_64")]
-unsafe fn copy_unfenced(src: *const u8, dst: *mut u8, len: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+pub unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
     const LANE: usize = 16;
     // a streaming store needs an aligned destination: the bytes before the first aligned
     // address, and those after the last whole lane, go through the cache
@@ -43,7 +24,7 @@ unsafe fn copy_unfenced(src: *const u8, dst: *mut u8, len: usize) {
     let lanes = (len - head) / LANE;
     // SAFETY: every access is inside the first `len` bytes of `src` and `dst` (the caller's
     // guarantees); `dst + head` is 16-byte aligned, as `_mm_stream_si128` needs; SSE2, which
-    // these intrinsics need, is part of every x86-64 processor.
+    // these intrinsics need (SFENCE included), is part of every x86-64 processor.
     unsafe {
         copy_nonoverlapping(src, dst, head);
         for lane in 0..lanes {
@@ -52,15 +33,16 @@ unsafe fn copy_unfenced(src: *const u8, dst: *mut u8, len: usize) {
         }
         let tail = head + lanes * LANE;
         copy_nonoverlapping(src.add(tail), dst.add(tail), len - tail);
+        _mm_sfence();
     }
 }
 
 /// Elsewhere, an ordinary copy.
 ///
 /// # Safety
-/// As for [`copy`].
+/// As for the x86-64 `copy`.
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn copy_unfenced(src: *const u8, dst: *mut u8, len: usize) {
+pub unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
     // SAFETY: the caller's guarantees.
     unsafe { copy_nonoverlapping(src, dst, len) };
 }
