@@ -51,9 +51,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     requirements.report(terminalreporter)
 
 
+@pytest.fixture(params=["uring", "epoll"])
+def store_io(request, monkeypatch):
+    """Each store server in turn (ELASTIX_STORE_IO) for the masters a test starts: io_uring's,
+    which serves where it can, and epoll's, which serves jobs with a secret."""
+    monkeypatch.setenv("ELASTIX_STORE_IO", request.param)
+    return request.param
+
+
 @pytest.fixture
-def master():
-    """A master TCPStore on a free port, with a short timeout so failures do not hang."""
+def master(store_io):
+    """A master TCPStore on a free port, on each server in turn, with a short timeout so
+    failures do not hang."""
     store = elastix.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
     yield store
 

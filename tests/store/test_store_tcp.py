@@ -1,6 +1,7 @@
 """elastix.TCPStore: torch's API and semantics (the cases of torch's own test_store.py where
 they apply), timeouts, GIL release, interruption, and concurrency."""
 
+import glob
 import os
 import signal
 import socket
@@ -209,7 +210,8 @@ def test_clone_shares_data_and_outlives_nothing_it_needs(master):
     assert copy.timeout == master.timeout
 
 
-def test_master_waits_for_workers_and_times_out_with_a_count():
+def test_master_waits_for_workers_and_times_out_with_a_count(store_io):
+    # on io_uring the master reads init/ as a client does, on epoll it waits in its server
     # the master serves on a socket bound here (torch's master_listen_fd), so the workers
     # know its port before it starts
     sock = socket.socket()
@@ -419,3 +421,55 @@ def test_the_store_runs_in_a_fresh_interpreter():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "b'b'"
+
+
+def server_threads(name: str) -> int:
+    """Threads of this process named `name` (as the kernel shortens it, to 15 bytes)."""
+    count = 0
+    for comm in glob.glob("/proc/self/task/*/comm"):
+        try:
+            with open(comm) as f:
+                count += f.read().strip() == name[:15]
+        except OSError:
+            pass  # a thread that ended meanwhile
+    return count
+
+
+URING_THREAD, EPOLL_THREAD = "elastix-store-uring", "elastix-store"
+
+
+@pytest.mark.parametrize(
+    ("io", "secret", "thread"),
+    [(None, False, URING_THREAD), ("epoll", False, EPOLL_THREAD), (None, True, EPOLL_THREAD)],
+    ids=["auto", "epoll", "auto-with-a-secret"],
+)
+def test_a_master_serves_on_io_uring_unless_told_otherwise_or_given_a_secret(io, secret, thread, monkeypatch):
+    """A master's server is io_uring's unless ELASTIX_STORE_IO says epoll, or the job has a
+    secret (whose handshake runs on epoll); either serves, and its thread ends with it."""
+    monkeypatch.delenv("ELASTIX_AUTH_TOKEN_FILE", raising=False)
+    monkeypatch.delenv("ELASTIX_AUTH_TOKEN", raising=False)
+    if io:
+        monkeypatch.setenv("ELASTIX_STORE_IO", io)
+    else:
+        monkeypatch.delenv("ELASTIX_STORE_IO", raising=False)
+    if secret:
+        monkeypatch.setenv("ELASTIX_AUTH_TOKEN", "a-long-enough-job-secret-0123456789")
+    before = server_threads(thread)
+    master = elastix.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    client = elastix.TCPStore("127.0.0.1", master.port, timeout=timedelta(seconds=10))
+    master.set("k", "v")
+    assert client.get("k") == b"v"
+    assert server_threads(thread) == before + 1
+    del client, master
+    assert server_threads(thread) == before
+
+
+def test_a_server_that_cannot_be_had_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("ELASTIX_AUTH_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("ELASTIX_STORE_IO", "iouring")
+    with pytest.raises(RuntimeError, match=r"ELASTIX_STORE_IO.*expected one of auto, uring, epoll"):
+        elastix.TCPStore("127.0.0.1", 0, is_master=True)
+    monkeypatch.setenv("ELASTIX_STORE_IO", "uring")
+    monkeypatch.setenv("ELASTIX_AUTH_TOKEN", "a-long-enough-job-secret-0123456789")
+    with pytest.raises(RuntimeError, match=r"io_uring store server: the job secret's handshake runs on epoll"):
+        elastix.TCPStore("127.0.0.1", 0, is_master=True)

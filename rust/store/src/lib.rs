@@ -5,11 +5,12 @@
 use std::ffi::OsString;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::builder::{PossibleValuesParser, TypedValueParser};
+use clap::Parser;
 use elastix_core::auth::{PlainClients, Secret, SecretError};
 use elastix_core::metrics::{Exposes, MetricsServer};
-use elastix_core::store::server::uring::{self, UringServer};
-use elastix_core::store::{Limits, ServerConfig, StoreServer};
+use elastix_core::store::server::Io;
+use elastix_core::store::{AnyServer, Limits, ServerConfig};
 
 /// How long connections get to close after a stop signal before the process exits anyway.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
@@ -63,7 +64,12 @@ pub struct Args {
     /// auto: io_uring where the kernel lets this process use it (Linux 6.0 or later, not
     /// disabled by kernel.io_uring_disabled or a seccomp filter) and the job has no secret and
     /// one thread, epoll otherwise (said at start).
-    #[arg(long, value_enum, default_value_t = Io::Auto, env = "ELASTIX_STORE_IO")]
+    #[arg(
+        long,
+        default_value_t = Io::Auto,
+        env = Io::ENV,
+        value_parser = PossibleValuesParser::new(Io::NAMES).try_map(|name| name.parse::<Io>())
+    )]
     pub io: Io,
     /// A file holding the job secret (only its owner may read it): every client must prove
     /// it before any request. torch's clients cannot, so they are refused. Default: the file
@@ -77,39 +83,25 @@ pub struct Args {
     pub metrics_port: Option<u16>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Io {
-    Auto,
-    Uring,
-    Epoll,
-}
-
 impl Args {
-    /// The server `--io` asks for, given what the job needs and the kernel allows; an error
-    /// (a usage error) where `--io uring` cannot be had.
-    fn io(&self, secret: bool) -> Result<Io, String> {
-        let epoll_because = if secret {
-            Some("the job secret's handshake runs on epoll")
-        } else if self.threads > 1 {
-            Some("--threads asks for more than one thread")
-        } else {
-            None
+    /// The server `--io` asks for, given the threads (io_uring's is one) and what
+    /// [`Io::why_not_uring`] weighs (the job secret, the kernel). An error (a usage error)
+    /// where the arguments rule `--io uring` out; a kernel without io_uring fails it as it
+    /// starts.
+    fn io(&self, config: &ServerConfig) -> Result<Io, String> {
+        let (many_threads, secret) = (self.threads > 1, config.auth.is_some());
+        let epoll_because = match many_threads {
+            true => Some("--threads asks for more than one thread".to_owned()),
+            false => Io::why_not_uring(config),
         };
         match (self.io, epoll_because) {
-            (Io::Epoll, _) => Ok(Io::Epoll),
-            (Io::Uring, Some(reason)) => Err(format!("--io uring: {reason}")),
-            (Io::Uring, None) => Ok(Io::Uring),
+            (Io::Uring, Some(reason)) if many_threads || secret => Err(format!("--io uring: {reason}")),
             (Io::Auto, Some(reason)) => {
                 tracing::info!("serving on epoll: {reason}");
                 Ok(Io::Epoll)
             }
-            (Io::Auto, None) => match uring::available() {
-                Ok(()) => Ok(Io::Uring),
-                Err(err) => {
-                    tracing::info!("serving on epoll: {err}");
-                    Ok(Io::Epoll)
-                }
-            },
+            (Io::Auto, None) => Ok(Io::Uring),
+            (io, _) => Ok(io),
         }
     }
 
@@ -168,14 +160,16 @@ where
             return 2;
         }
     };
-    let io = match args.io(secret.is_some()) {
+    let config = args.server_config(secret);
+    let io = match args.io(&config) {
         Ok(io) => io,
         Err(err) => {
             eprintln!("elastix-store: {err}");
             return 2;
         }
     };
-    match serve(&args, io, secret) {
+    let open = config.auth.is_none();
+    match serve(&args, io, &config, open) {
         Ok(()) => 0,
         Err(err) => {
             eprintln!("elastix-store: {err}");
@@ -184,42 +178,7 @@ where
     }
 }
 
-/// The server running, on whichever `--io` chose.
-enum Serving {
-    Epoll(StoreServer),
-    Uring(UringServer),
-}
-
-impl Serving {
-    fn start(io: Io, config: &ServerConfig) -> std::io::Result<Serving> {
-        Ok(match io {
-            Io::Uring => Serving::Uring(UringServer::start(config)?),
-            Io::Epoll | Io::Auto => Serving::Epoll(StoreServer::start(config)?),
-        })
-    }
-
-    fn local_addr(&self) -> std::net::SocketAddr {
-        match self {
-            Serving::Epoll(server) => server.local_addr(),
-            Serving::Uring(server) => server.local_addr(),
-        }
-    }
-
-    /// Closes every connection and waits for the server to end, at most `grace`.
-    async fn shutdown(self, grace: Duration) {
-        let stopped = async {
-            match self {
-                Serving::Epoll(server) => server.shutdown().await,
-                Serving::Uring(server) => drop(tokio::task::spawn_blocking(move || server.shutdown()).await),
-            }
-        };
-        if tokio::time::timeout(grace, stopped).await.is_err() {
-            tracing::warn!("connections still open after {grace:?}; exiting anyway");
-        }
-    }
-}
-
-fn serve(args: &Args, io: Io, secret: Option<Secret>) -> std::io::Result<()> {
+fn serve(args: &Args, io: Io, config: &ServerConfig, open: bool) -> std::io::Result<()> {
     let mut runtime = match args.threads {
         0 | 1 => tokio::runtime::Builder::new_current_thread(),
         threads => {
@@ -232,8 +191,7 @@ fn serve(args: &Args, io: Io, secret: Option<Secret>) -> std::io::Result<()> {
     runtime.block_on(async {
         // Handlers first: a signal right after the address is printed must not kill us.
         let stop = StopSignals::install()?;
-        let open = secret.is_none();
-        let server = Serving::start(io, &args.server_config(secret))?;
+        let server = AnyServer::start_on(io, config)?;
         // after the store, so that its first line of output stays the store's address
         let metrics = match args.metrics_port {
             Some(port) => Some(MetricsServer::start(args.host.as_deref(), port, Exposes::Store)?),
@@ -255,7 +213,9 @@ fn serve(args: &Args, io: Io, secret: Option<Secret>) -> std::io::Result<()> {
         std::io::stdout().flush()?;
         let signal = stop.recv().await;
         tracing::info!("received {signal}, shutting down");
-        server.shutdown(SHUTDOWN_GRACE).await;
+        if tokio::time::timeout(SHUTDOWN_GRACE, server.shutdown()).await.is_err() {
+            tracing::warn!("connections still open after {SHUTDOWN_GRACE:?}; exiting anyway");
+        }
         elastix_core::logging::flush(SHUTDOWN_GRACE).await;
         Ok(())
     })

@@ -17,7 +17,7 @@ use crate::auth::{PlainClients, Secret};
 use crate::rendezvous::config::conf::{RendezvousConf, STATIC_KEYS};
 use crate::rendezvous::config::params::{job_secret, progress_interval, RendezvousParams};
 use crate::rendezvous::config::settings::RendezvousSettings;
-use crate::store::{ConnectOptions, ServerConfig, StoreServer};
+use crate::store::{AnyServer, ConnectOptions, ServerConfig};
 
 /// torch's `timeout` default for the static backend.
 const DEFAULT_STATIC_TIMEOUT: Duration = Duration::from_secs(600);
@@ -64,7 +64,7 @@ pub struct StaticRendezvous {
     progress_interval: Duration,
     node: NodeDesc,
     /// Rank 0 serves the store for the whole job.
-    server: Option<StoreServer>,
+    server: Option<AnyServer>,
     store: TcpRendezvousStore,
     rounds: u64,
     /// Restarts after failures (static nodes do not share them).
@@ -110,7 +110,7 @@ impl StaticRendezvous {
         if master.1 == 0 && server.is_none() {
             return Err(RendezvousError::Config("static rendezvous needs a master port (--master-port)".into()));
         }
-        let master = (master.0, server.as_ref().map_or(master.1, StoreServer::port));
+        let master = (master.0, server.as_ref().map_or(master.1, AnyServer::port));
         let options =
             ConnectOptions { secret: secret.clone(), ..ConnectOptions::new(master.0.clone(), master.1, Some(timeout)) };
         let store = TcpRendezvousStore::new(options, format!("/elastix/static/{run_id}/"), timeout);
@@ -137,7 +137,7 @@ impl StaticRendezvous {
 
     /// The store's port, once rank 0 serves it.
     pub fn hosted_port(&self) -> Option<u16> {
-        self.server.as_ref().map(StoreServer::port)
+        self.server.as_ref().map(AnyServer::port)
     }
 
     pub fn report_failure(&mut self) -> i64 {
@@ -217,10 +217,10 @@ impl StaticRendezvous {
 
 /// Rank 0's store, which the whole job shares (its workers' plain clients too). Must run inside
 /// a tokio runtime.
-fn serve(port: u16, secret: Option<&Secret>) -> Result<StoreServer> {
+fn serve(port: u16, secret: Option<&Secret>) -> Result<AnyServer> {
     let config =
         ServerConfig { port, ..ServerConfig::default() }.requiring(secret, PlainClients::LoopbackAndAuthenticated);
-    StoreServer::start(&config)
+    AnyServer::start(&config)
         .map_err(|err| RendezvousError::Config(format!("static rendezvous: rank 0 cannot serve the store: {err}")))
 }
 

@@ -34,5 +34,5 @@ pub use error::StoreError;
 pub use file::FileStore;
 pub use limits::Limits;
 pub use local::LocalStore;
-pub use server::{BackgroundServer, ServerConfig, StoreServer};
+pub use server::{AnyServer, BackgroundServer, ServerConfig, StoreServer};
 pub use tcp_store::{TcpStore, TcpStoreOptions};

@@ -13,15 +13,19 @@ use bytes::Bytes;
 use super::client::{Client, ConnectOptions};
 use super::error::{Result, StoreError};
 use super::protocol::INIT_KEY;
-use super::server::{BackgroundServer, ServerConfig};
+use super::server::uring::UringServer;
+use super::server::{BackgroundServer, Io, ServerConfig};
 use crate::auth::{PlainClients, Secret};
 use crate::interrupt::Interrupt;
 
-/// Threads of an in-process server: one. Every request takes the data's one lock and most of
+/// Threads of an in-process epoll server: one. Every request takes the data's one lock and most of
 /// its cost is the kernel's TCP path, so a second thread served less and later: on two, 0.81x
 /// the requests/s of the one-threaded elastix-store at 16 connections and 3x its p99 at 256;
 /// on one, 0.90x and the same p99 (store_bench.py, two cores shared with the clients).
 const IN_PROCESS_SERVER_THREADS: usize = 1;
+
+/// How often a master on io_uring reads how many workers joined (torch's master: 10 ms).
+const COUNTER_POLL: Duration = Duration::from_millis(10);
 
 /// The arguments of torch's `TCPStore(...)` constructor.
 #[derive(Clone, Debug)]
@@ -74,7 +78,7 @@ impl TcpStoreOptions {
 pub struct TcpStore {
     client: Client,
     /// The in-process server, for a master (and its clones, which keep it alive).
-    server: Option<Arc<BackgroundServer>>,
+    server: Option<Arc<HostedServer>>,
     host: String,
     port: u16,
     timeout: Option<Duration>,
@@ -91,13 +95,19 @@ impl TcpStore {
                 .await?;
         if let (Some(world_size), true) = (options.world_size, options.wait_for_workers) {
             store.client.add(INIT_KEY, 1).await?;
-            if let Some(server) = &store.server {
-                if options.is_master {
-                    let target = i64::from(world_size);
-                    server.server().wait_for_counter(INIT_KEY, target, options.timeout).await.map_err(|joined| {
-                        StoreError::WorkersTimeout { timeout: options.timeout.unwrap_or_default(), joined, world_size }
-                    })?;
-                }
+            if let (Some(server), true) = (store.server.clone(), options.is_master) {
+                let target = i64::from(world_size);
+                let joined = match server.as_ref() {
+                    HostedServer::Epoll(server) => {
+                        server.server().wait_for_counter(INIT_KEY, target, options.timeout).await
+                    }
+                    HostedServer::Uring(_) => store.poll_counter(INIT_KEY, target, options.timeout).await?,
+                };
+                joined.map_err(|joined| StoreError::WorkersTimeout {
+                    timeout: options.timeout.unwrap_or_default(),
+                    joined,
+                    world_size,
+                })?;
             }
         }
         Ok(store)
@@ -107,7 +117,7 @@ impl TcpStore {
         host: &str,
         port: u16,
         timeout: Option<Duration>,
-        server: Option<Arc<BackgroundServer>>,
+        server: Option<Arc<HostedServer>>,
         secret: Option<Secret>,
         quiet: bool,
     ) -> Result<TcpStore> {
@@ -131,6 +141,31 @@ impl TcpStore {
     /// The server's port (for a master started on port 0, the port it got).
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// Reads the counter under `key` (ADD 0) until it reaches `target`, every 10 ms as torch's
+    /// master does: `Ok` with its value once reached, `Err` with the last value at `timeout`.
+    /// (The io_uring server's data belongs to its loop, so its master asks as a client would.)
+    async fn poll_counter(
+        &mut self,
+        key: &[u8],
+        target: i64,
+        timeout: Option<Duration>,
+    ) -> Result<std::result::Result<i64, i64>> {
+        let deadline = timeout.map(|timeout| tokio::time::Instant::now() + timeout);
+        tracing::debug!(target, ?timeout, "waiting for the workers to count themselves into init/");
+        loop {
+            let current = self.client.add(key, 0).await?;
+            if current >= target {
+                return Ok(Ok(current));
+            }
+            let next = tokio::time::Instant::now() + COUNTER_POLL;
+            match deadline {
+                Some(deadline) if deadline <= tokio::time::Instant::now() => return Ok(Err(current)),
+                Some(deadline) => tokio::time::sleep_until(next.min(deadline)).await,
+                None => tokio::time::sleep_until(next).await,
+            }
+        }
     }
 
     /// Whether this store hosts the server.
@@ -282,12 +317,12 @@ fn as_slices(keys: &[Vec<u8>]) -> Vec<&[u8]> {
 }
 
 /// Masters of one process that ask for `multi_tenant` share one server per port.
-fn tenants() -> &'static Mutex<HashMap<u16, Weak<BackgroundServer>>> {
-    static TENANTS: OnceLock<Mutex<HashMap<u16, Weak<BackgroundServer>>>> = OnceLock::new();
+fn tenants() -> &'static Mutex<HashMap<u16, Weak<HostedServer>>> {
+    static TENANTS: OnceLock<Mutex<HashMap<u16, Weak<HostedServer>>>> = OnceLock::new();
     TENANTS.get_or_init(Default::default)
 }
 
-fn start_or_share_server(options: &TcpStoreOptions) -> Result<Option<Arc<BackgroundServer>>> {
+fn start_or_share_server(options: &TcpStoreOptions) -> Result<Option<Arc<HostedServer>>> {
     let mut tenants = tenants().lock().unwrap_or_else(PoisonError::into_inner);
     if options.multi_tenant && options.port != 0 {
         if let Some(server) = tenants.get(&options.port).and_then(Weak::upgrade) {
@@ -297,7 +332,7 @@ fn start_or_share_server(options: &TcpStoreOptions) -> Result<Option<Arc<Backgro
     let auth = options.secret.clone().map(|secret| (secret, PlainClients::LoopbackAndAuthenticated));
     let config =
         ServerConfig { port: options.port, listen_fd: options.listen_fd.clone(), auth, ..options.server.clone() };
-    match BackgroundServer::start(&config, IN_PROCESS_SERVER_THREADS) {
+    match HostedServer::start(&config) {
         Ok(server) => {
             let server = Arc::new(server);
             if options.multi_tenant {
@@ -311,5 +346,28 @@ fn start_or_share_server(options: &TcpStoreOptions) -> Result<Option<Arc<Backgro
             Ok(None)
         }
         Err(err) => Err(StoreError::Listen(err)),
+    }
+}
+
+/// A master's in-process server: io_uring's on a thread of its own, or epoll's on a runtime of
+/// its own (a master with a secret, or where the kernel offers no io_uring), as [`Io`] picks.
+enum HostedServer {
+    Epoll(BackgroundServer),
+    Uring(UringServer),
+}
+
+impl HostedServer {
+    fn start(config: &ServerConfig) -> io::Result<HostedServer> {
+        Ok(match Io::from_env()?.resolve(config)? {
+            Io::Uring => HostedServer::Uring(UringServer::start(config)?),
+            _ => HostedServer::Epoll(BackgroundServer::start(config, IN_PROCESS_SERVER_THREADS)?),
+        })
+    }
+
+    fn port(&self) -> u16 {
+        match self {
+            HostedServer::Epoll(server) => server.port(),
+            HostedServer::Uring(server) => server.port(),
+        }
     }
 }

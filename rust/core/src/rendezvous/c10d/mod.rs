@@ -33,7 +33,7 @@ use crate::auth::PlainClients;
 use crate::rendezvous::config::conf::{RendezvousConf, DYNAMIC_KEYS};
 use crate::rendezvous::config::params::{dynamic_settings, RendezvousParams};
 use crate::rendezvous::config::settings::RendezvousSettings;
-use crate::store::{ServerConfig, StoreServer};
+use crate::store::{AnyServer, ServerConfig};
 
 /// `--rdzv-backend c10d`'s configuration, parsed and checked (without side effects).
 pub(crate) struct C10dOptions {
@@ -127,7 +127,7 @@ impl C10dRendezvous {
 /// machine that got there first (`Elsewhere`: who, for the warnings of a node that cannot
 /// reach it); anything else that keeps it from serving is a configuration error.
 enum Hosted {
-    Here(StoreServer),
+    Here(AnyServer),
     Elsewhere(String),
 }
 
@@ -142,7 +142,7 @@ fn host_site(
     let auth = settings.secret.clone().map(|secret| (secret, PlainClients::Refuse));
     // a store for agents on this machine alone (--standalone) is reachable from it alone
     let host = is_loopback_name(&site.0).then(|| site.0.clone());
-    match StoreServer::start(&ServerConfig { host, port: site.1, auth, ..ServerConfig::default() }) {
+    match AnyServer::start(&ServerConfig { host, port: site.1, auth, ..ServerConfig::default() }) {
         Ok(server) => {
             site.1 = server.port();
             if !listed && max_nodes > 1 {

@@ -5,6 +5,7 @@
 
 mod acceptor;
 mod admission;
+pub mod any;
 mod connection;
 pub mod listener;
 pub mod port_holder;
@@ -24,6 +25,7 @@ use tokio::sync::mpsc;
 
 use self::acceptor::{Accepted, Acceptor};
 use self::admission::Admission;
+pub use self::any::{AnyServer, Io};
 use self::connection::Connection;
 use self::shutdown::{Shutdown, Stop};
 use super::counter::parse_counter;
@@ -150,18 +152,6 @@ impl StoreServer {
     /// Binds (or adopts `listen_fd`) and starts serving on the current tokio runtime.
     pub fn start(config: &ServerConfig) -> io::Result<StoreServer> {
         StoreServer::serve(StoreServer::listen(config)?, config)
-    }
-
-    /// Starts on `port` if it can be bound (a restarted job keeps its address), else on the
-    /// port `config` asks for.
-    pub fn start_preferring(config: &ServerConfig, port: Option<u16>) -> io::Result<StoreServer> {
-        if let Some(port) = port.filter(|port| *port != 0 && config.listen_fd.is_none()) {
-            match StoreServer::start(&ServerConfig { port, ..config.clone() }) {
-                Ok(server) => return Ok(server),
-                Err(err) => tracing::debug!(port, "cannot serve on the previous port again ({err}); taking another"),
-            }
-        }
-        StoreServer::start(config)
     }
 
     /// The listening socket `config` asks for.

@@ -25,7 +25,7 @@ impl<S: RendezvousStore> Backend for DynamicRendezvous<S> {
 
     /// The first site it hosts.
     fn hosted_port(&self) -> Option<u16> {
-        self.hosted.first().map(StoreServer::port)
+        self.hosted.first().map(AnyServer::port)
     }
 
     fn store_lost_advice(&mut self) -> Option<String> {

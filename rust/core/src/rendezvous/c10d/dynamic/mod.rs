@@ -49,7 +49,7 @@ use crate::rendezvous::records::{
 };
 use crate::rendezvous::store::{RendezvousStore, StoreConn};
 use crate::rendezvous::trust::workers_store_config;
-use crate::store::StoreServer;
+use crate::store::AnyServer;
 
 /// How long a node waits between looks for a store site that answers.
 const SITE_RETRY: Duration = Duration::from_millis(500);
@@ -65,7 +65,7 @@ struct Membership {
     /// Where the round's changes are sent (by its tasks, and by the handler itself).
     notify: Arc<watch::Sender<Option<MembershipChange>>>,
     /// The workers' store, when this node is rank 0.
-    _master: Option<StoreServer>,
+    _master: Option<AnyServer>,
     /// The event log's count when this node joined: what comes after may concern the round.
     events_seen: i64,
 }
@@ -101,7 +101,7 @@ pub struct DynamicRendezvous<S: RendezvousStore> {
     store_lost_said: bool,
     /// The rendezvous store sites this agent serves (none, or one per listed address of its
     /// own), kept up a little at the end for the nodes still reading how the job ended.
-    hosted: Vec<StoreServer>,
+    hosted: Vec<AnyServer>,
 }
 
 impl<S: RendezvousStore> DynamicRendezvous<S> {
@@ -129,7 +129,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
     }
 
     /// The same handler, serving the rendezvous store `sites` too.
-    pub(crate) fn hosting(self, sites: Vec<StoreServer>) -> Self {
+    pub(crate) fn hosting(self, sites: Vec<AnyServer>) -> Self {
         DynamicRendezvous { hosted: sites, ..self }
     }
 
@@ -410,9 +410,9 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
 
     /// Rank 0's workers' store, on the port it had last time if it can (MASTER_PORT stays
     /// across restarts).
-    fn start_workers_store(&mut self) -> Result<StoreServer> {
+    fn start_workers_store(&mut self) -> Result<AnyServer> {
         let config = workers_store_config(&self.me.node.addr, self.me.settings.secret.as_ref());
-        let server = StoreServer::start_preferring(&config, self.me.workers_store_port)
+        let server = AnyServer::start_preferring(&config, self.me.workers_store_port)
             .map_err(|err| RendezvousError::Config(format!("cannot start the workers' store: {err}")))?;
         self.me.workers_store_port = Some(server.port());
         Ok(server)
@@ -426,7 +426,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         &mut self,
         round: u64,
         rank: u32,
-        master_server: Option<&StoreServer>,
+        master_server: Option<&AnyServer>,
         deadline: Instant,
     ) -> Result<Option<Master>> {
         let member = Arrival { v: FORMAT_VERSION, node: Some(self.me.node.clone()) };
@@ -469,7 +469,7 @@ impl<S: RendezvousStore> DynamicRendezvous<S> {
         rank: u32,
         world_size: u32,
         seen: i64,
-        master_server: Option<&StoreServer>,
+        master_server: Option<&AnyServer>,
     ) -> Vec<JoinHandle<()>> {
         let known = self.known.expect("placed before joining");
         let mut tasks = vec![spawn_change_watcher(context.clone(), seen, known, self.me.closed.clone())];

@@ -33,7 +33,7 @@ use crate::rendezvous::records::{
 };
 use crate::rendezvous::trust::let_in;
 use crate::rendezvous::trust::workers_store_config;
-use crate::store::StoreServer;
+use crate::store::AnyServer;
 
 /// How long a node waits before it tries etcd again after losing it.
 const RETRY: Duration = Duration::from_millis(500);
@@ -61,7 +61,7 @@ struct Membership {
     task: JoinHandle<()>,
     changes: watch::Receiver<Option<MembershipChange>>,
     /// The workers' store, when this node is rank 0.
-    _master: Option<StoreServer>,
+    _master: Option<AnyServer>,
 }
 
 impl Drop for Membership {
@@ -269,12 +269,12 @@ impl EtcdRendezvous {
     }
 
     /// Starts the workers' store when this node is rank 0, and publishes its address.
-    async fn start_rank0(&self, rank: u32, round: u64) -> Result<Option<(StoreServer, Master)>> {
+    async fn start_rank0(&self, rank: u32, round: u64) -> Result<Option<(AnyServer, Master)>> {
         if rank != 0 {
             return Ok(None);
         }
         let config = workers_store_config(&self.me.node.addr, self.me.settings.secret.as_ref());
-        let server = StoreServer::start_preferring(&config, self.me.workers_store_port)
+        let server = AnyServer::start_preferring(&config, self.me.workers_store_port)
             .map_err(|err| RendezvousError::Config(format!("cannot start the workers' store: {err}")))?;
         let master = Master { v: FORMAT_VERSION, addr: self.me.node.addr.clone(), port: server.port() };
         self.client.put(&self.keys.master(round), &encode(&master)).await.map_err(|err| self.error(err))?;
@@ -283,7 +283,7 @@ impl EtcdRendezvous {
 
     /// Lets the sealed round's members' plain (torch) clients into the workers' store this node
     /// serves (see [`crate::rendezvous::trust`]).
-    async fn trust_members(&self, server: &StoreServer, round: u64, sealed_at: i64, last_member: i64) {
+    async fn trust_members(&self, server: &AnyServer, round: u64, sealed_at: i64, last_member: i64) {
         let request = ops::members_as_sealed(&self.keys.members(round), sealed_at, last_member);
         let response = match self.client.range(request).await {
             Ok(response) => response,
@@ -306,7 +306,7 @@ impl EtcdRendezvous {
         sealed_at: i64,
         last_member: i64,
         master: Master,
-        rank0: Option<(StoreServer, Master)>,
+        rank0: Option<(AnyServer, Master)>,
     ) -> RendezvousInfo {
         let round = joined.round;
         if let Some((server, _)) = &rank0 {
