@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Store benchmark: elastix-store (on io_uring, and on epoll), the server embedded in elastix (what an agent or an
-`elastix.TCPStore(is_master=True)` serves), torch's libuv TCPStore server, and the floor: the
+`elastix.TCPStore(is_master=True)` serves: io_uring's, and epoll's, which a job with a secret gets), torch's libuv TCPStore server, and the floor: the
 least a conventional server pays on this machine (benches/floors/epoll_store.c, one epoll
 thread, built here with cc). Same load, same run.
 
@@ -84,9 +84,9 @@ class Children:
     def __init__(self) -> None:
         self.procs: list[tuple[subprocess.Popen, object]] = []
 
-    def start(self, cmd: list[str]) -> subprocess.Popen:
+    def start(self, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = tempfile.TemporaryFile(mode="w+")  # stderr kept aside, shown if it fails
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         self.procs.append((proc, log))
         return proc
 
@@ -141,8 +141,10 @@ def start_servers(
             store_cmd += ["--threads", str(args.store_threads)]
         store = children.start(store_cmd)
         servers[name] = (store, int(first_line(children, store, name, 30).rsplit(":", 1)[1]))
-    embedded = children.start([sys.executable, "-c", EMBEDDED_SERVER])
-    servers["embedded"] = (embedded, int(first_line(children, embedded, "the embedded server", 60)))
+    # the embedded server on each: ELASTIX_STORE_IO picks it, as it would in an agent
+    for name, io in (("embedded", "uring"), ("embedded (epoll)", "epoll")):
+        embedded = children.start([sys.executable, "-c", EMBEDDED_SERVER], env={**os.environ, "ELASTIX_STORE_IO": io})
+        servers[name] = (embedded, int(first_line(children, embedded, name, 60)))
     torch_version = None
     if have_torch:
         torch_proc = children.start([sys.executable, "-c", TORCH_SERVER])
