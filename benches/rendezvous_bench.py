@@ -124,12 +124,15 @@ def etcd_main(node_counts: list[int], members: int, modes: list[str], elections_
             print(f"etcd: {members} members, heartbeat {elections_ms[0]} ms, election timeout {elections_ms[1]} ms")
             print(
                 f"{'nodes':>6} | {'c10d s':>8} | "
-                + " | ".join(f"etcd, {m} client(s): s, requests/node (shed, renewals), elections" for m in modes)
+                + " | ".join(
+                    f"etcd, {m} client(s): s, requests/node (shed, renewals), log entries/node, elections"
+                    for m in modes
+                )
             )
             for nodes in node_counts:
                 cells = [f"{elastix_round(nodes):>8.3f}"]
                 for mode in modes:
-                    term = raft_term(cluster)
+                    term, index = raft_position(cluster)
                     try:
                         r = elastix_bench(nodes, "--etcd", cluster.endpoints, *extra[mode])
                         cells.append(
@@ -139,20 +142,25 @@ def etcd_main(node_counts: list[int], members: int, modes: list[str], elections_
                     except RuntimeError as err:  # a round that failed: say so, measure the rest
                         print(f"etcd, {mode} clients, {nodes} nodes failed: {err}", file=sys.stderr)
                         cells.append("failed")
-                    cells[-1] += f", {raft_term(cluster) - term}"
+                    term_after, index_after = raft_position(cluster)
+                    cells[-1] += f", {(index_after - index) / nodes:.2f}, {term_after - term}"
                 print(f"{nodes:>6} | " + " | ".join(cells), flush=True)
         finally:
             cluster.close()
 
 
-def raft_term(cluster) -> int:
-    """The cluster's Raft term: each election during a round adds one (a member that does not
-    answer within 30 s counts as none)."""
+def raft_position(cluster) -> tuple[int, int]:
+    """The cluster's Raft term and the last index of its log: each election during a round adds
+    one to the term, each entry (a write, a lease granted or revoked; reads are none) one to the
+    index (a member that does not answer within 30 s counts as none)."""
     deadline = time.monotonic() + 30
     while True:
-        terms = [int(s.get("raftTerm", 0)) for i in range(len(cluster.names)) if (s := cluster.status(i))]
-        if terms or time.monotonic() > deadline:
-            return max(terms, default=0)
+        found = [s for i in range(len(cluster.names)) if (s := cluster.status(i))]
+        if found or time.monotonic() > deadline:
+            return (
+                max((int(s.get("raftTerm", 0)) for s in found), default=0),
+                max((int(s.get("raftIndex", 0)) for s in found), default=0),
+            )
         time.sleep(0.5)
 
 

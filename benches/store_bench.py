@@ -199,7 +199,7 @@ def cpu_us_per_request(r: dict) -> float:
 
 def table(rows: list[tuple[int, dict[str, dict]]]) -> str:
     head = (
-        f"{'connections':>11}  {'server':<14} {'ops/s':>9} {'p50':>9} {'p99':>9} {'server CPU':>10} "
+        f"{'connections':>11}  {'server':<16} {'ops/s':>9} {'p50':>9} {'p99':>9} {'server CPU':>10} "
         f"{'loadgen CPU':>11} {'CPU/request':>11} {'x floor':>7} {'ops/s x torch':>13}"
     )
     lines = [head, "-" * len(head)]
@@ -210,7 +210,7 @@ def table(rows: list[tuple[int, dict[str, dict]]]) -> str:
             vs_floor = f"{per / cpu_us_per_request(floor):6.2f}x" if floor else f"{'-':>7}"
             vs_torch = f"{r['ops_per_s'] / torch['ops_per_s']:12.2f}x" if torch else f"{'-':>13}"
             lines.append(
-                f"{conns if i == 0 else '':>11}  {name:<14} {r['ops_per_s'] / 1000:8.1f}k {fmt_us(r['p50_us'])} "
+                f"{conns if i == 0 else '':>11}  {name:<16} {r['ops_per_s'] / 1000:8.1f}k {fmt_us(r['p50_us'])} "
                 f"{fmt_us(r['p99_us'])} {r['server_cpu_pct']:9.0f}% {r['loadgen_cpu_pct']:10.0f}% "
                 f"{per:8.2f} us {vs_floor} {vs_torch}"
             )
