@@ -168,8 +168,7 @@ where
             return 2;
         }
     };
-    let open = config.auth.is_none();
-    match serve(&args, io, &config, open) {
+    match serve(&args, io, &config) {
         Ok(()) => 0,
         Err(err) => {
             eprintln!("elastix-store: {err}");
@@ -178,7 +177,7 @@ where
     }
 }
 
-fn serve(args: &Args, io: Io, config: &ServerConfig, open: bool) -> std::io::Result<()> {
+fn serve(args: &Args, io: Io, config: &ServerConfig) -> std::io::Result<()> {
     let mut runtime = match args.threads {
         0 | 1 => tokio::runtime::Builder::new_current_thread(),
         threads => {
@@ -201,7 +200,7 @@ fn serve(args: &Args, io: Io, config: &ServerConfig, open: bool) -> std::io::Res
         if let Some(metrics) = &metrics {
             println!("elastix-store metrics on http://{}/metrics", metrics.local_addr());
         }
-        if open && !server.local_addr().ip().is_loopback() {
+        if config.auth.is_none() && !server.local_addr().ip().is_loopback() {
             tracing::warn!(
                 "no job secret: anyone who can reach port {} of this host can read and change the jobs' \
                  rendezvous; give --auth-token-file (a file only you can read; the agents take the same file \

@@ -55,9 +55,7 @@ impl Io {
             }
         }
     }
-}
 
-impl Io {
     /// Why io_uring cannot serve `config` in this process, if it cannot.
     pub fn why_not_uring(config: &ServerConfig) -> Option<String> {
         if config.auth.is_some() {
