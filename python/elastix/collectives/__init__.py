@@ -57,6 +57,7 @@ from .lifecycle import (
     is_initialized,
     new_group,
 )
+from .memory import shared_empty
 from .reduce_op import ReduceOp
 from .work import Work
 
@@ -89,6 +90,7 @@ __all__ = [
     "recv",
     "isend",
     "irecv",
+    "shared_empty",
     "CollectiveError",
     "MismatchError",
     "PeerError",

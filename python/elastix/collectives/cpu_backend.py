@@ -47,6 +47,7 @@ class CpuBackend:
         self.tcp: Optional[TcpComm] = None
         self.p2p: Optional[ShmP2P] = None
         self.segment: Optional[Segment] = None
+        self.shared_calls = 0  # shared_empty calls so far
         store.set(f"info/{rank}", json.dumps({"host": host_id(), "pid": os.getpid()}))
         infos = (
             [json.loads(v) for v in store.multi_get([f"info/{r}" for r in range(size)])]
@@ -93,6 +94,34 @@ class CpuBackend:
             slot,
             self.record,
         )
+
+    def shared_empty(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` (zeroed) that this host's other ranks of the group map too (see shm_shared);
+        called by every rank of the group, with the same size. Where this host has no other
+        rank of the group, an ordinary array."""
+        if self.shm is None:
+            return np.zeros(nbytes, np.uint8)
+        local, me = self.local, self.shm.me
+        # every call its own keys, the failed ones too (their offers must not be read again)
+        self.shared_calls += 1
+        key = f"shared/{self.topo.host_of[self.rank]}/{self.shared_calls}"
+        own = shm_segment.create(max(nbytes, 1))
+        try:
+            self.store.set(f"{key}/{me}", json.dumps({"nbytes": nbytes, "handle": own.encode()}))
+            keys = [f"{key}/{j}" for j in range(len(local))]
+            self.store.wait(keys)
+            offers = [json.loads(v) for v in self.store.multi_get(keys)]
+            sizes = {int(o["nbytes"]) for o in offers}
+            if len(sizes) > 1:  # every rank reads the same offers, so every rank raises this
+                asked = ", ".join(f"rank {self.ranks[r]} {int(o['nbytes'])}" for r, o in zip(local, offers))
+                raise ValueError(f"shared_empty: the ranks of a host asked for different sizes in bytes ({asked})")
+            segments = [own if j == me else shm_segment.attach(o["handle"]) for j, o in enumerate(offers)]
+            if self.store.add(f"{key}/attached", 1) == len(local):
+                self.store.set(f"{key}/all", "1")
+            self.store.wait([f"{key}/all"])
+        finally:
+            own.release_name()  # mapped by every rank now, or given up: either way no name is left
+        return self.shm.shared.add(segments, nbytes)
 
     # -- helpers ------------------------------------------------------------------------------
 

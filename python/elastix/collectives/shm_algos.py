@@ -29,6 +29,7 @@ import numpy as np
 
 from . import _native
 from .shm_comm import ShmComm
+from .shm_shared import same_memory
 
 _U8 = np.dtype(np.uint8)
 
@@ -175,14 +176,27 @@ def all_gather(
         comm.native_step(comm.waiter.copy_small, desc, what, data, targets if receive else [])
         return
     copy = _native.copy_streaming if receive and _streams(comm, data.size * comm.n) else np.copyto
+    # its own part may be its input itself (all_gather_into_tensor in place): nothing to copy then
+    own = receive and not same_memory(targets[me], data)
+    comm.publish_layout([data], [o for j, o in enumerate(targets) if j != me or own])
     for t in _segments(data.size, seg):
         a, e = t * seg, min(data.size, (t + 1) * seg)
         b = comm.next_buf
         if e > a:
             np.copyto(comm.slot(me, b, _U8, 0, e - a), data[a:e])
-            if receive:  # its own part while it is in cache
+            if own:  # its own part while it is in cache
                 copy(targets[me][a:e], data[a:e])
         comm.step(desc if t == 0 else None, what)
+        if t == 0:
+            layouts = comm.agreed_layouts(1, data.size, 1)
+            if layouts is not None:  # every rank's input in a shared array: read where it is
+                if own:
+                    copy(targets[me][e:], data[e:])
+                for j in range(comm.n) if receive else ():
+                    if j != me:
+                        copy(targets[j], comm.shared.peer(j, layouts[j], 0, _U8, data.size))
+                comm.step(None, what)  # no rank changes its input before all read it
+                return
         if receive and e > a:
             for j in range(comm.n):
                 if j != me:
@@ -218,6 +232,7 @@ def reduce_scatter(
     if n <= per:  # one step, natively
         comm.native_step(comm.waiter.reduce_scatter_small, desc, "reduce_scatter", ins, out, region, code, op, div)
         return
+    comm.publish_layout(ins, (out,))
     for t in _segments(n, per):
         a, e = t * per, min(n, (t + 1) * per)
         b = comm.next_buf
@@ -225,6 +240,13 @@ def reduce_scatter(
             if j != me and e > a:
                 np.copyto(comm.slot(me, b, dt, j * region, e - a), ins[j][a:e])
         comm.step(desc if t == 0 else None, "reduce_scatter")
+        if t == 0:
+            layouts = comm.agreed_layouts(p, out.nbytes, dt.itemsize)
+            if layouts is not None:  # every rank's inputs in shared arrays: read where they are
+                srcs = [ins[me] if j == me else comm.shared.peer(j, layouts[j], me, dt, n) for j in range(p)]
+                _native.reduce(code, op, srcs, [out], div)
+                comm.step(None, "reduce_scatter")  # no rank changes its inputs before all read them
+                return
         if e > a:
             srcs = [ins[me][a:e] if j == me else comm.slot(j, b, dt, me * region, e - a) for j in range(p)]
             _native.reduce(code, op, srcs, [out[a:e]], div)

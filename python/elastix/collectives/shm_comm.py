@@ -5,7 +5,9 @@ Layout: a header page; one 512-byte control block per rank; then two data slots 
 it, alone on its cache line); [64] and [192] the descriptor of its current collective (14
 words; one copy per step parity, since a peer may already write step s + 1's while another
 still reads step s's); [320] (u32) the sleepers waiting on its counter; [384] its abort code;
-[392] its pid.
+[392] its pid; [400] where the inputs of its current large reduce_scatter or all_gather lie
+(four words, ``shm_shared.layout``; one copy: those collectives take at least two steps, so
+no peer writes the next one's before every rank has read this one's).
 
 A collective is a sequence of steps. In step s (counters start at 0, s >= 1), rank r:
   1. writes what it contributes into its own slot s % 2 (and its descriptor in the first step),
@@ -34,11 +36,12 @@ from . import _native
 from .errors import CollectiveError, CollectiveTimeoutError, MismatchError, PeerError
 from .mismatch import STILL_USABLE, MismatchRecord, seen_elsewhere
 from .shm_segment import PAGE, Segment, view
+from .shm_shared import LAYOUT_WORDS, NOT_SHARED, SharedArrays
 
 CTRL_BYTES = 512
 DESC_WORDS = 14
 DESC_BYTES = (64, 192)
-W_FLAG, W_WAITERS_BYTE, W_ABORT, W_PID = 0, 320, 48, 49
+W_FLAG, W_WAITERS_BYTE, W_ABORT, W_PID, W_LAYOUT = 0, 320, 48, 49, 50
 
 ABORT_ERROR = 1
 ABORT_DESTROYED = 2
@@ -133,6 +136,9 @@ class ShmComm:
             gone = [j for j in peers if str(pids[j]) in str(err)] or peers
             j = gone[0]
             raise PeerError(f"rank {self.ranks[j]} (pid {pids[j]}) is already gone", self.ranks[j]) from None
+        # the arrays this host's ranks map (shared_empty), and where each rank's inputs lie
+        self.shared = SharedArrays(me)
+        self._layouts = [view(segment, np.int64, LAYOUT_WORDS, self._ctrl(j) + 8 * W_LAYOUT) for j in range(nranks)]
         slots = view(segment, np.uint8, 2 * nranks * slot_bytes, self._data_base)
         self._slots = [[slots[(j * 2 + b) * slot_bytes :][:slot_bytes] for b in range(2)] for j in range(nranks)]
         self._typed: Dict[tuple, np.ndarray] = {}
@@ -161,6 +167,20 @@ class ShmComm:
                 self._typed.clear()
             self._typed[key] = view
         return view if count < 0 else view[:count]
+
+    # -- inputs in shared arrays -------------------------------------------------------------
+
+    def publish_layout(self, arrays: Sequence[np.ndarray], writes: Sequence[np.ndarray]) -> None:
+        """Says where this rank's inputs of the collective about to start lie (before its first
+        step, which publishes it): ``shared.layout``'s words."""
+        self._layouts[self.me][:] = self.shared.layout(arrays, writes) if self.shared.buffers else NOT_SHARED
+
+    def agreed_layouts(self, count: int, size: int, itemsize: int) -> Optional[List[List[int]]]:
+        """After the first step: every rank's layout, when all of them lie in shared arrays."""
+        if not self.shared.buffers:
+            return None  # this rank published none, so no rank agrees
+        layouts = [[int(v) for v in words] for words in self._layouts]
+        return layouts if self.shared.agreed(layouts, count, size, itemsize) else None
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -265,6 +285,8 @@ class ShmComm:
         """Drops this engine's views of the segment (the segment itself is closed by its owner)."""
         self._typed.clear()
         self._slots = []
+        self._layouts = []
+        self.shared.close()
 
 
 __all__ = ["ShmComm", "segment_bytes", "default_slot_bytes", "spin_policy"]
