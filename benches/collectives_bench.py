@@ -24,6 +24,11 @@ The bandwidth is what the machine's cores copy at together, as many as ranks tha
 arrays far larger than the caches; the "roof" column is elastix's share of that bound (100%: at
 the roofline). A buffer that fits in the caches can beat it: the bound is memory's.
 
+For reduce_scatter and all_gather it also runs elastix with inputs made by
+``elastix.collectives.shared_empty`` (the "shared" column): memory every local rank maps, which
+those collectives read in place instead of copying it into the group's segment first. The two
+are timed in the same ranks, in alternation (five rounds; each figure the median round).
+
     python benches/collectives_bench.py [--op all_reduce|broadcast|all_gather|reduce_scatter]
         [--ranks 2,4] [--max-size 256M] [--json out.json]
 """
@@ -71,12 +76,19 @@ def iterations(nbytes: int, budget: float) -> int:
 
 
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+#: The collectives that read inputs made by shared_empty in place (the "shared" column).
+SHARED_OPS = ("all_gather", "reduce_scatter")
+#: Alternations of elastix's two ways of those; each variant's figure is its median round.
+ROUNDS = 5
 
 
 def worker(impl: str, op: str, sizes, budget: float, out: str) -> None:
     import numpy as np
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if os.environ.get("BENCH_PIN"):  # one core per rank: this VM's slow mode never shows then
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
     if impl == "gloo":
         import torch
         import torch.distributed as dist
@@ -118,34 +130,52 @@ def worker(impl: str, op: str, sizes, budget: float, out: str) -> None:
             ec.all_reduce(v, ec.ReduceOp.MAX)
             return float(v[0])
 
-    def collective(nbytes: int):
-        """One call of `op` where each rank sends `nbytes` (reduce_scatter: in all)."""
+    def collective(nbytes: int, shared: bool = False):
+        """One call of `op` where each rank sends `nbytes` (reduce_scatter: in all); with
+        `shared`, its inputs made by shared_empty."""
         n = nbytes // 4
         if op == "broadcast":
             x = make(n)
             return lambda: ops.broadcast(x, 0)
         if op == "all_gather":
             x, outs = make(n), [make(n) for _ in range(world)]
+            if shared:
+                x = ec.shared_empty(n, np.float32)
+                x[:] = 1
             return lambda: ops.all_gather(outs, x)
         if op == "reduce_scatter":
             ins, y = [make(n // world) for _ in range(world)], make(n // world)
+            if shared:  # one array, as reduce_scatter_tensor's input, cut into the input list
+                whole = ec.shared_empty((world, n // world), np.float32)
+                whole[:] = 1
+                ins = list(whole)
             return lambda: ops.reduce_scatter(y, ins)
         x = make(n)
         return lambda: reduce_(x)
 
-    results = {}
+    # elastix's two ways of a collective that reads shared inputs are timed in alternation, a
+    # fifth of the iterations at a time, so that both see the same state of the machine
+    variants = ["elastix", "shared"] if impl == "elastix" and op in SHARED_OPS else [impl]
+    results: dict = {v: {} for v in variants}
     for nbytes in sizes:
-        call = collective(nbytes)
+        calls = {v: collective(nbytes, shared=v == "shared") for v in variants}
         iters = iterations(nbytes, budget)
-        for _ in range(max(2, iters // 10)):
-            call()
-        barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            call()
-        t = slowest((time.perf_counter() - t0) / iters)
-        results[nbytes] = t
-        del call
+        rounds = ROUNDS if len(variants) > 1 else 1
+        per_round = max(1, iters // rounds)
+        times: dict = {v: [] for v in variants}
+        for call in calls.values():
+            for _ in range(max(2, iters // 10)):
+                call()
+        for _ in range(rounds):
+            for v, call in calls.items():
+                barrier()
+                t0 = time.perf_counter()
+                for _ in range(per_round):
+                    call()
+                times[v].append(slowest((time.perf_counter() - t0) / per_round))
+        for v in variants:
+            results[v][nbytes] = sorted(times[v])[len(times[v]) // 2]
+        del calls
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -164,8 +194,9 @@ def reserved_port() -> socket.socket:
     return holder
 
 
-def run_impl(impl: str, op: str, world: int, sizes, budget: float, timeout: float):
-    """Spawns ``world`` ranks of ``impl``; returns {size: seconds} or None (and why)."""
+def run_impl(impl: str, op: str, world: int, sizes, budget: float, timeout: float, pin: bool = False):
+    """Spawns ``world`` ranks of ``impl``; returns {variant: {size: seconds}} (the variants:
+    ``impl``, and elastix's "shared" where it has one) or None (and why)."""
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     env = dict(
         os.environ,
@@ -175,6 +206,8 @@ def run_impl(impl: str, op: str, world: int, sizes, budget: float, timeout: floa
         OMP_NUM_THREADS="1",
         GROUP_RANK="0",
     )
+    if pin:
+        env["BENCH_PIN"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
     store = port_holder = None
     if impl == "gloo":
@@ -224,7 +257,7 @@ def run_impl(impl: str, op: str, world: int, sizes, budget: float, timeout: floa
         if errors:
             return None, errors[0]
         with open(out) as f:
-            return {int(k): v for k, v in json.load(f).items()}, None
+            return {v: {int(k): t for k, t in r.items()} for v, r in json.load(f).items()}, None
     finally:
         for p in procs:
             if p.poll() is None:
@@ -293,6 +326,13 @@ def main() -> int:
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--op", choices=OPS, default="all_reduce", help="the collective")
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin rank i to core i mod cores: steadier figures on a VM whose scheduler may stack "
+        "both ranks on one vCPU (what `elastix run --numa-binding exclusive` does); small messages "
+        "then wait out each vCPU's steal time",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--sizes", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -307,12 +347,14 @@ def main() -> int:
         s *= 4
     have_torch = not args.no_torch and importlib.util.find_spec("torch") is not None
     impls = ["elastix"] + (["gloo"] if have_torch else [])
+    op = args.op
     if gpu_count() >= 2:
         impls.append("nccl")
-    op = args.op
     print(
         f"{op} float32, local ranks, {os.cpu_count()} CPUs; load average "
-        f"{os.getloadavg()[0]:.2f}; impls: {', '.join(impls)}" + ("" if have_torch else " (torch not installed)")
+        f"{os.getloadavg()[0]:.2f}; impls: {', '.join(impls)}"
+        + (" (elastix also on shared inputs, alternated)" if op in SHARED_OPS else "")
+        + ("" if have_torch else " (torch not installed)")
     )
     report = {}
     for world in [int(w) for w in args.ranks.split(",")]:
@@ -320,17 +362,19 @@ def main() -> int:
         for impl in impls:
             if impl == "nccl" and world > gpu_count():
                 continue
-            result, why = run_impl(impl, op, world, sizes, args.budget, args.timeout)
+            result, why = run_impl(impl, op, world, sizes, args.budget, args.timeout, args.pin)
             if result is None:
                 print(f"  {impl} with {world} ranks failed: {why}")
                 continue
-            figures[impl] = result
+            figures.update(result)
         report[world] = figures
         cores = min(world, os.cpu_count() or world)
         gbs = copy_bandwidth(cores)
         bandwidth = f"; {cores} cores copy at {gbs[cores]:.1f} GB/s together (stream.c)" if cores in gbs else ""
         print(f"\n{world} ranks{bandwidth}")
         head = f"{'size':>9} | {'elastix':>10} {'busbw':>9} {'roof':>5}"
+        if "shared" in figures:
+            head += f" | {'shared':>10} {'busbw':>9} {'roof':>5}"
         if "gloo" in figures:
             head += f" | {'gloo':>10} {'busbw':>9} | {'ratio':>6}"
         if "nccl" in figures:
@@ -344,6 +388,10 @@ def main() -> int:
             line = f"{human(n):>9} | " + (
                 f"{e * 1e6:>8.1f}us {busbw(n, e, world, op):>5.2f}GB/s {roof}" if e else f"{'-':>26}"
             )
+            if "shared" in figures:
+                d = figures["shared"].get(n)
+                droof = f"{bound / d:>5.0%}" if d and bound else f"{'-':>5}"
+                line += f" | {d * 1e6:>8.1f}us {busbw(n, d, world, op):>5.2f}GB/s {droof}" if d else f" | {'-':>26}"
             if "gloo" in figures:
                 g = figures["gloo"].get(n)
                 line += f" | {g * 1e6:>8.1f}us {busbw(n, g, world, op):>5.2f}GB/s | {g / e:>5.2f}x" if g and e else ""
