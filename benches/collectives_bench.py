@@ -24,7 +24,7 @@ The bandwidth is what the machine's cores copy at together, as many as ranks tha
 arrays far larger than the caches; the "roof" column is elastix's share of that bound (100%: at
 the roofline). A buffer that fits in the caches can beat it: the bound is memory's.
 
-For reduce_scatter and all_gather it also runs elastix with inputs made by
+For all_reduce, reduce_scatter and all_gather it also runs elastix with inputs made by
 ``elastix.collectives.shared_empty`` (the "shared" column): memory every local rank maps, which
 those collectives read in place instead of copying it into the group's segment first. The two
 are timed in the same ranks, in alternation (five rounds; each figure the median round).
@@ -77,7 +77,7 @@ def iterations(nbytes: int, budget: float) -> int:
 
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
 #: The collectives that read inputs made by shared_empty in place (the "shared" column).
-SHARED_OPS = ("all_gather", "reduce_scatter")
+SHARED_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 #: Alternations of elastix's two ways of those; each variant's figure is its median round.
 ROUNDS = 5
 
@@ -151,6 +151,9 @@ def worker(impl: str, op: str, sizes, budget: float, out: str) -> None:
                 ins = list(whole)
             return lambda: ops.reduce_scatter(y, ins)
         x = make(n)
+        if shared:
+            x = ec.shared_empty(n, np.float32)
+            x[:] = 1
         return lambda: reduce_(x)
 
     # elastix's two ways of a collective that reads shared inputs are timed in alternation, a

@@ -1,7 +1,8 @@
 """Arrays made by ``shared_empty`` (memory.py, shm_shared.py): every local rank maps them, so a
 large reduce_scatter or all_gather reads them in place, in two steps instead of one per
-segment, with the same results bit for bit as the copying path; and whenever one rank's inputs
-are not shared, or reading them in place would race with a write, every rank copies instead.
+segment, and an all_reduce reduces them where they are, with the same results bit for bit as
+the copying paths; and whenever one rank's inputs are not shared, or reading them in place
+would race with a write, every rank copies instead.
 
 The step count (the comm's ``seq``) tells which path ran. The slot is 64 KiB here, so the
 copying path of the sizes below takes dozens of steps."""
@@ -31,9 +32,18 @@ def _steps(comm, call, *args) -> int:
     return comm.seq - before
 
 
+def _segments(comm, x) -> int:
+    """The segments a large all_reduce of ``x`` is pipelined over (shm_algos.all_reduce): the
+    copying path takes one step more than there are, the one reading in place two more (the
+    descriptor's step comes first)."""
+    region = (comm.slot_bytes // comm.n) // 64 * 64
+    per_segment = region // x.itemsize * comm.n
+    return -(-x.size // per_segment)
+
+
 def read_in_place():
-    """reduce_scatter and all_gather on shared inputs, several dtypes and ops, each input
-    overwritten as soon as the call returns (a rank that returned while a peer still read its
+    """reduce_scatter, all_gather and all_reduce on shared arrays, several dtypes and ops, each
+    input overwritten as soon as the call returns (a rank that returned while a peer still read its
     input would corrupt that peer's result)."""
     ec = harness.init()
     r, p = ec.get_rank(), ec.get_world_size()
@@ -53,6 +63,15 @@ def read_in_place():
                 want = reference(dtype, op, [data(dtype, 10 * k + r + it, N, op) for k in range(p)])
                 if dtype in ("int64", "uint8") and not np.array_equal(out, want):
                     bad.append(f"reduce_scatter {dtype} {op}: wrong")
+                # all_reduce of the whole shared array, in place
+                whole[:] = parts
+                taken = _steps(comm, ec.all_reduce, whole, getattr(ec.ReduceOp, op))
+                if taken != _segments(comm, whole) + 2:  # the copying path takes one step less
+                    bad.append(f"all_reduce {dtype} {op}: {taken} steps, not in place")
+                plain = np.array(parts)
+                ec.all_reduce(plain, getattr(ec.ReduceOp, op))
+                if not np.array_equal(whole, plain):
+                    bad.append(f"all_reduce {dtype} {op}: differs from the copying path")
         x = ec.shared_empty(N, data(dtype, 0, 1).dtype)
         x[:] = data(dtype, r, N)
         outs = [np.empty(N, x.dtype) for _ in range(p)]
@@ -66,6 +85,12 @@ def read_in_place():
     steps.add(_steps(comm, ec.all_gather_into_tensor, flat, flat[r * N : (r + 1) * N]))
     if not np.array_equal(flat, np.repeat(np.arange(p) + 0.5, N)):
         bad.append("all_gather_into_tensor in place: wrong")
+    # a reduce changes the root's array only: it copies
+    x = ec.shared_empty(N, np.float64)
+    x[:] = r + 1
+    ec.reduce(x, 0)
+    if not np.array_equal(x, np.full(N, p * (p + 1) / 2 if r == 0 else r + 1)):
+        bad.append("reduce: wrong")
     return {"bad": bad, "steps": sorted(steps)}
 
 

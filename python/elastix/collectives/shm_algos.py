@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import glob
 import os
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -110,14 +110,13 @@ def all_reduce(
     nseg = -(-n // per_seg)
     prev = None
     prev_buf = 0
+    if root is None:  # each rank writes only where no peer reads: no array of theirs is at risk
+        comm.publish_layout([x], ())
     for t in range(nseg + 1):
         b = comm.next_buf
         bounds = None
         if t < nseg:
-            start = t * per_seg
-            length = min(per_seg, n - start)
-            chunk = -(-length // p)
-            bounds = [(start + min(j * chunk, length), start + min((j + 1) * chunk, length)) for j in range(p)]
+            bounds = _parts(t, per_seg, n, p)
             for j in range(p):
                 a, e = bounds[j]
                 if j != me and e > a:
@@ -131,12 +130,52 @@ def all_reduce(
                     dsts.append(x[a:e])
                 _native.reduce(code, op, srcs, dsts, div)
         comm.step(desc if t == 0 else None, what)
+        if t == 0 and root is None:
+            layouts = comm.agreed_layouts(1, x.nbytes, dt.itemsize)
+            if layouts is not None:  # every rank's array shared: reduce where they are
+                _all_reduce_in_place(comm, x, layouts, code, op, div, what, per_seg)
+                return
         if prev is not None and (root is None or root == me):
             for j in range(p):
                 a, e = prev[j]
                 if j != me and e > a:
                     np.copyto(x[a:e], comm.slot(j, b, dt, j * region, e - a))
         prev, prev_buf = bounds, b
+
+
+def _all_reduce_in_place(
+    comm: ShmComm, x: np.ndarray, layouts: List[List[int]], code: int, op: int, div: int, what: str, per_seg: int
+) -> None:
+    """all_reduce of arrays every local rank maps, pipelined over the same segments as the
+    copying path: in step t rank r reduces part r of segment t of every rank's array into its
+    own (no peer reads that part of it then) and copies the other parts of segment t-1 from
+    their owners' arrays (which no rank writes any more); the last step keeps every array
+    unchanged until all have copied. Nothing passes through the slots."""
+    p, me, n = comm.n, comm.me, x.size
+    arrays = [x if j == me else comm.shared.peer(j, layouts[j], 0, x.dtype, n) for j in range(p)]
+    nseg = -(-n // per_seg)
+    prev = None
+    for t in range(nseg + 1):
+        bounds = _parts(t, per_seg, n, p) if t < nseg else None
+        if bounds is not None:
+            a, e = bounds[me]
+            if e > a:
+                _native.reduce(code, op, [array[a:e] for array in arrays], [x[a:e]], div)
+        if prev is not None:
+            for j in range(p):
+                a, e = prev[j]
+                if j != me and e > a:
+                    np.copyto(x[a:e], arrays[j][a:e])
+        comm.step(None, what)
+        prev = bounds
+
+
+def _parts(t: int, per_seg: int, n: int, p: int) -> List[Tuple[int, int]]:
+    """The bounds of each rank's part of segment ``t`` of an all_reduce of ``n`` elements."""
+    start = t * per_seg
+    length = min(per_seg, n - start)
+    part = -(-length // p)
+    return [(start + min(j * part, length), start + min((j + 1) * part, length)) for j in range(p)]
 
 
 def broadcast(comm: ShmComm, x: np.ndarray, root: int, desc: List[int]) -> None:

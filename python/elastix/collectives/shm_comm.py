@@ -5,7 +5,8 @@ Layout: a header page; one 512-byte control block per rank; then two data slots 
 it, alone on its cache line); [64] and [192] the descriptor of its current collective (14
 words; one copy per step parity, since a peer may already write step s + 1's while another
 still reads step s's); [320] (u32) the sleepers waiting on its counter; [384] its abort code;
-[392] its pid; [400] where the inputs of its current large reduce_scatter or all_gather lie
+[392] its pid; [400] where the inputs of its current large all_reduce, reduce_scatter or
+all_gather lie
 (four words, ``shm_shared.layout``; one copy: those collectives take at least two steps, so
 no peer writes the next one's before every rank has read this one's).
 

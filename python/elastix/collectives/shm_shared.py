@@ -1,10 +1,10 @@
 """Arrays every rank of a host maps (``shared_empty``), which collectives read in place.
 
-A large reduce_scatter or all_gather over shared memory otherwise copies each rank's input
-into its slot of the group's segment so that the peers can read it there: for reduce_scatter
-that copy is a third of the bytes it moves (a 2-rank reduce_scatter of 64 MiB reached 82-86%
-of its memory roofline with it). Inputs that live in memory the peers already map need no
-copy: each rank reads the others' inputs where they are.
+A large all_reduce, reduce_scatter or all_gather over shared memory otherwise copies each
+rank's input into its slot of the group's segment so that the peers can read it there: for
+reduce_scatter that copy is a third of the bytes it moves (a 2-rank reduce_scatter of 64 MiB
+reached 82-86% of its memory roofline with it). Inputs that live in memory the peers already
+map need no copy: each rank reads the others' inputs where they are.
 
 ``SharedArrays`` is one host's list of such buffers. ``CpuBackend.shared_empty`` makes one per
 call, collectively: each local rank creates a segment of the same size and maps everyone
