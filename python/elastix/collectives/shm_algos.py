@@ -110,7 +110,10 @@ def all_reduce(
     nseg = -(-n // per_seg)
     prev = None
     prev_buf = 0
-    if root is None:  # each rank writes only where no peer reads: no array of theirs is at risk
+    # in place where every rank's array is shared, each rank writing only where no peer reads
+    # (a reduce changes the root's only; one segment costs a step more than it saves)
+    in_place = root is None and nseg > 1
+    if in_place:
         comm.publish_layout([x], ())
     for t in range(nseg + 1):
         b = comm.next_buf
@@ -130,7 +133,7 @@ def all_reduce(
                     dsts.append(x[a:e])
                 _native.reduce(code, op, srcs, dsts, div)
         comm.step(desc if t == 0 else None, what)
-        if t == 0 and root is None:
+        if t == 0 and in_place:
             layouts = comm.agreed_layouts(1, x.nbytes, dt.itemsize)
             if layouts is not None:  # every rank's array shared: reduce where they are
                 _all_reduce_in_place(comm, x, layouts, code, op, div, what, per_seg)
