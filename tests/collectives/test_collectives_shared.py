@@ -72,6 +72,12 @@ def read_in_place():
                 ec.all_reduce(plain, getattr(ec.ReduceOp, op))
                 if not np.array_equal(whole, plain):
                     bad.append(f"all_reduce {dtype} {op}: differs from the copying path")
+        # in place: the output is this rank's own part of its input (which no peer reads)
+        whole[:] = [data(dtype, 10 * r + j, N) for j in range(p)]
+        steps.add(_steps(comm, ec.reduce_scatter, whole[r], list(whole)))
+        want = reference(dtype, "SUM", [data(dtype, 10 * k + r, N) for k in range(p)])
+        if dtype in ("int64", "uint8") and not np.array_equal(whole[r], want):
+            bad.append(f"reduce_scatter {dtype} in place: wrong")
         x = ec.shared_empty(N, data(dtype, 0, 1).dtype)
         x[:] = data(dtype, r, N)
         outs = [np.empty(N, x.dtype) for _ in range(p)]

@@ -3,9 +3,9 @@
 A large all_reduce, reduce_scatter or all_gather on the ``cpu`` backend copies each rank's
 input into the group's shared segment for its peers to read. Arrays made by ``shared_empty`` on
 every rank of a host are mapped by all of them already, so those collectives read them where
-they are (see shm_shared). Meant for buffers that live as long as the training does, gradient buckets for
-one: each call maps a new buffer on every local rank, kept until the group is destroyed and
-its arrays are gone.
+they are (see shm_shared). Meant for buffers that live as long as the training does, gradient
+buckets for one: each call maps a new buffer on every local rank, kept until the group is
+destroyed and its arrays are gone.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def shared_empty(
 ) -> np.ndarray[Any, Any]:
     """A zeroed NumPy array that the group's other ranks on this host map too: all_reduce (in
     place), reduce_scatter (the input list, views of one such array) and all_gather (the input)
-    read it where it is when every rank's is one. Every rank of the group calls it, with the same shape and dtype.
-    An ordinary array where this host has no other rank of the group."""
+    read it where it is when every rank's is one. Every rank of the group calls it, with the
+    same shape and dtype. An ordinary array where this host has no other rank of the group."""
     g = resolve(group)
     if g.backend_name != "cpu":
         raise ValueError(f"shared_empty makes host arrays for the cpu backend; group {g.name} is on {g.backend_name}")

@@ -234,9 +234,10 @@ def all_gather(
             if layouts is not None:  # every rank's input in a shared array: read where it is
                 if own:
                     copy(targets[me][e:], data[e:])
-                for j in range(comm.n) if receive else ():
-                    if j != me:
-                        copy(targets[j], comm.shared.peer(j, layouts[j], 0, _U8, data.size))
+                if receive:
+                    for j in range(comm.n):
+                        if j != me:
+                            copy(targets[j], comm.shared.peer(j, layouts[j], 0, _U8, data.size))
                 comm.step(None, what)  # no rank changes its input before all read it
                 return
         if receive and e > a:

@@ -6,9 +6,8 @@ it, alone on its cache line); [64] and [192] the descriptor of its current colle
 words; one copy per step parity, since a peer may already write step s + 1's while another
 still reads step s's); [320] (u32) the sleepers waiting on its counter; [384] its abort code;
 [392] its pid; [400] where the inputs of its current large all_reduce, reduce_scatter or
-all_gather lie
-(four words, ``shm_shared.layout``; one copy: those collectives take at least two steps, so
-no peer writes the next one's before every rank has read this one's).
+all_gather lie (four words, ``shm_shared.layout``; one copy: those collectives take at least
+two steps, so no peer writes the next one's before every rank has read this one's).
 
 A collective is a sequence of steps. In step s (counters start at 0, s >= 1), rank r:
   1. writes what it contributes into its own slot s % 2 (and its descriptor in the first step),

@@ -36,9 +36,8 @@ class SharedBuffer:
     nbytes: int
     segments: List[Segment]
     views: List[np.ndarray]
-    #: The address of this rank's own buffer, and its segment's index in ``views``.
+    #: The address of this rank's own buffer.
     base: int
-    me: int
 
 
 def _address(a: np.ndarray) -> int:
@@ -62,7 +61,7 @@ class SharedArrays:
         this rank's ``nbytes`` as a byte array."""
         views = [view(s, np.uint8, nbytes) for s in segments]
         own = views[self.me]
-        self.buffers.append(SharedBuffer(nbytes, list(segments), views, _address(own), self.me))
+        self.buffers.append(SharedBuffer(nbytes, list(segments), views, _address(own)))
         return own
 
     def layout(self, arrays: Sequence[np.ndarray], writes: Sequence[np.ndarray] = ()) -> List[int]:
@@ -88,8 +87,9 @@ class SharedArrays:
             return NOT_SHARED
         return [found + 1, offset, stride, len(self.buffers)]
 
-    def _overlaps_read(self, out: np.ndarray, first: int, stride: int, size: int, count: int) -> bool:
-        start, end = _address(out), _address(out) + out.nbytes
+    def _overlaps_read(self, written: np.ndarray, first: int, stride: int, size: int, count: int) -> bool:
+        """``written`` overlaps one of the ``count`` inputs from ``first`` that a peer reads."""
+        start, end = _address(written), _address(written) + written.nbytes
         for k in range(count):
             if count > 1 and k == self.me:
                 continue  # its own part: read and written by this rank only
