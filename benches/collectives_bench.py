@@ -134,26 +134,24 @@ def worker(impl: str, op: str, sizes, budget: float, out: str) -> None:
         """One call of `op` where each rank sends `nbytes` (reduce_scatter: in all); with
         `shared`, its inputs made by shared_empty."""
         n = nbytes // 4
+
+        def shared_ones(shape):
+            ones = ec.shared_empty(shape, np.float32)
+            ones[:] = 1
+            return ones
+
         if op == "broadcast":
             x = make(n)
             return lambda: ops.broadcast(x, 0)
         if op == "all_gather":
-            x, outs = make(n), [make(n) for _ in range(world)]
-            if shared:
-                x = ec.shared_empty(n, np.float32)
-                x[:] = 1
+            x, outs = shared_ones(n) if shared else make(n), [make(n) for _ in range(world)]
             return lambda: ops.all_gather(outs, x)
         if op == "reduce_scatter":
-            ins, y = [make(n // world) for _ in range(world)], make(n // world)
-            if shared:  # one array, as reduce_scatter_tensor's input, cut into the input list
-                whole = ec.shared_empty((world, n // world), np.float32)
-                whole[:] = 1
-                ins = list(whole)
+            y = make(n // world)
+            # shared: one array, as reduce_scatter_tensor's input, cut into the input list
+            ins = list(shared_ones((world, n // world))) if shared else [make(n // world) for _ in range(world)]
             return lambda: ops.reduce_scatter(y, ins)
-        x = make(n)
-        if shared:
-            x = ec.shared_empty(n, np.float32)
-            x[:] = 1
+        x = shared_ones(n) if shared else make(n)
         return lambda: reduce_(x)
 
     # elastix's two ways of a collective that reads shared inputs are timed in alternation, a

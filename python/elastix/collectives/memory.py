@@ -34,7 +34,7 @@ def shared_empty(
     if any(not isinstance(d, (int, np.integer)) or d < 0 for d in dims):
         raise ValueError(f"shared_empty: shape must be non-negative integers, got {shape!r}")
     nbytes = math.prod(dims) * dt.itemsize
-    return g.backend.shared_empty(nbytes)[:nbytes].view(dt).reshape(dims)
+    return g.backend.shared_empty(nbytes).view(dt).reshape(dims)
 
 
 __all__ = ["shared_empty"]
