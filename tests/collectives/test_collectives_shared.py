@@ -101,8 +101,10 @@ def read_in_place():
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_collectives_read_shared_inputs_in_place_with_the_copying_paths_results(world):
-    for result in harness.run(read_in_place, world, env=SMALL_SLOTS, timeout=120):
+@pytest.mark.parametrize("method", ["memfd", "file"])  # file: a job with a secret, as an ordinary user
+def test_collectives_read_shared_inputs_in_place_with_the_copying_paths_results(world, method):
+    env = {**SMALL_SLOTS, "ELASTIX_SHM": method}
+    for result in harness.run(read_in_place, world, env=env, timeout=120):
         assert result["bad"] == []
         assert result["steps"] == [2]  # the descriptor's step, and the one that ends the reads
 
@@ -221,3 +223,41 @@ def test_layout_says_where_evenly_spaced_inputs_lie(two_buffers):
 def test_agreement_refuses_every_wrong_layout(two_buffers, layouts, why):
     shared, _ = two_buffers
     assert shared.agreed(layouts, 2, 512, 8) is (why is None), why
+
+
+def killed_mid_collective(op):
+    """Both ranks run collectives on shared arrays back to back; rank 1 is killed by a timer,
+    in the middle of one."""
+    import os
+    import signal
+    import threading
+
+    ec = harness.init()
+    r, p = ec.get_rank(), ec.get_world_size()
+    whole = ec.shared_empty((p, 8 * N), np.float64)
+    whole[:] = 1.0
+    out = np.empty(8 * N)
+    if r == 1:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    calls = 0
+    try:
+        for _ in range(100_000):
+            if op == "all_reduce":
+                ec.all_reduce(whole)
+            else:
+                ec.reduce_scatter(out, list(whole))
+            calls += 1
+    except ec.PeerError as err:
+        # the peer's memory stays mapped here: reading every rank's part does not fault
+        peer = _comm(ec).shared.buffers[0].views[1]
+        return ["PeerError", err.rank, calls, float(peer[:64].sum()) >= 0]
+    return ["no error", None, calls, None]
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+def test_a_peer_killed_inside_a_collective_on_shared_arrays_is_named(op):
+    results = harness.run(killed_mid_collective, 2, check=False, env=SMALL_SLOTS, timeout=60, kwargs={"op": op})
+    kind, rank, calls, readable = results[0].value
+    assert (kind, rank, readable) == ("PeerError", 1, True), results[0].value
+    assert calls > 0  # it was running collectives when its peer died
+    assert results[1].returncode == -9
