@@ -261,3 +261,30 @@ def test_a_peer_killed_inside_a_collective_on_shared_arrays_is_named(op):
     assert (kind, rank, readable) == ("PeerError", 1, True), results[0].value
     assert calls > 0  # it was running collectives when its peer died
     assert results[1].returncode == -9
+
+
+def across_hosts():
+    """Shared arrays in a group that spans hosts: each host's ranks share theirs; results as
+    with ordinary arrays."""
+    ec = harness.init()
+    r, p = ec.get_rank(), ec.get_world_size()
+    whole = ec.shared_empty((p, N), np.float64)
+    whole[:] = np.arange(N) * (r + 1)
+    ec.all_reduce(whole)
+    want = np.arange(N) * sum(range(1, p + 1))
+    right = [bool(np.array_equal(whole[k], want)) for k in range(p)]
+    whole[:] = np.arange(N) * (r + 1)
+    out = np.empty(N)
+    ec.reduce_scatter(out, list(whole))
+    right.append(bool(np.array_equal(out, want)))
+    x = ec.shared_empty(N, np.float64)
+    x[:] = r
+    outs = [np.empty(N) for _ in range(p)]
+    ec.all_gather(outs, x)
+    right.append(all(np.array_equal(outs[k], np.full(N, k)) for k in range(p)))
+    return right
+
+
+def test_shared_arrays_in_a_group_across_hosts_give_the_same_results():
+    for right in harness.run(across_hosts, 4, hosts=["a", "a", "b", "b"], env=SMALL_SLOTS, timeout=120):
+        assert all(right), right
